@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Installs every Debian package nebula needs. Idempotent: does nothing when all are present.
+set -euo pipefail
+PACKAGES=(
+  cmake ninja-build ccache g++ pkg-config git
+  libtorch-dev libgloo-dev libopenblas0-pthread   # without OpenBLAS LibTorch is ~13x slower
+  libssl-dev openssl zlib1g-dev libzstd-dev
+  libsentencepiece-dev libtomlplusplus-dev libcli11-dev libspdlog-dev nlohmann-json3-dev
+  libgtest-dev libgmock-dev libbenchmark-dev
+  python3-torch
+)
+missing=()
+for p in "${PACKAGES[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if ((${#missing[@]})); then
+  echo "setup: installing ${missing[*]}"
+  SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO=sudo
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"
+else
+  echo "setup: all ${#PACKAGES[@]} packages present"
+fi

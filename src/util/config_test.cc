@@ -1,0 +1,125 @@
+#include "nebula/config.h"
+
+#include <gtest/gtest.h>
+
+#include "nebula/error.h"
+
+namespace nebula {
+namespace {
+
+const char* kValid = R"(
+[job]
+name = "t"
+steps = 7
+timeout = "5s"
+
+[model]
+dim = 32
+heads = 4
+
+[data]
+languages = ["de"]
+
+[[sites]]
+name = "a"
+workers = 2
+
+[[sites]]
+name = "b"
+
+[wan]
+bandwidth = "50Mbit"
+rtt = "80ms"
+
+[security]
+insecure = true
+)";
+
+// Expects parse_config(text) to throw a ConfigError whose message contains every fragment.
+void expect_error(const std::string& text, std::initializer_list<const char*> fragments,
+                  const std::vector<std::string>& overrides = {}) {
+  try {
+    parse_config(text, "job.toml", overrides);
+    ADD_FAILURE() << "no error for:\n" << text;
+  } catch (const ConfigError& e) {
+    for (const char* f : fragments) EXPECT_NE(std::string(e.what()).find(f), std::string::npos) << e.what();
+  }
+}
+
+std::string replace(std::string text, const std::string& from, const std::string& to) {
+  auto pos = text.find(from);
+  EXPECT_NE(pos, std::string::npos) << from;
+  return text.replace(pos, from.size(), to);
+}
+
+TEST(Config, ValidLoads) {
+  Config c = parse_config(kValid, "job.toml");
+  EXPECT_EQ(c.job.steps, 7);
+  EXPECT_EQ(c.job.timeout, std::chrono::seconds(5));
+  EXPECT_EQ(c.job.run_dir, "runs/t");
+  ASSERT_EQ(c.sites.size(), 2u);
+  EXPECT_EQ(c.sites[0].workers, 2);
+  EXPECT_EQ(c.sites[1].workers, 1);
+  EXPECT_EQ(c.total_workers(), 3);
+  EXPECT_DOUBLE_EQ(c.wan.bandwidth_bits, 50e6);
+  EXPECT_EQ(c.wan.rtt, std::chrono::milliseconds(80));
+  EXPECT_EQ(c.site_index("b"), 1u);
+  EXPECT_THROW(c.site_index("zeta"), ConfigError);
+}
+
+TEST(Config, ExamplesLoad) {
+  for (const char* name : {"smoke.toml", "demo.toml"}) {
+    Config c = load_config(std::string(NEBULA_SOURCE_DIR) + "/examples/" + name);
+    EXPECT_GE(c.sites.size(), 2u) << name;
+  }
+}
+
+TEST(Config, UnknownKeyNamesFileLineAndKey) {
+  expect_error(replace(kValid, "steps = 7", "stepz = 7"), {"job.toml:4:", "job.stepz", "unknown key"});
+  expect_error(std::string(kValid) + "\n[extra]\nx = 1\n", {"'extra'", "unknown key"});
+}
+
+TEST(Config, WrongTypeNamesKey) {
+  expect_error(replace(kValid, "steps = 7", "steps = \"7\""), {"job.toml:4:9", "job.steps", "expected an integer"});
+  expect_error(replace(kValid, "languages = [\"de\"]", "languages = \"de\""), {"data.languages", "array of strings"});
+  expect_error(replace(kValid, "dim = 32", "dim = 33"), {"divisible by heads"});
+  expect_error(replace(kValid, "workers = 2", "workers = 0"), {"sites[0].workers", "out of range"});
+}
+
+TEST(Config, BadUnitsNameKeyAndText) {
+  expect_error(replace(kValid, "\"50Mbit\"", "\"50Mbits\""), {"job.toml:22:", "wan.bandwidth", "\"50Mbits\""});
+  expect_error(replace(kValid, "\"80ms\"", "\"80\""), {"wan.rtt", "\"80\""});
+  expect_error(replace(kValid, "\"5s\"", "5"), {"job.timeout", "expected a string with a unit"});
+}
+
+TEST(Config, StructuralMistakes) {
+  expect_error("[job]\nname = \"x\"\n[security]\ninsecure = true\n", {"no [[sites]]"});
+  expect_error(replace(kValid, "name = \"b\"", "name = \"a\""), {"'a' is used twice"});
+  expect_error("[job\n", {"job.toml:1"});  // TOML syntax error
+  expect_error(replace(kValid, "insecure = true", "insecure = false"), {"TLS", "insecure = true"});
+}
+
+TEST(Config, OverridesApplyAndAreValidated) {
+  Config c = parse_config(kValid, "job.toml", {"job.steps=3", "data.source=tsv", "sites.1.workers=4"});
+  EXPECT_EQ(c.job.steps, 3);
+  EXPECT_EQ(c.data.source, "tsv");
+  EXPECT_EQ(c.sites[1].workers, 4);
+  expect_error(kValid, {"--set job.steps=many", "job.steps"}, {"job.steps=many"});
+  expect_error(kValid, {"--set nonsense"}, {"nonsense"});
+  expect_error(kValid, {"sites.9.workers", "out of range"}, {"sites.9.workers=1"});
+}
+
+TEST(Config, RoundTripsThroughToml) {
+  Config a = parse_config(kValid, "job.toml");
+  Config b = parse_config(to_toml(a), "resolved.toml");
+  EXPECT_EQ(b.job.steps, a.job.steps);
+  EXPECT_EQ(b.job.timeout, a.job.timeout);
+  EXPECT_EQ(b.wan.rtt, a.wan.rtt);
+  EXPECT_DOUBLE_EQ(b.wan.bandwidth_bits, a.wan.bandwidth_bits);
+  EXPECT_EQ(b.sites.size(), a.sites.size());
+  EXPECT_EQ(b.data.languages, a.data.languages);
+  EXPECT_EQ(b.model.dim, a.model.dim);
+}
+
+}  // namespace
+}  // namespace nebula

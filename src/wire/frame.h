@@ -1,0 +1,173 @@
+// The inter-site frame format (DESIGN.md, "Wire protocol").
+//
+// Every frame is a fixed 40-byte little-endian header followed by `payload_len` payload
+// bytes. Header layout (byte offsets):
+//
+//    0  magic        u32  0x4E42554C ("NBUL" as a number; the bytes on the wire are 4C 55 42 4E)
+//    4  version      u8   kProtocolVersion
+//    5  type         u8   FrameType
+//    6  flags        u16  meaning defined by the layer that sends the frame type
+//    8  op_id        u64  operation id (makes retries idempotent)
+//   16  seq          u64  sequence number within the operation
+//   24  codec        u8   codec id of the payload (0 = raw); the wire never interprets it
+//   25  reserved     3 B  must be zero
+//   28  payload_len  u64  payload bytes that follow the header
+//   36  checksum     u32  CRC-32 (zlib) over header bytes [0, 36) and then the payload
+//
+// Every field is encoded byte by byte (never a struct memcpy), so the format does not
+// depend on the compiler's layout or the host's endianness.
+//
+// Validation order: decode_header() checks length, magic, version, type, reserved bytes
+// and payload_len against the caller's maximum -- all before anyone allocates the
+// payload. The checksum covers the payload too, so it is checked by verify_checksum()
+// once the payload has been read. Every failure throws nebula::FrameError with a kind
+// saying which check failed and a message naming the field, the value seen and the limit.
+//
+// This layer knows nothing about sockets or tensors; it is pure functions on bytes.
+#pragma once
+
+#include <array>
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "nebula/error.h"
+
+namespace nebula::wire {
+
+inline constexpr uint32_t kMagic = 0x4E42554C;
+inline constexpr uint8_t kProtocolVersion = 1;
+
+inline constexpr size_t kMagicOffset = 0;
+inline constexpr size_t kVersionOffset = 4;
+inline constexpr size_t kTypeOffset = 5;
+inline constexpr size_t kFlagsOffset = 6;
+inline constexpr size_t kOpIdOffset = 8;
+inline constexpr size_t kSeqOffset = 16;
+inline constexpr size_t kCodecOffset = 24;
+inline constexpr size_t kReservedOffset = 25;
+inline constexpr size_t kReservedSize = 3;
+inline constexpr size_t kPayloadLenOffset = 28;
+inline constexpr size_t kChecksumOffset = 36;
+inline constexpr size_t kHeaderSize = kChecksumOffset + 4;
+static_assert(kHeaderSize == 4 + 1 + 1 + 2 + 8 + 8 + 1 + kReservedSize + 8 + 4);
+static_assert(kHeaderSize == 40);
+
+// Any other value on the wire is rejected with FrameError::Kind::kBadType.
+enum class FrameType : uint8_t { kHello = 1, kData = 2, kBye = 3, kHeartbeat = 4 };
+
+// "hello", "data", "bye", "heartbeat", or "type(N)" for a value outside the enum.
+std::string frame_type_name(FrameType type);
+
+struct FrameHeader {
+  FrameType type = FrameType::kData;
+  uint16_t flags = 0;
+  uint64_t op_id = 0;
+  uint64_t seq = 0;
+  uint8_t codec = 0;
+  uint64_t payload_len = 0;  // bytes of payload that follow the header
+  uint32_t checksum = 0;     // see compute_checksum()
+};
+
+struct Frame {
+  FrameHeader header;
+  std::vector<uint8_t> payload;  // payload.size() == header.payload_len for a valid frame
+};
+
+// CRC-32 over the first kChecksumOffset bytes of the encoded `header` (its own checksum
+// field excluded), then over `payload`. Payloads above 4 GiB are fine.
+uint32_t compute_checksum(const FrameHeader& header, std::span<const uint8_t> payload);
+
+// Encodes all fields as given (including header.checksum; nothing is recomputed).
+std::array<uint8_t, kHeaderSize> encode_header(const FrameHeader& header);
+
+// Decodes and validates the first kHeaderSize bytes of `bytes` (extra bytes are ignored).
+// Throws FrameError with kind
+//   kTruncated  fewer than kHeaderSize bytes;
+//   kBadMagic   magic != kMagic (the peer does not speak this protocol);
+//   kBadVersion version != kProtocolVersion;
+//   kBadType    type is not a FrameType, or a reserved byte is non-zero (reserved bytes are
+//               where a later protocol revision would put new header fields, so a frame
+//               using them is a kind of frame this decoder does not understand);
+//   kTooLarge   payload_len > max_payload.
+// It never allocates anything proportional to payload_len.
+FrameHeader decode_header(std::span<const uint8_t> bytes, uint64_t max_payload);
+
+// Throws FrameError kTruncated if payload.size() != header.payload_len, and kBadChecksum
+// if compute_checksum(header, payload) != header.checksum.
+void verify_checksum(const FrameHeader& header, std::span<const uint8_t> payload);
+
+// A frame with payload_len and checksum filled in.
+Frame make_frame(FrameType type, uint64_t op_id, uint64_t seq, std::vector<uint8_t> payload,
+                 uint16_t flags = 0, uint8_t codec = 0);
+
+// Header followed by payload in one buffer. Precondition (NEBULA_CHECK):
+// frame.payload.size() == frame.header.payload_len. The checksum is written as stored.
+std::vector<uint8_t> encode_frame(const Frame& frame);
+
+// Decodes a whole frame held in one buffer (tests, fuzzing, datagram-like uses): exactly
+// one header plus payload_len bytes. Throws FrameError as decode_header() and
+// verify_checksum() do; kTruncated if the buffer is shorter than the header says,
+// kBadPayload if it holds bytes after the payload.
+Frame decode_frame(std::span<const uint8_t> bytes, uint64_t max_payload);
+
+// ---------------------------------------------------------------------------------------
+// Payload (de)serialisation helpers for the layers above. Little-endian, byte by byte;
+// f64 is the IEEE-754 bit pattern; strings are a u32 byte length followed by the bytes.
+
+class ByteWriter {
+ public:
+  ByteWriter() = default;
+  void reserve(size_t n) { buf_.reserve(n); }
+  void put_u8(uint8_t v);
+  void put_u16(uint16_t v);
+  void put_u32(uint32_t v);
+  void put_u64(uint64_t v);
+  void put_f64(double v);
+  // u32 length prefix, then the bytes. Precondition: s.size() <= UINT32_MAX.
+  void put_string(std::string_view s);
+  // Raw bytes, no length prefix (the reader must know the count).
+  void put_bytes(std::span<const uint8_t> bytes);
+  size_t size() const { return buf_.size(); }
+  // Moves the buffer out; the writer is empty afterwards.
+  std::vector<uint8_t> take();
+
+ private:
+  std::vector<uint8_t> buf_;
+};
+
+// Reads from a borrowed span (which must outlive the reader and any span bytes() returns).
+// Every read that would go past the end throws
+//   FrameError(kBadPayload, "<what>: truncated at offset X reading Y (needs N bytes, M left)")
+// and leaves the offset unchanged. `what` names the thing being parsed, e.g.
+// "allreduce payload from site-b".
+class ByteReader {
+ public:
+  ByteReader(std::span<const uint8_t> bytes, std::string what);
+  uint8_t u8();
+  uint16_t u16();
+  uint32_t u32();
+  uint64_t u64();
+  double f64();
+  // A u32-length-prefixed string; a length above max_len throws kBadPayload before
+  // anything is allocated.
+  std::string string(size_t max_len);
+  // The next n bytes, as a view into the underlying buffer.
+  std::span<const uint8_t> bytes(size_t n);
+  size_t offset() const { return pos_; }
+  size_t remaining() const { return data_.size() - pos_; }
+  bool done() const { return pos_ == data_.size(); }
+  // Throws kBadPayload naming the count of trailing bytes unless done().
+  void expect_done() const;
+
+ private:
+  const uint8_t* take(size_t n, const char* reading);
+  std::span<const uint8_t> data_;
+  size_t pos_ = 0;
+  std::string what_;
+};
+
+}  // namespace nebula::wire
