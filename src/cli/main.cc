@@ -1,0 +1,109 @@
+// nebula: the command line. The only place that reads argv and turns exceptions into
+// one-line messages and exit codes.
+#include <CLI/CLI.hpp>
+#include <spdlog/spdlog.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <filesystem>
+#include <string>
+
+#include "cli/demo_config.h"
+#include "nebula/config.h"
+#include "nebula/error.h"
+#include "nebula/log.h"
+#include "train/launcher.h"
+#include "train/worker.h"
+
+namespace {
+
+std::string self_executable() {
+  std::error_code ec;
+  auto p = std::filesystem::read_symlink("/proc/self/exe", ec);
+  if (ec) throw nebula::Error("cannot find the nebula executable (/proc/self/exe): " + ec.message());
+  return p.string();
+}
+
+// The first of these environment variables that is set, else nullptr.
+const char* first_env(std::initializer_list<const char*> names) {
+  for (const char* n : names)
+    if (const char* v = std::getenv(n)) return v;
+  return nullptr;
+}
+
+int parse_rank(const std::string& text, const char* from) {
+  try {
+    size_t used = 0;
+    int r = std::stoi(text, &used);
+    if (used == text.size() && r >= 0) return r;
+  } catch (const std::exception&) {
+  }
+  throw nebula::ConfigError(nebula::str_cat(from, " = \"", text, "\" is not a rank (a non-negative integer)"));
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"nebula: train one model across several sites joined by a slow WAN"};
+  app.require_subcommand(1);
+
+  std::string config_path;
+  std::vector<std::string> overrides;
+  auto* run = app.add_subcommand("run", "Run a job in local mode: every worker of every site as a process here");
+  run->add_option("config", config_path, "Job config (TOML)")->required()->check(CLI::ExistingFile);
+  run->add_option("--set", overrides, "Override a config key, e.g. --set job.steps=20 (repeatable)");
+
+  std::string site_name;
+  std::string rank_text;
+  auto* worker = app.add_subcommand("worker", "Run one worker process of a deployed job");
+  worker->add_option("config", config_path, "Job config (TOML)")->required()->check(CLI::ExistingFile);
+  worker->add_option("--site", site_name, "This worker's site (default: $NEBULA_SITE)");
+  worker->add_option("--rank", rank_text, "Rank inside the site; 0 is the gateway (default: $LOCAL_RANK)");
+  worker->add_option("--set", overrides, "Override a config key (repeatable)");
+
+  std::string demo_dir = "runs/demo";
+  auto* demo = app.add_subcommand("demo", "Two emulated sites over an emulated WAN on this machine's gettext corpus");
+  demo->add_option("--run-dir", demo_dir, "Where the demo writes its run (default: runs/demo)");
+  demo->add_option("--set", overrides, "Override a key of the demo config (repeatable)");
+
+  CLI11_PARSE(app, argc, argv);
+  nebula::init_logging("nebula");
+  try {
+    if (*run) {
+      nebula::Config c = nebula::load_config(config_path, overrides);
+      return nebula::train::run_local(c, {self_executable()});
+    }
+    if (*demo) {
+      overrides.insert(overrides.begin(), "job.run_dir=\"" + demo_dir + "\"");
+      nebula::Config c = nebula::parse_config(nebula::kDemoConfig, "examples/demo.toml", overrides);
+      std::printf("nebula demo: MLM pre-training on two sites (%s) over an emulated WAN; run dir %s\n",
+                  (c.sites[0].name + ", " + c.sites[1].name).c_str(), c.job.run_dir.c_str());
+      return nebula::train::run_local(c, {self_executable()});
+    }
+    if (*worker) {
+      nebula::Config c = nebula::load_config(config_path, overrides);
+      if (site_name.empty()) {
+        const char* env = first_env({"NEBULA_SITE"});
+        if (!env) throw nebula::ConfigError("nebula worker: no --site and no $NEBULA_SITE: say which site this is");
+        site_name = env;
+      }
+      int rank = 0;
+      if (!rank_text.empty()) {
+        rank = parse_rank(rank_text, "--rank");
+      } else if (const char* env = first_env({"LOCAL_RANK", "NEBULA_RANK"})) {
+        rank = parse_rank(env, "LOCAL_RANK");
+      } else {
+        throw nebula::ConfigError("nebula worker: no --rank and no $LOCAL_RANK: say which rank this is");
+      }
+      nebula::train::run_worker(c, {c.site_index(site_name), rank});
+      return 0;
+    }
+  } catch (const nebula::ConfigError& e) {
+    spdlog::error("config: {}", e.what());
+    return 2;
+  } catch (const std::exception& e) {
+    spdlog::error("{}", e.what());
+    return 1;
+  }
+  return 0;
+}

@@ -1,0 +1,55 @@
+// Hierarchical collectives across every worker of every site:
+//   reduce inside the site (c10d, full precision) → gateways exchange over the WAN →
+//   broadcast inside the site.
+// Cross-site sums are added in site order on every gateway, so all sites end with
+// bit-identical results.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+
+#include "collective/gateway_mesh.h"
+#include "collective/site_group.h"
+
+namespace nebula::collective {
+
+enum class ReduceOp {
+  kSum,           // Σ over all workers
+  kWeightedMean,  // Σ w_i x_i / Σ w_i, w_i = the worker's weight (e.g. tokens in its batch)
+};
+
+struct AllreduceOptions {
+  ReduceOp op = ReduceOp::kWeightedMean;
+  double weight = 1.0;  // this worker's weight (kWeightedMean); >= 0, and Σ over all workers > 0
+};
+
+struct CommStats {
+  uint64_t wan_bytes_sent = 0;      // this gateway's WAN bytes, headers included; 0 off-gateway
+  uint64_t wan_bytes_received = 0;
+  uint64_t allreduces = 0;
+};
+
+class Hierarchy {
+ public:
+  // `mesh` is required on the gateway (local rank 0) and must be null elsewhere.
+  Hierarchy(SiteGroup& site, GatewayMesh* mesh);
+
+  // In place, on a contiguous float32 CPU tensor of any size (0 included); every worker of
+  // every site must call it with the same numel, in the same order.
+  void allreduce(at::Tensor& t, const AllreduceOptions& options = {});
+
+  // Makes every worker's `t` equal to global rank 0's (site 0, local rank 0).
+  void broadcast_from_first(at::Tensor& t);
+
+  CommStats stats() const;
+  bool is_gateway() const { return mesh_ != nullptr; }
+  SiteGroup& site() { return site_; }
+
+ private:
+  SiteGroup& site_;
+  GatewayMesh* mesh_;
+  uint64_t allreduces_ = 0;
+};
+
+}  // namespace nebula::collective

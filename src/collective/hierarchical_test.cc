@@ -1,0 +1,111 @@
+#include "collective/hierarchical.h"
+
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+
+#include "collective/testing.h"
+#include "nebula/error.h"
+
+namespace nebula::collective {
+namespace {
+
+struct Case {
+  std::vector<int> sites;
+  int64_t numel;
+};
+
+std::string name(const ::testing::TestParamInfo<Case>& info) {
+  std::string s;
+  for (int w : info.param.sites) s += std::to_string(w) + "x";
+  return "sites_" + s + "_n" + std::to_string(info.param.numel);
+}
+
+class HierarchicalAllreduce : public ::testing::TestWithParam<Case> {};
+
+at::Tensor data_of(int global_rank, int64_t numel) {
+  static std::mutex mu;  // the default generator is shared by the threads: serialise
+  std::lock_guard<std::mutex> lock(mu);
+  at::manual_seed(1000 + global_rank);
+  return at::randn({numel}, at::kFloat);
+}
+
+// The hierarchical sum equals c10d's own allreduce over all ranks of all sites.
+TEST_P(HierarchicalAllreduce, SumEqualsFlatC10dAllreduce) {
+  const Case c = GetParam();
+  const uint16_t global_port = transport::pick_free_port("127.0.0.1");
+  testing::run_cluster(c.sites, [&](testing::Rank& r) {
+    at::Tensor mine = data_of(r.global_rank, c.numel);
+    at::Tensor ours = mine.clone();
+    r.hierarchy->allreduce(ours, {ReduceOp::kSum, 1.0});
+
+    SiteGroup flat("flat", "127.0.0.1", global_port, r.global_rank, r.world_size, std::chrono::seconds(60));
+    at::Tensor reference = mine.clone();
+    flat.allreduce_sum(reference);
+
+    ASSERT_EQ(ours.numel(), c.numel);
+    if (c.numel > 0) {
+      // Same sum, different association order: float tolerance grows with the world size.
+      EXPECT_TRUE(at::allclose(ours, reference, 1e-5, 1e-5))
+          << "max diff " << (ours - reference).abs().max().item<float>();
+    }
+    flat.barrier();
+  });
+}
+
+INSTANTIATE_TEST_SUITE_P(Topologies, HierarchicalAllreduce,
+                         ::testing::Values(Case{{2, 2}, 0}, Case{{2, 2}, 1}, Case{{2, 2}, 1000},
+                                           Case{{2, 2}, 1000000}, Case{{1, 1, 1}, 0}, Case{{1, 1, 1}, 1},
+                                           Case{{1, 1, 1}, 1000}, Case{{1, 1, 1}, 1000000}),
+                         name);
+
+TEST(Hierarchical, WeightedMeanUsesEveryWorkersWeight) {
+  // Worker g holds the constant g+1 with weight g+1: mean = Σ (g+1)^2 / Σ (g+1).
+  const std::vector<int> sites{2, 1};
+  testing::run_cluster(sites, [&](testing::Rank& r) {
+    at::Tensor t = at::full({5}, static_cast<float>(r.global_rank + 1));
+    r.hierarchy->allreduce(t, {ReduceOp::kWeightedMean, static_cast<double>(r.global_rank + 1)});
+    const double expected = (1.0 + 4.0 + 9.0) / (1.0 + 2.0 + 3.0);
+    for (int i = 0; i < 5; ++i) EXPECT_NEAR(t[i].item<float>(), expected, 1e-6);
+  });
+}
+
+TEST(Hierarchical, ResultsAreBitIdenticalAcrossSites) {
+  const std::vector<int> sites{1, 2, 1};
+  std::mutex mu;
+  std::vector<at::Tensor> results;
+  testing::run_cluster(sites, [&](testing::Rank& r) {
+    at::Tensor t = data_of(r.global_rank, 4097);
+    r.hierarchy->allreduce(t, {ReduceOp::kWeightedMean, 0.5 + r.global_rank});
+    std::lock_guard<std::mutex> lock(mu);
+    results.push_back(t);
+  });
+  ASSERT_EQ(results.size(), 4u);
+  for (const auto& t : results) EXPECT_TRUE(at::equal(t, results[0]));
+}
+
+TEST(Hierarchical, BroadcastFromFirstCopiesGlobalRankZero) {
+  testing::run_cluster({2, 2}, [&](testing::Rank& r) {
+    at::Tensor t = data_of(r.global_rank, 333);
+    r.hierarchy->broadcast_from_first(t);
+    EXPECT_TRUE(at::equal(t, data_of(0, 333)));
+    CommStats s = r.hierarchy->stats();
+    if (r.local_rank == 0) {
+      EXPECT_GT(s.wan_bytes_sent, 333u * 4);  // the gateway sent its site's sum over the WAN
+    } else {
+      EXPECT_EQ(s.wan_bytes_sent, 0u);
+    }
+  });
+}
+
+TEST(Hierarchical, MismatchedSizesAreAnErrorNotAHang) {
+  EXPECT_THROW(testing::run_cluster({1, 1},
+                                    [&](testing::Rank& r) {
+                                      at::Tensor t = at::ones({r.site == 0 ? 10 : 11});
+                                      r.hierarchy->allreduce(t);
+                                    },
+                                    std::chrono::seconds(20)),
+               Error);
+}
+
+}  // namespace
+}  // namespace nebula::collective

@@ -1,0 +1,90 @@
+#include "collective/site_group.h"
+
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+
+#include "nebula/error.h"
+
+namespace nebula::collective {
+
+struct SiteGroup::Impl {
+  c10::intrusive_ptr<c10d::Store> store;
+  c10::intrusive_ptr<c10d::ProcessGroupGloo> pg;
+};
+
+namespace {
+bool is_loopback(const std::string& host) {
+  return host == "127.0.0.1" || host == "localhost" || host == "::1" || host.rfind("127.", 0) == 0;
+}
+}  // namespace
+
+SiteGroup::SiteGroup(const std::string& site, const std::string& store_host, uint16_t store_port, int rank,
+                     int size, std::chrono::milliseconds timeout)
+    : impl_(std::make_unique<Impl>()), site_(site), rank_(rank), size_(size) {
+  NEBULA_CHECK(size >= 1 && rank >= 0 && rank < size, "site ", site, ": rank ", rank, " of ", size);
+  try {
+    c10d::TCPStoreOptions opts;
+    opts.port = store_port;
+    opts.isServer = (rank == 0);
+    opts.numWorkers = size;
+    opts.waitWorkers = false;
+    opts.timeout = timeout;
+    auto tcp = c10::make_intrusive<c10d::TCPStore>(store_host, opts);
+    impl_->store = c10::make_intrusive<c10d::PrefixStore>("nebula/" + site, tcp);
+    auto gloo = c10d::ProcessGroupGloo::Options::create(timeout);
+    // Gloo binds its own sockets; on loopback stay on loopback, else use the host's address.
+    gloo->devices.push_back(is_loopback(store_host)
+                                ? c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1")
+                                : c10d::ProcessGroupGloo::createDefaultDevice());
+    gloo->threads = 1;
+    impl_->pg = c10::make_intrusive<c10d::ProcessGroupGloo>(impl_->store, rank, size, gloo);
+  } catch (const c10::Error& e) {
+    throw Timeout(site, str_cat("site ", site, " rank ", rank, "/", size, ": rendezvous at ", store_host, ":",
+                                store_port, " failed: ", e.what_without_backtrace()));
+  }
+}
+
+SiteGroup::~SiteGroup() = default;
+
+namespace {
+template <typename F>
+void run(const std::string& site, const char* op, F&& f) {
+  try {
+    f()->wait();
+  } catch (const c10::Error& e) {
+    throw PeerLost(site, str_cat("site ", site, ": intra-site ", op, " failed: ", e.what_without_backtrace()));
+  } catch (const std::exception& e) {
+    throw PeerLost(site, str_cat("site ", site, ": intra-site ", op, " failed: ", e.what()));
+  }
+}
+}  // namespace
+
+void SiteGroup::allreduce_sum(at::Tensor& t) {
+  if (size_ == 1) return;
+  std::vector<at::Tensor> v{t};
+  run(site_, "allreduce", [&] { return impl_->pg->allreduce(v); });
+}
+
+void SiteGroup::reduce_sum_to_root(at::Tensor& t) {
+  if (size_ == 1) return;
+  std::vector<at::Tensor> v{t};
+  c10d::ReduceOptions o;
+  o.rootRank = 0;
+  run(site_, "reduce", [&] { return impl_->pg->reduce(v, o); });
+}
+
+void SiteGroup::broadcast_from_root(at::Tensor& t) {
+  if (size_ == 1) return;
+  std::vector<at::Tensor> v{t};
+  c10d::BroadcastOptions o;
+  o.rootRank = 0;
+  run(site_, "broadcast", [&] { return impl_->pg->broadcast(v, o); });
+}
+
+void SiteGroup::barrier() {
+  if (size_ == 1) return;
+  run(site_, "barrier", [&] { return impl_->pg->barrier(); });
+}
+
+}  // namespace nebula::collective

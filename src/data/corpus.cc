@@ -1,0 +1,603 @@
+#include "data/corpus.h"
+
+#include <spdlog/spdlog.h>
+
+#include <algorithm>
+#include <array>
+#include <filesystem>
+#include <set>
+#include <system_error>
+#include <utility>
+
+#include "data/file_io.h"
+#include "data/mo_catalog.h"
+#include "nebula/error.h"
+
+namespace nebula::data {
+namespace {
+
+namespace fs = std::filesystem;
+
+// Salts keep the three hash-based choices independent of each other: without them the
+// per-language subset (smallest hashes) would all land in the test split.
+constexpr uint64_t kSplitSalt = 0x73706c6974ULL;     // "split"
+constexpr uint64_t kSliceSalt = 0x736c696365ULL;     // "slice"
+constexpr uint64_t kSubsetSalt = 0x737562736574ULL;  // "subset"
+
+// Where a placeholder or tag was removed, the passes leave kGap; the last pass turns a
+// run of spaces and gaps into one space, or into nothing before closing punctuation
+// ("in %s." -> "in.", "file %s: failed" -> "file: failed"). Control bytes in the input
+// become spaces first, so kGap cannot come from the input.
+constexpr char kGap = '\x01';
+
+bool is_alnum(unsigned char c) { return (c >= '0' && c <= '9') || (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z'); }
+bool is_alpha(unsigned char c) { return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z'); }
+bool is_digit(unsigned char c) { return c >= '0' && c <= '9'; }
+bool is_high(unsigned char c) { return c >= 0x80; }  // part of a multi-byte UTF-8 character
+bool starts_with_at(std::string_view s, size_t i, std::string_view what) { return s.substr(i, what.size()) == what; }
+
+// Rule 1.
+std::string normalize_spaces(std::string_view s) {
+  std::string out;
+  out.reserve(s.size());
+  for (size_t i = 0; i < s.size(); ++i) {
+    char c = s[i];
+    if (static_cast<unsigned char>(c) < 0x20 || c == 0x7f) {
+      out += ' ';
+    } else if (starts_with_at(s, i, "\xc2\xa0")) {  // U+00A0 no-break space
+      out += ' ';
+      i += 1;
+    } else if (starts_with_at(s, i, "\xe2\x80\xaf")) {  // U+202F narrow no-break space
+      out += ' ';
+      i += 2;
+    } else {
+      out += c;
+    }
+  }
+  return out;
+}
+
+// Rule 2: length of the markup tag starting at s[i] == '<', or 0.
+size_t tag_length(std::string_view s, size_t i) {
+  const size_t n = s.size();
+  size_t j = i + 1;
+  if (j < n && s[j] == '/') ++j;
+  if (j >= n || !is_alpha(s[j])) return 0;
+  ++j;
+  while (j < n && (is_alnum(s[j]) || s[j] == '_' || s[j] == ':' || s[j] == '.' || s[j] == '-')) ++j;
+  if (j < n && s[j] == '>') return j + 1 - i;
+  if (j + 1 < n && s[j] == '/' && s[j + 1] == '>') return j + 2 - i;
+  if (j < n && s[j] == ' ') {
+    for (size_t k = j; k < n && k - i < 500; ++k) {
+      if (s[k] == '<') return 0;
+      if (s[k] == '>') return k + 1 - i;
+    }
+  }
+  return 0;
+}
+
+std::string remove_tags(std::string_view s) {
+  std::string out;
+  out.reserve(s.size());
+  for (size_t i = 0; i < s.size(); ++i) {
+    if (s[i] == '<') {
+      if (size_t len = tag_length(s, i)) {
+        out += kGap;
+        out += ' ';  // "a<br/>b" -> "a b"
+        i += len - 1;
+        continue;
+      }
+    }
+    out += s[i];
+  }
+  return out;
+}
+
+// Rule 3: length of the printf/Python/Qt specifier starting at s[i] == '%' (not "%%"), or 0.
+size_t format_spec_length(std::string_view s, size_t i) {
+  const size_t n = s.size();
+  size_t j = i + 1;
+  auto skip_digits = [&](size_t k) {
+    while (k < n && is_digit(s[k])) ++k;
+    return k;
+  };
+  if (j < n && s[j] == '(') {  // Python %(name)s
+    size_t k = j + 1;
+    while (k < n && k - j < 40 && (is_alnum(s[k]) || s[k] == '_')) ++k;
+    if (k >= n || s[k] != ')' || k == j + 1) return 0;
+    j = k + 1;
+  } else if (size_t k = skip_digits(j); k > j && k < n && s[k] == '$') {  // positional %1$s
+    j = k + 1;
+  }
+  while (j < n && (s[j] == '-' || s[j] == '+' || s[j] == '#' || s[j] == '0' || s[j] == '\'')) ++j;  // flags
+  auto skip_star_or_digits = [&](size_t k) {
+    if (k < n && s[k] == '*') {
+      size_t d = skip_digits(k + 1);
+      return (d > k + 1 && d < n && s[d] == '$') ? d + 1 : k + 1;
+    }
+    return skip_digits(k);
+  };
+  j = skip_star_or_digits(j);  // width
+  if (j < n && s[j] == '.') j = skip_star_or_digits(j + 1);  // precision
+  // length modifiers
+  if (starts_with_at(s, j, "hh") || starts_with_at(s, j, "ll")) {
+    j += 2;
+  } else if (j < n && std::string_view("hlLqjzZt").find(s[j]) != std::string_view::npos) {
+    ++j;
+  }
+  if (j < n && std::string_view("diouxXeEfFgGaAcspnmCS").find(s[j]) != std::string_view::npos) return j + 1 - i;
+  // strftime: %B, %-d, %_H, %Ey, %5Y
+  j = i + 1;
+  while (j < n && (s[j] == '_' || s[j] == '-' || s[j] == '0' || s[j] == '^' || s[j] == '#')) ++j;
+  j = skip_digits(j);
+  if (j + 1 < n && (s[j] == 'E' || s[j] == 'O') && is_alpha(s[j + 1])) ++j;
+  if (j < n && is_alpha(s[j])) return j + 1 - i;
+  // Qt: %1 .. %99
+  if (i + 1 < n && s[i + 1] >= '1' && s[i + 1] <= '9') {
+    size_t k = i + 2;
+    if (k < n && is_digit(s[k])) ++k;
+    return k - i;
+  }
+  return 0;
+}
+
+std::string remove_format_specs(std::string_view s) {
+  std::string out;
+  out.reserve(s.size());
+  for (size_t i = 0; i < s.size(); ++i) {
+    if (s[i] == '%') {
+      if (starts_with_at(s, i, "%%0A")) {  // GnuPG/pinentry's percent-encoded newline
+        out += ' ';
+        i += 3;
+        continue;
+      }
+      if (i + 1 < s.size() && s[i + 1] == '%') {
+        // "%%s": a specifier escaped for a second formatting pass (git does this).
+        if (size_t len = format_spec_length(s, i + 1)) {
+          out += kGap;
+          i += len;
+          continue;
+        }
+        out += '%';
+        ++i;
+        continue;
+      }
+      if (size_t len = format_spec_length(s, i)) {
+        out += kGap;
+        i += len - 1;
+        continue;
+      }
+    }
+    out += s[i];
+  }
+  return out;
+}
+
+// Rule 4: length of the brace placeholder starting at s[i] == '{', or 0.
+size_t brace_length(std::string_view s, size_t i) {
+  const size_t n = s.size();
+  size_t j = i + 1;
+  while (j < n && j - i <= 40 && (is_alnum(s[j]) || s[j] == '_' || s[j] == '.' || s[j] == '-')) ++j;
+  if (j < n && (s[j] == ':' || s[j] == '!')) {
+    ++j;
+    while (j < n && j - i <= 40 && s[j] != '}' && s[j] != '{' && s[j] != ' ') ++j;
+  }
+  if (j < n && s[j] == '}' && j - i <= 40) return j + 1 - i;
+  return 0;
+}
+
+std::string remove_braces(std::string_view s) {
+  std::string out;
+  out.reserve(s.size());
+  for (size_t i = 0; i < s.size(); ++i) {
+    if (s[i] == '{') {
+      if (size_t len = brace_length(s, i)) {
+        if (!out.empty() && out.back() == '$') out.pop_back();  // ${var}
+        out += kGap;
+        i += len - 1;
+        continue;
+      }
+    }
+    out += s[i];
+  }
+  return out;
+}
+
+bool is_entity_at(std::string_view s, size_t i) {
+  size_t j = i + 1;
+  const size_t n = s.size();
+  if (j < n && s[j] == '#') {
+    ++j;
+    if (j < n && (s[j] == 'x' || s[j] == 'X')) ++j;
+  }
+  size_t start = j;
+  while (j < n && j - i < 12 && is_alnum(s[j])) ++j;
+  return j > start && j < n && s[j] == ';';
+}
+
+// Rule 5.
+std::string remove_mnemonics(std::string_view s) {
+  std::string out;
+  out.reserve(s.size());
+  const size_t n = s.size();
+  for (size_t i = 0; i < n; ++i) {
+    const char c = s[i];
+    // East Asian style "打开(_O)" / "(&O)": drop the whole group.
+    if (c == '(' && i + 3 < n && (s[i + 1] == '_' || s[i + 1] == '&') && is_alnum(s[i + 2]) && s[i + 3] == ')') {
+      i += 3;
+      continue;
+    }
+    if (c == '_' || c == '&') {
+      const bool prev_ok = out.empty() || (!is_alnum(out.back()) && !is_high(out.back()) && out.back() != '_' &&
+                                           out.back() != '&');
+      const bool next_ok = i + 1 < n && (is_alnum(s[i + 1]) || is_high(s[i + 1]));
+      if (prev_ok && next_ok && !(c == '&' && is_entity_at(s, i))) continue;
+    }
+    out += c;
+  }
+  return out;
+}
+
+// Rule 6.
+std::string decode_entities(std::string_view s) {
+  static constexpr std::array<std::pair<std::string_view, char>, 6> kEntities{{
+      {"&amp;", '&'}, {"&lt;", '<'}, {"&gt;", '>'}, {"&quot;", '"'}, {"&apos;", '\''}, {"&nbsp;", ' '}}};
+  std::string out;
+  out.reserve(s.size());
+  for (size_t i = 0; i < s.size(); ++i) {
+    bool replaced = false;
+    if (s[i] == '&') {
+      for (const auto& [name, ch] : kEntities) {
+        if (starts_with_at(s, i, name)) {
+          out += ch;
+          i += name.size() - 1;
+          replaced = true;
+          break;
+        }
+      }
+    }
+    if (!replaced) out += s[i];
+  }
+  return out;
+}
+
+// Rule 7. Repeats until nothing changes, so "('')" goes too. Spaces inside are allowed
+// only for pairs whose closing mark differs from and cannot open the next pair, so that
+// the gap in "'a' 'b'" or "»a« »b«" is not taken for an empty pair.
+std::string remove_empty_pairs(std::string s) {
+  struct Pair {
+    std::string_view open, close;
+    bool spaces_inside;
+  };
+  static constexpr std::array<Pair, 14> kPairs{{
+      {"'", "'", false}, {"\"", "\"", false}, {"`", "'", true}, {"`", "`", false},
+      {"(", ")", true}, {"[", "]", true}, {"<", ">", true},
+      {"\xc2\xab", "\xc2\xbb", true},           // « »
+      {"\xc2\xbb", "\xc2\xab", false},          // » «
+      {"\xe2\x80\x9e", "\xe2\x80\x9c", false},  // „ “
+      {"\xe2\x80\x9c", "\xe2\x80\x9d", false},  // “ ”
+      {"\xe2\x80\x98", "\xe2\x80\x99", false},  // ‘ ’
+      {"\xe2\x80\x9a", "\xe2\x80\x98", false},  // ‚ ‘
+      {"\xe3\x80\x8c", "\xe3\x80\x8d", true}}};  // 「 」
+  for (bool changed = true; changed;) {
+    changed = false;
+    std::string out;
+    out.reserve(s.size());
+    for (size_t i = 0; i < s.size(); ++i) {
+      bool removed = false;
+      for (const Pair& pair : kPairs) {
+        if (!starts_with_at(s, i, pair.open)) continue;
+        size_t j = i + pair.open.size();
+        while (j < s.size() && (s[j] == kGap || (pair.spaces_inside && s[j] == ' '))) ++j;
+        if (starts_with_at(s, j, pair.close)) {
+          out += kGap;
+          i = j + pair.close.size() - 1;
+          removed = changed = true;
+          break;
+        }
+      }
+      if (!removed) out += s[i];
+    }
+    s = std::move(out);
+  }
+  return s;
+}
+
+// Rule 8.
+std::string collapse_and_trim(std::string_view s) {
+  std::string out;
+  out.reserve(s.size());
+  for (size_t i = 0; i < s.size();) {
+    if (s[i] != ' ' && s[i] != kGap) {
+      out += s[i++];
+      continue;
+    }
+    bool space = false, gap = false;
+    for (; i < s.size() && (s[i] == ' ' || s[i] == kGap); ++i) (s[i] == ' ' ? space : gap) = true;
+    const bool closing = i < s.size() && std::string_view(",.:;!?)]").find(s[i]) != std::string_view::npos;
+    if (out.empty() || i == s.size() || (gap && closing)) continue;
+    if (space) out += ' ';
+  }
+  for (bool changed = true; changed;) {
+    changed = false;
+    while (!out.empty() && out.back() == ' ') out.pop_back();
+    if (out.ends_with("...")) {
+      out.resize(out.size() - 3);
+      changed = true;
+    } else if (out.ends_with("\xe2\x80\xa6")) {  // …
+      out.resize(out.size() - 3);
+      changed = true;
+    } else if (out.ends_with(":")) {
+      out.pop_back();
+      changed = true;
+    }
+    size_t lead = 0;
+    while (lead < out.size() && (out[lead] == ' ' || out[lead] == ':' || out[lead] == ',' || out[lead] == ';')) ++lead;
+    if (lead > 0) {
+      out.erase(0, lead);
+      changed = true;
+    }
+  }
+  return out;
+}
+
+uint64_t fnv1a(uint64_t h, std::string_view bytes) {
+  for (unsigned char c : bytes) {
+    h ^= c;
+    h *= 1099511628211ULL;
+  }
+  return h;
+}
+
+std::vector<std::string> split_lines(const std::string& bytes) {
+  std::vector<std::string> lines;
+  size_t start = 0;
+  while (start < bytes.size()) {
+    size_t end = bytes.find('\n', start);
+    if (end == std::string::npos) end = bytes.size();
+    std::string line = bytes.substr(start, end - start);
+    if (!line.empty() && line.back() == '\r') line.pop_back();
+    lines.push_back(std::move(line));
+    start = end + 1;
+  }
+  return lines;
+}
+
+bool is_blank(std::string_view line) { return line.find_first_not_of(' ') == std::string_view::npos; }
+
+// Sorted paths of the *.mo regular files in `dir`; empty if there is no such directory.
+std::vector<std::string> mo_files_in(const fs::path& dir) {
+  std::vector<std::string> files;
+  std::error_code ec;
+  fs::directory_iterator it(dir, ec);
+  if (ec) return files;
+  for (; it != fs::directory_iterator(); it.increment(ec)) {
+    if (ec) break;
+    const fs::path& p = it->path();
+    std::error_code ec2;
+    if (p.extension() == ".mo" && fs::is_regular_file(p, ec2)) files.push_back(p.string());
+  }
+  std::sort(files.begin(), files.end());
+  return files;
+}
+
+std::string sanitize_field(std::string s) {
+  for (char& c : s) {
+    if (c == '\t' || c == '\n' || c == '\r') c = ' ';
+  }
+  return s;
+}
+
+}  // namespace
+
+std::string clean_message(std::string_view s) {
+  std::string t = normalize_spaces(s);
+  t = remove_tags(t);
+  t = remove_format_specs(t);
+  t = remove_braces(t);
+  t = remove_mnemonics(t);
+  t = decode_entities(t);
+  t = remove_empty_pairs(std::move(t));
+  return collapse_and_trim(t);
+}
+
+uint64_t pair_hash(const SentencePair& p, uint64_t salt) {
+  uint64_t h = 14695981039346656037ULL;
+  const char zero = '\0';
+  h = fnv1a(h, p.lang);
+  h = fnv1a(h, std::string_view(&zero, 1));
+  h = fnv1a(h, p.en);
+  h = fnv1a(h, std::string_view(&zero, 1));
+  h = fnv1a(h, p.other);
+  h = fnv1a(h, std::string_view(&zero, 1));
+  char salt_bytes[8];
+  for (int i = 0; i < 8; ++i) salt_bytes[i] = static_cast<char>((salt >> (8 * i)) & 0xff);
+  h = fnv1a(h, std::string_view(salt_bytes, 8));
+  // MurmurHash3 fmix64: FNV-1a alone mixes its high bits poorly for similar inputs.
+  h ^= h >> 33;
+  h *= 0xff51afd7ed558ccdULL;
+  h ^= h >> 33;
+  h *= 0xc4ceb9fe1a85ec53ULL;
+  h ^= h >> 33;
+  return h;
+}
+
+std::vector<std::string> list_gettext_languages(const std::string& locale_dir) {
+  std::error_code ec;
+  fs::directory_iterator it(locale_dir, ec);
+  if (ec) throw DataError(str_cat(locale_dir, ": cannot list locale directory: ", ec.message()));
+  std::vector<std::string> langs;
+  for (; it != fs::directory_iterator(); it.increment(ec)) {
+    if (ec) throw DataError(str_cat(locale_dir, ": cannot list locale directory: ", ec.message()));
+    std::error_code ec2;
+    if (!it->is_directory(ec2)) continue;
+    if (!mo_files_in(it->path() / "LC_MESSAGES").empty()) langs.push_back(it->path().filename().string());
+  }
+  std::sort(langs.begin(), langs.end());
+  return langs;
+}
+
+std::vector<SentencePair> build_gettext_corpus(const CorpusOptions& options, CorpusStats* stats) {
+  CorpusStats local;
+  CorpusStats& st = stats ? *stats : local;
+  st = CorpusStats{};
+
+  std::vector<std::string> langs = options.languages;
+  if (langs.empty()) {
+    langs = list_gettext_languages(options.locale_dir);
+    if (langs.empty()) throw DataError(str_cat(options.locale_dir, ": no gettext catalogs (*/LC_MESSAGES/*.mo) found"));
+  }
+  std::sort(langs.begin(), langs.end());
+  langs.erase(std::unique(langs.begin(), langs.end()), langs.end());
+
+  // Check every requested language before the (slow) reading starts.
+  std::vector<std::vector<std::string>> files_per_lang;
+  for (const std::string& lang : langs) {
+    fs::path dir = fs::path(options.locale_dir) / lang / "LC_MESSAGES";
+    files_per_lang.push_back(mo_files_in(dir));
+    if (files_per_lang.back().empty()) {
+      throw DataError(str_cat("language '", lang, "': no gettext catalogs (*.mo) in ", dir.string()));
+    }
+  }
+
+  std::vector<SentencePair> result;
+  for (size_t li = 0; li < langs.size(); ++li) {
+    const std::string& lang = langs[li];
+    std::vector<SentencePair> pairs;
+    for (const std::string& file : files_per_lang[li]) {
+      std::vector<MoEntry> entries;
+      try {
+        entries = read_mo_file(file);
+      } catch (const DataError& e) {
+        spdlog::warn("skipping gettext catalog: {}", e.what());
+        ++st.files_skipped;
+        continue;
+      }
+      ++st.files_read;
+      st.entries_seen += entries.size();
+      for (const MoEntry& e : entries) {
+        if (e.translations.empty() || e.translations[0].empty()) continue;  // untranslated
+        std::string en = clean_message(e.msgid);
+        std::string other = clean_message(e.translations[0]);
+        auto size_ok = [&](const std::string& x) {
+          return !x.empty() && x.size() >= options.min_chars && x.size() <= options.max_chars;
+        };
+        if (!size_ok(en) || !size_ok(other) || en == other) continue;
+        pairs.push_back(SentencePair{lang, std::move(en), std::move(other)});
+      }
+    }
+    std::sort(pairs.begin(), pairs.end());
+    const size_t before = pairs.size();
+    pairs.erase(std::unique(pairs.begin(), pairs.end()), pairs.end());
+    st.duplicates_dropped += before - pairs.size();
+
+    if (options.max_pairs_per_language > 0 && pairs.size() > options.max_pairs_per_language) {
+      std::vector<std::pair<uint64_t, size_t>> keyed;
+      keyed.reserve(pairs.size());
+      for (size_t i = 0; i < pairs.size(); ++i) keyed.emplace_back(pair_hash(pairs[i], kSubsetSalt), i);
+      const auto keep = static_cast<std::ptrdiff_t>(options.max_pairs_per_language);
+      std::nth_element(keyed.begin(), keyed.begin() + keep, keyed.end());
+      keyed.resize(options.max_pairs_per_language);
+      std::vector<size_t> indices;
+      indices.reserve(keyed.size());
+      for (const auto& [h, i] : keyed) indices.push_back(i);
+      std::sort(indices.begin(), indices.end());  // back to (en, other) order
+      std::vector<SentencePair> subset;
+      subset.reserve(indices.size());
+      for (size_t i : indices) subset.push_back(std::move(pairs[i]));
+      pairs = std::move(subset);
+    }
+    if (!pairs.empty()) st.pairs_per_language[lang] = pairs.size();
+    st.pairs_kept += pairs.size();
+    result.insert(result.end(), std::make_move_iterator(pairs.begin()), std::make_move_iterator(pairs.end()));
+  }
+  return result;
+}
+
+std::vector<std::string> read_text_file(const std::string& path) {
+  std::vector<std::string> out;
+  for (std::string& line : split_lines(read_file_bytes(path))) {
+    if (!is_blank(line)) out.push_back(std::move(line));
+  }
+  return out;
+}
+
+std::vector<SentencePair> read_tsv_file(const std::string& path, const std::string& default_lang) {
+  std::vector<SentencePair> out;
+  std::vector<std::string> lines = split_lines(read_file_bytes(path));
+  for (size_t ln = 0; ln < lines.size(); ++ln) {
+    const std::string& line = lines[ln];
+    if (is_blank(line) || line[0] == '#') continue;
+    std::vector<std::string_view> cols;
+    std::string_view rest = line;
+    for (;;) {
+      size_t tab = rest.find('\t');
+      cols.push_back(rest.substr(0, tab));
+      if (tab == std::string_view::npos) break;
+      rest.remove_prefix(tab + 1);
+    }
+    if (cols.size() == 2) {
+      out.push_back(SentencePair{default_lang, std::string(cols[0]), std::string(cols[1])});
+    } else if (cols.size() == 3) {
+      out.push_back(SentencePair{std::string(cols[0]), std::string(cols[1]), std::string(cols[2])});
+    } else {
+      throw DataError(str_cat(path, ":", ln + 1, ": expected 2 or 3 tab-separated columns, got ", cols.size()));
+    }
+  }
+  return out;
+}
+
+void write_tsv_file(const std::string& path, const std::vector<SentencePair>& pairs) {
+  std::string text;
+  for (const SentencePair& p : pairs) {
+    text += sanitize_field(p.lang);
+    text += '\t';
+    text += sanitize_field(p.en);
+    text += '\t';
+    text += sanitize_field(p.other);
+    text += '\n';
+  }
+  write_file_atomic(path, text);
+}
+
+Split split_of(const SentencePair& p, double valid_fraction, double test_fraction) {
+  NEBULA_CHECK(valid_fraction >= 0 && valid_fraction <= 1 && test_fraction >= 0 && test_fraction <= 1 &&
+                   valid_fraction + test_fraction <= 1,
+               "split fractions must lie in [0, 1] with a sum <= 1, got valid=", valid_fraction,
+               " test=", test_fraction);
+  const double u = static_cast<double>(pair_hash(p, kSplitSalt) >> 11) * 0x1.0p-53;  // uniform in [0, 1)
+  if (u < test_fraction) return Split::kTest;
+  if (u < test_fraction + valid_fraction) return Split::kValid;
+  return Split::kTrain;
+}
+
+std::vector<SentencePair> filter_split(const std::vector<SentencePair>& pairs, Split which, double valid_fraction,
+                                       double test_fraction) {
+  std::vector<SentencePair> out;
+  for (const SentencePair& p : pairs) {
+    if (split_of(p, valid_fraction, test_fraction) == which) out.push_back(p);
+  }
+  return out;
+}
+
+std::vector<SentencePair> select_languages(const std::vector<SentencePair>& pairs,
+                                           const std::vector<std::string>& langs) {
+  if (langs.empty()) return pairs;
+  std::set<std::string, std::less<>> wanted(langs.begin(), langs.end());
+  std::vector<SentencePair> out;
+  for (const SentencePair& p : pairs) {
+    if (wanted.count(p.lang)) out.push_back(p);
+  }
+  return out;
+}
+
+std::vector<SentencePair> take_slice(const std::vector<SentencePair>& pairs, size_t index, size_t count) {
+  NEBULA_CHECK(count > 0 && index < count, "slice index ", index, " of ", count, " slices");
+  std::vector<SentencePair> out;
+  for (const SentencePair& p : pairs) {
+    if (pair_hash(p, kSliceSalt) % count == index) out.push_back(p);
+  }
+  return out;
+}
+
+}  // namespace nebula::data

@@ -1,0 +1,137 @@
+// Parallel corpora (English -> another language) for the multilingual and translation
+// models: built from the gettext catalogs installed on a machine, or read from text/TSV
+// files; plus deterministic train/valid/test splits and per-site slices.
+//
+// Determinism: every choice here (subsets, splits, slices) depends only on the bytes of
+// a pair, through a 64-bit FNV-1a hash implemented locally, so every machine and every
+// run makes the same choice. Nothing depends on std::hash, iteration order of unordered
+// containers, locale or time.
+//
+// Thread safety: free functions without shared state; safe to call concurrently.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <map>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace nebula::data {
+
+// One sentence pair. `lang` is the language of `other` as named by the source, e.g.
+// the gettext locale directory name ("de", "pt_BR", "sr@latin").
+struct SentencePair {
+  std::string lang;
+  std::string en;
+  std::string other;
+
+  auto operator<=>(const SentencePair&) const = default;
+  bool operator==(const SentencePair&) const = default;
+};
+
+// Turns a UI message into plain sentence text. Rules, applied in this order:
+//  1. control characters (\n, \t, \r, ...) and no-break spaces (U+00A0, U+202F)
+//     become spaces;
+//  2. markup tags are removed: '<' [/] letter [name chars] ( '>' | '/>' | space attrs '>' ),
+//     e.g. <b>, </a>, <br/>, <span weight="bold">, and also CLI placeholders like <file>;
+//     "a < b" and "<=" are kept;
+//  3. format specifiers are removed: printf-style (%s, %d, %-5.2f, %1$s, %lu, %'d, %*d),
+//     Python %(name)s, strftime (%B, %-d, %Ey), Qt %1..%99, and specifiers escaped
+//     for a second formatting pass ("%%s"); otherwise "%%" becomes "%" ("%%0A", GnuPG's
+//     encoded newline, becomes a space); a '%' not starting a specifier is kept
+//     ("50 %", "100%"); the space flag is not recognised ("100% done" stays);
+//  4. brace placeholders are removed: {0}, {}, {name}, {0:>8}, {x!r}, and ${var} with its '$';
+//  5. menu mnemonics are removed: '_' or '&' that starts a word (preceded by the start
+//     or a non-alphanumeric ASCII character) and is followed by a letter or digit
+//     ("_File" -> "File", "&Open" -> "Open", "Save _As" -> "Save As"); "a & b",
+//     "AT&T", "file_name" and HTML entities are kept; East Asian "(_O)"/"(&O)" groups
+//     are removed whole ("打开(_O)" -> "打开");
+//  6. the entities &amp; &lt; &gt; &quot; &apos; &nbsp; are decoded;
+//  7. empty quote/bracket pairs left by removed placeholders are removed: '' "" `' ``
+//     () [] <> «» »« „“ “” ‘’ ‚‘ 「」 (spaces inside allowed only for `' () [] <> «» 「」,
+//     so the gap in "'a' 'b'" is kept), e.g. "cannot open '%s'" -> "cannot open";
+//  8. whitespace runs collapse to one space, and vanish where something was removed
+//     right before closing punctuation ("in %s." -> "in.", "file %s: x" -> "file: x");
+//     the result is trimmed; then, repeatedly,
+//     a trailing "...", "…" or ":" and a leading ":", "," or ";" are removed and the
+//     result trimmed
+//     ("Open File..." -> "Open File", "%s: invalid option" -> "invalid option").
+// Mid-word mnemonics ("Ö_ffnen") are kept, because "max_connections" must be.
+std::string clean_message(std::string_view s);
+
+struct CorpusOptions {
+  std::string locale_dir = "/usr/share/locale";
+  std::vector<std::string> languages;  // empty = every language found in locale_dir
+  size_t max_pairs_per_language = 0;   // 0 = no limit; else a hash-chosen subset
+  size_t min_chars = 2;                // bounds on each cleaned side, in bytes
+  size_t max_chars = 200;
+};
+
+struct CorpusStats {
+  size_t files_read = 0;     // catalogs parsed
+  size_t files_skipped = 0;  // unreadable or corrupt catalogs (each logged)
+  size_t entries_seen = 0;   // catalog entries with a non-empty msgid
+  size_t pairs_kept = 0;
+  size_t duplicates_dropped = 0;
+  std::map<std::string, size_t> pairs_per_language;
+};
+
+// Sorted names of the subdirectories of `locale_dir` that hold at least one
+// LC_MESSAGES/*.mo file. Throws DataError if `locale_dir` cannot be listed.
+std::vector<std::string> list_gettext_languages(const std::string& locale_dir);
+
+// Builds English -> X pairs from <locale_dir>/<lang>/LC_MESSAGES/*.mo (files in sorted
+// order): msgid and translations[0] (the singular form), both cleaned by clean_message.
+// A pair is dropped if either side is empty, shorter than min_chars or longer than
+// max_chars (bytes), or if the translation equals the English text. Exact duplicates of
+// (lang, en, other) are dropped. The result is sorted by (lang, en, other). If
+// max_pairs_per_language > 0, each language keeps the pairs with the smallest hash
+// (a fixed pseudo-random subset that does not favour the start of the alphabet and is
+// independent of split_of/take_slice). A corrupt or unreadable catalog is skipped with
+// a warning and counted in stats->files_skipped. A requested language without catalogs
+// throws DataError naming the language and the directory.
+std::vector<SentencePair> build_gettext_corpus(const CorpusOptions& options, CorpusStats* stats = nullptr);
+
+// One sentence per line. A trailing '\r' is stripped; lines that are empty or only
+// spaces are skipped. Bytes are kept as they are (invalid UTF-8 is not checked here;
+// the tokenizer maps what it cannot represent to <unk>). Unreadable -> DataError.
+std::vector<std::string> read_text_file(const std::string& path);
+
+// Lines "en<TAB>other" (lang = default_lang) or "lang<TAB>en<TAB>other". A trailing
+// '\r' is stripped; lines that are empty or only spaces, and lines starting with '#',
+// are skipped; fields are otherwise taken verbatim. Any other column count throws
+// DataError("path:LINE: expected 2 or 3 tab-separated columns, got N").
+std::vector<SentencePair> read_tsv_file(const std::string& path, const std::string& default_lang);
+
+// Writes "lang\ten\tother" lines (atomically: temp file + rename) that read_tsv_file
+// reads back. Tabs, '\r' and '\n' inside fields become spaces.
+void write_tsv_file(const std::string& path, const std::vector<SentencePair>& pairs);
+
+enum class Split { kTrain, kValid, kTest };
+
+// The split a pair belongs to, from a stable 64-bit hash of (lang, en, other): a pair
+// lands in kTest with probability test_fraction, kValid with valid_fraction, else kTrain.
+// Fractions must be in [0, 1] with a sum <= 1 (else nebula::Error).
+Split split_of(const SentencePair& p, double valid_fraction, double test_fraction);
+
+// The pairs of `pairs` in split `which`, in their original order.
+std::vector<SentencePair> filter_split(const std::vector<SentencePair>& pairs, Split which, double valid_fraction,
+                                       double test_fraction);
+
+// The pairs whose lang is in `langs`, in their original order; empty `langs` = all
+// (as in CorpusOptions::languages).
+std::vector<SentencePair> select_languages(const std::vector<SentencePair>& pairs,
+                                           const std::vector<std::string>& langs);
+
+// Slice `index` of `count` disjoint slices, assigned by hash (so each site gets its
+// own data, independent of order and of the train/valid/test split); the union of the
+// slices 0..count-1 is `pairs`. Order is kept. Requires count > 0 and index < count.
+std::vector<SentencePair> take_slice(const std::vector<SentencePair>& pairs, size_t index, size_t count);
+
+// The stable hash used above: FNV-1a 64 over lang, '\0', en, '\0', other, '\0', salt,
+// followed by a 64-bit finalizer so that all bits are well mixed. Exposed for tests and
+// for callers that need their own stable choices (use a new salt).
+uint64_t pair_hash(const SentencePair& p, uint64_t salt);
+
+}  // namespace nebula::data

@@ -1,0 +1,351 @@
+#include "data/corpus.h"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cctype>
+#include <filesystem>
+#include <set>
+
+#include "data/mo_test_util.h"
+#include "nebula/error.h"
+
+namespace nebula::data {
+namespace {
+
+using testing::TempDir;
+using testing::write_bytes;
+using testing::write_mo;
+
+// --- clean_message -------------------------------------------------------------------
+
+TEST(CleanMessage, FormatSpecifiers) {
+  EXPECT_EQ(clean_message("Cannot open %s now"), "Cannot open now");
+  EXPECT_EQ(clean_message("%d files copied"), "files copied");
+  EXPECT_EQ(clean_message("value %-5.2f here"), "value here");
+  EXPECT_EQ(clean_message("move %1$s to %2$s"), "move to");
+  EXPECT_EQ(clean_message("%lu bytes, %zu items, %'d total"), "bytes, items, total");
+  EXPECT_EQ(clean_message("width %*d end"), "width end");
+  EXPECT_EQ(clean_message("Hello %(name)s there"), "Hello there");
+  EXPECT_EQ(clean_message("Copy %1 to %2"), "Copy to");
+  EXPECT_EQ(clean_message("100%% done"), "100% done");
+  EXPECT_EQ(clean_message("first%%0Asecond"), "first second");
+  EXPECT_EQ(clean_message("Applying patch %%s with reject"), "Applying patch with reject");
+  EXPECT_EQ(clean_message("50 % of all"), "50 % of all");
+  EXPECT_EQ(clean_message("100% done"), "100% done");
+  EXPECT_EQ(clean_message("%B %-d, %Y at %H:%M"), "at");  // strftime
+  EXPECT_EQ(clean_message("No URLs found in %s."), "No URLs found in.");
+  EXPECT_EQ(clean_message("Failed to rename %s to %s: %s"), "Failed to rename to");
+  EXPECT_EQ(clean_message("Failed to rename %s to %s: failed"), "Failed to rename to: failed");
+  EXPECT_EQ(clean_message("Size%sMB"), "SizeMB");
+}
+
+TEST(CleanMessage, BracePlaceholders) {
+  EXPECT_EQ(clean_message("Delete {0} items"), "Delete items");
+  EXPECT_EQ(clean_message("Hello {name}, welcome"), "Hello, welcome");
+  EXPECT_EQ(clean_message("Path ${var} missing"), "Path missing");
+  EXPECT_EQ(clean_message("Size {0:>8} here {}"), "Size here");
+  EXPECT_EQ(clean_message("a { b } c"), "a { b } c");  // not a placeholder
+}
+
+TEST(CleanMessage, MarkupTags) {
+  EXPECT_EQ(clean_message("<b>Bold</b> text"), "Bold text");
+  EXPECT_EQ(clean_message("Click <a href=\"x\">here</a>"), "Click here");
+  EXPECT_EQ(clean_message("<span weight=\"bold\">Warning</span>"), "Warning");
+  EXPECT_EQ(clean_message("line<br/>break"), "line break");
+  EXPECT_EQ(clean_message("Click <b>here</b>."), "Click here.");
+  EXPECT_EQ(clean_message("if a < b and c > d"), "if a < b and c > d");
+  EXPECT_EQ(clean_message("x <= y"), "x <= y");
+}
+
+TEST(CleanMessage, Mnemonics) {
+  EXPECT_EQ(clean_message("_File"), "File");
+  EXPECT_EQ(clean_message("&Open"), "Open");
+  EXPECT_EQ(clean_message("Save _As"), "Save As");
+  EXPECT_EQ(clean_message("a & b"), "a & b");
+  EXPECT_EQ(clean_message("AT&T"), "AT&T");
+  EXPECT_EQ(clean_message("set max_connections"), "set max_connections");
+  EXPECT_EQ(clean_message("Fish &amp; Chips"), "Fish & Chips");
+  EXPECT_EQ(clean_message("\xe6\x89\x93\xe5\xbc\x80(_O)"), "\xe6\x89\x93\xe5\xbc\x80");  // 打开(_O)
+}
+
+TEST(CleanMessage, TrailingEllipsisColonAndWhitespace) {
+  EXPECT_EQ(clean_message("Open File..."), "Open File");
+  EXPECT_EQ(clean_message("Open File\xe2\x80\xa6"), "Open File");  // …
+  EXPECT_EQ(clean_message("Name:"), "Name");
+  EXPECT_EQ(clean_message("Nom\xc2\xa0:"), "Nom");  // French no-break space before ':'
+  EXPECT_EQ(clean_message("Options...:  "), "Options");
+  EXPECT_EQ(clean_message("first line\nsecond\tline"), "first line second line");
+  EXPECT_EQ(clean_message("  many    spaces  "), "many spaces");
+  EXPECT_EQ(clean_message("%s: invalid option -- '%c'\n"), "invalid option --");
+  EXPECT_EQ(clean_message("cannot open '%s'"), "cannot open");
+  EXPECT_EQ(clean_message("'a' 'b'"), "'a' 'b'");
+  EXPECT_EQ(clean_message("Nom\xc2\xa0: valeur"), "Nom : valeur");  // French spacing kept
+  EXPECT_EQ(clean_message("bell\x01\x07 here"), "bell here");
+  EXPECT_EQ(clean_message("\xc2\xab %s \xc2\xbb introuvable"), "introuvable");  // « %s »
+  EXPECT_EQ(clean_message("%s"), "");
+  EXPECT_EQ(clean_message(""), "");
+}
+
+// --- gettext corpus on a hand-built locale directory ----------------------------------
+
+struct FakeLocale {
+  TempDir dir{"locale"};
+  FakeLocale() {
+    // de: two catalogs that share one pair, plus a corrupt one.
+    write_bytes(dir.file("de/LC_MESSAGES/a.mo"),
+                write_mo({{"", "_Open", "", {"_Öffnen"}},
+                          {"", "Save file...", "", {"Datei speichern …"}},
+                          {"", "OK", "", {"OK"}},                  // same text: dropped
+                          {"", "Untranslated", "", {""}},          // empty: dropped
+                          {"", "X", "", {"Y"}},                    // too short: dropped
+                          {"", std::string(300, 'a'), "", {"b"}},  // too long: dropped
+                          {"", "%d file", "%d files", {"%d Datei", "%d Dateien"}}},
+                         false));
+    write_bytes(dir.file("de/LC_MESSAGES/b.mo"),
+                write_mo({{"", "Open", "", {"Öffnen"}},  // duplicate of a.mo after cleaning
+                          {"ctx", "Close", "", {"Schließen"}}},
+                         true));
+    write_bytes(dir.file("de/LC_MESSAGES/corrupt.mo"), "this is not a catalog at all, just text");
+    write_bytes(dir.file("fr/LC_MESSAGES/a.mo"), write_mo({{"", "Close", "", {"Fermer"}}}, false));
+    std::filesystem::create_directories(dir.file("xx/LC_MESSAGES"));  // no catalogs
+    write_bytes(dir.file("yy/README"), "not a language");
+  }
+};
+
+TEST(GettextCorpus, ListsLanguagesWithCatalogs) {
+  FakeLocale loc;
+  EXPECT_EQ(list_gettext_languages(loc.dir.path()), (std::vector<std::string>{"de", "fr"}));
+  EXPECT_THROW(list_gettext_languages(loc.dir.file("nonexistent")), DataError);
+}
+
+TEST(GettextCorpus, BuildsCleanSortedDedupedPairsAndSkipsCorruptCatalog) {
+  FakeLocale loc;
+  CorpusOptions opt;
+  opt.locale_dir = loc.dir.path();
+  CorpusStats stats;
+  const auto pairs = build_gettext_corpus(opt, &stats);
+  const std::vector<SentencePair> expected = {
+      {"de", "Close", "Schließen"},
+      {"de", "Open", "Öffnen"},
+      {"de", "Save file", "Datei speichern"},
+      {"de", "file", "Datei"},
+      {"fr", "Close", "Fermer"},
+  };
+  EXPECT_EQ(pairs, expected);
+  EXPECT_TRUE(std::is_sorted(pairs.begin(), pairs.end()));
+  EXPECT_EQ(stats.files_read, 3u);
+  EXPECT_EQ(stats.files_skipped, 1u);
+  EXPECT_EQ(stats.entries_seen, 10u);
+  EXPECT_EQ(stats.duplicates_dropped, 1u);
+  EXPECT_EQ(stats.pairs_kept, 5u);
+  EXPECT_EQ(stats.pairs_per_language, (std::map<std::string, size_t>{{"de", 4}, {"fr", 1}}));
+
+  // Deterministic, and selecting one language gives the same pairs for it.
+  EXPECT_EQ(build_gettext_corpus(opt), pairs);
+  opt.languages = {"fr"};
+  EXPECT_EQ(build_gettext_corpus(opt), (std::vector<SentencePair>{{"fr", "Close", "Fermer"}}));
+}
+
+TEST(GettextCorpus, MissingLanguageIsAnError) {
+  FakeLocale loc;
+  CorpusOptions opt;
+  opt.locale_dir = loc.dir.path();
+  opt.languages = {"de", "xx"};
+  try {
+    build_gettext_corpus(opt);
+    ADD_FAILURE() << "no DataError";
+  } catch (const DataError& e) {
+    EXPECT_NE(std::string(e.what()).find("'xx'"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find(loc.dir.path()), std::string::npos) << e.what();
+  }
+  opt.languages = {"zz"};
+  EXPECT_THROW(build_gettext_corpus(opt), DataError);
+}
+
+TEST(GettextCorpus, MaxPairsKeepsADeterministicHashChosenSubset) {
+  TempDir dir("locale_many");
+  std::vector<MoEntry> entries;
+  for (int i = 0; i < 300; ++i) {
+    entries.push_back({"", "message number " + std::to_string(1000 + i), "", {"Nachricht " + std::to_string(i)}});
+  }
+  write_bytes(dir.file("de/LC_MESSAGES/m.mo"), write_mo(entries, false));
+  CorpusOptions opt;
+  opt.locale_dir = dir.path();
+  const auto all = build_gettext_corpus(opt);
+  ASSERT_EQ(all.size(), 300u);
+  opt.max_pairs_per_language = 50;
+  CorpusStats stats;
+  const auto subset = build_gettext_corpus(opt, &stats);
+  ASSERT_EQ(subset.size(), 50u);
+  EXPECT_EQ(stats.pairs_kept, 50u);
+  EXPECT_TRUE(std::is_sorted(subset.begin(), subset.end()));
+  EXPECT_TRUE(std::includes(all.begin(), all.end(), subset.begin(), subset.end()));
+  // Not simply the alphabetically first 50, and spread over the whole range.
+  EXPECT_NE(subset, std::vector<SentencePair>(all.begin(), all.begin() + 50));
+  EXPECT_GT(subset.back(), all[200]);
+  EXPECT_EQ(build_gettext_corpus(opt), subset);
+}
+
+// "%s" as a whole token ("%sp", an x86 register in binutils' help, is text).
+bool has_bare_percent_s(const std::string& s) {
+  for (size_t pos = s.find("%s"); pos != std::string::npos; pos = s.find("%s", pos + 1)) {
+    if (pos + 2 == s.size() || !std::isalnum(static_cast<unsigned char>(s[pos + 2]))) return true;
+  }
+  return false;
+}
+
+TEST(GettextCorpus, RealSystemCatalogsGermanAndFrench) {
+  for (const char* lang : {"de", "fr"}) {
+    if (!std::filesystem::exists(std::string("/usr/share/locale/") + lang + "/LC_MESSAGES")) {
+      GTEST_SKIP() << "no " << lang << " catalogs on this machine";
+    }
+  }
+  CorpusOptions opt;
+  opt.languages = {"de", "fr"};
+  CorpusStats stats;
+  const auto pairs = build_gettext_corpus(opt, &stats);
+  EXPECT_GT(stats.pairs_per_language["de"], 1000u);
+  EXPECT_GT(stats.pairs_per_language["fr"], 1000u);
+  EXPECT_EQ(stats.pairs_per_language.size(), 2u);
+  EXPECT_EQ(pairs.size(), stats.pairs_kept);
+  EXPECT_TRUE(std::is_sorted(pairs.begin(), pairs.end()));
+  for (const auto& p : pairs) {
+    ASSERT_TRUE(p.lang == "de" || p.lang == "fr");
+    ASSERT_GE(p.en.size(), opt.min_chars);
+    ASSERT_GE(p.other.size(), opt.min_chars);
+    ASSERT_LE(p.en.size(), opt.max_chars);
+    ASSERT_NE(p.en, p.other);
+    ASSERT_EQ(p.en.find('\n'), std::string::npos);
+    ASSERT_EQ(p.en.find("  "), std::string::npos) << p.en;
+    ASSERT_NE(p.en.back(), ' ') << p.en;
+    ASSERT_NE(p.other.front(), ' ') << p.other;
+    ASSERT_FALSE(has_bare_percent_s(p.en)) << p.en;
+    ASSERT_FALSE(has_bare_percent_s(p.other)) << p.other;
+  }
+}
+
+// --- text and TSV files ----------------------------------------------------------------
+
+TEST(TextFiles, ReadTextFile) {
+  TempDir dir("text");
+  write_bytes(dir.file("t.txt"), "first line\r\n\n   \nsecond line\nlast without newline");
+  EXPECT_EQ(read_text_file(dir.file("t.txt")),
+            (std::vector<std::string>{"first line", "second line", "last without newline"}));
+  try {
+    read_text_file(dir.file("missing.txt"));
+    ADD_FAILURE() << "no DataError";
+  } catch (const DataError& e) {
+    EXPECT_NE(std::string(e.what()).find(dir.file("missing.txt")), std::string::npos) << e.what();
+  }
+}
+
+TEST(TextFiles, TsvRoundTrip) {
+  TempDir dir("tsv");
+  const std::vector<SentencePair> pairs = {
+      {"de", "Open", "Öffnen"},
+      {"fr", "with\ttab", "with\nnewline"},
+      {"pt_BR", "Close", "Fechar"},
+  };
+  write_tsv_file(dir.file("p.tsv"), pairs);
+  const auto back = read_tsv_file(dir.file("p.tsv"), "unused");
+  const std::vector<SentencePair> expected = {
+      {"de", "Open", "Öffnen"},
+      {"fr", "with tab", "with newline"},
+      {"pt_BR", "Close", "Fechar"},
+  };
+  EXPECT_EQ(back, expected);
+  EXPECT_FALSE(std::filesystem::exists(dir.file("p.tsv.tmp")));
+}
+
+TEST(TextFiles, TsvTwoColumnsCommentsAndBlankLines) {
+  TempDir dir("tsv2");
+  write_bytes(dir.file("p.tsv"), "# comment\nHello\tHallo\r\n\nes\tHello\tHola\n");
+  EXPECT_EQ(read_tsv_file(dir.file("p.tsv"), "de"),
+            (std::vector<SentencePair>{{"de", "Hello", "Hallo"}, {"es", "Hello", "Hola"}}));
+}
+
+TEST(TextFiles, TsvBadColumnCountNamesFileAndLine) {
+  TempDir dir("tsv3");
+  const std::string path = dir.file("bad.tsv");
+  write_bytes(path, "# header\nHello\tHallo\njust one column\n");
+  try {
+    read_tsv_file(path, "de");
+    ADD_FAILURE() << "no DataError";
+  } catch (const DataError& e) {
+    EXPECT_EQ(std::string(e.what()), path + ":3: expected 2 or 3 tab-separated columns, got 1");
+  }
+  write_bytes(path, "a\tb\tc\td\n");
+  EXPECT_THROW(read_tsv_file(path, "de"), DataError);
+  EXPECT_THROW(read_tsv_file(dir.file("missing.tsv"), "de"), DataError);
+}
+
+// --- splits and slices ------------------------------------------------------------------
+
+std::vector<SentencePair> synthetic_pairs(size_t n) {
+  std::vector<SentencePair> pairs;
+  for (size_t i = 0; i < n; ++i) {
+    pairs.push_back({i % 3 == 0 ? "de" : "fr", "sentence " + std::to_string(i), "phrase " + std::to_string(i)});
+  }
+  return pairs;
+}
+
+TEST(Splits, HashIsStableAcrossMachines) {
+  // Golden values: if these change, every existing split and slice changes.
+  EXPECT_EQ(pair_hash({"de", "Open", "Öffnen"}, 0), 0x02dc2b1956c86ea0ULL);
+  EXPECT_EQ(pair_hash({"", "", ""}, 1), 0xad34411371cbdd66ULL);
+  EXPECT_NE(pair_hash({"de", "ab", "c"}, 0), pair_hash({"de", "a", "bc"}, 0));
+}
+
+TEST(Splits, DeterministicWithRequestedFractions) {
+  const auto pairs = synthetic_pairs(10000);
+  size_t counts[3] = {0, 0, 0};
+  for (const auto& p : pairs) {
+    const Split s = split_of(p, 0.1, 0.05);
+    EXPECT_EQ(split_of(p, 0.1, 0.05), s);
+    ++counts[static_cast<int>(s)];
+  }
+  EXPECT_GT(counts[1], 800u);  // valid ~ 0.10
+  EXPECT_LT(counts[1], 1200u);
+  EXPECT_GT(counts[2], 350u);  // test ~ 0.05
+  EXPECT_LT(counts[2], 650u);
+  const auto train = filter_split(pairs, Split::kTrain, 0.1, 0.05);
+  const auto valid = filter_split(pairs, Split::kValid, 0.1, 0.05);
+  const auto test = filter_split(pairs, Split::kTest, 0.1, 0.05);
+  EXPECT_EQ(train.size(), counts[0]);
+  EXPECT_EQ(valid.size(), counts[1]);
+  EXPECT_EQ(test.size(), counts[2]);
+  EXPECT_EQ(filter_split(pairs, Split::kTrain, 0, 0).size(), pairs.size());
+  EXPECT_THROW(split_of(pairs[0], 0.7, 0.5), nebula::Error);
+  EXPECT_THROW(split_of(pairs[0], -0.1, 0), nebula::Error);
+}
+
+TEST(Splits, TakeSliceIsDisjointAndComplete) {
+  const auto pairs = synthetic_pairs(3000);
+  std::multiset<SentencePair> seen;
+  for (size_t i = 0; i < 3; ++i) {
+    const auto slice = take_slice(pairs, i, 3);
+    EXPECT_GT(slice.size(), 850u);
+    EXPECT_LT(slice.size(), 1150u);
+    EXPECT_EQ(take_slice(pairs, i, 3), slice);
+    seen.insert(slice.begin(), slice.end());
+  }
+  EXPECT_EQ(seen.size(), pairs.size());  // multiset: a pair in two slices would count twice
+  EXPECT_EQ(std::set<SentencePair>(seen.begin(), seen.end()), std::set<SentencePair>(pairs.begin(), pairs.end()));
+  EXPECT_EQ(take_slice(pairs, 0, 1), pairs);
+  EXPECT_THROW(take_slice(pairs, 3, 3), nebula::Error);
+  EXPECT_THROW(take_slice(pairs, 0, 0), nebula::Error);
+}
+
+TEST(Splits, SelectLanguages) {
+  const auto pairs = synthetic_pairs(30);
+  const auto de = select_languages(pairs, {"de"});
+  EXPECT_EQ(de.size(), 10u);
+  for (const auto& p : de) EXPECT_EQ(p.lang, "de");
+  EXPECT_EQ(select_languages(pairs, {"de", "fr"}), pairs);
+  EXPECT_EQ(select_languages(pairs, {}), pairs);
+  EXPECT_TRUE(select_languages(pairs, {"es"}).empty());
+}
+
+}  // namespace
+}  // namespace nebula::data

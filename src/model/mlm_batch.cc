@@ -1,0 +1,73 @@
+#include "model/mlm_batch.h"
+
+#include <ATen/ATen.h>
+
+#include <algorithm>
+#include <numeric>
+
+#include "model/mlm_encoder.h"
+#include "nebula/error.h"
+
+namespace nebula::model {
+
+MlmBatcher::MlmBatcher(std::vector<std::vector<int>> sequences, SpecialIds ids, double mask_prob,
+                       int64_t batch_size, uint64_t seed)
+    : sequences_(std::move(sequences)), ids_(ids), mask_prob_(mask_prob), batch_size_(batch_size), rng_(seed) {
+  NEBULA_CHECK(!sequences_.empty(), "no sequences to make batches from");
+  NEBULA_CHECK(batch_size_ > 0 && ids_.vocab_size > ids_.first_ordinary, "batch ", batch_size_, " vocab ",
+               ids_.vocab_size);
+  order_.resize(sequences_.size());
+  std::iota(order_.begin(), order_.end(), 0);
+  std::shuffle(order_.begin(), order_.end(), rng_);
+}
+
+MlmBatch MlmBatcher::next() {
+  std::vector<const std::vector<int>*> batch;
+  for (int64_t i = 0; i < batch_size_; ++i) {
+    if (cursor_ == order_.size()) {
+      std::shuffle(order_.begin(), order_.end(), rng_);
+      cursor_ = 0;
+    }
+    batch.push_back(&sequences_[order_[cursor_++]]);
+  }
+  return make(batch);
+}
+
+MlmBatch MlmBatcher::make(const std::vector<const std::vector<int>*>& batch) {
+  size_t seq = 0;
+  for (const auto* s : batch) seq = std::max(seq, s->size());
+  const int64_t b = static_cast<int64_t>(batch.size()), t = static_cast<int64_t>(seq);
+  at::Tensor ids = at::full({b, t}, ids_.pad, at::kLong);
+  at::Tensor labels = at::full({b, t}, kIgnoreIndex, at::kLong);
+  auto id = ids.accessor<int64_t, 2>();
+  auto label = labels.accessor<int64_t, 2>();
+  std::uniform_real_distribution<double> u(0, 1);
+  std::uniform_int_distribution<int64_t> random_token(ids_.first_ordinary, ids_.vocab_size - 1);
+  MlmBatch out;
+  for (int64_t i = 0; i < b; ++i) {
+    const auto& s = *batch[i];
+    std::vector<int64_t> candidates;
+    for (size_t j = 0; j < s.size(); ++j) {
+      id[i][j] = s[j];
+      if (s[j] >= ids_.first_ordinary || s[j] == ids_.unk) candidates.push_back(static_cast<int64_t>(j));
+    }
+    out.tokens += static_cast<int64_t>(s.size());
+    std::vector<int64_t> chosen;
+    for (int64_t j : candidates)
+      if (u(rng_) < mask_prob_) chosen.push_back(j);
+    if (chosen.empty() && !candidates.empty())
+      chosen.push_back(candidates[std::uniform_int_distribution<size_t>(0, candidates.size() - 1)(rng_)]);
+    for (int64_t j : chosen) {
+      label[i][j] = s[j];
+      double r = u(rng_);
+      if (r < 0.8) id[i][j] = ids_.mask;
+      else if (r < 0.9) id[i][j] = random_token(rng_);
+      ++out.predicted;
+    }
+  }
+  out.ids = ids;
+  out.labels = labels;
+  return out;
+}
+
+}  // namespace nebula::model

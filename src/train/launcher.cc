@@ -1,0 +1,270 @@
+#include "train/launcher.h"
+
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <nlohmann/json.hpp>
+#include <spdlog/spdlog.h>
+
+#include <atomic>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <thread>
+
+#include "nebula/error.h"
+#include "nebula/units.h"
+#include "train/site_data.h"
+#include "train/worker.h"
+#include "transport/tcp_link.h"
+
+namespace nebula::train {
+namespace fs = std::filesystem;
+namespace {
+
+std::atomic<int> g_signal{0};
+extern "C" void on_signal(int sig) { g_signal = sig; }
+
+struct Child {
+  pid_t pid;
+  std::string site;
+  int rank;
+  std::string log;
+  bool running = true;
+  int status = 0;
+};
+
+pid_t spawn(const std::string& exe, const std::vector<std::string>& args, const std::string& log) {
+  int fd = ::open(log.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0) throw Error(str_cat(log, ": cannot create worker log: ", std::strerror(errno)));
+  pid_t pid = ::fork();
+  if (pid < 0) throw Error(str_cat("fork failed: ", std::strerror(errno)));
+  if (pid == 0) {
+    ::dup2(fd, 1);
+    ::dup2(fd, 2);
+    // One BLAS/OpenMP thread per worker: the workers share the machine's cores.
+    ::setenv("OMP_NUM_THREADS", "1", 1);
+    ::setenv("OPENBLAS_NUM_THREADS", "1", 1);
+    ::setenv("MKL_NUM_THREADS", "1", 1);
+    std::vector<char*> argv;
+    argv.push_back(const_cast<char*>(exe.c_str()));
+    for (const auto& a : args) argv.push_back(const_cast<char*>(a.c_str()));
+    argv.push_back(nullptr);
+    ::execv(exe.c_str(), argv.data());
+    std::fprintf(stderr, "exec %s failed: %s\n", exe.c_str(), std::strerror(errno));
+    ::_exit(127);
+  }
+  ::close(fd);
+  return pid;
+}
+
+std::string tail_of(const std::string& path, size_t lines) {
+  std::ifstream in(path);
+  std::vector<std::string> all;
+  for (std::string l; std::getline(in, l);) all.push_back(l);
+  std::string out;
+  for (size_t i = all.size() > lines ? all.size() - lines : 0; i < all.size(); ++i) out += "    " + all[i] + "\n";
+  return out;
+}
+
+// Reads metrics.jsonl as it grows and shows one line per site: in place on a terminal,
+// as plain lines otherwise.
+class Progress {
+ public:
+  Progress(const Config& c, const std::string& path) : path_(path) {
+    const std::string& mode = c.metrics.progress;
+    enabled_ = mode != "off";
+    in_place_ = mode == "auto" && ::isatty(1);
+    for (const auto& s : c.sites) order_.push_back(s.name);
+  }
+
+  void poll() {
+    if (!enabled_) return;
+    std::ifstream in(path_);
+    if (!in) return;
+    in.seekg(static_cast<std::streamoff>(offset_));
+    bool changed = false;
+    for (std::string line; std::getline(in, line);) {
+      if (in.eof()) break;  // a line still being written: read it next time
+      offset_ += line.size() + 1;
+      auto j = nlohmann::json::parse(line, nullptr, false);
+      if (j.is_discarded() || !j.contains("site")) continue;
+      Site& s = sites_[j["site"].get<std::string>()];
+      int rank = j.value("rank", 0);
+      s.loss[rank] = j.value("loss", 0.0);
+      s.rate[rank] = j.value("tokens_per_s", 0.0);
+      if (rank == 0) {
+        s.step = j.value("step", 0);
+        s.steps = j.value("steps", 0);
+        s.sent = j.value("wan_bytes_sent", 0.0);
+        s.received = j.value("wan_bytes_received", 0.0);
+        if (!in_place_) std::printf("%s\n", render(j["site"].get<std::string>(), s).c_str());
+      }
+      changed = true;
+    }
+    if (changed && in_place_) draw();
+    std::fflush(stdout);
+  }
+
+ private:
+  struct Site {
+    int step = 0, steps = 0;
+    std::map<int, double> loss, rate;
+    double sent = 0, received = 0;
+  };
+
+  static std::string render(const std::string& name, const Site& s) {
+    double loss = 0, rate = 0;
+    for (auto& [r, l] : s.loss) loss += l / static_cast<double>(s.loss.size());
+    for (auto& [r, t] : s.rate) rate += t;
+    char buf[256];
+    std::snprintf(buf, sizeof buf, "%-14s step %5d/%-5d loss %7.4f  %8.0f tok/s  WAN sent %s, received %s",
+                  name.c_str(), s.step, s.steps, loss, rate, format_bytes(s.sent).c_str(),
+                  format_bytes(s.received).c_str());
+    return buf;
+  }
+
+  void draw() {
+    if (drawn_) std::printf("\033[%zuA", order_.size());
+    for (const auto& name : order_) {
+      auto it = sites_.find(name);
+      std::printf("\033[2K%s\n", it == sites_.end() ? (name + "  starting").c_str() : render(name, it->second).c_str());
+    }
+    drawn_ = true;
+  }
+
+  std::string path_;
+  bool enabled_ = true, in_place_ = false, drawn_ = false;
+  size_t offset_ = 0;
+  std::vector<std::string> order_;
+  std::map<std::string, Site> sites_;
+};
+
+// "host:0" → "host:<a free port>". The port is free now; a race with another process that
+// grabs it before the worker binds it shows up as a clear bind error.
+std::string with_port(const std::string& address) {
+  auto [host, port] = transport::parse_host_port(address);
+  if (port != 0) return address;
+  uint16_t p = transport::pick_free_port(host);
+  return (host.find(':') != std::string::npos ? "[" + host + "]" : host) + ":" + std::to_string(p);
+}
+
+void stop_all(std::vector<Child>& children, int sig) {
+  for (auto& c : children)
+    if (c.running) ::kill(c.pid, sig);
+}
+
+}  // namespace
+
+int run_local(Config c, const LaunchOptions& options) {
+  fs::create_directories(c.job.run_dir + "/logs");
+  for (const char* stale : {"/metrics.jsonl", "/summary.json"}) fs::remove(c.job.run_dir + stale);
+  if (c.security.insecure)
+    spdlog::warn("security.insecure = true: inter-site links are plaintext (TLS arrives with issue [2/7])");
+
+  // The job's shared vocabulary. In a deployment it is trained once and shipped with the job
+  // (data.tokenizer); in local mode we train it here before the workers start.
+  if (c.data.tokenizer.empty()) {
+    std::string prefix = c.job.run_dir + "/tokenizer";
+    train_tokenizer(c, prefix);
+    c.data.tokenizer = prefix + ".model";
+  }
+  for (auto& s : c.sites) {
+    s.gateway = with_port(s.gateway);
+    s.store = with_port(s.store);
+  }
+  const std::string job_file = c.job.run_dir + "/job.toml";
+  {
+    std::ofstream out(job_file);
+    out << to_toml(c);
+    if (!out) throw Error(str_cat(job_file, ": cannot write"));
+  }
+
+  struct sigaction sa {};
+  sa.sa_handler = on_signal;
+  ::sigaction(SIGINT, &sa, nullptr);
+  ::sigaction(SIGTERM, &sa, nullptr);
+
+  std::vector<Child> children;
+  for (const auto& s : c.sites) {
+    for (int r = 0; r < s.workers; ++r) {
+      std::string log = str_cat(c.job.run_dir, "/logs/", s.name, "-", r, ".log");
+      pid_t pid = spawn(options.executable, {"worker", job_file, "--site", s.name, "--rank", std::to_string(r)}, log);
+      children.push_back({pid, s.name, r, log});
+    }
+  }
+  spdlog::info("started {} workers on {} sites; logs in {}/logs", children.size(), c.sites.size(), c.job.run_dir);
+
+  Progress progress(c, c.job.run_dir + "/metrics.jsonl");
+  int exit_code = 0;
+  const Child* failed = nullptr;
+  size_t running = children.size();
+  Clock::time_point stop_started{};
+  while (running > 0) {
+    for (auto& ch : children) {
+      if (!ch.running) continue;
+      pid_t r = ::waitpid(ch.pid, &ch.status, WNOHANG);
+      if (r != ch.pid) continue;
+      ch.running = false;
+      --running;
+      bool ok = WIFEXITED(ch.status) && WEXITSTATUS(ch.status) == 0;
+      if (!ok && !failed && !g_signal) {
+        failed = &ch;
+        exit_code = 1;
+        stop_all(children, SIGTERM);
+      }
+    }
+    if (g_signal && exit_code == 0) {
+      exit_code = 128 + g_signal;
+      stop_all(children, SIGTERM);
+    }
+    progress.poll();
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    // Workers that ignore SIGTERM for long are killed; stop_all only reaches our own pids.
+    if (exit_code != 0) {
+      if (stop_started == Clock::time_point{}) stop_started = Clock::now();
+      if (Clock::now() - stop_started > std::chrono::seconds(10)) stop_all(children, SIGKILL);
+    }
+  }
+  progress.poll();
+  if (failed) {
+    std::string how = WIFEXITED(failed->status) ? str_cat("exit code ", WEXITSTATUS(failed->status))
+                                                 : str_cat("signal ", WTERMSIG(failed->status));
+    spdlog::error("worker {}/{} failed ({}); stopped the others. Last lines of {}:\n{}", failed->site, failed->rank,
+                  how, failed->log, tail_of(failed->log, 15));
+    return exit_code;
+  }
+  if (exit_code) {
+    spdlog::error("interrupted; stopped all workers");
+    return exit_code;
+  }
+  if (!print_summary(c.job.run_dir)) {
+    spdlog::error("workers finished but {}/summary.json is missing", c.job.run_dir);
+    return 1;
+  }
+  return 0;
+}
+
+bool print_summary(const std::string& run_dir) {
+  std::ifstream in(run_dir + "/summary.json");
+  if (!in) return false;
+  auto j = nlohmann::json::parse(in, nullptr, false);
+  if (j.is_discarded()) return false;
+  auto num = [&](const char* k) { return j.contains(k) && j[k].is_number() ? j[k].get<double>() : 0.0; };
+  std::printf("\nsummary of %s (%s)\n", run_dir.c_str(), (run_dir + "/summary.json").c_str());
+  std::printf("  strategy          %s, %d sites, %d workers\n", j.value("strategy", "?").c_str(),
+              j.value("sites", 0), j.value("workers", 0));
+  std::printf("  steps             %.0f\n", num("steps"));
+  std::printf("  tokens            %.0f\n", num("tokens"));
+  std::printf("  wall time         %.1f s\n", num("wall_seconds"));
+  std::printf("  final train loss  %.4f\n", num("final_train_loss"));
+  if (j.contains("final_val_loss") && j["final_val_loss"].is_number())
+    std::printf("  final val loss    %.4f\n", num("final_val_loss"));
+  std::printf("  WAN bytes sent    %s (all gateways)\n", format_bytes(num("wan_bytes")).c_str());
+  return true;
+}
+
+}  // namespace nebula::train

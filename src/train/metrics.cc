@@ -1,0 +1,48 @@
+#include "train/metrics.h"
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <chrono>
+#include <cstring>
+#include <cstdio>
+
+#include "nebula/error.h"
+
+namespace nebula::train {
+
+MetricsWriter::MetricsWriter(const std::string& path) : path_(path) {
+  fd_ = ::open(path.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
+  if (fd_ < 0) throw Error(str_cat(path, ": cannot open metrics file: ", std::strerror(errno)));
+}
+
+MetricsWriter::~MetricsWriter() { ::close(fd_); }
+
+void MetricsWriter::write(const nlohmann::json& line) {
+  std::string text = line.dump() + "\n";
+  ssize_t n = ::write(fd_, text.data(), text.size());
+  if (n != static_cast<ssize_t>(text.size()))
+    throw Error(str_cat(path_, ": cannot append metrics: ", n < 0 ? std::strerror(errno) : "short write"));
+}
+
+void write_json_atomically(const std::string& path, const nlohmann::json& value) {
+  std::string tmp = path + ".tmp";
+  std::string text = value.dump(2) + "\n";
+  int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0) throw Error(str_cat(tmp, ": cannot create: ", std::strerror(errno)));
+  bool ok = ::write(fd, text.data(), text.size()) == static_cast<ssize_t>(text.size()) && ::fsync(fd) == 0;
+  int err = errno;
+  ::close(fd);
+  if (!ok || std::rename(tmp.c_str(), path.c_str()) != 0) {
+    if (ok) err = errno;
+    std::remove(tmp.c_str());
+    throw Error(str_cat(path, ": cannot write: ", std::strerror(err)));
+  }
+}
+
+double unix_time() {
+  return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
+}
+
+}  // namespace nebula::train

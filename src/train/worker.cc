@@ -1,0 +1,209 @@
+#include "train/worker.h"
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <spdlog/spdlog.h>
+#include <torch/optim/adamw.h>
+
+#include <cmath>
+
+#include "collective/gateway_mesh.h"
+#include "collective/hierarchical.h"
+#include "collective/site_group.h"
+#include "data/tokenizer.h"
+#include "model/mlm_batch.h"
+#include "model/mlm_encoder.h"
+#include "nebula/error.h"
+#include "nebula/log.h"
+#include "strategy/strategy.h"
+#include "train/metrics.h"
+#include "train/site_data.h"
+#include "transport/emulated_link.h"
+#include "transport/tcp_link.h"
+
+namespace nebula::train {
+namespace {
+
+using Millis = std::chrono::milliseconds;
+
+// The site gateway's links to the other sites: TCP, wrapped in the WAN emulator when [wan]
+// asks for one (local mode has no real WAN). Each side emulates its own sending direction.
+std::unique_ptr<collective::GatewayMesh> connect_gateways(const Config& c, size_t site,
+                                                          transport::TcpListener& listener) {
+  collective::MeshOptions o;
+  o.job = c.job.name;
+  o.site_index = site;
+  for (const auto& s : c.sites) {
+    o.site_names.push_back(s.name);
+    o.addresses.push_back(s.gateway);
+  }
+  o.timeout = std::chrono::duration_cast<Millis>(c.job.timeout);
+  transport::WanEmulation wan;
+  wan.bandwidth_bits_per_s = c.wan.bandwidth_bits;
+  wan.one_way_delay = c.wan.rtt / 2;
+  const bool emulate = wan.bandwidth_bits_per_s > 0 || wan.one_way_delay.count() > 0;
+  auto wrap = [=](std::unique_ptr<transport::Link> link) -> std::unique_ptr<transport::Link> {
+    if (!emulate) return link;
+    return std::make_unique<transport::EmulatedLink>(std::move(link), wan);
+  };
+  auto dial = [&](const std::string& address, const std::string& peer, Deadline d) {
+    auto [host, port] = transport::parse_host_port(address);
+    return wrap(transport::TcpLink::connect(host, port, peer, d));
+  };
+  auto accept = [&](Deadline d) { return wrap(listener.accept(d)); };
+  return std::make_unique<collective::GatewayMesh>(o, dial, accept);
+}
+
+// Loss and predicted-token count, summed, over a fixed set of validation batches.
+std::pair<double, double> evaluate(model::MlmEncoder& model, model::MlmBatcher& batcher, int64_t batches) {
+  at::NoGradGuard no_grad;
+  model->eval();
+  double loss_sum = 0, predicted = 0;
+  for (int64_t i = 0; i < batches; ++i) {
+    model::MlmBatch b = batcher.next();
+    loss_sum += model->loss(b.ids, b.labels).item<double>() * static_cast<double>(b.predicted);
+    predicted += static_cast<double>(b.predicted);
+  }
+  model->train();
+  return {loss_sum, predicted};
+}
+
+// Sums counters over every worker of the job. The hierarchy reduces float32, exact only up to
+// 2^24, so each value travels as a high and a low part (exact for integers up to 2^44).
+std::vector<double> sum_over_job(collective::Hierarchy& comm, const std::vector<double>& values) {
+  constexpr double kSplit = 1 << 20;
+  at::Tensor t = at::empty({static_cast<int64_t>(2 * values.size())}, at::kFloat);
+  for (size_t i = 0; i < values.size(); ++i) {
+    const double hi = std::floor(values[i] / kSplit);
+    t[static_cast<int64_t>(2 * i)] = static_cast<float>(hi);
+    t[static_cast<int64_t>(2 * i + 1)] = static_cast<float>(values[i] - hi * kSplit);
+  }
+  comm.allreduce(t, {collective::ReduceOp::kSum, 1.0});
+  std::vector<double> out(values.size());
+  for (size_t i = 0; i < values.size(); ++i)
+    out[i] = static_cast<double>(t[static_cast<int64_t>(2 * i)].item<float>()) * kSplit +
+             static_cast<double>(t[static_cast<int64_t>(2 * i + 1)].item<float>());
+  return out;
+}
+
+}  // namespace
+
+std::string default_tokenizer_path(const Config& c) { return c.job.run_dir + "/tokenizer.model"; }
+
+void run_worker(const Config& c, const WorkerIdentity& who) {
+  const SiteConfig& site = c.sites.at(who.site);
+  const int workers = static_cast<int>(site.workers);
+  NEBULA_CHECK(who.local_rank >= 0 && who.local_rank < workers, "site '", site.name, "' has ", workers,
+               " workers; rank ", who.local_rank, " does not exist");
+  init_logging(str_cat(site.name, "/", who.local_rank));
+  // Several workers share the machine's cores: one intra-op thread each.
+  at::set_num_threads(1);
+  const auto start = Clock::now();
+  const Millis timeout = std::chrono::duration_cast<Millis>(c.job.timeout);
+  if (c.security.insecure) spdlog::warn("security.insecure = true: inter-site links are plaintext");
+
+  // Data: this site's own sentences, this worker's share of them.
+  const std::string tokenizer_path = c.data.tokenizer.empty() ? default_tokenizer_path(c) : c.data.tokenizer;
+  data::Tokenizer tok = data::Tokenizer::load(tokenizer_path);
+  SiteText text = load_site_text(c, who.site, who.local_rank, workers);
+  model::SpecialIds ids{tok.pad_id(), tok.unk_id(), tok.bos_id(), tok.eos_id(), tok.mask_id(), 5, tok.vocab_size()};
+  NEBULA_CHECK(tok.mask_id() >= 0, tokenizer_path, " has no <mask> piece: train it with nebula");
+  const uint64_t stream = c.job.seed * 1000003 + who.site * 1009 + static_cast<uint64_t>(who.local_rank);
+  model::MlmBatcher batches(encode_all(tok, text.train, c.model.max_len), ids, c.data.mask_prob,
+                            c.data.batch_size, stream);
+  std::unique_ptr<model::MlmBatcher> valid;
+  if (!text.valid.empty())
+    valid = std::make_unique<model::MlmBatcher>(encode_all(tok, text.valid, c.model.max_len), ids, c.data.mask_prob,
+                                                c.data.batch_size, c.job.seed);
+  spdlog::info("{} training / {} validation sentences on this worker", text.train.size(), text.valid.size());
+
+  // Communication: the site's c10d group, and on the gateway the WAN mesh to the other sites.
+  auto [store_host, store_port] = transport::parse_host_port(site.store);
+  std::unique_ptr<transport::TcpListener> listener;
+  if (who.local_rank == 0) {
+    auto [host, port] = transport::parse_host_port(site.gateway);
+    listener = std::make_unique<transport::TcpListener>(host, port);
+  }
+  collective::SiteGroup group(site.name, store_host, store_port, who.local_rank, workers, timeout);
+  std::unique_ptr<collective::GatewayMesh> mesh;
+  if (listener) mesh = connect_gateways(c, who.site, *listener);
+  collective::Hierarchy comm(group, mesh.get());
+
+  at::manual_seed(c.job.seed);
+  model::MlmEncoder model(c.model, tok.vocab_size(), tok.pad_id());
+  auto params = model->parameters();
+  auto strategy = strategy::make_strategy(c.strategy, comm);
+  strategy->init(params);
+  torch::optim::AdamW optimizer(params, torch::optim::AdamWOptions(c.model.lr).weight_decay(c.model.weight_decay));
+
+  MetricsWriter metrics(c.job.run_dir + "/metrics.jsonl");
+  int64_t tokens = 0;
+  double window_loss = 0, window_predicted = 0, last_loss = 0, last_predicted = 0;
+  auto window_start = Clock::now();
+  int64_t window_tokens = 0;
+
+  for (int64_t step = 0; step < c.job.steps; ++step) {
+    model::MlmBatch batch = batches.next();
+    at::Tensor loss = model->loss(batch.ids, batch.labels);
+    optimizer.zero_grad();
+    loss.backward();
+    strategy->sync_gradients(params, static_cast<double>(batch.predicted));
+    optimizer.step();
+    strategy->after_step(step);
+
+    tokens += batch.tokens;
+    window_tokens += batch.tokens;
+    window_loss += loss.item<double>() * static_cast<double>(batch.predicted);
+    window_predicted += static_cast<double>(batch.predicted);
+    if ((step + 1) % c.job.log_every == 0 || step + 1 == c.job.steps) {
+      const double seconds = std::chrono::duration<double>(Clock::now() - window_start).count();
+      const auto stats = comm.stats();
+      metrics.write({{"time", unix_time()},
+                     {"elapsed", std::chrono::duration<double>(Clock::now() - start).count()},
+                     {"site", site.name},
+                     {"rank", who.local_rank},
+                     {"step", step + 1},
+                     {"steps", c.job.steps},
+                     {"loss", window_loss / window_predicted},
+                     {"tokens", tokens},
+                     {"tokens_per_s", seconds > 0 ? static_cast<double>(window_tokens) / seconds : 0.0},
+                     {"wan_bytes_sent", stats.wan_bytes_sent},
+                     {"wan_bytes_received", stats.wan_bytes_received}});
+      last_loss = window_loss;
+      last_predicted = window_predicted;
+      window_loss = window_predicted = 0;
+      window_tokens = 0;
+      window_start = Clock::now();
+    }
+  }
+
+  // End of run: validation loss, and job-wide totals for the summary, in one collective.
+  const auto wan = comm.stats();  // before the totals exchange itself
+  auto [val_sum, val_predicted] = valid ? evaluate(model, *valid, c.job.eval_batches) : std::pair{0.0, 0.0};
+  std::vector<double> totals = sum_over_job(comm, {static_cast<double>(tokens), static_cast<double>(wan.wan_bytes_sent),
+                                                   static_cast<double>(wan.wan_bytes_received), last_loss,
+                                                   last_predicted, val_sum, val_predicted});
+  auto total = [&](int i) { return totals[static_cast<size_t>(i)]; };
+  if (mesh && who.site == 0) {
+    nlohmann::json summary = {
+        {"job", c.job.name},
+        {"strategy", strategy->name()},
+        {"sites", c.sites.size()},
+        {"workers", c.total_workers()},
+        {"steps", c.job.steps},
+        {"tokens", total(0)},
+        {"wall_seconds", std::chrono::duration<double>(Clock::now() - start).count()},
+        {"final_train_loss", total(4) > 0 ? total(3) / total(4) : 0.0},
+        {"final_val_loss", total(6) > 0 ? nlohmann::json(total(5) / total(6)) : nlohmann::json(nullptr)},
+        {"wan_bytes", total(1)},
+        {"wan_bytes_sent", total(1)},
+        {"wan_bytes_received", total(2)},
+        {"wan_emulation", {{"bandwidth_bits_per_s", c.wan.bandwidth_bits},
+                           {"rtt_ms", std::chrono::duration<double, std::milli>(c.wan.rtt).count()}}}};
+    write_json_atomically(c.job.run_dir + "/summary.json", summary);
+  }
+  group.barrier();  // nobody closes its links while another still needs them
+  spdlog::info("done: {} steps, {} tokens", c.job.steps, tokens);
+}
+
+}  // namespace nebula::train

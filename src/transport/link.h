@@ -1,0 +1,75 @@
+// Link: a bidirectional, ordered, reliable channel of wire::Frames to one peer site.
+//
+// Like gloo's transport Pair, everything above this layer talks to a Link and never to a
+// socket: TLS, multi-stream striping and WAN emulation are Links that wrap another Link.
+//
+// Thread safety (every implementation must honour this):
+//  * one thread may be in send() while another is in recv();
+//  * concurrent send() calls are serialized internally (each frame goes out whole,
+//    in the order the calls took the link's send lock);
+//  * concurrent recv() calls are NOT allowed (implementations may detect it and throw
+//    nebula::Error);
+//  * close(), peer() and stats() may be called from any thread at any time; close()
+//    wakes a blocked send()/recv(), which then throws PeerLost.
+//
+// Errors (CONVENTIONS.md, "Two kinds of error"):
+//  * PeerLost(peer, ...)  the peer closed or reset the connection, a write hit EPIPE, the
+//                         link was closed locally, or an earlier failure broke it;
+//  * Timeout(peer, ...)   the Deadline passed. If nothing of the frame had been moved yet
+//                         the link stays usable; if a frame was partly moved the byte
+//                         stream is out of step, so the link is marked broken and every
+//                         later call throws PeerLost("link ... broken after ...");
+//  * FrameError           the peer sent an invalid frame; the link is broken afterwards
+//                         (close it and reconnect).
+//  * nebula::Error        a violated precondition (e.g. a frame whose payload size does
+//                         not match its header).
+// Messages name the peer and the operation, e.g.
+//   "recv header from site-b (127.0.0.1:4242): frame header: bad magic ...".
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "nebula/deadline.h"
+#include "nebula/error.h"
+#include "wire/frame.h"
+
+namespace nebula::transport {
+
+// Counters since the link was created. Bytes include frame headers.
+struct LinkStats {
+  uint64_t bytes_sent = 0;
+  uint64_t bytes_received = 0;
+  uint64_t frames_sent = 0;
+  uint64_t frames_received = 0;
+};
+
+struct LinkOptions {
+  // Largest payload this side accepts (recv) or sends (send). A header claiming more is
+  // rejected with FrameError kTooLarge before anything is allocated.
+  uint64_t max_payload = 1ull << 31;
+};
+
+class Link {
+ public:
+  virtual ~Link();
+
+  // Sends one frame. `frame.payload.size()` must equal `frame.header.payload_len`, and the
+  // header's checksum must already be right (wire::make_frame does both). Returns once
+  // the frame has been handed to the layer below (for TCP: the kernel's socket buffer),
+  // not when the peer has received it.
+  virtual void send(const wire::Frame& frame, Deadline deadline) = 0;
+
+  // Receives the next frame, validated: header fields, length limit and checksum.
+  virtual wire::Frame recv(Deadline deadline) = 0;
+
+  // Closes the link; idempotent. Blocked and later calls throw PeerLost.
+  virtual void close() = 0;
+
+  // The peer's name as used in error messages and NetworkError::peer(), e.g. "site-b".
+  virtual std::string peer() const = 0;
+
+  virtual LinkStats stats() const = 0;
+};
+
+}  // namespace nebula::transport

@@ -1,0 +1,497 @@
+#include "transport/tcp_link.h"
+
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <spdlog/spdlog.h>
+
+#include <algorithm>
+#include <cctype>
+#include <cerrno>
+#include <cstring>
+#include <thread>
+
+namespace nebula::transport {
+namespace {
+
+std::string errno_text(int err) { return std::strerror(err); }
+
+double ms_since(Clock::time_point start) {
+  return std::chrono::duration<double, std::milli>(Clock::now() - start).count();
+}
+
+void set_nonblocking(int fd) {
+  int flags = ::fcntl(fd, F_GETFL, 0);
+  if (flags < 0 || ::fcntl(fd, F_SETFL, flags | O_NONBLOCK) < 0)
+    throw Error(str_cat("fcntl(O_NONBLOCK) failed: ", errno_text(errno)));
+}
+
+void set_nodelay(int fd) {
+  int one = 1;
+  // Best effort: a socket type without TCP options (e.g. a socketpair in a test) is fine.
+  (void)::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+}
+
+// Numeric "host:port" of a socket address.
+std::string sockaddr_text(const sockaddr* sa, socklen_t len) {
+  char host[NI_MAXHOST], serv[NI_MAXSERV];
+  if (::getnameinfo(sa, len, host, sizeof host, serv, sizeof serv, NI_NUMERICHOST | NI_NUMERICSERV) != 0)
+    return "?";
+  return format_host_port(host, static_cast<uint16_t>(std::atoi(serv)));
+}
+
+// Errors worth retrying while the peer process may still be starting up.
+bool retryable_connect_error(int err) {
+  return err == ECONNREFUSED || err == ETIMEDOUT || err == EHOSTUNREACH || err == ENETUNREACH ||
+         err == ECONNRESET || err == ECONNABORTED || err == EAGAIN;
+}
+
+struct AddrInfo {
+  addrinfo* head = nullptr;
+  ~AddrInfo() {
+    if (head) ::freeaddrinfo(head);
+  }
+};
+
+// Returns 0 on success, else an errno (or -1 for "deadline passed").
+int try_connect(const addrinfo* ai, Deadline deadline, int* out_fd) {
+  int fd = ::socket(ai->ai_family, ai->ai_socktype | SOCK_NONBLOCK | SOCK_CLOEXEC, ai->ai_protocol);
+  if (fd < 0) return errno;
+  if (::connect(fd, ai->ai_addr, ai->ai_addrlen) == 0) {
+    *out_fd = fd;
+    return 0;
+  }
+  if (errno != EINPROGRESS) {
+    int err = errno;
+    ::close(fd);
+    return err;
+  }
+  for (;;) {
+    pollfd p{fd, POLLOUT, 0};
+    int r = ::poll(&p, 1, deadline.poll_timeout_ms());
+    if (r < 0 && errno == EINTR) continue;
+    if (r == 0) {
+      if (!deadline.expired()) continue;
+      ::close(fd);
+      return -1;
+    }
+    break;
+  }
+  int err = 0;
+  socklen_t len = sizeof err;
+  if (::getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &len) != 0) err = errno;
+  if (err != 0) {
+    ::close(fd);
+    return err;
+  }
+  *out_fd = fd;
+  return 0;
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------
+
+std::pair<std::string, uint16_t> parse_host_port(const std::string& text) {
+  auto bad = [&](const std::string& why) -> Error {
+    return Error(str_cat("bad address \"", text, "\": ", why,
+                         " (expected host:port, e.g. 127.0.0.1:4242, gateway.site-b:4242 or [::1]:4242)"));
+  };
+  std::string host, port_text;
+  if (!text.empty() && text[0] == '[') {
+    auto close = text.find(']');
+    if (close == std::string::npos) throw bad("'[' without a matching ']'");
+    host = text.substr(1, close - 1);
+    if (close + 1 >= text.size() || text[close + 1] != ':') throw bad("no ':port' after the ']'");
+    port_text = text.substr(close + 2);
+  } else {
+    auto colon = text.rfind(':');
+    if (colon == std::string::npos) throw bad("no ':port'");
+    if (text.find(':') != colon) throw bad("an IPv6 address needs brackets, as in [::1]:4242");
+    host = text.substr(0, colon);
+    port_text = text.substr(colon + 1);
+  }
+  if (host.empty()) throw bad("empty host");
+  for (char c : host) {
+    if (std::isspace(static_cast<unsigned char>(c)) || c == '[' || c == ']' || c == '/')
+      throw bad(str_cat("invalid character '", c, "' in host"));
+  }
+  if (port_text.empty()) throw bad("empty port");
+  if (port_text.size() > 5 || !std::all_of(port_text.begin(), port_text.end(), [](char c) { return c >= '0' && c <= '9'; }))
+    throw bad(str_cat("port \"", port_text, "\" is not a number in 0..65535"));
+  long port = std::stol(port_text);
+  if (port > 65535) throw bad(str_cat("port ", port, " is out of range 0..65535"));
+  return {host, static_cast<uint16_t>(port)};
+}
+
+std::string format_host_port(const std::string& host, uint16_t port) {
+  if (host.find(':') != std::string::npos) return str_cat("[", host, "]:", port);
+  return str_cat(host, ":", port);
+}
+
+// ---------------------------------------------------------------------------------------
+
+std::unique_ptr<TcpLink> TcpLink::connect(const std::string& host, uint16_t port, std::string peer_name,
+                                          Deadline deadline, LinkOptions options) {
+  const std::string where = format_host_port(host, port);
+  if (peer_name.empty()) peer_name = where;
+  const auto start = Clock::now();
+  auto backoff = std::chrono::milliseconds(20);
+  std::string last_error = "none";
+  int attempts = 0;
+  for (;;) {
+    ++attempts;
+    addrinfo hints{};
+    hints.ai_family = AF_UNSPEC;
+    hints.ai_socktype = SOCK_STREAM;
+    hints.ai_flags = AI_NUMERICSERV;
+    AddrInfo res;
+    const std::string port_text = std::to_string(port);
+    int gai = ::getaddrinfo(host.c_str(), port_text.c_str(), &hints, &res.head);
+    bool retry = false;
+    std::string fatal;
+    if (gai == EAI_AGAIN) {
+      last_error = str_cat("cannot resolve host: ", ::gai_strerror(gai));
+      retry = true;
+    } else if (gai != 0) {
+      throw Error(str_cat("connect to ", peer_name, " at ", where, ": cannot resolve host \"", host,
+                          "\": ", ::gai_strerror(gai), "; check the site's gateway address in the config"));
+    } else {
+      for (const addrinfo* ai = res.head; ai; ai = ai->ai_next) {
+        int fd = -1;
+        int err = try_connect(ai, deadline, &fd);
+        if (err == 0) {
+          auto link = std::make_unique<TcpLink>(fd, peer_name, sockaddr_text(ai->ai_addr, ai->ai_addrlen), options);
+          spdlog::debug("connected to {} after {} attempt(s), {:.0f} ms", link->describe(), attempts,
+                        ms_since(start));
+          return link;
+        }
+        if (err == -1) break;  // deadline passed during the handshake
+        last_error = errno_text(err);
+        if (retryable_connect_error(err))
+          retry = true;
+        else
+          fatal = last_error;  // e.g. EAFNOSUPPORT for one family: another address may still work
+      }
+    }
+    if (!retry && !fatal.empty())
+      throw PeerLost(peer_name, str_cat("connect to ", peer_name, " at ", where, ": ", fatal));
+    if (deadline.expired()) break;
+    auto sleep = std::min<Clock::duration>(backoff, deadline.remaining());
+    std::this_thread::sleep_for(sleep);
+    backoff = std::min(backoff * 2, std::chrono::milliseconds(200));
+    if (deadline.expired()) break;
+  }
+  throw Timeout(peer_name, str_cat("connect to ", peer_name, " at ", where, ": no connection within ",
+                                   static_cast<long long>(ms_since(start)), " ms (", attempts,
+                                   " attempts, last error: ", last_error,
+                                   "); is the peer running and listening there?"));
+}
+
+TcpLink::TcpLink(int fd, std::string peer_name, std::string address, LinkOptions options)
+    : fd_(fd),
+      peer_name_(peer_name.empty() ? address : std::move(peer_name)),
+      address_(std::move(address)),
+      describe_(peer_name_ == address_ ? address_ : str_cat(peer_name_, " (", address_, ")")),
+      options_(options) {
+  NEBULA_CHECK(fd >= 0, "invalid socket descriptor ", fd);
+  set_nonblocking(fd_);
+  set_nodelay(fd_);
+}
+
+TcpLink::~TcpLink() {
+  close();
+  ::close(fd_);
+}
+
+void TcpLink::close() {
+  if (closed_.exchange(true)) return;
+  ::shutdown(fd_, SHUT_RDWR);
+}
+
+LinkStats TcpLink::stats() const {
+  LinkStats s;
+  s.bytes_sent = bytes_sent_.load(std::memory_order_relaxed);
+  s.bytes_received = bytes_received_.load(std::memory_order_relaxed);
+  s.frames_sent = frames_sent_.load(std::memory_order_relaxed);
+  s.frames_received = frames_received_.load(std::memory_order_relaxed);
+  return s;
+}
+
+void TcpLink::mark_broken(const std::string& reason, bool quiet) {
+  {
+    std::lock_guard<std::mutex> lock(state_mu_);
+    if (broken_.load()) return;
+    broken_reason_ = reason;
+    broken_.store(true);
+  }
+  if (quiet)
+    spdlog::debug("link to {} ended: {}", describe_, reason);
+  else
+    spdlog::warn("link to {} broken: {}", describe_, reason);
+  // Tell the peer at once (it sees EOF rather than waiting on half a frame) and wake a
+  // call blocked in the other direction.
+  ::shutdown(fd_, SHUT_RDWR);
+}
+
+void TcpLink::check_usable(const char* what) const {
+  if (closed_.load()) throw PeerLost(peer_name_, str_cat(what, " ", describe_, ": link was closed locally"));
+  if (broken_.load()) {
+    std::lock_guard<std::mutex> lock(state_mu_);
+    throw PeerLost(peer_name_, str_cat(what, " ", describe_, ": link broken after ", broken_reason_,
+                                       "; close it and reconnect"));
+  }
+}
+
+void TcpLink::throw_lost(const char* what, const std::string& detail, bool quiet) {
+  check_usable(what);  // closed locally, or broken by the other direction: say so
+  std::string msg = str_cat(what, " ", describe_, ": ", detail);
+  mark_broken(msg, quiet);
+  throw PeerLost(peer_name_, msg);
+}
+
+void TcpLink::wait_ready(short events, Deadline deadline, const char* what, bool frame_progress, size_t done,
+                         size_t total) {
+  for (;;) {
+    pollfd p{fd_, events, 0};
+    int r = ::poll(&p, 1, deadline.poll_timeout_ms());
+    if (r > 0) return;  // ready, or POLLHUP/POLLERR: the next read/write reports it
+    if (r < 0) {
+      if (errno == EINTR) continue;
+      throw_lost(what, str_cat("poll failed: ", errno_text(errno)), false);
+    }
+    if (!deadline.expired()) continue;
+    check_usable(what);
+    std::string msg = str_cat(what, " ", describe_, ": deadline passed after ", done, " of ", total, " bytes");
+    if (frame_progress) {
+      mark_broken(msg);
+      msg += " (the stream is now out of step; the link is broken)";
+    }
+    throw Timeout(peer_name_, msg);
+  }
+}
+
+void TcpLink::read_exact(uint8_t* p, size_t n, Deadline deadline, const char* what, bool frame_progress) {
+  size_t got = 0;
+  while (got < n) {
+    ssize_t r = ::recv(fd_, p + got, n - got, 0);
+    if (r > 0) {
+      got += static_cast<size_t>(r);
+      bytes_received_.fetch_add(static_cast<uint64_t>(r), std::memory_order_relaxed);
+      continue;
+    }
+    if (r == 0) {
+      bool mid_frame = frame_progress || got > 0;
+      // EOF between frames is how a peer normally says goodbye: no warning for that.
+      throw_lost(what,
+                 mid_frame ? str_cat("peer closed the connection mid-frame, after ", got, " of ", n, " bytes")
+                           : std::string("peer closed the connection"),
+                 /*quiet=*/!mid_frame);
+    }
+    int err = errno;
+    if (err == EINTR) continue;
+    if (err == EAGAIN || err == EWOULDBLOCK) {
+      wait_ready(POLLIN, deadline, what, frame_progress || got > 0, got, n);
+      continue;
+    }
+    throw_lost(what, errno_text(err), false);
+  }
+}
+
+void TcpLink::write_all(iovec* iov, int iovcnt, size_t total, Deadline deadline, const char* what) {
+  size_t sent = 0;
+  while (sent < total) {
+    while (iovcnt > 0 && iov->iov_len == 0) {
+      ++iov;
+      --iovcnt;
+    }
+    msghdr msg{};
+    msg.msg_iov = iov;
+    msg.msg_iovlen = static_cast<size_t>(iovcnt);
+    ssize_t r = ::sendmsg(fd_, &msg, MSG_NOSIGNAL);
+    if (r >= 0) {
+      size_t k = static_cast<size_t>(r);
+      sent += k;
+      bytes_sent_.fetch_add(k, std::memory_order_relaxed);
+      while (k > 0) {
+        size_t step = std::min(k, iov->iov_len);
+        iov->iov_base = static_cast<uint8_t*>(iov->iov_base) + step;
+        iov->iov_len -= step;
+        k -= step;
+        if (iov->iov_len == 0 && k > 0) {
+          ++iov;
+          --iovcnt;
+        }
+      }
+      continue;
+    }
+    int err = errno;
+    if (err == EINTR) continue;
+    if (err == EAGAIN || err == EWOULDBLOCK) {
+      wait_ready(POLLOUT, deadline, what, sent > 0, sent, total);
+      continue;
+    }
+    throw_lost(what, err == EPIPE || err == ECONNRESET ? str_cat("peer closed the connection (", errno_text(err), ")")
+                                                        : errno_text(err),
+               false);
+  }
+}
+
+void TcpLink::send(const wire::Frame& frame, Deadline deadline) {
+  NEBULA_CHECK(frame.payload.size() == frame.header.payload_len, "send to ", describe_, ": payload has ",
+               frame.payload.size(), " bytes but header.payload_len is ", frame.header.payload_len);
+  NEBULA_CHECK(frame.header.payload_len <= options_.max_payload, "send to ", describe_, ": payload of ",
+               frame.header.payload_len, " bytes exceeds LinkOptions.max_payload ", options_.max_payload);
+  std::lock_guard<std::mutex> lock(send_mu_);
+  check_usable("send to");
+  auto header = wire::encode_header(frame.header);
+  iovec iov[2];
+  iov[0].iov_base = header.data();
+  iov[0].iov_len = header.size();
+  iov[1].iov_base = const_cast<uint8_t*>(frame.payload.data());
+  iov[1].iov_len = frame.payload.size();
+  write_all(iov, 2, header.size() + frame.payload.size(), deadline, "send to");
+  frames_sent_.fetch_add(1, std::memory_order_relaxed);
+}
+
+wire::Frame TcpLink::recv(Deadline deadline) {
+  std::unique_lock<std::mutex> lock(recv_mu_, std::try_to_lock);
+  NEBULA_CHECK(lock.owns_lock(), "concurrent recv() on the link to ", describe_,
+               " (one receiving thread per link; see transport/link.h)");
+  check_usable("recv from");
+  wire::Frame frame;
+  std::array<uint8_t, wire::kHeaderSize> header;
+  read_exact(header.data(), header.size(), deadline, "recv header from", false);
+  try {
+    frame.header = wire::decode_header(header, options_.max_payload);
+  } catch (const FrameError& e) {
+    std::string msg = str_cat("recv header from ", describe_, ": ", e.what());
+    mark_broken(msg);
+    throw FrameError(e.kind(), msg);
+  }
+  // Only now, with payload_len validated against max_payload, is the payload allocated.
+  frame.payload.resize(frame.header.payload_len);
+  read_exact(frame.payload.data(), frame.payload.size(), deadline, "recv payload from", true);
+  try {
+    wire::verify_checksum(frame.header, frame.payload);
+  } catch (const FrameError& e) {
+    std::string msg = str_cat("recv payload from ", describe_, ": ", e.what());
+    mark_broken(msg);
+    throw FrameError(e.kind(), msg);
+  }
+  frames_received_.fetch_add(1, std::memory_order_relaxed);
+  return frame;
+}
+
+// ---------------------------------------------------------------------------------------
+
+TcpListener::TcpListener(const std::string& host, uint16_t port, LinkOptions options) : options_(options) {
+  const std::string where = format_host_port(host.empty() ? "0.0.0.0" : host, port);
+  addrinfo hints{};
+  hints.ai_family = host.empty() ? AF_INET : AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = AI_PASSIVE | AI_NUMERICSERV;
+  AddrInfo res;
+  const std::string port_text = std::to_string(port);
+  int gai = ::getaddrinfo(host.empty() ? nullptr : host.c_str(), port_text.c_str(), &hints, &res.head);
+  if (gai != 0)
+    throw Error(str_cat("listen on ", where, ": cannot resolve host \"", host, "\": ", ::gai_strerror(gai)));
+  int err = 0;
+  const char* op = "";
+  for (const addrinfo* ai = res.head; ai; ai = ai->ai_next) {
+    int fd = ::socket(ai->ai_family, ai->ai_socktype | SOCK_NONBLOCK | SOCK_CLOEXEC, ai->ai_protocol);
+    if (fd < 0) {
+      err = errno;
+      op = "socket";
+      continue;
+    }
+    int one = 1;
+    ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+    if (::bind(fd, ai->ai_addr, ai->ai_addrlen) != 0) {
+      err = errno;
+      op = "bind";
+      ::close(fd);
+      continue;
+    }
+    if (::listen(fd, 128) != 0) {
+      err = errno;
+      op = "listen";
+      ::close(fd);
+      continue;
+    }
+    fd_ = fd;
+    break;
+  }
+  if (fd_ < 0) {
+    std::string hint;
+    if (err == EADDRINUSE)
+      hint = "; another process (perhaps an earlier nebula run) holds this port: stop it, choose another port, "
+             "or use port 0 for a free one";
+    else if (err == EACCES)
+      hint = "; ports below 1024 need privileges: choose a port >= 1024";
+    else if (err == EADDRNOTAVAIL)
+      hint = "; that address does not belong to this host: use one of its addresses or 0.0.0.0";
+    throw Error(str_cat("listen on ", where, ": ", op, " failed: ", errno_text(err), hint));
+  }
+  sockaddr_storage ss{};
+  socklen_t len = sizeof ss;
+  ::getsockname(fd_, reinterpret_cast<sockaddr*>(&ss), &len);
+  port_ = ss.ss_family == AF_INET6 ? ntohs(reinterpret_cast<sockaddr_in6*>(&ss)->sin6_port)
+                                   : ntohs(reinterpret_cast<sockaddr_in*>(&ss)->sin_port);
+  address_ = format_host_port(host.empty() ? "0.0.0.0" : host, port_);
+  spdlog::debug("listening on {}", address_);
+}
+
+TcpListener::~TcpListener() {
+  close();
+  if (fd_ >= 0) ::close(fd_);
+}
+
+void TcpListener::close() {
+  if (closed_.exchange(true)) return;
+  // Wakes a poll() in accept() on Linux; the descriptor is released by the destructor.
+  ::shutdown(fd_, SHUT_RDWR);
+}
+
+std::unique_ptr<TcpLink> TcpListener::accept(Deadline deadline, std::string peer_name_hint) {
+  const std::string who = peer_name_hint.empty() ? address_ : peer_name_hint;
+  for (;;) {
+    if (closed_.load()) throw PeerLost(who, str_cat("accept on ", address_, ": listener was closed"));
+    sockaddr_storage ss{};
+    socklen_t len = sizeof ss;
+    int fd = ::accept4(fd_, reinterpret_cast<sockaddr*>(&ss), &len, SOCK_NONBLOCK | SOCK_CLOEXEC);
+    if (fd >= 0) {
+      std::string addr = sockaddr_text(reinterpret_cast<sockaddr*>(&ss), len);
+      auto link = std::make_unique<TcpLink>(fd, std::move(peer_name_hint), addr, options_);
+      spdlog::debug("accepted {} on {}", link->describe(), address_);
+      return link;
+    }
+    int err = errno;
+    if (err == EINTR || err == ECONNABORTED || err == EPROTO) continue;
+    if (err == EAGAIN || err == EWOULDBLOCK) {
+      pollfd p{fd_, POLLIN, 0};
+      int r = ::poll(&p, 1, deadline.poll_timeout_ms());
+      if (r < 0 && errno != EINTR)
+        throw Error(str_cat("accept on ", address_, ": poll failed: ", errno_text(errno)));
+      if (r == 0 && deadline.expired())
+        throw Timeout(who, str_cat("accept on ", address_, ": no peer", peer_name_hint.empty() ? "" : " (", peer_name_hint,
+                                   peer_name_hint.empty() ? "" : ")", " connected before the deadline"));
+      continue;
+    }
+    if (closed_.load()) continue;
+    throw Error(str_cat("accept on ", address_, ": ", errno_text(err)));
+  }
+}
+
+uint16_t pick_free_port(const std::string& host) {
+  TcpListener probe(host, 0);
+  return probe.port();
+}
+
+}  // namespace nebula::transport

@@ -1,0 +1,141 @@
+// TcpLink: a Link over one connected TCP socket, and TcpListener, which accepts them.
+//
+// The socket is non-blocking; every partial read or write waits in poll() for at most
+// the time left on the caller's Deadline, so no call can outlive its deadline by more
+// than one poll rounding (1 ms). TCP_NODELAY is set (frames are written whole with one
+// sendmsg, so Nagle would only add latency to small control frames) and writes use
+// MSG_NOSIGNAL (a dead peer gives PeerLost, never SIGPIPE).
+//
+// recv() reads exactly wire::kHeaderSize bytes, validates the header -- including
+// payload_len against LinkOptions::max_payload -- before allocating the payload, reads
+// the payload, then checks the CRC. See link.h for the thread-safety contract and the
+// error contract; TcpLink detects concurrent recv() calls and throws nebula::Error.
+#pragma once
+
+#include <sys/uio.h>
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <utility>
+
+#include "transport/link.h"
+
+namespace nebula::transport {
+
+// Splits "127.0.0.1:4242", "[::1]:4242" or "host:0" into host and port. Throws
+// nebula::Error naming `text` when it is malformed (no port, empty host, an IPv6 address
+// without brackets, a port that is not a number in 0..65535).
+std::pair<std::string, uint16_t> parse_host_port(const std::string& text);
+
+// The inverse: "host:port", with brackets around a host that contains ':'.
+std::string format_host_port(const std::string& host, uint16_t port);
+
+// A port on `host` that is free right now (bound and released at once). For local mode and
+// tests, which must never use fixed ports; another process may still take it before the
+// caller binds it, which then fails with TcpListener's clear bind error.
+uint16_t pick_free_port(const std::string& host);
+
+class TcpLink : public Link {
+ public:
+  // Connects to host:port (a name, or an IPv4/IPv6 literal; resolved with getaddrinfo).
+  // The peer process may not be listening yet, so refused / timed-out / unreachable
+  // attempts are retried with backoff (20 ms doubling to 200 ms) until `deadline`, then
+  // Timeout naming host:port and the last error. A host that does not resolve throws
+  // nebula::Error. `peer_name` (e.g. the site name) is used in errors; empty means
+  // "host:port".
+  static std::unique_ptr<TcpLink> connect(const std::string& host, uint16_t port, std::string peer_name,
+                                          Deadline deadline, LinkOptions options = {});
+
+  // Takes ownership of a connected stream socket `fd` (made non-blocking here).
+  // `address` is the peer's numeric "host:port", for messages.
+  TcpLink(int fd, std::string peer_name, std::string address, LinkOptions options = {});
+  ~TcpLink() override;
+  TcpLink(const TcpLink&) = delete;
+  TcpLink& operator=(const TcpLink&) = delete;
+
+  void send(const wire::Frame& frame, Deadline deadline) override;
+  wire::Frame recv(Deadline deadline) override;
+  // Shuts the socket down (waking blocked calls); the descriptor itself is released by
+  // the destructor, so a concurrent call never touches a reused descriptor number.
+  void close() override;
+  std::string peer() const override { return peer_name_; }
+  LinkStats stats() const override;
+
+  // The peer's numeric address, "127.0.0.1:4242".
+  const std::string& address() const { return address_; }
+  // "site-b (127.0.0.1:4242)", as used at the start of error messages.
+  const std::string& describe() const { return describe_; }
+
+ private:
+  // Reads exactly n bytes. `frame_progress` is true when bytes of the current frame were
+  // already read before this call, so a timeout or EOF now leaves the stream out of step.
+  void read_exact(uint8_t* p, size_t n, Deadline deadline, const char* what, bool frame_progress);
+  // Writes all iovecs (modified in place).
+  void write_all(iovec* iov, int iovcnt, size_t total, Deadline deadline, const char* what);
+  // Waits in poll() for `events`; throws Timeout when the deadline passes (marking the
+  // link broken if `frame_progress`).
+  void wait_ready(short events, Deadline deadline, const char* what, bool frame_progress, size_t done,
+                  size_t total);
+  void check_usable(const char* what) const;
+  // Marks the link broken and throws PeerLost (or the closed/broken message if another
+  // thread got there first). `quiet` logs at debug instead of warn (orderly EOF).
+  [[noreturn]] void throw_lost(const char* what, const std::string& detail, bool quiet);
+  // Records the first failure and shuts the socket down, so the peer sees EOF at once and
+  // a call blocked in the other direction wakes up.
+  void mark_broken(const std::string& reason, bool quiet = false);
+
+  const int fd_;
+  const std::string peer_name_;
+  const std::string address_;
+  const std::string describe_;
+  const LinkOptions options_;
+
+  std::mutex send_mu_;  // held for a whole send(): frames go out whole and in order
+  std::mutex recv_mu_;  // try-locked by recv() to detect concurrent receivers
+
+  std::atomic<bool> closed_{false};
+  std::atomic<bool> broken_{false};
+  mutable std::mutex state_mu_;
+  std::string broken_reason_;  // GUARDED_BY(state_mu_); set once, when broken_ becomes true
+
+  std::atomic<uint64_t> bytes_sent_{0}, bytes_received_{0}, frames_sent_{0}, frames_received_{0};
+};
+
+// A listening TCP socket (SO_REUSEADDR) that accepts TcpLinks.
+// accept() may be called from one thread while close() is called from another.
+class TcpListener {
+ public:
+  // Binds host:port and listens. host "" or "0.0.0.0" = every IPv4 interface, "::" =
+  // every interface; port 0 = an ephemeral port (see port()). Bind errors (port in use,
+  // privileged port, address not on this host) throw nebula::Error naming host:port,
+  // strerror and what to do about it.
+  TcpListener(const std::string& host, uint16_t port, LinkOptions options = {});
+  ~TcpListener();
+  TcpListener(const TcpListener&) = delete;
+  TcpListener& operator=(const TcpListener&) = delete;
+
+  // The bound port (the ephemeral one when constructed with 0).
+  uint16_t port() const { return port_; }
+  const std::string& address() const { return address_; }
+
+  // Waits for one connection. The link's peer() is `peer_name_hint`, or the peer's
+  // numeric address when the hint is empty (the layer above learns the real site name
+  // from the hello frame / certificate). Throws Timeout when the deadline passes and
+  // PeerLost when the listener is closed meanwhile.
+  std::unique_ptr<TcpLink> accept(Deadline deadline, std::string peer_name_hint = "");
+
+  // Stops listening; idempotent; wakes a blocked accept().
+  void close();
+
+ private:
+  int fd_ = -1;
+  uint16_t port_ = 0;
+  std::string address_;  // "host:port" as bound, for messages
+  LinkOptions options_;
+  std::atomic<bool> closed_{false};
+};
+
+}  // namespace nebula::transport

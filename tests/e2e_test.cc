@@ -1,0 +1,114 @@
+// Runs build/nebula as a user would and checks what it leaves behind.
+#include <gtest/gtest.h>
+#include <sys/wait.h>
+
+#include <array>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+namespace fs = std::filesystem;
+
+namespace {
+
+struct Result {
+  int exit_code;
+  std::string output;
+};
+
+// Runs a shell command line (bounded by `timeout`, so a hang fails the test instead of CI).
+Result run(const std::string& args, int timeout_s = 600) {
+  std::string cmd = "cd " NEBULA_SOURCE_DIR " && timeout -k 10 " + std::to_string(timeout_s) + " " +
+                    NEBULA_BINARY_DIR "/nebula " + args + " 2>&1";
+  FILE* p = ::popen(cmd.c_str(), "r");
+  std::string out;
+  std::array<char, 4096> buf;
+  while (size_t n = std::fread(buf.data(), 1, buf.size(), p)) out.append(buf.data(), n);
+  int status = ::pclose(p);
+  return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, out};
+}
+
+std::string temp_run_dir(const std::string& name) {
+  fs::path dir = fs::temp_directory_path() / ("nebula-e2e-" + name + "-" + std::to_string(::getpid()));
+  fs::remove_all(dir);
+  return dir.string();
+}
+
+TEST(EndToEnd, SmokeRunTrainsOnTwoSitesAndWritesSummary) {
+  const std::string dir = temp_run_dir("smoke");
+  Result r = run("run examples/smoke.toml --set job.run_dir=\\\"" + dir + "\\\"");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+
+  std::ifstream sin(dir + "/summary.json");
+  ASSERT_TRUE(sin) << "no summary.json in " << dir << "\n" << r.output;
+  nlohmann::json summary = nlohmann::json::parse(sin);
+  for (const char* key : {"steps", "tokens", "wall_seconds", "final_train_loss", "final_val_loss", "wan_bytes"})
+    EXPECT_TRUE(summary.contains(key)) << key;
+  EXPECT_EQ(summary["steps"].get<int>(), 60);
+  EXPECT_EQ(summary["sites"].get<int>(), 2);
+  EXPECT_GT(summary["tokens"].get<double>(), 0);
+  EXPECT_GT(summary["wan_bytes"].get<double>(), 0);
+
+  // Loss falls: each site's first logged loss is above its last one.
+  std::ifstream min(dir + "/metrics.jsonl");
+  std::map<std::string, std::vector<double>> losses;
+  std::map<std::string, double> wan_sent;
+  for (std::string line; std::getline(min, line);) {
+    auto j = nlohmann::json::parse(line);
+    for (const char* key : {"time", "site", "rank", "step", "loss", "tokens", "wan_bytes_sent", "wan_bytes_received"})
+      ASSERT_TRUE(j.contains(key)) << key << " missing in " << line;
+    if (j["rank"] == 0) {
+      losses[j["site"]].push_back(j["loss"]);
+      wan_sent[j["site"]] = j["wan_bytes_sent"];
+    }
+  }
+  ASSERT_EQ(losses.size(), 2u);
+  for (auto& [site, l] : losses) {
+    ASSERT_GE(l.size(), 3u) << site;
+    EXPECT_LT(l.back(), l.front() - 0.3) << site << ": loss did not fall";
+  }
+  // sync sends every step's full gradient: the summary's WAN bytes are the gateways' total.
+  EXPECT_GE(summary["wan_bytes"].get<double>(), wan_sent["alpha"] + wan_sent["beta"]);
+  fs::remove_all(dir);
+}
+
+TEST(EndToEnd, OneFailingWorkerStopsTheJobWithNonZeroExit) {
+  const std::string dir = temp_run_dir("fail");
+  // Workers cannot load this tokenizer: each fails; the launcher must stop the rest and fail.
+  Result r = run("run examples/smoke.toml --set job.run_dir=\\\"" + dir +
+                     "\\\" --set data.tokenizer=\\\"/nonexistent/tok.model\\\"",
+                 120);
+  EXPECT_NE(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("failed"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("/nonexistent/tok.model"), std::string::npos) << r.output;
+  fs::remove_all(dir);
+}
+
+TEST(EndToEnd, BadConfigGivesOneLineNamingTheKey) {
+  Result r = run("run examples/smoke.toml --set wan.rtt=\\\"80 parsecs\\\"", 60);
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  EXPECT_NE(r.output.find("wan.rtt"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("parsecs"), std::string::npos) << r.output;
+}
+
+TEST(EndToEnd, HelpWorksForEverySubcommand) {
+  for (const char* sub : {"", "run ", "worker ", "demo "}) {
+    Result r = run(std::string(sub) + "--help", 30);
+    EXPECT_EQ(r.exit_code, 0) << sub << r.output;
+    EXPECT_NE(r.output.find("Usage"), std::string::npos) << sub << r.output;
+  }
+}
+
+TEST(EndToEnd, WorkerWithoutSiteSaysSo) {
+  Result r = run("worker examples/smoke.toml --rank 0", 30);
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  EXPECT_NE(r.output.find("--site"), std::string::npos) << r.output;
+  r = run("worker examples/smoke.toml --site nowhere --rank 0", 30);
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  EXPECT_NE(r.output.find("no site named 'nowhere'"), std::string::npos) << r.output;
+}
+
+}  // namespace
