@@ -75,6 +75,42 @@ TEST(EndToEnd, SmokeRunTrainsOnTwoSitesAndWritesSummary) {
   fs::remove_all(dir);
 }
 
+// Users' own corpora: a TSV of pairs (sites split by language) and a plain text file (sites
+// split by slice).
+TEST(EndToEnd, TrainsOnUsersTsvAndTextFiles) {
+  const std::string dir = temp_run_dir("own");
+  fs::create_directories(dir);
+  const char* words[] = {"red", "green", "blue", "small", "large", "house", "tree", "river", "stone", "bird"};
+  std::ofstream tsv(dir + "/pairs.tsv"), txt(dir + "/lines.txt");
+  tsv << "# lang<TAB>English<TAB>other\n";
+  for (int i = 0; i < 600; ++i) {
+    std::string en, other;
+    for (int j = 0; j < 5; ++j) {
+      en += std::string(j ? " " : "") + words[(i * 7 + j * 3) % 10];
+      other += std::string(j ? " " : "") + words[(i * 7 + j * 3) % 10] + "o";
+    }
+    tsv << (i % 2 ? "aa" : "bb") << "\t" << en << " " << i << "\t" << other << " " << i << "\n";
+    txt << en << " " << i << "\n";
+  }
+  tsv.close();
+  txt.close();
+  const std::string common = " --set job.steps=6 --set data.vocab_size=60 --set job.run_dir=\\\"" + dir + "/run\\\"";
+  Result r = run("run examples/smoke.toml --set data.source=tsv --set data.path=\\\"" + dir +
+                 "/pairs.tsv\\\" --set 'sites.0.languages=[\"aa\"]' --set 'sites.1.languages=[\"bb\"]'" + common);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_TRUE(fs::exists(dir + "/run/summary.json"));
+  Result t = run("run examples/smoke.toml --set data.source=text --set data.path=\\\"" + dir +
+                 "/lines.txt\\\" --set sites.0.languages=[] --set sites.1.languages=[]" + common);
+  ASSERT_EQ(t.exit_code, 0) << t.output;
+  // A language no line carries is an error naming the site, not an empty run.
+  Result bad = run("run examples/smoke.toml --set data.source=tsv --set data.path=\\\"" + dir +
+                   "/pairs.tsv\\\" --set 'sites.0.languages=[\"aa\"]' --set 'sites.1.languages=[\"zz\"]'" +
+                   common);
+  EXPECT_NE(bad.exit_code, 0) << bad.output;
+  EXPECT_NE(bad.output.find("site 'beta' has no sentences"), std::string::npos) << bad.output;
+  fs::remove_all(dir);
+}
+
 TEST(EndToEnd, OneFailingWorkerStopsTheJobWithNonZeroExit) {
   const std::string dir = temp_run_dir("fail");
   // Workers cannot load this tokenizer: each fails; the launcher must stop the rest and fail.
@@ -88,7 +124,7 @@ TEST(EndToEnd, OneFailingWorkerStopsTheJobWithNonZeroExit) {
 }
 
 TEST(EndToEnd, BadConfigGivesOneLineNamingTheKey) {
-  Result r = run("run examples/smoke.toml --set wan.rtt=\\\"80 parsecs\\\"", 60);
+  Result r = run("run examples/smoke.toml --set 'wan.rtt=\"80 parsecs\"'", 60);
   EXPECT_EQ(r.exit_code, 2) << r.output;
   EXPECT_NE(r.output.find("wan.rtt"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("parsecs"), std::string::npos) << r.output;

@@ -51,7 +51,8 @@ int main(int argc, char** argv) {
   std::vector<std::string> overrides;
   auto* run = app.add_subcommand("run", "Run a job in local mode: every worker of every site as a process here");
   run->add_option("config", config_path, "Job config (TOML)")->required()->check(CLI::ExistingFile);
-  run->add_option("--set", overrides, "Override a config key, e.g. --set job.steps=20 (repeatable)");
+  run->add_option("--set", overrides, "Override a config key, e.g. --set job.steps=20 (repeatable)")
+      ->allow_extra_args(false);
 
   std::string site_name;
   std::string rank_text;
@@ -59,12 +60,12 @@ int main(int argc, char** argv) {
   worker->add_option("config", config_path, "Job config (TOML)")->required()->check(CLI::ExistingFile);
   worker->add_option("--site", site_name, "This worker's site (default: $NEBULA_SITE)");
   worker->add_option("--rank", rank_text, "Rank inside the site; 0 is the gateway (default: $LOCAL_RANK)");
-  worker->add_option("--set", overrides, "Override a config key (repeatable)");
+  worker->add_option("--set", overrides, "Override a config key (repeatable)")->allow_extra_args(false);
 
   std::string demo_dir = "runs/demo";
   auto* demo = app.add_subcommand("demo", "Two emulated sites over an emulated WAN on this machine's gettext corpus");
   demo->add_option("--run-dir", demo_dir, "Where the demo writes its run (default: runs/demo)");
-  demo->add_option("--set", overrides, "Override a key of the demo config (repeatable)");
+  demo->add_option("--set", overrides, "Override a key of the demo config (repeatable)")->allow_extra_args(false);
 
   CLI11_PARSE(app, argc, argv);
   nebula::init_logging("nebula");
@@ -87,14 +88,20 @@ int main(int argc, char** argv) {
         if (!env) throw nebula::ConfigError("nebula worker: no --site and no $NEBULA_SITE: say which site this is");
         site_name = env;
       }
+      // Rank inside the site: --rank, else what a launcher set (torchrun's RANK is the rank in
+      // its world, which for nebula is one site).
       int rank = 0;
       if (!rank_text.empty()) {
         rank = parse_rank(rank_text, "--rank");
-      } else if (const char* env = first_env({"LOCAL_RANK", "NEBULA_RANK"})) {
-        rank = parse_rank(env, "LOCAL_RANK");
+      } else if (const char* env = first_env({"NEBULA_RANK", "RANK", "LOCAL_RANK"})) {
+        rank = parse_rank(env, "$RANK");
       } else {
-        throw nebula::ConfigError("nebula worker: no --rank and no $LOCAL_RANK: say which rank this is");
+        throw nebula::ConfigError("nebula worker: no --rank and no $RANK / $LOCAL_RANK: say which rank this is");
       }
+      const auto& site = c.sites[c.site_index(site_name)];
+      if (const char* world = first_env({"WORLD_SIZE"}); world && std::to_string(site.workers) != world)
+        throw nebula::ConfigError(nebula::str_cat("$WORLD_SIZE = ", world, " but site '", site_name, "' has workers = ",
+                                                  site.workers, " in ", config_path, ": make them agree"));
       nebula::train::run_worker(c, {c.site_index(site_name), rank});
       return 0;
     }

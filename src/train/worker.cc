@@ -5,6 +5,8 @@
 #include <spdlog/spdlog.h>
 #include <torch/optim/adamw.h>
 
+#include <dlfcn.h>
+
 #include <cmath>
 
 #include "collective/gateway_mesh.h"
@@ -98,6 +100,9 @@ void run_worker(const Config& c, const WorkerIdentity& who) {
   init_logging(str_cat(site.name, "/", who.local_rank));
   // Several workers share the machine's cores: one intra-op thread each.
   at::set_num_threads(1);
+  // OpenBLAS keeps its own pool (sized from the cores, not from at::set_num_threads).
+  using SetThreads = void (*)(int);
+  if (auto f = reinterpret_cast<SetThreads>(::dlsym(RTLD_DEFAULT, "openblas_set_num_threads"))) f(1);
   const auto start = Clock::now();
   const Millis timeout = std::chrono::duration_cast<Millis>(c.job.timeout);
   if (c.security.insecure) spdlog::warn("security.insecure = true: inter-site links are plaintext");
