@@ -36,14 +36,7 @@ size_t EmulatedLink::in_flight() const {
   return queue_.size();
 }
 
-LinkStats EmulatedLink::stats() const {
-  LinkStats s;
-  s.bytes_sent = bytes_sent_.load(std::memory_order_relaxed);
-  s.bytes_received = bytes_received_.load(std::memory_order_relaxed);
-  s.frames_sent = frames_sent_.load(std::memory_order_relaxed);
-  s.frames_received = frames_received_.load(std::memory_order_relaxed);
-  return s;
-}
+LinkStats EmulatedLink::stats() const { return counters_.snapshot(); }
 
 void EmulatedLink::throw_if_failed(const char* what) const {
   std::lock_guard<std::mutex> lock(mu_);
@@ -80,15 +73,15 @@ void EmulatedLink::send(const wire::Frame& frame, Deadline deadline) {
     queue_.push_back(std::move(item));
   }
   cv_.notify_all();
-  bytes_sent_.fetch_add(wire_bytes, std::memory_order_relaxed);
-  frames_sent_.fetch_add(1, std::memory_order_relaxed);
+  LinkCounters::add(counters_.bytes_sent, wire_bytes);
+  LinkCounters::add(counters_.frames_sent, 1);
 }
 
 wire::Frame EmulatedLink::recv(Deadline deadline) {
   throw_if_failed("recv from");
   wire::Frame frame = inner_->recv(deadline);
-  bytes_received_.fetch_add(wire::kHeaderSize + frame.payload.size(), std::memory_order_relaxed);
-  frames_received_.fetch_add(1, std::memory_order_relaxed);
+  LinkCounters::add(counters_.bytes_received, wire::kHeaderSize + frame.payload.size());
+  LinkCounters::add(counters_.frames_received, 1);
   return frame;
 }
 

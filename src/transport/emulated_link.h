@@ -95,7 +95,7 @@ class EmulatedLink : public Link {
   std::mutex close_mu_;                        // serializes close()
   bool closed_ = false;                        // GUARDED_BY(close_mu_)
 
-  std::atomic<uint64_t> bytes_sent_{0}, bytes_received_{0}, frames_sent_{0}, frames_received_{0};
+  LinkCounters counters_;
 
   std::thread pump_thread_;  // last member: started after everything it uses
 };

@@ -27,6 +27,7 @@
 //   "recv header from site-b (127.0.0.1:4242): frame header: bad magic ...".
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <string>
 
@@ -42,6 +43,16 @@ struct LinkStats {
   uint64_t bytes_received = 0;
   uint64_t frames_sent = 0;
   uint64_t frames_received = 0;
+};
+
+// The counters behind LinkStats, updated by any thread without a lock.
+struct LinkCounters {
+  std::atomic<uint64_t> bytes_sent{0}, bytes_received{0}, frames_sent{0}, frames_received{0};
+  static void add(std::atomic<uint64_t>& c, uint64_t n) { c.fetch_add(n, std::memory_order_relaxed); }
+  LinkStats snapshot() const {
+    return {bytes_sent.load(std::memory_order_relaxed), bytes_received.load(std::memory_order_relaxed),
+            frames_sent.load(std::memory_order_relaxed), frames_received.load(std::memory_order_relaxed)};
+  }
 };
 
 struct LinkOptions {

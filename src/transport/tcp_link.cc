@@ -215,14 +215,7 @@ void TcpLink::close() {
   ::shutdown(fd_, SHUT_RDWR);
 }
 
-LinkStats TcpLink::stats() const {
-  LinkStats s;
-  s.bytes_sent = bytes_sent_.load(std::memory_order_relaxed);
-  s.bytes_received = bytes_received_.load(std::memory_order_relaxed);
-  s.frames_sent = frames_sent_.load(std::memory_order_relaxed);
-  s.frames_received = frames_received_.load(std::memory_order_relaxed);
-  return s;
-}
+LinkStats TcpLink::stats() const { return counters_.snapshot(); }
 
 void TcpLink::mark_broken(const std::string& reason, bool quiet) {
   {
@@ -283,7 +276,7 @@ void TcpLink::read_exact(uint8_t* p, size_t n, Deadline deadline, const char* wh
     ssize_t r = ::recv(fd_, p + got, n - got, 0);
     if (r > 0) {
       got += static_cast<size_t>(r);
-      bytes_received_.fetch_add(static_cast<uint64_t>(r), std::memory_order_relaxed);
+      LinkCounters::add(counters_.bytes_received, static_cast<uint64_t>(r));
       continue;
     }
     if (r == 0) {
@@ -318,7 +311,7 @@ void TcpLink::write_all(iovec* iov, int iovcnt, size_t total, Deadline deadline,
     if (r >= 0) {
       size_t k = static_cast<size_t>(r);
       sent += k;
-      bytes_sent_.fetch_add(k, std::memory_order_relaxed);
+      LinkCounters::add(counters_.bytes_sent, k);
       while (k > 0) {
         size_t step = std::min(k, iov->iov_len);
         iov->iov_base = static_cast<uint8_t*>(iov->iov_base) + step;
@@ -357,7 +350,7 @@ void TcpLink::send(const wire::Frame& frame, Deadline deadline) {
   iov[1].iov_base = const_cast<uint8_t*>(frame.payload.data());
   iov[1].iov_len = frame.payload.size();
   write_all(iov, 2, header.size() + frame.payload.size(), deadline, "send to");
-  frames_sent_.fetch_add(1, std::memory_order_relaxed);
+  LinkCounters::add(counters_.frames_sent, 1);
 }
 
 wire::Frame TcpLink::recv(Deadline deadline) {
@@ -385,7 +378,7 @@ wire::Frame TcpLink::recv(Deadline deadline) {
     mark_broken(msg);
     throw FrameError(e.kind(), msg);
   }
-  frames_received_.fetch_add(1, std::memory_order_relaxed);
+  LinkCounters::add(counters_.frames_received, 1);
   return frame;
 }
 

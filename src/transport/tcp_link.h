@@ -101,7 +101,7 @@ class TcpLink : public Link {
   mutable std::mutex state_mu_;
   std::string broken_reason_;  // GUARDED_BY(state_mu_); set once, when broken_ becomes true
 
-  std::atomic<uint64_t> bytes_sent_{0}, bytes_received_{0}, frames_sent_{0}, frames_received_{0};
+  LinkCounters counters_;
 };
 
 // A listening TCP socket (SO_REUSEADDR) that accepts TcpLinks.
