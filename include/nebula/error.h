@@ -57,6 +57,13 @@ class PeerLost : public NetworkError {
   using NetworkError::NetworkError;
 };
 
+// A peer failed authentication (TLS handshake, certificate chain, expiry, site name) or
+// spoke something other than our protocol. The connection is refused; other links go on.
+class AuthError : public NetworkError {
+ public:
+  using NetworkError::NetworkError;
+};
+
 // A wait ran past its deadline while the peer may still be alive.
 class Timeout : public NetworkError {
  public:

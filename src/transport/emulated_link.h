@@ -60,6 +60,8 @@ class EmulatedLink : public Link {
   wire::Frame recv(Deadline deadline) override;
   void close() override;
   std::string peer() const override { return inner_->peer(); }
+  std::string peer_identity() const override { return inner_->peer_identity(); }
+  std::string peer_fingerprint() const override { return inner_->peer_fingerprint(); }
   // What the caller sent (counted when send() returns) and received.
   LinkStats stats() const override;
 

@@ -81,6 +81,12 @@ class Link {
   virtual std::string peer() const = 0;
 
   virtual LinkStats stats() const = 0;
+
+  // The peer's authenticated identity: the site name in its verified certificate, and the
+  // SHA-256 fingerprint of that certificate (hex). Empty for unauthenticated (plaintext)
+  // links. Wrappers (emulation, striping) forward their inner link's.
+  virtual std::string peer_identity() const { return {}; }
+  virtual std::string peer_fingerprint() const { return {}; }
 };
 
 }  // namespace nebula::transport
