@@ -70,6 +70,19 @@ TEST(EndToEnd, SmokeRunTrainsOnTwoSitesAndWritesSummary) {
     ASSERT_GE(l.size(), 3u) << site;
     EXPECT_LT(l.back(), l.front() - 0.3) << site << ": loss did not fall";
   }
+  // Mutual TLS by default: local mode made a CA and site certificates, and the audit log has
+  // one accepted line per connection on each side.
+  EXPECT_EQ(summary["security"], "mutual TLS 1.3");
+  EXPECT_TRUE(fs::exists(dir + "/certs/ca.pem"));
+  std::ifstream ain(dir + "/audit.jsonl");
+  int accepted = 0;
+  for (std::string line; std::getline(ain, line);) {
+    auto j = nlohmann::json::parse(line);
+    EXPECT_EQ(j["outcome"], "accepted") << line;
+    EXPECT_EQ(j["fingerprint"].get<std::string>().size(), 64u) << line;
+    ++accepted;
+  }
+  EXPECT_EQ(accepted, 2);  // alpha accepted beta's stream; beta's dial was accepted
   // sync sends every step's full gradient: the summary's WAN bytes are the gateways' total.
   EXPECT_GE(summary["wan_bytes"].get<double>(), wan_sent["alpha"] + wan_sent["beta"]);
   fs::remove_all(dir);
@@ -111,6 +124,45 @@ TEST(EndToEnd, TrainsOnUsersTsvAndTextFiles) {
   fs::remove_all(dir);
 }
 
+// A site whose certificate comes from another CA is refused, the refusal is audited, and
+// the job stops with a message that says why.
+TEST(EndToEnd, SiteWithCertificateFromAnotherCaIsRefused) {
+  const std::string dir = temp_run_dir("badca");
+  ASSERT_EQ(run("certs init " + dir + "/good", 30).exit_code, 0);
+  ASSERT_EQ(run("certs issue " + dir + "/good --site alpha", 30).exit_code, 0);
+  ASSERT_EQ(run("certs init " + dir + "/other", 30).exit_code, 0);
+  ASSERT_EQ(run("certs issue " + dir + "/other --site beta", 30).exit_code, 0);
+  fs::copy_file(dir + "/other/beta.pem", dir + "/good/beta.pem");
+  fs::copy_file(dir + "/other/beta.key", dir + "/good/beta.key");
+  Result r = run("run examples/smoke.toml --set job.steps=3 --set wan.handshake_timeout=\\\"5s\\\" "
+                 "--set job.timeout=\\\"20s\\\" --set security.certs=\\\"" + dir + "/good\\\" "
+                 "--set job.run_dir=\\\"" + dir + "/run\\\"", 120);
+  EXPECT_NE(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("unknown CA"), std::string::npos) << r.output;
+  std::ifstream ain(dir + "/run/audit.jsonl");
+  int refused = 0;
+  for (std::string line; std::getline(ain, line);) refused += nlohmann::json::parse(line)["outcome"] == "refused";
+  EXPECT_GE(refused, 1);
+  fs::remove_all(dir);
+}
+
+TEST(EndToEnd, CertsCommandsMakeAUsableCaAndSayWhatIsWrong) {
+  const std::string dir = temp_run_dir("certs");
+  Result init = run("certs init " + dir, 30);
+  ASSERT_EQ(init.exit_code, 0) << init.output;
+  EXPECT_NE(run("certs init " + dir, 30).exit_code, 0);  // never overwrite a CA
+  Result issue = run("certs issue " + dir + " --site alpha", 30);
+  ASSERT_EQ(issue.exit_code, 0) << issue.output;
+  EXPECT_NE(issue.output.find("fingerprint"), std::string::npos);
+  Result bad = run("certs issue " + dir + " --site 'no spaces'", 30);
+  EXPECT_NE(bad.exit_code, 0);
+  EXPECT_NE(bad.output.find("no spaces"), std::string::npos) << bad.output;
+  // The real openssl command agrees that the site certificate chains to the CA.
+  std::string verify = "openssl verify -CAfile " + dir + "/ca.pem " + dir + "/alpha.pem > /dev/null 2>&1";
+  EXPECT_EQ(std::system(verify.c_str()), 0);
+  fs::remove_all(dir);
+}
+
 TEST(EndToEnd, OneFailingWorkerStopsTheJobWithNonZeroExit) {
   const std::string dir = temp_run_dir("fail");
   // Workers cannot load this tokenizer: each fails; the launcher must stop the rest and fail.
@@ -131,7 +183,7 @@ TEST(EndToEnd, BadConfigGivesOneLineNamingTheKey) {
 }
 
 TEST(EndToEnd, HelpWorksForEverySubcommand) {
-  for (const char* sub : {"", "run ", "worker ", "demo "}) {
+  for (const char* sub : {"", "run ", "worker ", "demo ", "certs ", "certs init ", "certs issue "}) {
     Result r = run(std::string(sub) + "--help", 30);
     EXPECT_EQ(r.exit_code, 0) << sub << r.output;
     EXPECT_NE(r.output.find("Usage"), std::string::npos) << sub << r.output;

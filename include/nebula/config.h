@@ -5,6 +5,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -53,9 +54,41 @@ struct SiteConfig {
   std::vector<std::string> languages;   // this site's shard; empty = a slice of the whole corpus
 };
 
+// What the WAN between two sites looks like. In local mode nebula emulates it in process
+// (there is no real WAN on one machine); in a deployment leave it at zero.
+struct WanPathConfig {
+  double bandwidth_bits = 0;            // bottleneck of the site pair; 0 = unlimited
+  std::chrono::nanoseconds rtt{0};      // round trip (half each way)
+  std::chrono::nanoseconds jitter{0};   // extra one-way delay, uniform in [0, jitter]
+};
+
+struct WanPairConfig {                  // [[wan.pairs]]: overrides for one pair of sites
+  std::string a, b;
+  WanPathConfig path;
+};
+
+struct WanFaultConfig {                 // [[wan.faults]]: scheduled faults (emulation only)
+  std::string kind;                     // cut | stall | corrupt
+  std::string a, b;                     // the pair; empty = every pair
+  std::optional<std::chrono::nanoseconds> at;  // since the link was set up
+  std::optional<uint64_t> after_bytes;         // or once this many bytes were sent
+  std::chrono::nanoseconds duration{0};        // stall length
+};
+
 struct WanConfig {
-  double bandwidth_bits = 0;         // emulated in local mode; 0 = unlimited
-  std::chrono::nanoseconds rtt{0};   // emulated round trip (half each way)
+  WanPathConfig path;                   // every pair not named in `pairs`
+  std::vector<WanPairConfig> pairs;
+  std::vector<WanFaultConfig> faults;
+  int64_t streams = 1;                  // parallel TCP connections per site pair (striping)
+  uint64_t window_bytes = 4ull << 20;   // emulated per-connection TCP window; 0 = unlimited
+  uint64_t max_frame = 1ull << 30;      // a peer sending a larger frame is disconnected
+  uint64_t max_pending = 1ull << 30;    // unacknowledged bytes kept per peer for resending
+  std::chrono::nanoseconds handshake_timeout = std::chrono::seconds(10);
+  std::chrono::nanoseconds reconnect_timeout = std::chrono::seconds(30);  // then PeerLost
+
+  // The path between sites a and b (order does not matter).
+  WanPathConfig path_between(const std::string& a, const std::string& b) const;
+  bool emulated() const;                // any bandwidth, delay or fault configured
 };
 
 struct StrategyConfig {
@@ -63,7 +96,11 @@ struct StrategyConfig {
 };
 
 struct SecurityConfig {
-  bool insecure = false;             // plaintext inter-site links; TLS arrives with issue [2/7]
+  bool insecure = false;   // plaintext inter-site links (warned at every start)
+  std::string certs;       // dir with ca.pem, <site>.pem, <site>.key (`nebula certs`); local mode
+                           // default: RUN_DIR/certs, created for the job
+  std::string ca, cert, key;  // explicit PEM paths; override `certs`
+  std::string audit_log;   // default RUN_DIR/audit.jsonl
 };
 
 struct MetricsConfig {

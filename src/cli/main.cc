@@ -14,6 +14,7 @@
 #include "nebula/log.h"
 #include "train/launcher.h"
 #include "train/worker.h"
+#include "transport/certs.h"
 
 namespace {
 
@@ -67,6 +68,18 @@ int main(int argc, char** argv) {
   demo->add_option("--run-dir", demo_dir, "Where the demo writes its run (default: runs/demo)");
   demo->add_option("--set", overrides, "Override a key of the demo config (repeatable)")->allow_extra_args(false);
 
+  std::string certs_dir;
+  int days = 0;
+  auto* certs = app.add_subcommand("certs", "Make the certificates for mutual TLS between sites");
+  certs->require_subcommand(1);
+  auto* certs_init = certs->add_subcommand("init", "Create a site CA in DIR (ca.pem, ca.key)");
+  certs_init->add_option("dir", certs_dir, "Directory for the CA")->required();
+  certs_init->add_option("--days", days, "Validity in days (default 3650)");
+  auto* certs_issue = certs->add_subcommand("issue", "Issue DIR/NAME.pem and DIR/NAME.key for one site, signed by DIR's CA");
+  certs_issue->add_option("dir", certs_dir, "Directory holding the CA")->required();
+  certs_issue->add_option("--site", site_name, "The site's name, as in [[sites]] name")->required();
+  certs_issue->add_option("--days", days, "Validity in days (default 825)");
+
   CLI11_PARSE(app, argc, argv);
   nebula::init_logging("nebula");
   try {
@@ -80,6 +93,21 @@ int main(int argc, char** argv) {
       std::printf("nebula demo: MLM pre-training on two sites (%s) over an emulated WAN; run dir %s\n",
                   (c.sites[0].name + ", " + c.sites[1].name).c_str(), c.job.run_dir.c_str());
       return nebula::train::run_local(c, {self_executable()});
+    }
+    if (*certs_init) {
+      std::filesystem::create_directories(certs_dir);
+      nebula::transport::create_ca(certs_dir, days > 0 ? days : 3650);
+      std::printf("created %s/ca.pem and %s/ca.key (keep ca.key offline; copy ca.pem to every site)\n",
+                  certs_dir.c_str(), certs_dir.c_str());
+      return 0;
+    }
+    if (*certs_issue) {
+      nebula::transport::issue_site_certificate(certs_dir, site_name, days > 0 ? days : 825);
+      std::printf("issued %s/%s.pem and %s/%s.key (fingerprint %s); give both to site '%s' only\n",
+                  certs_dir.c_str(), site_name.c_str(), certs_dir.c_str(), site_name.c_str(),
+                  nebula::transport::certificate_fingerprint(certs_dir + "/" + site_name + ".pem").c_str(),
+                  site_name.c_str());
+      return 0;
     }
     if (*worker) {
       nebula::Config c = nebula::load_config(config_path, overrides);

@@ -1,95 +1,18 @@
 #include "collective/gateway_mesh.h"
 
-#include <spdlog/spdlog.h>
-
 #include <future>
 
 #include "nebula/error.h"
 #include "wire/frame.h"
 
 namespace nebula::collective {
-namespace {
-
-constexpr uint32_t kMeshProtocol = 1;
-
-std::vector<uint8_t> hello_payload(const std::string& job, const std::string& from, const std::string& to) {
-  wire::ByteWriter w;
-  w.put_u32(kMeshProtocol);
-  w.put_string(job);
-  w.put_string(from);
-  w.put_string(to);
-  return w.take();
-}
-
-struct Hello {
-  uint32_t protocol;
-  std::string job, from, to;
-};
-
-Hello read_hello(const wire::Frame& f, const std::string& peer) {
-  if (f.header.type != wire::FrameType::kHello)
-    throw Error(str_cat("gateway handshake with ", peer, ": expected a hello frame, got type ",
-                        static_cast<int>(f.header.type)));
-  wire::ByteReader r(f.payload, "hello from " + peer);
-  Hello h;
-  h.protocol = r.u32();
-  h.job = r.string(256);
-  h.from = r.string(256);
-  h.to = r.string(256);
-  r.expect_done();
-  return h;
-}
-
-}  // namespace
-
-GatewayMesh::GatewayMesh(MeshOptions options, const DialFn& dial, const AcceptFn& accept)
-    : options_(std::move(options)) {
+GatewayMesh::GatewayMesh(MeshOptions options, std::vector<std::unique_ptr<transport::Link>> links)
+    : options_(std::move(options)), links_(std::move(links)) {
   const size_t n = options_.site_names.size(), me = options_.site_index;
-  NEBULA_CHECK(me < n && options_.addresses.size() == n, "site index ", me, " of ", n, " sites, ",
-               options_.addresses.size(), " addresses");
-  const std::string& my_name = options_.site_names[me];
-  links_.resize(n);
-  Deadline deadline = Deadline::after(options_.timeout);
-
-  // Dial every lower-index site: send hello, expect the matching hello back.
-  for (size_t j = 0; j < me; ++j) {
-    const std::string& peer = options_.site_names[j];
-    auto link = dial(options_.addresses[j], peer, deadline);
-    link->send(wire::make_frame(wire::FrameType::kHello, 0, 0, hello_payload(options_.job, my_name, peer)), deadline);
-    Hello h = read_hello(link->recv(deadline), peer);
-    if (h.protocol != kMeshProtocol || h.job != options_.job || h.from != peer || h.to != my_name)
-      throw Error(str_cat("gateway ", options_.addresses[j], " answered as site '", h.from, "' of job '", h.job,
-                          "' (protocol ", h.protocol, "); expected site '", peer, "' of job '", options_.job,
-                          "': check [[sites]] gateway addresses"));
-    links_[j] = std::move(link);
-    spdlog::info("connected to site {} at {}", peer, options_.addresses[j]);
-  }
-  // Accept every higher-index site; who it is comes from its hello. A connection that is not
-  // a peer we expect is refused and logged; the others are not disturbed.
-  size_t expected = n - 1 - me;
-  while (expected > 0) {
-    auto link = accept(deadline);
-    Hello h;
-    try {
-      h = read_hello(link->recv(deadline), link->peer());
-    } catch (const Error& e) {
-      spdlog::warn("refused connection from {}: {}", link->peer(), e.what());
-      continue;
-    }
-    size_t j = n;
-    for (size_t k = me + 1; k < n; ++k)
-      if (options_.site_names[k] == h.from) j = k;
-    if (h.protocol != kMeshProtocol || h.job != options_.job || h.to != my_name || j == n || links_[j]) {
-      spdlog::warn("refused connection from {}: says it is site '{}' of job '{}' (protocol {}) for site '{}'",
-                   link->peer(), h.from, h.job, h.protocol, h.to);
-      continue;
-    }
-    link->send(wire::make_frame(wire::FrameType::kHello, 0, 0, hello_payload(options_.job, my_name, h.from)),
-               deadline);
-    links_[j] = std::move(link);
-    spdlog::info("accepted site {}", h.from);
-    --expected;
-  }
+  NEBULA_CHECK(me < n && links_.size() == n, "site index ", me, " of ", n, " sites, ", links_.size(), " links");
+  for (size_t j = 0; j < n; ++j)
+    NEBULA_CHECK((j == me) == (links_[j] == nullptr), "link to site ", options_.site_names[j], " is ",
+                 links_[j] ? "set" : "missing");
 }
 
 GatewayMesh::~GatewayMesh() { close(); }

@@ -1,13 +1,13 @@
 // GatewayMesh: the inter-site leg. Each site's gateway (local rank 0) holds one Link to every
-// other site's gateway (a full mesh: site i dials every site j < i and accepts from every j > i),
-// and exchanges byte payloads with them in lock step, one operation id per exchange.
+// other site's gateway (a full mesh) and exchanges byte payloads with them in lock step, one
+// operation id per exchange.
 //
-// The mesh never names a socket type: it is handed a dial and an accept function that return
-// Links (TCP today; TLS, striping and WAN emulation wrap or replace them without touching this).
+// The mesh never names a socket type: it is handed connected, authenticated Links (see
+// transport/site_connector.h: TCP, TLS, striping, WAN emulation and reconnection are all
+// below this line).
 #pragma once
 
 #include <cstdint>
-#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -18,21 +18,15 @@
 namespace nebula::collective {
 
 struct MeshOptions {
-  std::string job;                      // both ends must agree, or the hello is refused
   size_t site_index = 0;                // this gateway's site
   std::vector<std::string> site_names;  // every site, in config order
-  std::vector<std::string> addresses;   // gateway "host:port" of every site (own entry unused)
-  std::chrono::milliseconds timeout{60000};  // for connecting and for every exchange
+  std::chrono::milliseconds timeout{60000};  // for every exchange
 };
-
-// dial(address, peer_site, deadline) and accept(deadline) make one connected Link each.
-using DialFn = std::function<std::unique_ptr<transport::Link>(const std::string&, const std::string&, Deadline)>;
-using AcceptFn = std::function<std::unique_ptr<transport::Link>(Deadline)>;
 
 class GatewayMesh {
  public:
-  // Connects to every other site (blocking until all are connected or the timeout passes).
-  GatewayMesh(MeshOptions options, const DialFn& dial, const AcceptFn& accept);
+  // links[j] is the Link to site j (null for this site).
+  GatewayMesh(MeshOptions options, std::vector<std::unique_ptr<transport::Link>> links);
   ~GatewayMesh();
 
   size_t num_sites() const { return options_.site_names.size(); }

@@ -11,6 +11,7 @@
 #include "collective/gateway_mesh.h"
 #include "collective/hierarchical.h"
 #include "collective/site_group.h"
+#include "transport/site_connector.h"
 #include "transport/tcp_link.h"
 
 namespace nebula::collective::testing {
@@ -29,11 +30,11 @@ inline void run_cluster(const std::vector<int>& workers_per_site, const std::fun
                         std::chrono::milliseconds timeout = std::chrono::seconds(60)) {
   const size_t n = workers_per_site.size();
   std::vector<std::string> names, addresses;
-  std::vector<std::shared_ptr<transport::TcpListener>> listeners;
+  std::vector<std::unique_ptr<transport::TcpListener>> listeners;
   std::vector<uint16_t> store_ports;
   for (size_t s = 0; s < n; ++s) {
     names.push_back("site" + std::to_string(s));
-    listeners.push_back(std::make_shared<transport::TcpListener>("127.0.0.1", 0));
+    listeners.push_back(std::make_unique<transport::TcpListener>("127.0.0.1", 0));
     addresses.push_back("127.0.0.1:" + std::to_string(listeners.back()->port()));
     store_ports.push_back(transport::pick_free_port("127.0.0.1"));
   }
@@ -47,15 +48,18 @@ inline void run_cluster(const std::vector<int>& workers_per_site, const std::fun
       threads.emplace_back([&, s, r, global] {
         try {
           SiteGroup group(names[s], "127.0.0.1", store_ports[s], r, workers_per_site[s], timeout);
+          std::unique_ptr<transport::SiteConnector> connector;
           std::unique_ptr<GatewayMesh> mesh;
           if (r == 0) {
-            MeshOptions o{"test", s, names, addresses, timeout};
-            auto dial = [](const std::string& addr, const std::string& peer, Deadline d) {
-              auto [host, port] = transport::parse_host_port(addr);
-              return std::unique_ptr<transport::Link>(transport::TcpLink::connect(host, port, peer, d));
-            };
-            auto accept = [&, s](Deadline d) { return std::unique_ptr<transport::Link>(listeners[s]->accept(d)); };
-            mesh = std::make_unique<GatewayMesh>(o, dial, accept);
+            // Plaintext, unemulated links: this helper tests the collectives, not the WAN.
+            transport::ConnectorOptions o;
+            o.job = "test";
+            o.self = s;
+            for (size_t j = 0; j < n; ++j) o.sites.push_back({names[j], addresses[j]});
+            o.reconnect_timeout = timeout;
+            connector = std::make_unique<transport::SiteConnector>(std::move(o), std::move(listeners[s]));
+            mesh = std::make_unique<GatewayMesh>(MeshOptions{s, names, timeout},
+                                                 connector->connect_all(Deadline::after(timeout)));
           }
           Hierarchy h(group, mesh.get());
           Rank rank{s, r, global, world, &h};

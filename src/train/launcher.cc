@@ -17,6 +17,7 @@
 
 #include "nebula/error.h"
 #include "nebula/units.h"
+#include "train/gateway.h"
 #include "train/site_data.h"
 #include "train/worker.h"
 #include "transport/tcp_link.h"
@@ -161,9 +162,9 @@ void stop_all(std::vector<Child>& children, int sig) {
 
 int run_local(Config c, const LaunchOptions& options) {
   fs::create_directories(c.job.run_dir + "/logs");
-  for (const char* stale : {"/metrics.jsonl", "/summary.json"}) fs::remove(c.job.run_dir + stale);
-  if (c.security.insecure)
-    spdlog::warn("security.insecure = true: inter-site links are plaintext (TLS arrives with issue [2/7])");
+  for (const char* stale : {"/metrics.jsonl", "/summary.json", "/audit.jsonl"}) fs::remove(c.job.run_dir + stale);
+  if (c.security.insecure) spdlog::warn("security.insecure = true: links between sites will be PLAINTEXT");
+  ensure_local_certificates(c);
 
   // The job's shared vocabulary. In a deployment it is trained once and shipped with the job
   // (data.tokenizer); in local mode we train it here before the workers start.

@@ -20,41 +20,13 @@
 #include "strategy/strategy.h"
 #include "train/metrics.h"
 #include "train/site_data.h"
-#include "transport/emulated_link.h"
+#include "train/gateway.h"
 #include "transport/tcp_link.h"
 
 namespace nebula::train {
 namespace {
 
 using Millis = std::chrono::milliseconds;
-
-// The site gateway's links to the other sites: TCP, wrapped in the WAN emulator when [wan]
-// asks for one (local mode has no real WAN). Each side emulates its own sending direction.
-std::unique_ptr<collective::GatewayMesh> connect_gateways(const Config& c, size_t site,
-                                                          transport::TcpListener& listener) {
-  collective::MeshOptions o;
-  o.job = c.job.name;
-  o.site_index = site;
-  for (const auto& s : c.sites) {
-    o.site_names.push_back(s.name);
-    o.addresses.push_back(s.gateway);
-  }
-  o.timeout = std::chrono::duration_cast<Millis>(c.job.timeout);
-  transport::WanEmulation wan;
-  wan.bandwidth_bits_per_s = c.wan.bandwidth_bits;
-  wan.one_way_delay = c.wan.rtt / 2;
-  const bool emulate = wan.bandwidth_bits_per_s > 0 || wan.one_way_delay.count() > 0;
-  auto wrap = [=](std::unique_ptr<transport::Link> link) -> std::unique_ptr<transport::Link> {
-    if (!emulate) return link;
-    return std::make_unique<transport::EmulatedLink>(std::move(link), wan);
-  };
-  auto dial = [&](const std::string& address, const std::string& peer, Deadline d) {
-    auto [host, port] = transport::parse_host_port(address);
-    return wrap(transport::TcpLink::connect(host, port, peer, d));
-  };
-  auto accept = [&](Deadline d) { return wrap(listener.accept(d)); };
-  return std::make_unique<collective::GatewayMesh>(o, dial, accept);
-}
 
 // Loss and predicted-token count, summed, over a fixed set of validation batches.
 std::pair<double, double> evaluate(model::MlmEncoder& model, model::MlmBatcher& batcher, int64_t batches) {
@@ -105,7 +77,6 @@ void run_worker(const Config& c, const WorkerIdentity& who) {
   if (auto f = reinterpret_cast<SetThreads>(::dlsym(RTLD_DEFAULT, "openblas_set_num_threads"))) f(1);
   const auto start = Clock::now();
   const Millis timeout = std::chrono::duration_cast<Millis>(c.job.timeout);
-  if (c.security.insecure) spdlog::warn("security.insecure = true: inter-site links are plaintext");
 
   // Data: this site's own sentences, this worker's share of them.
   const std::string tokenizer_path = c.data.tokenizer.empty() ? default_tokenizer_path(c) : c.data.tokenizer;
@@ -124,14 +95,16 @@ void run_worker(const Config& c, const WorkerIdentity& who) {
 
   // Communication: the site's c10d group, and on the gateway the WAN mesh to the other sites.
   auto [store_host, store_port] = transport::parse_host_port(site.store);
-  std::unique_ptr<transport::TcpListener> listener;
-  if (who.local_rank == 0) {
-    auto [host, port] = transport::parse_host_port(site.gateway);
-    listener = std::make_unique<transport::TcpListener>(host, port);
-  }
   collective::SiteGroup group(site.name, store_host, store_port, who.local_rank, workers, timeout);
+  GatewayLinks gateway;
   std::unique_ptr<collective::GatewayMesh> mesh;
-  if (listener) mesh = connect_gateways(c, who.site, *listener);
+  if (who.local_rank == 0) {
+    gateway = connect_gateway(c, who.site);
+    std::vector<std::string> names;
+    for (const auto& s : c.sites) names.push_back(s.name);
+    mesh = std::make_unique<collective::GatewayMesh>(collective::MeshOptions{who.site, names, timeout},
+                                                     std::move(gateway.links));
+  }
   collective::Hierarchy comm(group, mesh.get());
 
   at::manual_seed(c.job.seed);
@@ -203,8 +176,10 @@ void run_worker(const Config& c, const WorkerIdentity& who) {
         {"wan_bytes", total(1)},
         {"wan_bytes_sent", total(1)},
         {"wan_bytes_received", total(2)},
-        {"wan_emulation", {{"bandwidth_bits_per_s", c.wan.bandwidth_bits},
-                           {"rtt_ms", std::chrono::duration<double, std::milli>(c.wan.rtt).count()}}}};
+        {"security", c.security.insecure ? "plaintext" : "mutual TLS 1.3"},
+        {"wan_streams", c.wan.streams},
+        {"wan_emulation", {{"bandwidth_bits_per_s", c.wan.path.bandwidth_bits},
+                           {"rtt_ms", std::chrono::duration<double, std::milli>(c.wan.path.rtt).count()}}}};
     write_json_atomically(c.job.run_dir + "/summary.json", summary);
   }
   group.barrier();  // nobody closes its links while another still needs them

@@ -1,57 +1,138 @@
 // EmulatedLink: WAN emulation wrapped around any Link, for local mode (no netem needed)
-// and for tests. It models, on the SEND side, the two things that make a WAN slow:
+// and for tests. It models, on the SEND side, what makes a WAN slow and unreliable:
 //
-//  * a serialization bottleneck of `bandwidth_bits_per_s`: a frame of B wire bytes
-//    (header included) occupies the bottleneck for B*8/bandwidth seconds, starting when
-//    the previous frame has finished: depart_end = max(now, last_end) + B*8/bandwidth;
-//  * a propagation delay `one_way_delay`: the frame is handed to the inner link at
-//    depart_end + one_way_delay by a background thread, so many frames can be in flight
-//    at once, as in a real long fat pipe (bandwidth-delay product).
+//  * a serialization bottleneck (Bottleneck) of `bandwidth_bits_per_s`: B wire bytes
+//    (header included) occupy it for B*8/bandwidth seconds, first come first served.
+//    The N EmulatedLinks of one site pair (the streams a StripedLink uses) can share one
+//    Bottleneck, so the configured bandwidth is the site pair's, not each stream's;
+//  * a propagation delay `one_way_delay` plus a per-frame random `jitter` uniform in
+//    [0, jitter]: a frame is handed to the inner link when its last byte "arrives",
+//        arrival = max(previous arrival on this link, serialised + one_way_delay + jitter)
+//    by a background thread, so many frames are in flight at once (bandwidth-delay
+//    product) and frames of one link are never reordered (as TCP would not);
+//  * a TCP window (`window_bytes`): at most that many bytes of this link are in flight,
+//    counted from the start of their serialisation until the ACK would be back
+//    (arrival + one_way_delay). One stream's goodput is then <= window / RTT, as for a
+//    real TCP connection, which is why striping over N streams helps on long fat pipes;
+//  * scheduled faults (WanFault): cut the link, stall delivery, corrupt a frame.
+//
+// Frames are serialised in segments of at most kSegmentBytes (and at most the window),
+// each taking its turn at the bottleneck, so frames of links sharing a bottleneck
+// interleave the way packets do, and a frame larger than the window still moves at
+// window/RTT. Not modelled: slow start, loss and retransmission, the return path's
+// bandwidth; recv() passes through to the inner link, so wrap both gateways' links to
+// emulate both directions.
 //
 // send() blocks the caller until its frame has finished serialising (what a full socket
-// buffer does to a real sender), then returns; if that moment would be past the deadline
-// it throws Timeout at once and sends nothing (the link stays usable). recv() passes
-// through to the inner link; wrap both gateways' links to emulate both directions.
+// buffer does to a real sender), then returns. If even an idle window could not finish
+// the frame before the deadline (bottleneck backlog + serialisation time), it throws
+// Timeout at once and sends nothing (the link stays usable). If the deadline passes while
+// the frame is partly serialised (window or a shared bottleneck slower than estimated),
+// it throws Timeout and the link is broken: the inner link is closed and later calls throw
+// PeerLost, as for a TcpLink whose byte stream is out of step.
 //
-// Frames in flight are copies held in memory: with unlimited bandwidth and a delay that
-// is everything sent during one delay.
+// Frames in flight are copies held in memory: at most the window, or, with no window,
+// everything sent during one delay.
 //
 // The background thread hands each frame to the inner link with the caller's deadline
-// shifted by one_way_delay. If the inner link throws, the error is stored, the frames
-// still in flight are dropped, and the same typed error (PeerLost, Timeout, ...) is
-// rethrown by every later send() and recv().
+// shifted by its delay. If the inner link throws, the error is stored, the frames still in
+// flight are dropped, and the same typed error (PeerLost, Timeout, ...) is rethrown by
+// every later send() and recv().
 //
 // close() stops accepting frames, lets the frames already in flight arrive (waiting at
 // most until the last one is due plus kDrainGrace for the inner link to take them), then
 // stops the thread and closes the inner link. The destructor calls close().
 //
-// Thread safety: as for every Link (see link.h).
+// Thread safety: as for every Link (see link.h). A Bottleneck is thread-safe.
 #pragma once
 
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <cstdint>
 #include <deque>
 #include <exception>
 #include <memory>
 #include <mutex>
+#include <optional>
+#include <random>
 #include <thread>
+#include <vector>
 
 #include "transport/link.h"
 
 namespace nebula::transport {
 
+// A fault the emulator injects once, when its trigger is reached: `at` (time since the
+// EmulatedLink was created) or `after_bytes` (once that many wire bytes, headers included,
+// were accepted by send(): checked at the start of each send(), so after_bytes = 0 fires on
+// the first one); if both are set, whichever comes first. Each fault fires once and is
+// logged with spdlog::warn naming the peer.
+struct WanFault {
+  enum class Kind {
+    kCut,      // close the inner link: both ends see PeerLost; this link's calls then throw
+               // PeerLost("... cut by WAN emulation fault ..."); frames in flight are lost
+    kStall,    // deliver nothing for `duration` from the firing (frames queue, ACKs stop, so
+               // a window fills and send() blocks); nothing is lost
+    kCorrupt,  // flip one byte of the payload of the next frame that has a payload, after its
+               // checksum was computed: the receiver gets FrameError kBadChecksum
+  };
+  Kind kind = Kind::kCut;
+  std::optional<std::chrono::nanoseconds> at{};  // since the link was created
+  std::optional<uint64_t> after_bytes{};       // once this many bytes were sent
+  std::chrono::nanoseconds duration{0};        // stall length (kStall only)
+};
+
 struct WanEmulation {
-  double bandwidth_bits_per_s = 0;            // 0 = unlimited
-  std::chrono::nanoseconds one_way_delay{0};  // propagation delay, added to every frame
+  double bandwidth_bits_per_s = 0;            // 0 = unlimited; the site pair's when shared
+  std::chrono::nanoseconds one_way_delay{0};  // propagation delay (RTT / 2), every frame
+  // Bytes of this link in flight at most (0 = unlimited). 4 MiB is a typical Linux
+  // maximum (net.ipv4.tcp_wmem / tcp_rmem); callers choose.
+  uint64_t window_bytes = 0;
+  std::chrono::nanoseconds jitter{0};  // extra one-way delay per frame, uniform in [0, jitter]
+  uint64_t seed = 1;                   // of the jitter's std::mt19937_64; vary it per stream
+  std::vector<WanFault> faults{};
+};
+
+// The serialisation bottleneck of one emulated path, shared by the EmulatedLinks of a site
+// pair. Slots are handed out first come first served. Thread-safe.
+class Bottleneck {
+ public:
+  // Throws nebula::Error if the bandwidth is negative or not finite (0 = unlimited).
+  explicit Bottleneck(double bandwidth_bits_per_s);
+  Bottleneck(const Bottleneck&) = delete;
+  Bottleneck& operator=(const Bottleneck&) = delete;
+
+  double bandwidth_bits_per_s() const { return bandwidth_; }
+  // Time the bottleneck needs for `wire_bytes` bytes (zero when bandwidth is unlimited).
+  Clock::duration serialization_time(uint64_t wire_bytes) const;
+
+  struct Slot {
+    Clock::time_point start, end;
+  };
+  // Takes the next slot for `wire_bytes`, starting at max(now, end of the last slot).
+  Slot reserve(uint64_t wire_bytes, Clock::time_point now);
+  // When a slot reserved now would start.
+  Clock::time_point free_at(Clock::time_point now) const;
+
+ private:
+  const double bandwidth_;
+  mutable std::mutex mu_;
+  Clock::time_point last_end_{};  // GUARDED_BY(mu_)
 };
 
 class EmulatedLink : public Link {
  public:
   static constexpr std::chrono::seconds kDrainGrace{1};
+  static constexpr uint64_t kSegmentBytes = 64 * 1024;
 
-  // Throws nebula::Error if the bandwidth is negative or not finite, or the delay negative.
+  // With a private Bottleneck of emulation.bandwidth_bits_per_s. Throws nebula::Error if
+  // the bandwidth is negative or not finite, a delay/jitter/fault time or duration is
+  // negative, or a fault has neither `at` nor `after_bytes`.
   EmulatedLink(std::unique_ptr<Link> inner, WanEmulation emulation);
+  // Sharing `bottleneck` with other links; emulation.bandwidth_bits_per_s must equal its
+  // bandwidth (one number for the site pair, so a config mistake cannot hide here).
+  EmulatedLink(std::unique_ptr<Link> inner, WanEmulation emulation, std::shared_ptr<Bottleneck> bottleneck);
   ~EmulatedLink() override;
   EmulatedLink(const EmulatedLink&) = delete;
   EmulatedLink& operator=(const EmulatedLink&) = delete;
@@ -66,36 +147,71 @@ class EmulatedLink : public Link {
   LinkStats stats() const override;
 
   const WanEmulation& emulation() const { return emulation_; }
+  const std::shared_ptr<Bottleneck>& bottleneck() const { return bottleneck_; }
   // Time the bottleneck needs for `wire_bytes` bytes (zero when bandwidth is unlimited).
   Clock::duration serialization_time(uint64_t wire_bytes) const;
-  // Frames accepted by send() and not yet handed to the inner link.
+  // Frames serialised by send() and not yet handed to the inner link.
   size_t in_flight() const;
 
  private:
   struct InFlight {
     wire::Frame frame;
-    Clock::time_point due;  // when the frame reaches the inner link
-    Deadline deadline;      // the sender's deadline shifted by the delay
+    Clock::time_point due;  // arrival: when the frame reaches the inner link (before stalls)
+    Deadline deadline;      // the sender's deadline shifted by the frame's delay
   };
-  void pump();                                          // the background thread
-  void throw_if_failed(const char* what) const;  // caller holds no lock
+  struct Segment {          // one window's worth of bytes in flight
+    uint64_t bytes;
+    Clock::time_point arrival;  // before stalls; its ACK is back at arrival + one_way_delay
+  };
+  struct Stall {
+    Clock::time_point from, until;
+  };
+  struct PendingFault {
+    WanFault fault;
+    std::optional<Clock::time_point> at;  // absolute
+    bool fired = false;
+  };
+
+  void pump();                                   // the background thread
+  void throw_if_failed(const char* what) const;  // caller holds mu_
+  // Fires every fault whose trigger was reached; returns true if the inner link must be
+  // closed (a cut), which the caller does after releasing mu_. Caller holds mu_.
+  bool fire_faults_locked(Clock::time_point now, bool at_send_start);
+  void fire_locked(PendingFault& f, Clock::time_point when, const char* trigger);
+  // A moment moved to the end of every stall that covers it. Caller holds mu_.
+  Clock::time_point after_stalls(Clock::time_point t) const;
+  // Window bytes still unacknowledged at `now`, dropping acknowledged segments; the moment
+  // the oldest is acknowledged goes to *next_ack. Caller holds mu_.
+  uint64_t window_in_use_locked(Clock::time_point now, Clock::time_point* next_ack);
+  // Next moment the pump must wake for a timed fault. Caller holds mu_.
+  Clock::time_point next_timed_fault_locked() const;
+  // Breaks the link after a partial send (caller holds mu_); the caller closes inner_.
+  void break_locked(std::exception_ptr error);
 
   const std::unique_ptr<Link> inner_;
   const WanEmulation emulation_;
+  const std::shared_ptr<Bottleneck> bottleneck_;
+  const Clock::time_point created_;
 
-  std::mutex send_mu_;                         // held for a whole send(): FIFO departures
-  Clock::time_point last_end_{};               // GUARDED_BY(send_mu_): when the bottleneck frees up
+  std::mutex send_mu_;                  // held for a whole send(): frames depart in FIFO order
 
   mutable std::mutex mu_;
-  std::condition_variable cv_;                 // queue, error, closing or pump state changed
-  std::deque<InFlight> queue_;                 // GUARDED_BY(mu_), ordered by due
-  std::exception_ptr error_;                   // GUARDED_BY(mu_): first inner failure, sticky
-  bool closing_ = false;                       // GUARDED_BY(mu_): close() started; no new frames
-  bool stop_ = false;                          // GUARDED_BY(mu_): pump must exit now
-  bool pump_busy_ = false;                     // GUARDED_BY(mu_): pump is inside inner_->send()
-  bool pump_done_ = false;                     // GUARDED_BY(mu_)
-  std::mutex close_mu_;                        // serializes close()
-  bool closed_ = false;                        // GUARDED_BY(close_mu_)
+  std::condition_variable cv_;          // queue, window, faults, error, closing or pump state changed
+  std::deque<InFlight> queue_;          // GUARDED_BY(mu_), ordered by due
+  std::deque<Segment> window_;          // GUARDED_BY(mu_): segments not yet acknowledged
+  std::vector<Stall> stalls_;           // GUARDED_BY(mu_): stalls that fired
+  std::vector<PendingFault> faults_;    // GUARDED_BY(mu_)
+  bool corrupt_next_ = false;           // GUARDED_BY(mu_): a kCorrupt waits for a payload
+  uint64_t bytes_accepted_ = 0;         // GUARDED_BY(mu_): wire bytes send() took on, for after_bytes
+  Clock::time_point last_arrival_{};    // GUARDED_BY(mu_): frames never overtake each other
+  std::mt19937_64 rng_;                 // GUARDED_BY(mu_)
+  std::exception_ptr error_;            // GUARDED_BY(mu_): first failure, sticky
+  bool closing_ = false;                // GUARDED_BY(mu_): close() started; no new frames
+  bool stop_ = false;                   // GUARDED_BY(mu_): pump must exit now
+  bool pump_busy_ = false;              // GUARDED_BY(mu_): pump is inside inner_->send()
+  bool pump_done_ = false;              // GUARDED_BY(mu_)
+  std::mutex close_mu_;                 // serializes close()
+  bool closed_ = false;                 // GUARDED_BY(close_mu_)
 
   LinkCounters counters_;
 

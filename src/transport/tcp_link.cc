@@ -205,14 +205,27 @@ TcpLink::TcpLink(int fd, std::string peer_name, std::string address, LinkOptions
   set_nodelay(fd_);
 }
 
+TcpLink::TcpLink(std::unique_ptr<TcpLink> tcp)
+    : fd_(tcp ? tcp->fd_ : -1),
+      peer_name_(tcp ? tcp->peer_name_ : std::string()),
+      address_(tcp ? tcp->address_ : std::string()),
+      describe_(tcp ? tcp->describe_ : std::string()),
+      options_(tcp ? tcp->options_ : LinkOptions{}) {
+  NEBULA_CHECK(tcp != nullptr, "taking over a null TcpLink");
+  NEBULA_CHECK(fd_ >= 0 && !tcp->closed_.load() && !tcp->broken_.load(), "taking over the link to ",
+               describe_, ": it is already closed or broken");
+  tcp->fd_ = -1;  // its destructor must neither shut down nor close the socket we now own
+  tcp->closed_.store(true);
+}
+
 TcpLink::~TcpLink() {
   close();
-  ::close(fd_);
+  if (fd_ >= 0) ::close(fd_);
 }
 
 void TcpLink::close() {
   if (closed_.exchange(true)) return;
-  ::shutdown(fd_, SHUT_RDWR);
+  if (fd_ >= 0) ::shutdown(fd_, SHUT_RDWR);
 }
 
 LinkStats TcpLink::stats() const { return counters_.snapshot(); }
@@ -242,10 +255,11 @@ void TcpLink::check_usable(const char* what) const {
   }
 }
 
-void TcpLink::throw_lost(const char* what, const std::string& detail, bool quiet) {
+void TcpLink::throw_lost(const char* what, const std::string& detail, bool quiet, bool refused) {
   check_usable(what);  // closed locally, or broken by the other direction: say so
   std::string msg = str_cat(what, " ", describe_, ": ", detail);
   mark_broken(msg, quiet);
+  if (refused) throw AuthError(peer_name_, msg);
   throw PeerLost(peer_name_, msg);
 }
 
@@ -270,30 +284,58 @@ void TcpLink::wait_ready(short events, Deadline deadline, const char* what, bool
   }
 }
 
+TcpLink::IoResult TcpLink::read_some(uint8_t* p, size_t n) {
+  for (;;) {
+    ssize_t r = ::recv(fd_, p, n, 0);
+    if (r > 0) return IoResult::moved(static_cast<size_t>(r));
+    if (r == 0) return IoResult::eof();
+    int err = errno;
+    if (err == EINTR) continue;
+    if (err == EAGAIN || err == EWOULDBLOCK) return IoResult::wait(POLLIN);
+    return IoResult::failed(errno_text(err));
+  }
+}
+
+TcpLink::IoResult TcpLink::write_some(const iovec* iov, int iovcnt) {
+  msghdr msg{};
+  msg.msg_iov = const_cast<iovec*>(iov);
+  msg.msg_iovlen = static_cast<size_t>(iovcnt);
+  for (;;) {
+    ssize_t r = ::sendmsg(fd_, &msg, MSG_NOSIGNAL);
+    if (r > 0) return IoResult::moved(static_cast<size_t>(r));
+    int err = r == 0 ? EAGAIN : errno;
+    if (err == EINTR) continue;
+    if (err == EAGAIN || err == EWOULDBLOCK) return IoResult::wait(POLLOUT);
+    return IoResult::failed(err == EPIPE || err == ECONNRESET
+                                ? str_cat("peer closed the connection (", errno_text(err), ")")
+                                : errno_text(err));
+  }
+}
+
 void TcpLink::read_exact(uint8_t* p, size_t n, Deadline deadline, const char* what, bool frame_progress) {
   size_t got = 0;
   while (got < n) {
-    ssize_t r = ::recv(fd_, p + got, n - got, 0);
-    if (r > 0) {
-      got += static_cast<size_t>(r);
-      LinkCounters::add(counters_.bytes_received, static_cast<uint64_t>(r));
-      continue;
+    IoResult io = read_some(p + got, n - got);
+    switch (io.kind) {
+      case IoResult::Kind::kMoved:
+        got += io.bytes;
+        LinkCounters::add(counters_.bytes_received, io.bytes);
+        break;
+      case IoResult::Kind::kWait:
+        wait_ready(io.events, deadline, what, frame_progress || got > 0, got, n);
+        break;
+      case IoResult::Kind::kEof: {
+        bool mid_frame = frame_progress || got > 0;
+        // EOF between frames is how a peer normally says goodbye: no warning for that.
+        throw_lost(what,
+                   mid_frame ? str_cat("peer closed the connection mid-frame, after ", got, " of ", n, " bytes")
+                             : std::string("peer closed the connection"),
+                   /*quiet=*/!mid_frame);
+      }
+      case IoResult::Kind::kFailed:
+      case IoResult::Kind::kRefused:
+        throw_lost(what, io.error, false, io.kind == IoResult::Kind::kRefused);
     }
-    if (r == 0) {
-      bool mid_frame = frame_progress || got > 0;
-      // EOF between frames is how a peer normally says goodbye: no warning for that.
-      throw_lost(what,
-                 mid_frame ? str_cat("peer closed the connection mid-frame, after ", got, " of ", n, " bytes")
-                           : std::string("peer closed the connection"),
-                 /*quiet=*/!mid_frame);
-    }
-    int err = errno;
-    if (err == EINTR) continue;
-    if (err == EAGAIN || err == EWOULDBLOCK) {
-      wait_ready(POLLIN, deadline, what, frame_progress || got > 0, got, n);
-      continue;
-    }
-    throw_lost(what, errno_text(err), false);
   }
 }
 
@@ -304,35 +346,33 @@ void TcpLink::write_all(iovec* iov, int iovcnt, size_t total, Deadline deadline,
       ++iov;
       --iovcnt;
     }
-    msghdr msg{};
-    msg.msg_iov = iov;
-    msg.msg_iovlen = static_cast<size_t>(iovcnt);
-    ssize_t r = ::sendmsg(fd_, &msg, MSG_NOSIGNAL);
-    if (r >= 0) {
-      size_t k = static_cast<size_t>(r);
-      sent += k;
-      LinkCounters::add(counters_.bytes_sent, k);
-      while (k > 0) {
-        size_t step = std::min(k, iov->iov_len);
-        iov->iov_base = static_cast<uint8_t*>(iov->iov_base) + step;
-        iov->iov_len -= step;
-        k -= step;
-        if (iov->iov_len == 0 && k > 0) {
-          ++iov;
-          --iovcnt;
+    IoResult io = write_some(iov, iovcnt);
+    switch (io.kind) {
+      case IoResult::Kind::kMoved: {
+        size_t k = io.bytes;
+        sent += k;
+        LinkCounters::add(counters_.bytes_sent, k);
+        while (k > 0) {
+          size_t step = std::min(k, iov->iov_len);
+          iov->iov_base = static_cast<uint8_t*>(iov->iov_base) + step;
+          iov->iov_len -= step;
+          k -= step;
+          if (iov->iov_len == 0 && k > 0) {
+            ++iov;
+            --iovcnt;
+          }
         }
+        break;
       }
-      continue;
+      case IoResult::Kind::kWait:
+        wait_ready(io.events, deadline, what, sent > 0 || io.committed, sent, total);
+        break;
+      case IoResult::Kind::kEof:
+        throw_lost(what, "peer closed the connection", false);
+      case IoResult::Kind::kFailed:
+      case IoResult::Kind::kRefused:
+        throw_lost(what, io.error, false, io.kind == IoResult::Kind::kRefused);
     }
-    int err = errno;
-    if (err == EINTR) continue;
-    if (err == EAGAIN || err == EWOULDBLOCK) {
-      wait_ready(POLLOUT, deadline, what, sent > 0, sent, total);
-      continue;
-    }
-    throw_lost(what, err == EPIPE || err == ECONNRESET ? str_cat("peer closed the connection (", errno_text(err), ")")
-                                                        : errno_text(err),
-               false);
   }
 }
 

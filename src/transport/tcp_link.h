@@ -10,6 +10,10 @@
 // payload_len against LinkOptions::max_payload -- before allocating the payload, reads
 // the payload, then checks the CRC. See link.h for the thread-safety contract and the
 // error contract; TcpLink detects concurrent recv() calls and throws nebula::Error.
+//
+// The framing (send/recv) is built on two protected byte-level primitives, read_some()
+// and write_some(); TlsLink (tls_link.h) is this class with those two overridden to go
+// through OpenSSL, so framing, validation and deadlines are shared, not copied.
 #pragma once
 
 #include <sys/uio.h>
@@ -69,6 +73,52 @@ class TcpLink : public Link {
   // "site-b (127.0.0.1:4242)", as used at the start of error messages.
   const std::string& describe() const { return describe_; }
 
+ protected:
+  // Takes over `tcp`'s connected socket, peer name, address and options; `tcp` is
+  // destroyed without closing the socket. TlsLink uses this to wrap an accepted or
+  // connected TcpLink (the byte stream continues on the same descriptor). Preconditions
+  // (NEBULA_CHECK): `tcp` is not null, not closed or broken, and no other thread uses it.
+  explicit TcpLink(std::unique_ptr<TcpLink> tcp);
+
+  // What one non-blocking attempt of read_some() / write_some() did.
+  struct IoResult {
+    enum class Kind {
+      kMoved,    // `bytes` (> 0) were read or written
+      kWait,     // nothing moved; poll(2) for `events` (POLLIN/POLLOUT), then try again
+      kEof,      // the peer ended the stream (a read saw end of file)
+      kFailed,   // a hard failure, described by `error` -> PeerLost
+      kRefused,  // the peer refused to authenticate us (e.g. a TLS alert), `error` -> AuthError
+    };
+    Kind kind = Kind::kFailed;
+    size_t bytes = 0;
+    short events = 0;
+    std::string error;
+    // kWait from write_some(): the layer below already holds bytes of these iovecs that it
+    // has not reported as written (TLS: an encrypted record waiting for the socket), so
+    // the next attempt must be this same write. A deadline passing now breaks the link,
+    // as if part of the frame had been sent.
+    bool committed = false;
+    static IoResult moved(size_t n) { return {Kind::kMoved, n, 0, {}}; }
+    static IoResult wait(short events, bool committed = false) { return {Kind::kWait, 0, events, {}, committed}; }
+    static IoResult eof() { return {Kind::kEof, 0, 0, {}}; }
+    static IoResult failed(std::string why) { return {Kind::kFailed, 0, 0, std::move(why)}; }
+    static IoResult refused(std::string why) { return {Kind::kRefused, 0, 0, std::move(why)}; }
+  };
+
+  // The byte-level primitives under send() and recv(), like gloo's Pair read()/write()
+  // that its TLS pair overrides. Each makes ONE non-blocking attempt and never waits (the
+  // framing code polls, honouring the caller's Deadline). All framing -- header
+  // validation before allocation, CRC, counters, the broken/closed state and the error
+  // messages -- is written once on top of them. TcpLink uses recv(2) / sendmsg(2) with
+  // MSG_NOSIGNAL; TlsLink overrides them with SSL_read / SSL_write on the same socket.
+  // read_some() is called with the receive lock held, write_some() with the send lock
+  // held, so each direction has one caller at a time; n > 0 and the iovecs hold > 0 bytes.
+  virtual IoResult read_some(uint8_t* p, size_t n);
+  virtual IoResult write_some(const iovec* iov, int iovcnt);
+
+  // The connected socket (non-blocking). Valid for the link's lifetime.
+  int fd() const { return fd_; }
+
  private:
   // Reads exactly n bytes. `frame_progress` is true when bytes of the current frame were
   // already read before this call, so a timeout or EOF now leaves the stream out of step.
@@ -80,14 +130,17 @@ class TcpLink : public Link {
   void wait_ready(short events, Deadline deadline, const char* what, bool frame_progress, size_t done,
                   size_t total);
   void check_usable(const char* what) const;
-  // Marks the link broken and throws PeerLost (or the closed/broken message if another
-  // thread got there first). `quiet` logs at debug instead of warn (orderly EOF).
-  [[noreturn]] void throw_lost(const char* what, const std::string& detail, bool quiet);
+  // Marks the link broken and throws PeerLost (AuthError when `refused`), or the
+  // closed/broken message if another thread got there first. `quiet` logs at debug
+  // instead of warn (orderly EOF).
+  [[noreturn]] void throw_lost(const char* what, const std::string& detail, bool quiet, bool refused = false);
   // Records the first failure and shuts the socket down, so the peer sees EOF at once and
   // a call blocked in the other direction wakes up.
   void mark_broken(const std::string& reason, bool quiet = false);
 
-  const int fd_;
+  // Set at construction and never changed afterwards, except that a TcpLink taken over
+  // by the protected constructor is left with -1 (and is then only destroyed).
+  int fd_;
   const std::string peer_name_;
   const std::string address_;
   const std::string describe_;

@@ -113,6 +113,24 @@ class Section {
     }
   }
 
+  bool has(const std::string& key) const { return table_.get(key) != nullptr; }
+
+  // An array of tables ([[prefix.key]]): calls each(section, table) for every element.
+  template <typename Each>
+  void tables(const std::string& key, Each each) {
+    const toml::node* n = find(key);
+    if (!n) return;
+    const toml::array* arr = n->as_array();
+    if (!arr || !arr->is_array_of_tables())
+      fail(*n, key, str_cat("expected an array of tables ([[", key_name(key), "]] blocks)"));
+    for (size_t i = 0; i < arr->size(); ++i) {
+      const toml::table& t = *arr->get(i)->as_table();
+      Section s(t, str_cat(key_name(key), "[", i, "]"), file_);
+      each(s, t);
+      s.finish();
+    }
+  }
+
   // Reports the first key that no accessor asked for.
   void finish() const {
     for (auto&& [k, v] : table_) {
@@ -182,6 +200,29 @@ void apply_override(toml::table& root, const std::string& text) {
     if (!t) throw ConfigError(str_cat(origin, ": '", parts[i], "' is not a table"));
   }
   t->insert_or_assign(parts.back(), std::move(*parsed.get("v")));
+}
+
+void read_path(Section& s, WanPathConfig& p) {
+  s.unit("bandwidth", p.bandwidth_bits, parse_rate_bits);
+  s.unit("rtt", p.rtt, parse_duration);
+  s.unit("jitter", p.jitter, parse_duration);
+}
+
+// sites = ["a", "b"]: two different sites of this job.
+void read_pair_names(Section& s, const toml::table& t, const Config& c, std::string& a, std::string& b,
+                     bool required) {
+  std::vector<std::string> names;
+  s.strings("sites", names);
+  if (names.empty() && !required) return;
+  if (names.size() != 2 || names[0] == names[1])
+    s.fail(t, "sites", "expected two different site names, e.g. sites = [\"alpha\", \"beta\"]");
+  for (const auto& n : names) {
+    bool known = false;
+    for (const auto& site : c.sites) known |= site.name == n;
+    if (!known) s.fail(t, "sites", str_cat("no site named '", n, "' in [[sites]]"));
+  }
+  a = names[0];
+  b = names[1];
 }
 
 Config build(const toml::table& root, const std::string& file) {
@@ -266,8 +307,41 @@ Config build(const toml::table& root, const std::string& file) {
 
   if (auto* t = table("wan")) {
     Section s(*t, "wan", file);
-    s.unit("bandwidth", c.wan.bandwidth_bits, parse_rate_bits);
-    s.unit("rtt", c.wan.rtt, parse_duration);
+    read_path(s, c.wan.path);
+    s.integer("streams", c.wan.streams, 1, 256);
+    s.unit("window", c.wan.window_bytes, parse_size);
+    s.unit("max_frame", c.wan.max_frame, parse_size);
+    s.unit("max_pending", c.wan.max_pending, parse_size);
+    s.unit("handshake_timeout", c.wan.handshake_timeout, parse_duration);
+    s.unit("reconnect_timeout", c.wan.reconnect_timeout, parse_duration);
+    s.tables("pairs", [&](Section& p, const toml::table& pt) {
+      WanPairConfig pair;
+      read_pair_names(p, pt, c, pair.a, pair.b, /*required=*/true);
+      read_path(p, pair.path);
+      c.wan.pairs.push_back(pair);
+    });
+    s.tables("faults", [&](Section& f, const toml::table& ft) {
+      WanFaultConfig fault;
+      f.string("kind", fault.kind, {"cut", "stall", "corrupt"});
+      read_pair_names(f, ft, c, fault.a, fault.b, /*required=*/false);
+      std::chrono::nanoseconds at{0};
+      uint64_t after = 0;
+      if (f.has("at")) {
+        f.unit("at", at, parse_duration);
+        fault.at = at;
+      }
+      if (f.has("after")) {
+        f.unit("after", after, parse_size);
+        fault.after_bytes = after;
+      }
+      f.unit("duration", fault.duration, parse_duration);
+      if (fault.kind.empty()) f.fail(ft, "kind", "each [[wan.faults]] needs kind = \"cut\" | \"stall\" | \"corrupt\"");
+      if (fault.at.has_value() == fault.after_bytes.has_value())
+        f.fail(ft, "at", "give exactly one of at = \"5s\" (time) or after = \"10MiB\" (bytes sent)");
+      if (fault.kind == "stall" && fault.duration.count() <= 0)
+        f.fail(ft, "duration", "a stall needs duration = \"...\" (e.g. \"2s\")");
+      c.wan.faults.push_back(fault);
+    });
     s.finish();
   }
   if (auto* t = table("strategy")) {
@@ -278,6 +352,11 @@ Config build(const toml::table& root, const std::string& file) {
   if (auto* t = table("security")) {
     Section s(*t, "security", file);
     s.boolean("insecure", c.security.insecure);
+    s.string("certs", c.security.certs);
+    s.string("ca", c.security.ca);
+    s.string("cert", c.security.cert);
+    s.string("key", c.security.key);
+    s.string("audit_log", c.security.audit_log);
     s.finish();
   }
   if (auto* t = table("metrics")) {
@@ -287,10 +366,6 @@ Config build(const toml::table& root, const std::string& file) {
   }
   top.finish();
 
-  if (!c.security.insecure) {
-    throw ConfigError(str_cat(file, ": inter-site TLS is not implemented yet (issue [2/7]); to run with plaintext "
-                              "links between sites, set [security] insecure = true"));
-  }
   return c;
 }
 
@@ -303,6 +378,20 @@ toml::table parse_toml(const std::string& text, const std::string& name) {
 }
 
 }  // namespace
+
+WanPathConfig WanConfig::path_between(const std::string& a, const std::string& b) const {
+  for (const auto& p : pairs)
+    if ((p.a == a && p.b == b) || (p.a == b && p.b == a)) return p.path;
+  return path;
+}
+
+bool WanConfig::emulated() const {
+  auto any = [](const WanPathConfig& p) { return p.bandwidth_bits > 0 || p.rtt.count() > 0 || p.jitter.count() > 0; };
+  if (any(path) || !faults.empty()) return true;
+  for (const auto& p : pairs)
+    if (any(p.path)) return true;
+  return false;
+}
 
 int64_t Config::total_workers() const {
   int64_t n = 0;
@@ -376,10 +465,39 @@ std::string to_toml(const Config& c) {
                                 {"languages", strs(s.languages)}});
   }
   root.insert("sites", std::move(sites));
-  root.insert("wan", toml::table{{"bandwidth", str_cat(static_cast<int64_t>(c.wan.bandwidth_bits), "bit")},
-                                 {"rtt", dur(c.wan.rtt)}});
+  auto path = [&](toml::table t, const WanPathConfig& p) {
+    t.insert("bandwidth", str_cat(static_cast<int64_t>(p.bandwidth_bits), "bit"));
+    t.insert("rtt", dur(p.rtt));
+    t.insert("jitter", dur(p.jitter));
+    return t;
+  };
+  auto bytes = [](uint64_t b) { return str_cat(b, "B"); };
+  toml::table wan = path(toml::table{{"streams", c.wan.streams},
+                                     {"window", bytes(c.wan.window_bytes)},
+                                     {"max_frame", bytes(c.wan.max_frame)},
+                                     {"max_pending", bytes(c.wan.max_pending)},
+                                     {"handshake_timeout", dur(c.wan.handshake_timeout)},
+                                     {"reconnect_timeout", dur(c.wan.reconnect_timeout)}},
+                         c.wan.path);
+  toml::array pairs, faults;
+  for (const auto& p : c.wan.pairs) pairs.push_back(path(toml::table{{"sites", strs({p.a, p.b})}}, p.path));
+  for (const auto& f : c.wan.faults) {
+    toml::table t{{"kind", f.kind}, {"duration", dur(f.duration)}};
+    if (!f.a.empty()) t.insert("sites", strs({f.a, f.b}));
+    if (f.at) t.insert("at", dur(*f.at));
+    if (f.after_bytes) t.insert("after", bytes(*f.after_bytes));
+    faults.push_back(std::move(t));
+  }
+  if (!pairs.empty()) wan.insert("pairs", std::move(pairs));
+  if (!faults.empty()) wan.insert("faults", std::move(faults));
+  root.insert("wan", std::move(wan));
   root.insert("strategy", toml::table{{"kind", c.strategy.kind}});
-  root.insert("security", toml::table{{"insecure", c.security.insecure}});
+  root.insert("security", toml::table{{"insecure", c.security.insecure},
+                                      {"certs", c.security.certs},
+                                      {"ca", c.security.ca},
+                                      {"cert", c.security.cert},
+                                      {"key", c.security.key},
+                                      {"audit_log", c.security.audit_log}});
   root.insert("metrics", toml::table{{"progress", c.metrics.progress}});
   std::ostringstream out;
   out << "# written by nebula from " << c.source_path << "\n" << root << "\n";

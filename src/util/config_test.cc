@@ -61,8 +61,10 @@ TEST(Config, ValidLoads) {
   EXPECT_EQ(c.sites[0].workers, 2);
   EXPECT_EQ(c.sites[1].workers, 1);
   EXPECT_EQ(c.total_workers(), 3);
-  EXPECT_DOUBLE_EQ(c.wan.bandwidth_bits, 50e6);
-  EXPECT_EQ(c.wan.rtt, std::chrono::milliseconds(80));
+  EXPECT_DOUBLE_EQ(c.wan.path.bandwidth_bits, 50e6);
+  EXPECT_EQ(c.wan.path.rtt, std::chrono::milliseconds(80));
+  EXPECT_TRUE(c.wan.emulated());
+  EXPECT_TRUE(c.security.insecure);
   EXPECT_EQ(c.site_index("b"), 1u);
   EXPECT_THROW(c.site_index("zeta"), ConfigError);
 }
@@ -96,7 +98,41 @@ TEST(Config, StructuralMistakes) {
   expect_error("[job]\nname = \"x\"\n[security]\ninsecure = true\n", {"no [[sites]]"});
   expect_error(replace(kValid, "name = \"b\"", "name = \"a\""), {"'a' is used twice"});
   expect_error("[job\n", {"job.toml:1"});  // TOML syntax error
-  expect_error(replace(kValid, "insecure = true", "insecure = false"), {"TLS", "insecure = true"});
+}
+
+TEST(Config, WanPairsAndFaults) {
+  std::string text = std::string(kValid) + R"(
+[[wan.pairs]]
+sites = ["b", "a"]
+bandwidth = "10Mbit"
+rtt = "200ms"
+jitter = "5ms"
+
+[[wan.faults]]
+kind = "cut"
+after = "10MiB"
+
+[[wan.faults]]
+kind = "stall"
+sites = ["a", "b"]
+at = "3s"
+duration = "500ms"
+)";
+  Config c = parse_config(text, "job.toml");
+  EXPECT_DOUBLE_EQ(c.wan.path_between("a", "b").bandwidth_bits, 10e6);
+  EXPECT_EQ(c.wan.path_between("a", "b").rtt, std::chrono::milliseconds(200));
+  EXPECT_EQ(c.wan.path_between("a", "b").jitter, std::chrono::milliseconds(5));
+  ASSERT_EQ(c.wan.faults.size(), 2u);
+  EXPECT_EQ(*c.wan.faults[0].after_bytes, 10u << 20);
+  EXPECT_EQ(c.wan.faults[1].duration, std::chrono::milliseconds(500));
+  Config round = parse_config(to_toml(c), "resolved.toml");
+  EXPECT_EQ(round.wan.faults.size(), 2u);
+  EXPECT_EQ(round.wan.pairs.size(), 1u);
+
+  expect_error(std::string(kValid) + "[[wan.pairs]]\nsites = [\"a\", \"zeta\"]\n", {"wan.pairs[0].sites", "'zeta'"});
+  expect_error(std::string(kValid) + "[[wan.faults]]\nkind = \"cut\"\n", {"exactly one of at"});
+  expect_error(std::string(kValid) + "[[wan.faults]]\nkind = \"melt\"\nat = \"1s\"\n", {"wan.faults[0].kind", "melt"});
+  expect_error(std::string(kValid) + "[[wan.faults]]\nkind = \"stall\"\nat = \"1s\"\n", {"needs duration"});
 }
 
 TEST(Config, OverridesApplyAndAreValidated) {
@@ -114,8 +150,8 @@ TEST(Config, RoundTripsThroughToml) {
   Config b = parse_config(to_toml(a), "resolved.toml");
   EXPECT_EQ(b.job.steps, a.job.steps);
   EXPECT_EQ(b.job.timeout, a.job.timeout);
-  EXPECT_EQ(b.wan.rtt, a.wan.rtt);
-  EXPECT_DOUBLE_EQ(b.wan.bandwidth_bits, a.wan.bandwidth_bits);
+  EXPECT_EQ(b.wan.path.rtt, a.wan.path.rtt);
+  EXPECT_DOUBLE_EQ(b.wan.path.bandwidth_bits, a.wan.path.bandwidth_bits);
   EXPECT_EQ(b.sites.size(), a.sites.size());
   EXPECT_EQ(b.data.languages, a.data.languages);
   EXPECT_EQ(b.model.dim, a.model.dim);

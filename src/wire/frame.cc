@@ -29,7 +29,7 @@ std::string hex32(uint32_t v) {
   return buf;
 }
 
-bool known_type(uint8_t t) { return t >= 1 && t <= 4; }
+bool known_type(uint8_t t) { return t >= 1 && t <= 6; }
 
 uint32_t crc_update(uint32_t crc, std::span<const uint8_t> bytes) {
   // zlib returns 0 (not `crc`) for a null buffer, which an empty vector may have.
@@ -46,6 +46,8 @@ std::string frame_type_name(FrameType type) {
     case FrameType::kData: return "data";
     case FrameType::kBye: return "bye";
     case FrameType::kHeartbeat: return "heartbeat";
+    case FrameType::kAck: return "ack";
+    case FrameType::kResume: return "resume";
   }
   return str_cat("type(", static_cast<int>(type), ")");
 }
@@ -91,7 +93,7 @@ FrameHeader decode_header(std::span<const uint8_t> bytes, uint64_t max_payload) 
   uint8_t type = b[kTypeOffset];
   if (!known_type(type))
     throw FrameError(Kind::kBadType, str_cat("frame header: unknown frame type ", static_cast<int>(type),
-                                             " (known: 1 hello, 2 data, 3 bye, 4 heartbeat)"));
+                                             " (known: 1 hello, 2 data, 3 bye, 4 heartbeat, 5 ack, 6 resume)"));
   for (size_t i = 0; i < kReservedSize; ++i) {
     if (b[kReservedOffset + i] != 0)
       throw FrameError(Kind::kBadType,

@@ -57,9 +57,14 @@ static_assert(kHeaderSize == 4 + 1 + 1 + 2 + 8 + 8 + 1 + kReservedSize + 8 + 4);
 static_assert(kHeaderSize == 40);
 
 // Any other value on the wire is rejected with FrameError::Kind::kBadType.
-enum class FrameType : uint8_t { kHello = 1, kData = 2, kBye = 3, kHeartbeat = 4 };
+//   kAck     session acknowledgement (transport/resilient_link.h): payload u64, the highest
+//            session seq delivered, cumulatively;
+//   kResume  session resume exchange, the first frame on every connection of a session
+//            (payload: session id, highest seq delivered, highest seq received; all u64).
+enum class FrameType : uint8_t { kHello = 1, kData = 2, kBye = 3, kHeartbeat = 4, kAck = 5, kResume = 6 };
 
-// "hello", "data", "bye", "heartbeat", or "type(N)" for a value outside the enum.
+// "hello", "data", "bye", "heartbeat", "ack", "resume", or "type(N)" for a value outside
+// the enum.
 std::string frame_type_name(FrameType type);
 
 struct FrameHeader {

@@ -1,0 +1,133 @@
+// Goodput of one site pair over the WAN emulator: a single TCP stream against a
+// StripedLink of 4 and 8 streams, at several bandwidths and round-trip times.
+//   build/bench/wan_bench [seconds per cell, default 2]
+//
+// Every stream is a loopback TcpLink wrapped in an EmulatedLink with the TCP window model
+// (4 MiB, a typical Linux maximum); the streams of one cell share one Bottleneck, so the
+// configured bandwidth is the site pair's. One stream cannot exceed window / RTT, which is
+// what striping is for. Goodput is payload bytes delivered / (time of the last arrival -
+// start of sending): it includes one one-way delay of start-up, so it is slightly below the
+// steady state. Each cell sends about `seconds` worth of data at the rate it should reach.
+// A plain main printing one table: the ratios are the result, not the absolute numbers.
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <future>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "transport/emulated_link.h"
+#include "transport/striped_link.h"
+#include "transport/tcp_link.h"
+
+namespace {
+
+using namespace nebula;
+using namespace nebula::transport;
+using namespace std::chrono_literals;
+
+constexpr uint64_t kWindow = 4ull << 20;
+
+struct Cell {
+  double goodput_bits = 0;  // payload bits per second
+  double seconds = 0;
+  uint64_t bytes = 0;
+};
+
+// One measurement: `streams` connections (1 = a plain EmulatedLink, no striping).
+Cell run_cell(double bandwidth, std::chrono::milliseconds rtt, size_t streams, double seconds) {
+  const double window_bound = double(streams) * double(kWindow) * 8 / std::chrono::duration<double>(rtt).count();
+  const double expected = std::min(bandwidth, window_bound);  // bit/s
+  // Frames of ~20 ms at the link's bandwidth, so a cell is many frames and no frame is huge.
+  const size_t frame_bytes = std::clamp<size_t>(size_t(bandwidth / 8 * 0.020), 64 << 10, 4 << 20);
+  const size_t frames = std::max<size_t>(8, size_t(expected / 8 * seconds / double(frame_bytes)));
+
+  auto bottleneck = std::make_shared<Bottleneck>(bandwidth);
+  std::vector<std::unique_ptr<Link>> tx_streams, rx_streams;
+  TcpListener listener("127.0.0.1", 0);
+  for (size_t i = 0; i < streams; ++i) {
+    auto client = TcpLink::connect("127.0.0.1", listener.port(), "site-b", Deadline::after(10s));
+    rx_streams.push_back(listener.accept(Deadline::after(10s), "site-a"));
+    WanEmulation emu;
+    emu.bandwidth_bits_per_s = bandwidth;
+    emu.one_way_delay = rtt / 2;
+    emu.window_bytes = kWindow;
+    emu.seed = i + 1;
+    tx_streams.push_back(std::make_unique<EmulatedLink>(std::move(client), emu, bottleneck));
+  }
+  std::unique_ptr<Link> tx, rx;
+  if (streams == 1) {
+    tx = std::move(tx_streams[0]);
+    rx = std::move(rx_streams[0]);
+  } else {
+    tx = std::make_unique<StripedLink>(std::move(tx_streams));
+    rx = std::make_unique<StripedLink>(std::move(rx_streams));
+  }
+
+  std::vector<uint8_t> payload(frame_bytes);
+  for (size_t i = 0; i < payload.size(); ++i) payload[i] = uint8_t(i * 131 + 7);
+  const wire::Frame frame = wire::make_frame(wire::FrameType::kData, 1, 0, payload);
+  const auto deadline = Deadline::after(std::chrono::seconds(int(seconds * 10) + 60));
+
+  const auto start = Clock::now();
+  auto receiver = std::async(std::launch::async, [&] {
+    uint64_t bytes = 0;
+    for (size_t i = 0; i < frames; ++i) bytes += rx->recv(deadline).payload.size();
+    return std::make_pair(bytes, Clock::now());
+  });
+  for (size_t i = 0; i < frames; ++i) tx->send(frame, deadline);
+  auto [bytes, end] = receiver.get();
+  Cell c;
+  c.bytes = bytes;
+  c.seconds = std::chrono::duration<double>(end - start).count();
+  c.goodput_bits = double(bytes) * 8 / c.seconds;
+  return c;
+}
+
+std::string rate(double bits) {
+  char buf[32];
+  if (bits >= 1e9)
+    std::snprintf(buf, sizeof buf, "%.2f Gbit/s", bits / 1e9);
+  else
+    std::snprintf(buf, sizeof buf, "%.1f Mbit/s", bits / 1e6);
+  return buf;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const double seconds = argc > 1 ? std::atof(argv[1]) : 2.0;
+  if (!(seconds > 0)) {
+    std::fprintf(stderr, "usage: %s [seconds per cell > 0]\n", argv[0]);
+    return 2;
+  }
+  const double bandwidths[] = {10e6, 100e6, 1e9};
+  const std::chrono::milliseconds rtts[] = {50ms, 200ms};
+  const size_t stream_counts[] = {1, 4, 8};
+
+  std::printf("WAN emulator goodput: window %llu MiB per stream, streams share one bottleneck, ~%.1f s per cell\n",
+              static_cast<unsigned long long>(kWindow >> 20), seconds);
+  std::printf("%-13s %-7s %-13s", "bandwidth", "RTT", "window/RTT");
+  for (size_t n : stream_counts) std::printf(" | %-21s", (std::to_string(n) + (n == 1 ? " stream" : " streams")).c_str());
+  std::printf("\n");
+  const auto bench_start = Clock::now();
+  for (double bw : bandwidths) {
+    for (auto rtt : rtts) {
+      const double one_window = double(kWindow) * 8 / std::chrono::duration<double>(rtt).count();
+      std::printf("%-13s %-7s %-13s", rate(bw).c_str(), (std::to_string(rtt.count()) + " ms").c_str(),
+                  rate(one_window).c_str());
+      std::fflush(stdout);
+      for (size_t n : stream_counts) {
+        Cell c = run_cell(bw, rtt, n, seconds);
+        std::printf(" | %-12s %6.1f %%", rate(c.goodput_bits).c_str(), 100 * c.goodput_bits / bw);
+        std::fflush(stdout);
+      }
+      std::printf("\n");
+    }
+  }
+  std::printf("(%% = goodput / configured bandwidth; whole run %.1f s)\n",
+              std::chrono::duration<double>(Clock::now() - bench_start).count());
+  return 0;
+}

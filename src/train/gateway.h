@@ -1,0 +1,34 @@
+// The site gateway's WAN side, assembled from the job config: TLS files, the WAN emulator
+// (local mode), striping, limits, audit log → transport::SiteConnector → links per site.
+#pragma once
+
+#include <memory>
+#include <vector>
+
+#include "nebula/config.h"
+#include "transport/link.h"
+#include "transport/site_connector.h"
+
+namespace nebula::train {
+
+struct TlsPaths {
+  std::string ca, cert, key;
+};
+
+// The CA, certificate and key that site `site` uses, from [security] (explicit paths win over
+// `certs`). ConfigError naming the keys to set when there are none.
+TlsPaths tls_paths(const Config& config, const std::string& site);
+
+// Connects this site's gateway to every other site's. Keep the connector alive as long as the
+// links: it re-establishes them when they break.
+struct GatewayLinks {
+  std::unique_ptr<transport::SiteConnector> connector;
+  std::vector<std::unique_ptr<transport::Link>> links;  // by site; null for this site
+};
+GatewayLinks connect_gateway(const Config& config, size_t site);
+
+// Local mode: makes RUN_DIR/certs (a CA and one certificate per site) unless it exists, and
+// points config.security.certs at it.
+void ensure_local_certificates(Config& config);
+
+}  // namespace nebula::train

@@ -1,0 +1,525 @@
+#include "transport/resilient_link.h"
+
+#include <spdlog/spdlog.h>
+
+#include <algorithm>
+#include <random>
+
+namespace nebula::transport {
+namespace {
+
+using wire::FrameType;
+
+uint64_t wire_size(const wire::Frame& f) { return wire::kHeaderSize + f.payload.size(); }
+
+uint64_t random_session_id() {
+  std::random_device rd;
+  uint64_t id = 0;
+  while (id == 0) id = (static_cast<uint64_t>(rd()) << 32) ^ rd();
+  return id;
+}
+
+long long ms_since(Clock::time_point t) {
+  return std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - t).count();
+}
+
+// "30 s" or "500 ms".
+std::string duration_text(std::chrono::milliseconds d) {
+  if (d.count() % 1000 == 0) return str_cat(d.count() / 1000, " s");
+  return str_cat(d.count(), " ms");
+}
+
+// Waits on `cv` until `pred` holds or `deadline` passes; returns pred().
+template <typename Pred>
+bool wait_until(std::condition_variable& cv, std::unique_lock<std::mutex>& lock, Deadline deadline, Pred pred) {
+  if (deadline.is_never()) {
+    cv.wait(lock, pred);
+    return true;
+  }
+  return cv.wait_until(lock, deadline.at(), pred);
+}
+
+wire::Frame u64_frame(FrameType type, std::initializer_list<uint64_t> values) {
+  wire::ByteWriter w;
+  for (uint64_t v : values) w.put_u64(v);
+  return wire::make_frame(type, 0, 0, w.take());
+}
+
+}  // namespace
+
+ResilientLink::ResilientLink(std::unique_ptr<Link> first, Reconnect reconnect, ResilientOptions options)
+    : reconnect_(std::move(reconnect)), options_(options), session_id_(random_session_id()) {
+  NEBULA_CHECK(static_cast<bool>(reconnect_), "ResilientLink needs a reconnect function");
+  NEBULA_CHECK(options.reconnect_timeout.count() > 0, "reconnect_timeout must be positive, got ",
+               options.reconnect_timeout.count(), " ms");
+  NEBULA_CHECK(options.backoff_initial.count() >= 0 && options.backoff_max >= options.backoff_initial,
+               "need 0 <= backoff_initial <= backoff_max, got ", options.backoff_initial.count(), " ms and ",
+               options.backoff_max.count(), " ms");
+  NEBULA_CHECK(options.attempt_timeout.count() > 0, "attempt_timeout must be positive, got ",
+               options.attempt_timeout.count(), " ms");
+  NEBULA_CHECK(options.max_pending_bytes > 0, "max_pending_bytes must be positive");
+  NEBULA_CHECK(options.ack_interval.count() >= 0, "ack_interval must not be negative, got ",
+               options.ack_interval.count(), " ms");
+  NEBULA_CHECK(options.ack_every_frames > 0, "ack_every_frames must be positive");
+  if (first) first_peer_ = first->peer();
+  failed_at_ = Clock::now();
+  writer_ = std::thread([this] { writer_main(); });
+  reader_ = std::thread([this, f = std::move(first)]() mutable { reader_main(std::move(f)); });
+}
+
+ResilientLink::~ResilientLink() {
+  close();
+  if (reader_.joinable()) reader_.join();
+  if (writer_.joinable()) writer_.join();
+}
+
+// ---------------------------------------------------------------------------------------
+// Caller-facing calls.
+
+void ResilientLink::send(const wire::Frame& frame, Deadline deadline) {
+  NEBULA_CHECK(frame.payload.size() == frame.header.payload_len, "send to ", peer(), ": payload has ",
+               frame.payload.size(), " bytes but header.payload_len is ", frame.header.payload_len);
+  NEBULA_CHECK(frame.header.type != FrameType::kAck && frame.header.type != FrameType::kResume, "send to ",
+               peer(), ": frame type ", wire::frame_type_name(frame.header.type),
+               " is reserved for ResilientLink's session protocol");
+  std::unique_lock<std::timed_mutex> send_lock(send_mu_, std::defer_lock);
+  if (deadline.is_never()) {
+    send_lock.lock();
+  } else if (!send_lock.try_lock_until(deadline.at())) {
+    std::lock_guard<std::mutex> lock(mu_);
+    throw_if_over_locked("send to");
+    throw Timeout(peer_locked(), str_cat("send to ", peer_locked(),
+                                         ": deadline passed waiting behind another send()", waiting_detail_locked()));
+  }
+  uint64_t seq;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    throw_if_over_locked("send to");
+    seq = next_seq_;  // stable: only send() advances it, and we hold send_mu_
+  }
+  // Copy and re-checksum outside mu_: the reader, writer and recv() need not wait for it.
+  auto copy = std::make_shared<wire::Frame>(frame);
+  copy->header.seq = seq;
+  copy->header.checksum = wire::compute_checksum(copy->header, copy->payload);
+  const uint64_t size = wire_size(*copy);
+
+  std::unique_lock<std::mutex> lock(mu_);
+  bool room = wait_until(send_cv_, lock, deadline, [&] {
+    return closed_ || lost_ || pending_.empty() || pending_bytes_ + size <= options_.max_pending_bytes;
+  });
+  throw_if_over_locked("send to");
+  if (!room)
+    throw Timeout(peer_locked(), str_cat("send to ", peer_locked(), ": deadline passed waiting for room: ",
+                                         pending_bytes_, " bytes in ", pending_.size(),
+                                         " frames unacknowledged (max_pending_bytes ", options_.max_pending_bytes,
+                                         "); the frame was not sent", waiting_detail_locked()));
+  pending_.push_back(std::move(copy));
+  pending_bytes_ += size;
+  ++next_seq_;
+  LinkCounters::add(logical_.frames_sent, 1);
+  LinkCounters::add(logical_.bytes_sent, size);
+  writer_cv_.notify_one();
+}
+
+wire::Frame ResilientLink::recv(Deadline deadline) {
+  std::unique_lock<std::mutex> recv_lock(recv_mu_, std::try_to_lock);
+  NEBULA_CHECK(recv_lock.owns_lock(), "concurrent recv() on the resilient link to ", peer(),
+               " (one receiving thread per link; see transport/link.h)");
+  std::unique_lock<std::mutex> lock(mu_);
+  wait_until(recv_cv_, lock, deadline, [&] { return closed_ || lost_ || !inbox_.empty(); });
+  throw_if_over_locked("recv from");
+  if (inbox_.empty())
+    throw Timeout(peer_locked(), str_cat("recv from ", peer_locked(), ": deadline passed", waiting_detail_locked()));
+  wire::Frame f = std::move(inbox_.front());
+  inbox_.pop_front();
+  const bool first_unacked = delivered_ == last_ack_sent_;
+  if (first_unacked) ack_due_since_ = Clock::now();
+  delivered_ = f.header.seq;
+  const uint64_t size = wire_size(f);
+  unacked_bytes_ += size;
+  if (first_unacked || ack_urgent_locked()) writer_cv_.notify_one();
+  LinkCounters::add(logical_.frames_received, 1);
+  LinkCounters::add(logical_.bytes_received, size);
+  return f;
+}
+
+void ResilientLink::flush(Deadline deadline) {
+  std::unique_lock<std::mutex> lock(mu_);
+  wait_until(send_cv_, lock, deadline, [&] { return closed_ || lost_ || pending_.empty(); });
+  throw_if_over_locked("flush to");
+  if (!pending_.empty())
+    throw Timeout(peer_locked(), str_cat("flush to ", peer_locked(), ": deadline passed with ", pending_.size(),
+                                         " frames (", pending_bytes_, " bytes) unacknowledged",
+                                         waiting_detail_locked()));
+}
+
+void ResilientLink::close() {
+  std::shared_ptr<Link> conn, candidate;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (closed_) return;
+    closed_ = true;
+    connected_ = false;
+    conn = conn_;
+    candidate = candidate_;
+    send_cv_.notify_all();
+    recv_cv_.notify_all();
+    writer_cv_.notify_all();
+    reader_cv_.notify_all();
+  }
+  // Wakes the reader and writer if they are blocked on the connection.
+  if (conn) conn->close();
+  if (candidate) candidate->close();
+}
+
+std::string ResilientLink::peer() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return peer_locked();
+}
+
+std::string ResilientLink::peer_locked() const {
+  if (conn_) return conn_->peer();
+  if (candidate_) return candidate_->peer();
+  return first_peer_.empty() ? std::string("peer") : first_peer_;
+}
+
+std::string ResilientLink::peer_identity() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return conn_ ? conn_->peer_identity() : candidate_ ? candidate_->peer_identity() : std::string();
+}
+
+std::string ResilientLink::peer_fingerprint() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return conn_ ? conn_->peer_fingerprint() : candidate_ ? candidate_->peer_fingerprint() : std::string();
+}
+
+LinkStats ResilientLink::stats() const { return logical_.snapshot(); }
+
+ResilienceStats ResilientLink::stats_ex() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  ResilienceStats s = counters_;
+  s.link = logical_.snapshot();
+  s.pending_frames = pending_.size();
+  s.pending_bytes = pending_bytes_;
+  s.connected = connected_;
+  return s;
+}
+
+// ---------------------------------------------------------------------------------------
+// Helpers (mu_ held).
+
+void ResilientLink::throw_if_over_locked(const char* what) const {
+  if (closed_) throw PeerLost(peer_locked(), str_cat(what, " ", peer_locked(), ": link was closed locally"));
+  if (lost_) throw PeerLost(peer_locked(), str_cat(what, " ", peer_locked(), ": ", lost_message_));
+}
+
+std::string ResilientLink::waiting_detail_locked() const {
+  if (connected_ || closed_ || lost_) return {};
+  if (last_error_.empty()) return str_cat(" (connecting for ", ms_since(failed_at_), " ms)");
+  return str_cat(" (reconnecting for ", ms_since(failed_at_), " ms; last error: ", last_error_, ")");
+}
+
+bool ResilientLink::ack_urgent_locked() const {
+  return delivered_ - last_ack_sent_ >= options_.ack_every_frames ||
+         unacked_bytes_ >= std::max<uint64_t>(options_.max_pending_bytes / 4, 1);
+}
+
+void ResilientLink::acknowledge_locked(uint64_t delivered) {
+  if (delivered <= acked_) return;
+  while (acked_ < delivered && !pending_.empty()) {
+    pending_bytes_ -= wire_size(*pending_.front());
+    pending_.pop_front();
+    ++acked_;
+  }
+  acked_ = delivered;
+  if (next_write_seq_ <= acked_) next_write_seq_ = acked_ + 1;
+  send_cv_.notify_all();
+}
+
+std::shared_ptr<Link> ResilientLink::declare_lost_locked(const std::string& message) {
+  if (lost_ || closed_) return nullptr;
+  lost_ = true;
+  connected_ = false;
+  lost_message_ = message;
+  spdlog::error("session with {}: {}", peer_locked(), message);
+  send_cv_.notify_all();
+  recv_cv_.notify_all();
+  writer_cv_.notify_all();
+  reader_cv_.notify_all();
+  return conn_;
+}
+
+// ---------------------------------------------------------------------------------------
+// Writer thread: writes queued frames in seq order and acks, on the current connection.
+
+void ResilientLink::connection_failed(uint64_t gen, const std::string& why) {
+  std::shared_ptr<Link> conn;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (gen != gen_ || !connected_) return;  // already noticed (or closed): the reader handles it
+    connected_ = false;
+    writer_error_ = why;
+    conn = conn_;
+  }
+  conn->close();  // the reader wakes up and reconnects
+}
+
+void ResilientLink::writer_main() {
+  std::unique_lock<std::mutex> lock(mu_);
+  for (;;) {
+    if (closed_ || lost_) return;
+    if (!connected_) {
+      writer_cv_.wait(lock);
+      continue;
+    }
+    const bool ack_pending = delivered_ > last_ack_sent_;
+    const auto ack_due_at = ack_due_since_ + options_.ack_interval;
+    FramePtr frame;
+    if (ack_pending && (ack_urgent_locked() || Clock::now() >= ack_due_at)) {
+      frame = std::make_shared<wire::Frame>(u64_frame(FrameType::kAck, {delivered_}));
+      last_ack_sent_ = delivered_;
+      unacked_bytes_ = 0;
+      ++counters_.acks_sent;
+    } else if (next_write_seq_ < next_seq_) {
+      frame = pending_[next_write_seq_ - acked_ - 1];
+      const uint64_t seq = next_write_seq_++;
+      if (seq <= max_written_seq_) {
+        ++counters_.frames_resent;
+        counters_.bytes_resent += wire_size(*frame);
+      } else {
+        max_written_seq_ = seq;
+      }
+    } else if (ack_pending) {
+      writer_cv_.wait_until(lock, ack_due_at);
+      continue;
+    } else {
+      writer_cv_.wait(lock);
+      continue;
+    }
+    std::shared_ptr<Link> conn = conn_;
+    const uint64_t gen = gen_;
+    lock.unlock();
+    try {
+      // No deadline: close() of the connection (by the reader, close() or a failure) wakes it.
+      conn->send(*frame, Deadline::never());
+    } catch (const NetworkError& e) {
+      connection_failed(gen, e.what());
+    } catch (const FrameError& e) {
+      connection_failed(gen, e.what());
+    } catch (const std::exception& e) {
+      // A precondition of the link underneath (e.g. its max_payload): resending cannot help.
+      std::shared_ptr<Link> to_close;
+      {
+        std::lock_guard<std::mutex> relock(mu_);
+        to_close = declare_lost_locked(str_cat("session failed: ", e.what()));
+      }
+      if (to_close) to_close->close();
+    }
+    lock.lock();
+  }
+}
+
+// ---------------------------------------------------------------------------------------
+// Reader thread: reads frames, and is the only thread that reconnects.
+
+bool ResilientLink::resume_on(const std::shared_ptr<Link>& conn, Deadline deadline) {
+  uint64_t sent_delivered, sent_received;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    sent_delivered = delivered_;
+    sent_received = received_;  // stable: only this thread changes it
+  }
+  conn->send(u64_frame(FrameType::kResume, {session_id_, sent_delivered, sent_received}), deadline);
+  wire::Frame f = conn->recv(deadline);
+  if (f.header.type != FrameType::kResume)
+    throw FrameError(FrameError::Kind::kBadPayload,
+                     str_cat("resume with ", conn->peer(), ": expected a resume frame first, got a ",
+                             wire::frame_type_name(f.header.type), " frame (is the peer a ResilientLink?)"));
+  wire::ByteReader r(f.payload, str_cat("resume frame from ", conn->peer()));
+  const uint64_t their_session = r.u64(), their_delivered = r.u64(), their_received = r.u64();
+  r.expect_done();
+
+  std::shared_ptr<Link> old;
+  std::lock_guard<std::mutex> lock(mu_);
+  if (closed_ || lost_) return false;
+  if (peer_session_ != 0 && their_session != peer_session_) {
+    declare_lost_locked(str_cat(conn->peer(), " lost: it came back as a new session (", their_session,
+                                " instead of ", peer_session_,
+                                "), so it restarted and what it had not yet received cannot be resumed"));
+    return false;
+  }
+  if (their_delivered > their_received || their_received >= next_seq_ || their_delivered < acked_) {
+    declare_lost_locked(str_cat(conn->peer(), " lost: its resume state (delivered ", their_delivered,
+                                ", received ", their_received, ") does not fit ours (acknowledged ", acked_,
+                                ", sent up to ", next_seq_ - 1, "); the session cannot be resumed"));
+    return false;
+  }
+  peer_session_ = their_session;
+  acknowledge_locked(their_delivered);
+  next_write_seq_ = their_received + 1;  // >= acked_ + 1: their_received >= their_delivered == acked_
+  last_ack_sent_ = sent_delivered;
+  if (delivered_ > last_ack_sent_) ack_due_since_ = Clock::now();
+  const uint64_t to_resend = max_written_seq_ >= next_write_seq_ ? max_written_seq_ + 1 - next_write_seq_ : 0;
+  old = std::move(conn_);  // closed already; released after the lock (by the guard's scope end)
+  conn_ = conn;
+  candidate_.reset();
+  writer_error_.clear();
+  ++gen_;
+  connected_ = true;
+  if (gen_ > 1) {
+    ++counters_.reconnects;
+    spdlog::info("session with {} resumed after {} ms: re-sending {} frame(s) from seq {}", conn->peer(),
+                 ms_since(failed_at_), to_resend, next_write_seq_);
+  }
+  writer_cv_.notify_all();
+  return true;
+}
+
+std::string ResilientLink::read_loop(Link& conn, uint64_t gen) {
+  for (;;) {
+    wire::Frame f;
+    try {
+      f = conn.recv(Deadline::never());  // close() of the connection wakes it
+    } catch (const NetworkError& e) {
+      return e.what();
+    } catch (const FrameError& e) {
+      return e.what();
+    }
+    std::lock_guard<std::mutex> lock(mu_);
+    if (closed_ || lost_ || gen != gen_) return "session over";
+    switch (f.header.type) {
+      case FrameType::kAck: {
+        uint64_t delivered;
+        try {
+          wire::ByteReader r(f.payload, str_cat("ack frame from ", conn.peer()));
+          delivered = r.u64();
+          r.expect_done();
+        } catch (const FrameError& e) {
+          return e.what();
+        }
+        if (delivered >= next_seq_)
+          return str_cat("ack frame from ", conn.peer(), " acknowledges seq ", delivered, " but only ", next_seq_ - 1,
+                         " were sent");
+        ++counters_.acks_received;
+        acknowledge_locked(delivered);
+        break;
+      }
+      case FrameType::kResume:
+        return str_cat("unexpected resume frame from ", conn.peer(), " on an established connection");
+      default: {
+        const uint64_t seq = f.header.seq;
+        if (seq <= received_) {
+          ++counters_.duplicates_dropped;
+        } else if (seq == received_ + 1) {
+          received_ = seq;
+          inbox_.push_back(std::move(f));
+          recv_cv_.notify_one();
+        } else {
+          return str_cat("frame seq ", seq, " from ", conn.peer(), " after seq ", received_, ": frames missing");
+        }
+      }
+    }
+  }
+}
+
+void ResilientLink::reader_main(std::unique_ptr<Link> first) {
+  std::shared_ptr<Link> candidate(std::move(first));
+  auto backoff = options_.backoff_initial;
+  bool pause_first = false;  // the first attempt after a failure goes at once
+  try {
+    for (;;) {
+      Clock::time_point give_up;
+      {
+        std::unique_lock<std::mutex> lock(mu_);
+        if (closed_ || lost_) break;
+        give_up = failed_at_ + options_.reconnect_timeout;
+        if (!candidate) {
+          if (pause_first) {
+            auto wake = std::min(give_up, Clock::now() + backoff);
+            reader_cv_.wait_until(lock, wake, [&] { return closed_ || lost_; });
+            if (closed_ || lost_) break;
+            backoff = std::min(backoff * 2, options_.backoff_max);
+          }
+          pause_first = true;
+          if (Clock::now() >= give_up) {
+            const std::string last = last_error_.empty() ? std::string("none") : last_error_;
+            auto conn = declare_lost_locked(str_cat(
+                peer_locked(), " lost: no reconnection within ", duration_text(options_.reconnect_timeout),
+                " (last error: ", last,
+                outage_cause_.empty() || outage_cause_ == last ? std::string()
+                                                               : str_cat("; the connection failed with: ", outage_cause_),
+                ")"));
+            lock.unlock();
+            if (conn) conn->close();
+            break;
+          }
+          ++counters_.reconnect_attempts;
+        }
+      }
+      const Deadline deadline = Deadline(std::min(give_up, Clock::now() + options_.attempt_timeout));
+      if (!candidate) {
+        try {
+          std::unique_ptr<Link> fresh = reconnect_(deadline);
+          if (!fresh) throw Error("the reconnect function returned no link");
+          candidate = std::move(fresh);
+        } catch (const std::exception& e) {
+          std::lock_guard<std::mutex> lock(mu_);
+          last_error_ = str_cat("reconnect: ", e.what());
+          continue;
+        }
+      }
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        if (closed_ || lost_) break;
+        candidate_ = candidate;  // so that close() can cut the resume exchange short
+      }
+      bool resumed = false;
+      try {
+        resumed = resume_on(candidate, deadline);
+      } catch (const std::exception& e) {
+        std::lock_guard<std::mutex> lock(mu_);
+        candidate_.reset();
+        last_error_ = str_cat("resume: ", e.what());
+      }
+      if (!resumed) {
+        candidate->close();
+        candidate.reset();
+        continue;  // the loop head ends the thread if the session is over
+      }
+      std::shared_ptr<Link> conn = std::move(candidate);
+      uint64_t gen;
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        gen = gen_;
+      }
+      backoff = options_.backoff_initial;
+      pause_first = false;
+
+      std::string why = read_loop(*conn, gen);
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        if (closed_ || lost_) break;
+        if (connected_ && gen_ == gen) {
+          connected_ = false;
+          last_error_ = why;
+        } else {
+          last_error_ = writer_error_.empty() ? why : writer_error_;  // the writer noticed first
+        }
+        outage_cause_ = last_error_;
+        failed_at_ = Clock::now();
+        spdlog::warn("session with {} interrupted: {}; reconnecting (for at most {})", conn->peer(), last_error_,
+                     duration_text(options_.reconnect_timeout));
+      }
+      conn->close();
+    }
+  } catch (const std::exception& e) {
+    std::shared_ptr<Link> conn;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      conn = declare_lost_locked(str_cat("session failed: ", e.what()));
+    }
+    if (conn) conn->close();
+  }
+}
+
+}  // namespace nebula::transport

@@ -1,0 +1,227 @@
+// ResilientLink: a session over a sequence of connections to one peer, which survives cut
+// connections (DESIGN.md, "Reliability"). When the connection underneath fails, it
+// reconnects through a caller-supplied function, resumes where it left off and re-sends
+// what the peer has not got, so the caller sees nothing but latency: every frame sent is
+// delivered once, in order, unless the peer stays away longer than reconnect_timeout.
+//
+// Sequence numbers. ResilientLink OWNS header.seq: send() overwrites it with a session
+// sequence number (1, 2, 3, ... per direction, starting again only with a new session) and
+// recomputes the checksum; recv() returns frames with that session seq. Every other header
+// field (type, flags, op_id, codec) and the payload travel untouched. A layer above that
+// needs a per-operation sequence number carries it in op_id or in the payload.
+// FrameType::kAck and kResume are reserved for the session protocol: send() rejects them
+// (nebula::Error) and recv() never returns them.
+//
+// Protocol (frames on the connection underneath; u64 = little-endian, wire::ByteWriter):
+//  * kData (and kHello/kBye/kHeartbeat): a caller's frame, header.seq = session seq.
+//  * kAck, payload u64 `delivered`: every frame with seq <= delivered has been delivered to
+//    the receiving caller (cumulative). The sender then forgets them. Acks are delayed by
+//    at most ResilientOptions::ack_interval and sent at once when many frames wait.
+//    Acknowledging delivery, not arrival, makes the SENDER's max_pending_bytes also bound
+//    the memory of the RECEIVER's queue of frames its caller has not taken yet.
+//  * kResume, payload u64 session_id, u64 delivered, u64 received: the first frame each side
+//    sends on every connection, the first one included. `received` is the highest seq held
+//    (delivered or queued). The sender of frames drops everything <= delivered and re-sends,
+//    in order, everything > received. session_id is random per ResilientLink: a peer that
+//    comes back with another one has restarted and lost its state, so the session cannot be
+//    resumed (PeerLost). The receiver discards any frame with seq <= received (a duplicate
+//    after a resend), so delivery is exactly once.
+//
+// Failures. A connection fails when the layer underneath throws PeerLost, Timeout or
+// FrameError on the session's own reading or writing, or when the peer breaks the protocol
+// (a gap in the sequence, an unexpected kResume). Then ResilientLink closes it and calls
+// `reconnect` (with exponential backoff from backoff_initial to backoff_max) until a new
+// connection has completed the resume exchange, or until reconnect_timeout has passed since
+// the failure. In the latter case the peer is lost: every pending and later send(), recv()
+// and flush() throws PeerLost(peer, "<peer> lost: no reconnection within 30 s (last error:
+// <last attempt>; the connection failed with: <first error>)"). A peer that comes back with
+// another session id, or whose resume is inconsistent with ours, is lost at once. Frames
+// received but not yet taken by recv() are dropped then: the session is over, and the layer
+// above resynchronises when the peer rejoins.
+//
+// Threads. Two background threads per link: a reader, which reads every frame from the
+// current connection (so acks and failures are noticed even when the caller is not in
+// recv()) and is the ONLY thread that reconnects; and a writer, which writes queued frames
+// and acks (so neither the caller nor the reader ever blocks on the peer's window while the
+// other waits: no distributed deadlock). send() only copies the frame into the queue of
+// unacknowledged frames.
+//
+// Semantics of the Link calls:
+//  * send(frame, deadline): returns once the frame is queued -- it will be delivered even
+//    across reconnects. It blocks only while the unacknowledged frames hold
+//    max_pending_bytes or more (a single frame larger than that is admitted when nothing is
+//    pending); Timeout at the deadline, in which case the frame was NOT queued and nothing
+//    is lost or duplicated. Concurrent sends are serialized, in the order they took the
+//    send lock (a timed lock: a call waiting behind another still times out at its own
+//    deadline). Throws PeerLost once the link is closed or the peer lost.
+//  * recv(deadline): the next frame in order; Timeout at the deadline (nothing consumed), also
+//    while a reconnect is in progress. One receiving thread at a time (nebula::Error on
+//    concurrent recv()).
+//  * flush(deadline): waits until the peer has acknowledged every frame sent so far. Call it
+//    before close() for an orderly end: close() discards frames not yet acknowledged.
+//  * close(): idempotent, from any thread; every blocked and later call throws PeerLost at
+//    once. The destructor also waits for a reconnect() call in flight to return (at most
+//    attempt_timeout).
+//  * peer(), peer_identity(), peer_fingerprint(): those of the current connection.
+//  * stats(): LOGICAL counters -- frames and bytes (header included) the caller handed to
+//    send() and got from recv(), not what went over the wire. stats_ex() adds the session
+//    counters (reconnects, re-sent frames, duplicates dropped, what is pending).
+//
+// Not covered: a silent partition (no FIN/RST, no error from the layer underneath) is only
+// noticed when that layer notices it (TCP retransmission timeout); there is no idle
+// heartbeat yet.
+#pragma once
+
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+
+#include "transport/link.h"
+
+namespace nebula::transport {
+
+// Returns a fresh, already authenticated connection to the same peer (the dialling side
+// redials, the accepting side waits for the peer to dial back; TLS and any hello are done
+// inside), or throws (any exception counts as a failed attempt; its message is kept as the
+// "last error"). Must return by `deadline`. Called only from ResilientLink's reader thread,
+// never concurrently with itself.
+using Reconnect = std::function<std::unique_ptr<Link>(Deadline deadline)>;
+
+struct ResilientOptions {
+  // A peer away longer than this (from the failure to a completed resume) is lost.
+  std::chrono::milliseconds reconnect_timeout{30000};
+  // Pause after a failed reconnect attempt: backoff_initial, doubling up to backoff_max.
+  std::chrono::milliseconds backoff_initial{50};
+  std::chrono::milliseconds backoff_max{2000};
+  // The deadline given to one reconnect() call plus its resume exchange, capped by what is
+  // left of reconnect_timeout. Bounds how long the destructor may wait for an attempt.
+  std::chrono::milliseconds attempt_timeout{10000};
+  // Bytes (headers included) of frames sent but not acknowledged, kept for re-sending.
+  // send() blocks, bounded by its deadline, while this much is pending.
+  uint64_t max_pending_bytes = 1ull << 30;
+  // Longest delay of an acknowledgement after the caller took a frame. An ack also goes at
+  // once when ack_every_frames frames or max_pending_bytes/4 bytes wait to be acknowledged.
+  std::chrono::milliseconds ack_interval{10};
+  uint64_t ack_every_frames = 256;
+};
+
+// Session counters since construction (see also stats()).
+struct ResilienceStats {
+  LinkStats link;                   // logical, as stats()
+  uint64_t reconnects = 0;          // connections that replaced a failed one and resumed
+  uint64_t reconnect_attempts = 0;  // calls of reconnect(), successful or not
+  uint64_t frames_resent = 0;       // frames written again after a reconnect
+  uint64_t bytes_resent = 0;        // their bytes, headers included
+  uint64_t duplicates_dropped = 0;  // received frames discarded as already held
+  uint64_t acks_sent = 0;
+  uint64_t acks_received = 0;
+  uint64_t pending_frames = 0;  // sent, not yet acknowledged (now)
+  uint64_t pending_bytes = 0;
+  bool connected = false;  // a resumed connection is in place (now)
+};
+
+class ResilientLink : public Link {
+ public:
+  // `first` is the connection to start with (may be null: then reconnect() is called at
+  // once). Throws nebula::Error if reconnect is empty or an option is out of range.
+  ResilientLink(std::unique_ptr<Link> first, Reconnect reconnect, ResilientOptions options = {});
+  ~ResilientLink() override;
+  ResilientLink(const ResilientLink&) = delete;
+  ResilientLink& operator=(const ResilientLink&) = delete;
+
+  void send(const wire::Frame& frame, Deadline deadline) override;
+  wire::Frame recv(Deadline deadline) override;
+  void close() override;
+  std::string peer() const override;
+  LinkStats stats() const override;
+  std::string peer_identity() const override;
+  std::string peer_fingerprint() const override;
+
+  // Waits until every frame sent so far has been acknowledged. Timeout / PeerLost.
+  void flush(Deadline deadline);
+  ResilienceStats stats_ex() const;
+  // This side's random session id (as sent in kResume).
+  uint64_t session_id() const { return session_id_; }
+
+ private:
+  using FramePtr = std::shared_ptr<const wire::Frame>;
+
+  void reader_main(std::unique_ptr<Link> first);
+  void writer_main();
+  // Reads frames from `conn` until it fails; returns why.
+  std::string read_loop(Link& conn, uint64_t gen);
+  // Resume exchange on a fresh connection; installs it as the current one. Throws on failure
+  // (NetworkError/FrameError: try again; returns false if the session is over).
+  bool resume_on(const std::shared_ptr<Link>& conn, Deadline deadline);
+  // Called by the writer when a write on generation `gen` failed.
+  void connection_failed(uint64_t gen, const std::string& why);
+  // Ends the session (PeerLost for everyone). Caller holds mu_ and closes the returned
+  // connection (if any) after releasing it.
+  std::shared_ptr<Link> declare_lost_locked(const std::string& message);
+  // Forgets frames up to `delivered`. Caller holds mu_.
+  void acknowledge_locked(uint64_t delivered);
+  // Throws PeerLost if closed or lost. Caller holds mu_.
+  void throw_if_over_locked(const char* what) const;
+  std::string peer_locked() const;
+  std::string waiting_detail_locked() const;
+  bool ack_urgent_locked() const;
+
+  const Reconnect reconnect_;
+  const ResilientOptions options_;
+  const uint64_t session_id_;
+  std::string first_peer_;  // peer() of the first connection (for messages before any)
+
+  std::timed_mutex send_mu_;  // held for a whole send(): seq order == call order
+  std::mutex recv_mu_;        // try-locked by recv() to detect concurrent receivers
+
+  mutable std::mutex mu_;
+  std::condition_variable send_cv_;    // senders and flush(): space freed, acks, over
+  std::condition_variable recv_cv_;    // recv(): frame queued, over
+  std::condition_variable writer_cv_;  // writer: work, connection installed, over
+  std::condition_variable reader_cv_;  // reader's backoff sleep: close
+
+  // All GUARDED_BY(mu_):
+  std::shared_ptr<Link> conn_;       // current connection (resumed), or the last one
+  std::shared_ptr<Link> candidate_;  // a connection in its resume exchange (close() cuts it)
+  uint64_t gen_ = 0;                 // bumped each time a connection is installed
+  bool connected_ = false;           // conn_ resumed and not failed
+  std::string writer_error_;         // why the writer failed on gen_, if it did
+  Clock::time_point failed_at_{};    // when the current outage began
+  std::string last_error_;           // why the last connection / attempt failed
+  std::string outage_cause_;         // why the last connection failed
+  bool closed_ = false;              // close() was called
+  bool lost_ = false;                // peer lost; lost_message_ says why
+  std::string lost_message_;
+  uint64_t peer_session_ = 0;  // the peer's session id, once known
+
+  // Sending direction.
+  uint64_t next_seq_ = 1;           // seq of the next frame send() queues
+  uint64_t acked_ = 0;              // every seq <= acked_ is acknowledged and forgotten
+  std::deque<FramePtr> pending_;    // seqs acked_+1 .. next_seq_-1
+  uint64_t pending_bytes_ = 0;
+  uint64_t next_write_seq_ = 1;     // next seq the writer writes on conn_
+  uint64_t max_written_seq_ = 0;    // highest seq ever written (to count re-sends)
+
+  // Receiving direction.
+  uint64_t received_ = 0;            // highest contiguous seq held
+  uint64_t delivered_ = 0;           // highest seq recv() returned
+  std::deque<wire::Frame> inbox_;    // seqs delivered_+1 .. received_
+  uint64_t last_ack_sent_ = 0;       // `delivered` of the last ack or resume written
+  uint64_t unacked_bytes_ = 0;       // bytes delivered since then
+  Clock::time_point ack_due_since_{};  // when delivered_ first exceeded last_ack_sent_
+
+  ResilienceStats counters_;  // everything but link/pending/connected
+
+  LinkCounters logical_;
+
+  std::thread reader_;
+  std::thread writer_;
+};
+
+}  // namespace nebula::transport

@@ -1,0 +1,516 @@
+#include "transport/resilient_link.h"
+
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cstdio>
+#include <future>
+#include <thread>
+
+#include "transport/link_test_util.h"
+
+namespace nebula::transport {
+namespace {
+
+using namespace nebula::transport::testing;
+using wire::Frame;
+using wire::FrameType;
+using wire::make_frame;
+
+// The payload of frame `index`: `size` pattern bytes whose first 8 (when there is room)
+// hold the index, so a frame can be checked without its (session-owned) seq.
+std::vector<uint8_t> payload_for(uint64_t index, size_t size) {
+  auto v = pattern(size, static_cast<uint32_t>(index) + 1);
+  for (size_t k = 0; k < 8 && k < size; ++k) v[k] = static_cast<uint8_t>(index >> (8 * k));
+  return v;
+}
+
+// Caller fields the session must leave alone: op_id = index, flags and codec derived from it.
+Frame frame_for(uint64_t index, size_t size) {
+  return make_frame(FrameType::kData, index, /*seq=*/12345, payload_for(index, size),
+                    static_cast<uint16_t>(index & 0xFFFF), static_cast<uint8_t>(index % 7));
+}
+
+// Checks that `f` is frame `index` of `size` bytes; returns a description of what differs.
+std::string check_frame(const Frame& f, uint64_t index, size_t size) {
+  if (f.header.op_id != index) return str_cat("expected frame ", index, ", got op_id ", f.header.op_id);
+  if (f.header.flags != static_cast<uint16_t>(index & 0xFFFF) || f.header.codec != index % 7)
+    return str_cat("frame ", index, ": flags/codec changed");
+  if (f.header.type != FrameType::kData) return str_cat("frame ", index, ": type changed");
+  if (f.payload != payload_for(index, size)) return str_cat("frame ", index, ": payload differs");
+  try {
+    wire::verify_checksum(f.header, f.payload);
+  } catch (const std::exception& e) {
+    return str_cat("frame ", index, ": ", e.what());
+  }
+  return {};
+}
+
+std::vector<uint8_t> u64s(std::initializer_list<uint64_t> values) {
+  wire::ByteWriter w;
+  for (uint64_t v : values) w.put_u64(v);
+  return w.take();
+}
+
+// Forwards to a TcpLink the test keeps a hold of, so it can cut the connection underneath
+// a ResilientLink (which owns, and destroys, only this wrapper).
+class SharedLink : public Link {
+ public:
+  explicit SharedLink(std::shared_ptr<TcpLink> inner) : inner_(std::move(inner)) {}
+  void send(const Frame& frame, Deadline deadline) override { inner_->send(frame, deadline); }
+  Frame recv(Deadline deadline) override { return inner_->recv(deadline); }
+  void close() override { inner_->close(); }
+  std::string peer() const override { return inner_->peer(); }
+  LinkStats stats() const override { return inner_->stats(); }
+
+ private:
+  std::shared_ptr<TcpLink> inner_;
+};
+
+// Two ResilientLinks on loopback: `a` dials (and redials) the listener, `b` accepts (and
+// re-accepts) on it. cut() closes the current connection underneath either side.
+class Session {
+ public:
+  explicit Session(ResilientOptions options) {
+    Reconnect dial = [this](Deadline d) { return dial_once(d); };
+    Reconnect accept = [this](Deadline d) -> std::unique_ptr<Link> {
+      auto link = std::shared_ptr<TcpLink>(listener_.accept(d, "site-a"));
+      std::lock_guard<std::mutex> lock(mu_);
+      b_conn_ = link;
+      return std::make_unique<SharedLink>(link);
+    };
+    auto first_a = dial(Deadline::after(10s));
+    auto first_b = accept(Deadline::after(10s));
+    a = std::make_unique<ResilientLink>(std::move(first_a), dial, options);
+    b = std::make_unique<ResilientLink>(std::move(first_b), accept, options);
+  }
+  ~Session() {
+    stopping_ = true;
+    if (a) a->close();
+    if (b) b->close();
+    listener_.close();  // a reconnect in flight gives up at once
+    a.reset();
+    b.reset();
+  }
+
+  // Closes the current connection under a (side_a) or b.
+  void cut(bool side_a) {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto& conn = side_a ? a_conn_ : b_conn_;
+    if (conn) conn->close();
+  }
+  // While closed, a's redial waits (bounded by its deadline).
+  void set_gate(bool open) { gate_open_ = open; }
+  TcpListener& listener() { return listener_; }
+
+  std::unique_ptr<ResilientLink> a, b;
+
+ private:
+  std::unique_ptr<Link> dial_once(Deadline d) {
+    for (;;) {
+      if (stopping_) throw PeerLost("site-b", "test session is stopping");
+      if (gate_open_) {
+        try {
+          auto link = std::shared_ptr<TcpLink>(
+              TcpLink::connect("127.0.0.1", listener_.port(), "site-b", d.min(Deadline::after(100ms))));
+          std::lock_guard<std::mutex> lock(mu_);
+          a_conn_ = link;
+          return std::make_unique<SharedLink>(link);
+        } catch (const Timeout&) {
+          if (d.expired()) throw;
+        }
+      } else {
+        if (d.expired()) throw Timeout("site-b", "test gate closed");
+        std::this_thread::sleep_for(5ms);
+      }
+    }
+  }
+
+  TcpListener listener_{"127.0.0.1", 0};
+  std::mutex mu_;
+  std::shared_ptr<TcpLink> a_conn_, b_conn_;  // GUARDED_BY(mu_): latest connections
+  std::atomic<bool> gate_open_{true};
+  std::atomic<bool> stopping_{false};
+};
+
+// Sends frames [0, n) with the given sizes; receives and checks the peer's.
+// `pace` between frames stretches a transfer over many cuts.
+void send_all(ResilientLink* link, size_t n, size_t (*size_of)(uint64_t), std::chrono::microseconds pace = {}) {
+  for (uint64_t i = 0; i < n; ++i) {
+    link->send(frame_for(i, size_of(i)), Deadline::after(60s));
+    if (pace.count() > 0) std::this_thread::sleep_for(pace);
+  }
+}
+void recv_all(ResilientLink* link, size_t n, size_t (*size_of)(uint64_t)) {
+  for (uint64_t i = 0; i < n; ++i) {
+    Frame f = link->recv(Deadline::after(60s));
+    std::string bad = check_frame(f, i, size_of(i));
+    ASSERT_TRUE(bad.empty()) << bad;
+    ASSERT_EQ(f.header.seq, i + 1) << "session seq";
+  }
+}
+
+void print_stats(const char* name, const ResilienceStats& s) {
+  std::printf("%s: %llu frames sent, %llu received, %llu reconnects (%llu attempts), %llu frames resent, %llu "
+              "duplicates dropped, %llu acks sent, %llu received\n",
+              name, (unsigned long long)s.link.frames_sent, (unsigned long long)s.link.frames_received,
+              (unsigned long long)s.reconnects, (unsigned long long)s.reconnect_attempts,
+              (unsigned long long)s.frames_resent, (unsigned long long)s.duplicates_dropped,
+              (unsigned long long)s.acks_sent, (unsigned long long)s.acks_received);
+}
+
+size_t mixed_size(uint64_t i) {
+  static const size_t kSizes[] = {0, 1, 7, 100, 1000, 4096, 16384};
+  if (i % 50 == 0) return 256 * 1024;
+  return kSizes[(i * 2654435761u >> 7) % 7];
+}
+
+TEST(ResilientLinkTest, NoFaults10000MixedFramesBothWaysExactlyOnce) {
+  ResilientOptions o;
+  o.max_pending_bytes = 8 << 20;  // small enough that the senders depend on acks
+  Session s(o);
+  constexpr size_t kFrames = 10000;
+  auto sa = std::async(std::launch::async, send_all, s.a.get(), kFrames, mixed_size, 0us);
+  auto sb = std::async(std::launch::async, send_all, s.b.get(), kFrames, mixed_size, 0us);
+  auto ra = std::async(std::launch::async, recv_all, s.a.get(), kFrames, mixed_size);
+  auto rb = std::async(std::launch::async, recv_all, s.b.get(), kFrames, mixed_size);
+  sa.get(), sb.get(), ra.get(), rb.get();
+  // Acks drain both pending buffers.
+  s.a->flush(Deadline::after(10s));
+  s.b->flush(Deadline::after(10s));
+  for (auto* link : {s.a.get(), s.b.get()}) {
+    auto st = link->stats_ex();
+    EXPECT_EQ(st.pending_frames, 0u);
+    EXPECT_EQ(st.pending_bytes, 0u);
+    EXPECT_EQ(st.link.frames_sent, kFrames);
+    EXPECT_EQ(st.link.frames_received, kFrames);
+    EXPECT_EQ(st.reconnects, 0u);
+    EXPECT_EQ(st.frames_resent, 0u);
+    EXPECT_EQ(st.duplicates_dropped, 0u);
+    EXPECT_GT(st.acks_received, 0u);
+    EXPECT_TRUE(st.connected);
+    EXPECT_EQ(link->stats().bytes_sent, link->stats().bytes_received);  // same sizes both ways
+  }
+  EXPECT_EQ(s.a->peer(), "site-b");
+  EXPECT_EQ(s.b->peer(), "site-a");
+}
+
+size_t medium_size(uint64_t i) { return (i * 2654435761u) % 60000; }
+
+TEST(ResilientLinkTest, ConnectionCutEvery50msBothWaysExactlyOnceInOrder) {
+  ResilientOptions o;
+  o.reconnect_timeout = 20s;
+  o.backoff_initial = 1ms;
+  o.backoff_max = 20ms;
+  o.attempt_timeout = 2s;
+  o.max_pending_bytes = 4 << 20;
+  Session s(o);
+  constexpr size_t kFrames = 2000;
+  std::atomic<bool> done{false};
+  std::atomic<int> cuts{0};
+  std::thread killer([&] {
+    for (int k = 0; !done; ++k) {
+      std::this_thread::sleep_for(50ms);
+      s.cut(k % 2 == 0);
+      ++cuts;
+    }
+  });
+  // ~1 ms per frame: the transfer spans a few seconds, so dozens of cuts.
+  auto sa = std::async(std::launch::async, send_all, s.a.get(), kFrames, medium_size, 1000us);
+  auto sb = std::async(std::launch::async, send_all, s.b.get(), kFrames, medium_size, 1000us);
+  auto ra = std::async(std::launch::async, recv_all, s.a.get(), kFrames, medium_size);
+  auto rb = std::async(std::launch::async, recv_all, s.b.get(), kFrames, medium_size);
+  sa.get(), sb.get(), ra.get(), rb.get();
+  done = true;
+  killer.join();
+  s.a->flush(Deadline::after(20s));
+  s.b->flush(Deadline::after(20s));
+  auto st_a = s.a->stats_ex(), st_b = s.b->stats_ex();
+  print_stats("a", st_a);
+  print_stats("b", st_b);
+  std::printf("%d cuts\n", cuts.load());
+  EXPECT_GT(cuts.load(), 10);
+  EXPECT_GT(st_a.reconnects, 0u);
+  EXPECT_GT(st_b.reconnects, 0u);
+  EXPECT_EQ(st_a.link.frames_received, kFrames);
+  EXPECT_EQ(st_b.link.frames_received, kFrames);
+  EXPECT_EQ(st_a.pending_frames, 0u);
+  EXPECT_EQ(st_b.pending_frames, 0u);
+  // Nothing more arrives: every frame was delivered exactly once.
+  EXPECT_THROW(s.a->recv(Deadline::after(100ms)), Timeout);
+  EXPECT_THROW(s.b->recv(Deadline::after(100ms)), Timeout);
+}
+
+TEST(ResilientLinkTest, CallerTimeoutsDuringAnOutageLoseAndDuplicateNothing) {
+  ResilientOptions o;
+  o.backoff_initial = 1ms;
+  o.backoff_max = 10ms;
+  Session s(o);
+  for (uint64_t i = 0; i < 10; ++i) s.a->send(frame_for(i, 1000), Deadline::after(5s));
+  for (uint64_t i = 0; i < 10; ++i) ASSERT_EQ(check_frame(s.b->recv(Deadline::after(5s)), i, 1000), "");
+  s.set_gate(false);
+  s.cut(true);
+  // Caller deadlines still bound each call while the session reconnects.
+  auto t0 = Clock::now();
+  try {
+    s.b->recv(Deadline::after(200ms));
+    ADD_FAILURE() << "recv returned during the outage";
+  } catch (const Timeout& e) {
+    EXPECT_NE(std::string(e.what()).find("deadline passed"), std::string::npos) << e.what();
+  }
+  EXPECT_LT(seconds_since(t0), 5.0);
+  EXPECT_THROW(s.a->recv(Deadline::after(50ms)), Timeout);
+  // Sends during the outage are queued and delivered after it.
+  for (uint64_t i = 10; i < 20; ++i) s.a->send(frame_for(i, 1000), Deadline::after(1s));
+  EXPECT_FALSE(s.a->stats_ex().connected);
+  s.set_gate(true);
+  for (uint64_t i = 10; i < 20; ++i) ASSERT_EQ(check_frame(s.b->recv(Deadline::after(10s)), i, 1000), "");
+  EXPECT_THROW(s.b->recv(Deadline::after(100ms)), Timeout);
+  s.b->send(frame_for(7, 10), Deadline::after(5s));
+  EXPECT_EQ(check_frame(s.a->recv(Deadline::after(10s)), 7, 10), "");
+  EXPECT_GE(s.a->stats_ex().reconnects, 1u);
+  EXPECT_GE(s.b->stats_ex().reconnects, 1u);
+}
+
+TEST(ResilientLinkTest, PeerGoneRaisesPeerLostOnPendingAndLaterCalls) {
+  ResilientOptions o;
+  o.reconnect_timeout = 500ms;
+  o.max_pending_bytes = 256 * 1024;
+  Session s(o);
+  // a: a recv waiting, and a send blocked on a full buffer (b never reads).
+  auto pending_recv = std::async(std::launch::async, [&] { return s.a->recv(Deadline::after(30s)); });
+  uint64_t i = 0;
+  for (;; ++i) {
+    try {
+      s.a->send(frame_for(i, 64 * 1024), Deadline::after(200ms));
+    } catch (const Timeout&) {
+      break;
+    }
+    ASSERT_LT(i, 100u);
+  }
+  auto blocked_send = std::async(std::launch::async, [&] { s.a->send(frame_for(i, 64 * 1024), Deadline::after(30s)); });
+  std::this_thread::sleep_for(50ms);
+  auto t0 = Clock::now();
+  s.b->close();  // and b never comes back
+  try {
+    pending_recv.get();
+    ADD_FAILURE() << "recv returned a frame";
+  } catch (const PeerLost& e) {
+    std::string msg = e.what();
+    EXPECT_NE(msg.find("site-b lost: no reconnection within 500 ms (last error: "), std::string::npos) << msg;
+    EXPECT_EQ(e.peer(), "site-b");
+  }
+  EXPECT_LT(seconds_since(t0), 5.0);
+  EXPECT_THROW(blocked_send.get(), PeerLost);
+  EXPECT_LT(seconds_since(t0), 5.0);
+  EXPECT_THROW(s.a->recv(Deadline::after(5s)), PeerLost);
+  EXPECT_THROW(s.a->send(frame_for(0, 0), Deadline::after(5s)), PeerLost);
+  EXPECT_THROW(s.a->flush(Deadline::after(5s)), PeerLost);
+  EXPECT_LT(seconds_since(t0), 5.0);
+}
+
+TEST(ResilientLinkTest, PeerKilledWithSigkillRaisesPeerLostWithinTwiceTheTimeout) {
+  TcpListener listener("127.0.0.1", 0);
+  const uint16_t port = listener.port();
+  // Fork before this test creates any thread. The child is a ResilientLink peer that sends
+  // frames until it is killed; it never returns into gtest.
+  pid_t pid = ::fork();
+  ASSERT_GE(pid, 0);
+  if (pid == 0) {
+    try {
+      Reconnect dial = [port](Deadline d) -> std::unique_ptr<Link> {
+        return TcpLink::connect("127.0.0.1", port, "parent", d);
+      };
+      ResilientLink link(dial(Deadline::after(10s)), dial, ResilientOptions{});
+      for (uint64_t i = 0;; ++i) {
+        link.send(frame_for(i, 1000), Deadline::after(10s));
+        std::this_thread::sleep_for(1ms);
+      }
+    } catch (...) {
+    }
+    ::_exit(0);
+  }
+  ResilientOptions o;
+  o.reconnect_timeout = 500ms;
+  Reconnect accept = [&](Deadline d) -> std::unique_ptr<Link> { return listener.accept(d, "child"); };
+  {
+    ResilientLink link(listener.accept(Deadline::after(10s), "child"), accept, o);
+    for (uint64_t i = 0; i < 20; ++i) ASSERT_EQ(check_frame(link.recv(Deadline::after(10s)), i, 1000), "");
+    auto t0 = Clock::now();
+    ASSERT_EQ(::kill(pid, SIGKILL), 0);
+    int status = 0;
+    ASSERT_EQ(::waitpid(pid, &status, 0), pid);
+    EXPECT_TRUE(WIFSIGNALED(status));
+    uint64_t next = 20;
+    try {
+      for (;; ++next) ASSERT_EQ(check_frame(link.recv(Deadline::after(10s)), next, 1000), "");
+    } catch (const PeerLost& e) {
+      EXPECT_NE(std::string(e.what()).find("child lost: no reconnection within 500 ms"), std::string::npos)
+          << e.what();
+    }
+    double secs = seconds_since(t0);
+    EXPECT_LT(secs, 5.0);
+    std::printf("PeerLost %.3f s after SIGKILL (reconnect_timeout 0.5 s), %llu frames received\n", secs,
+                (unsigned long long)next);
+    EXPECT_THROW(link.recv(Deadline::after(1s)), PeerLost);
+    listener.close();
+  }
+}
+
+// The peer is a plain TcpLink driven by the test: it completes the resume exchange and then
+// neither reads nor acknowledges until told to.
+TEST(ResilientLinkTest, FullPendingBufferBlocksSendUntilDeadlineWithoutLosingFrames) {
+  auto p = make_tcp_pair();
+  ResilientOptions o;
+  o.max_pending_bytes = 1 << 20;
+  Reconnect none = [](Deadline) -> std::unique_ptr<Link> { throw PeerLost("site-b", "test: no reconnection"); };
+  ResilientLink link(std::move(p.client), none, o);
+  auto& peer = *p.server;
+  Frame resume = peer.recv(Deadline::after(10s));
+  ASSERT_EQ(resume.header.type, FrameType::kResume);
+  ASSERT_EQ(resume.payload, u64s({link.session_id(), 0, 0}));
+  peer.send(make_frame(FrameType::kResume, 0, 0, u64s({42, 0, 0})), Deadline::after(10s));
+
+  constexpr size_t kSize = 64 * 1024;
+  const uint64_t fit = o.max_pending_bytes / (kSize + wire::kHeaderSize);  // 15
+  for (uint64_t i = 0; i < fit; ++i) link.send(frame_for(i, kSize), Deadline::after(5s));
+  auto t0 = Clock::now();
+  try {
+    link.send(frame_for(fit, kSize), Deadline::after(300ms));
+    ADD_FAILURE() << "send did not block on a full pending buffer";
+  } catch (const Timeout& e) {
+    EXPECT_NE(std::string(e.what()).find("max_pending_bytes"), std::string::npos) << e.what();
+  }
+  double secs = seconds_since(t0);
+  EXPECT_GE(secs, 0.25);
+  EXPECT_LT(secs, 5.0);
+  EXPECT_EQ(link.stats_ex().pending_frames, fit);
+  EXPECT_EQ(link.stats().frames_sent, fit);  // the timed-out frame was not sent
+  EXPECT_THROW(link.flush(Deadline::after(50ms)), Timeout);
+
+  // Now the peer reads: exactly the frames that were accepted, in order, nothing else.
+  for (uint64_t i = 0; i < fit; ++i) {
+    Frame f = peer.recv(Deadline::after(10s));
+    ASSERT_EQ(check_frame(f, i, kSize), "");
+    ASSERT_EQ(f.header.seq, i + 1);
+  }
+  EXPECT_THROW(peer.recv(Deadline::after(200ms)), Timeout);
+  // An ack frees the buffer; the next frame goes out with the next seq.
+  peer.send(make_frame(FrameType::kAck, 0, 0, u64s({fit})), Deadline::after(5s));
+  link.flush(Deadline::after(5s));
+  EXPECT_EQ(link.stats_ex().pending_bytes, 0u);
+  EXPECT_EQ(link.stats_ex().acks_received, 1u);
+  link.send(frame_for(fit, kSize), Deadline::after(5s));
+  Frame f = peer.recv(Deadline::after(10s));
+  EXPECT_EQ(check_frame(f, fit, kSize), "");
+  EXPECT_EQ(f.header.seq, fit + 1);
+  // Acks are consumed internally; data from the peer is delivered.
+  peer.send(make_frame(FrameType::kAck, 0, 0, u64s({fit + 1})), Deadline::after(5s));
+  Frame from_peer = make_frame(FrameType::kData, 9, 1, payload_for(9, 10));
+  peer.send(from_peer, Deadline::after(5s));
+  Frame got = link.recv(Deadline::after(5s));
+  EXPECT_EQ(got.header.op_id, 9u);
+  EXPECT_EQ(got.payload, from_peer.payload);
+  link.flush(Deadline::after(5s));
+}
+
+// A raw peer that replays a frame and then skips one: the replay is delivered once; the
+// gap breaks the connection, and with no way back the peer is lost, saying why.
+TEST(ResilientLinkTest, DuplicatesAreDroppedAndAGapBreaksTheConnection) {
+  auto p = make_tcp_pair();
+  ResilientOptions o;
+  o.reconnect_timeout = 300ms;
+  Reconnect none = [](Deadline) -> std::unique_ptr<Link> { throw PeerLost("site-b", "test: no reconnection"); };
+  ResilientLink link(std::move(p.client), none, o);
+  auto& peer = *p.server;
+  ASSERT_EQ(peer.recv(Deadline::after(10s)).header.type, FrameType::kResume);
+  peer.send(make_frame(FrameType::kResume, 0, 0, u64s({42, 0, 0})), Deadline::after(10s));
+  auto data = [](uint64_t index, uint64_t seq) {
+    Frame f = frame_for(index, 100);
+    f.header.seq = seq;
+    f.header.checksum = wire::compute_checksum(f.header, f.payload);
+    return f;
+  };
+  peer.send(data(0, 1), Deadline::after(5s));
+  peer.send(data(0, 1), Deadline::after(5s));  // a replay
+  peer.send(data(1, 2), Deadline::after(5s));
+  EXPECT_EQ(check_frame(link.recv(Deadline::after(5s)), 0, 100), "");
+  EXPECT_EQ(check_frame(link.recv(Deadline::after(5s)), 1, 100), "");
+  EXPECT_EQ(link.stats_ex().duplicates_dropped, 1u);
+  peer.send(data(3, 4), Deadline::after(5s));  // seq 3 is missing
+  try {
+    link.recv(Deadline::after(10s));
+    ADD_FAILURE() << "recv returned a frame after a gap";
+  } catch (const PeerLost& e) {
+    std::string msg = e.what();
+    EXPECT_NE(msg.find("no reconnection within 300 ms"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("test: no reconnection"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("frames missing"), std::string::npos) << msg;
+  }
+  EXPECT_EQ(link.stats().frames_received, 2u);
+}
+
+TEST(ResilientLinkTest, CloseWakesBlockedCallsWithPeerLost) {
+  Session s(ResilientOptions{});
+  auto pending = std::async(std::launch::async, [&] { return s.a->recv(Deadline::after(30s)); });
+  std::this_thread::sleep_for(50ms);
+  auto t0 = Clock::now();
+  s.a->close();
+  try {
+    pending.get();
+    ADD_FAILURE() << "recv returned a frame";
+  } catch (const PeerLost& e) {
+    EXPECT_NE(std::string(e.what()).find("closed locally"), std::string::npos) << e.what();
+  }
+  EXPECT_LT(seconds_since(t0), 2.0);
+  EXPECT_THROW(s.a->send(frame_for(0, 10), Deadline::after(1s)), PeerLost);
+  EXPECT_THROW(s.a->flush(Deadline::after(1s)), PeerLost);
+  s.a->close();  // idempotent
+}
+
+TEST(ResilientLinkTest, PeerThatRestartedIsLostNotResumed) {
+  ResilientOptions o;
+  o.backoff_initial = 1ms;
+  Session s(o);
+  s.a->send(frame_for(0, 10), Deadline::after(5s));
+  ASSERT_EQ(check_frame(s.b->recv(Deadline::after(5s)), 0, 10), "");
+  s.b->send(frame_for(0, 10), Deadline::after(5s));
+  ASSERT_EQ(check_frame(s.a->recv(Deadline::after(5s)), 0, 10), "");
+  const uint64_t old_session = s.b->session_id();
+  s.b.reset();  // the peer process "restarts": a new ResilientLink accepts a's redial
+  Reconnect accept = [&](Deadline d) -> std::unique_ptr<Link> { return s.listener().accept(d, "site-a"); };
+  ResilientLink restarted(nullptr, accept, o);
+  EXPECT_NE(restarted.session_id(), old_session);
+  try {
+    s.a->recv(Deadline::after(10s));
+    ADD_FAILURE() << "recv returned a frame";
+  } catch (const PeerLost& e) {
+    EXPECT_NE(std::string(e.what()).find("new session"), std::string::npos) << e.what();
+  }
+  restarted.close();
+}
+
+TEST(ResilientLinkTest, RejectsReservedFrameTypesAndBadOptions) {
+  Session s(ResilientOptions{});
+  EXPECT_THROW(s.a->send(make_frame(FrameType::kAck, 0, 0, {}), Deadline::after(1s)), Error);
+  EXPECT_THROW(s.a->send(make_frame(FrameType::kResume, 0, 0, {}), Deadline::after(1s)), Error);
+  Frame bad = make_frame(FrameType::kData, 0, 0, {1, 2, 3});
+  bad.payload.pop_back();
+  EXPECT_THROW(s.a->send(bad, Deadline::after(1s)), Error);
+  ResilientOptions o;
+  o.reconnect_timeout = 0ms;
+  EXPECT_THROW(ResilientLink(nullptr, [](Deadline) -> std::unique_ptr<Link> { return nullptr; }, o), Error);
+  EXPECT_THROW(ResilientLink(nullptr, Reconnect{}, ResilientOptions{}), Error);
+  // Other caller frame types pass through, with the session seq.
+  s.a->send(make_frame(FrameType::kHeartbeat, 5, 0, {}), Deadline::after(1s));
+  Frame f = s.b->recv(Deadline::after(5s));
+  EXPECT_EQ(f.header.type, FrameType::kHeartbeat);
+  EXPECT_EQ(f.header.op_id, 5u);
+  EXPECT_EQ(f.header.seq, 1u);
+}
+
+}  // namespace
+}  // namespace nebula::transport

@@ -1,0 +1,266 @@
+#include "transport/site_connector.h"
+
+#include <spdlog/spdlog.h>
+
+#include "nebula/error.h"
+#include "transport/resilient_link.h"
+#include "transport/striped_link.h"
+#include "wire/frame.h"
+
+namespace nebula::transport {
+namespace {
+
+constexpr uint32_t kHelloProtocol = 3;
+
+struct Hello {
+  uint32_t protocol = kHelloProtocol;
+  std::string job, from, to;
+  uint32_t stream = 0, streams = 1, generation = 0;
+};
+
+wire::Frame hello_frame(const Hello& h) {
+  wire::ByteWriter w;
+  w.put_u32(h.protocol);
+  w.put_string(h.job);
+  w.put_string(h.from);
+  w.put_string(h.to);
+  w.put_u32(h.stream);
+  w.put_u32(h.streams);
+  w.put_u32(h.generation);
+  return wire::make_frame(wire::FrameType::kHello, 0, 0, w.take());
+}
+
+Hello read_hello(const wire::Frame& f, const std::string& peer) {
+  if (f.header.type != wire::FrameType::kHello)
+    throw AuthError(peer, str_cat("expected a hello frame, got ", wire::frame_type_name(f.header.type)));
+  wire::ByteReader r(f.payload, "hello from " + peer);
+  Hello h;
+  h.protocol = r.u32();
+  h.job = r.string(256);
+  h.from = r.string(256);
+  h.to = r.string(256);
+  h.stream = r.u32();
+  h.streams = r.u32();
+  h.generation = r.u32();
+  r.expect_done();
+  return h;
+}
+
+}  // namespace
+
+SiteConnector::SiteConnector(ConnectorOptions options, std::unique_ptr<TcpListener> listener)
+    : options_(std::move(options)), listener_(std::move(listener)) {
+  NEBULA_CHECK(options_.self < options_.sites.size(), "site index ", options_.self, " of ", options_.sites.size());
+  NEBULA_CHECK(options_.streams >= 1, "streams ", options_.streams);
+  if (options_.self + 1 < options_.sites.size()) acceptor_ = std::thread([this] { accept_loop(); });
+}
+
+SiteConnector::~SiteConnector() { close(); }
+
+void SiteConnector::close() {
+  std::vector<std::thread> handshakes;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (closed_) return;
+    closed_ = true;
+    handshakes.swap(handshakes_);
+  }
+  arrived_.notify_all();
+  if (listener_) listener_->close();
+  if (acceptor_.joinable()) acceptor_.join();
+  for (auto& t : handshakes) t.join();
+  std::lock_guard<std::mutex> lock(mu_);
+  for (auto& t : handshakes_) t.join();
+}
+
+void SiteConnector::audit(const std::string& peer_site, const std::string& address, const std::string& fingerprint,
+                          const std::string& outcome, const std::string& reason) {
+  if (outcome != "accepted") spdlog::warn("connection {} {}: {} ({})", outcome, address, reason, peer_site);
+  if (!options_.audit) return;
+  AuditEntry e;
+  e.local_site = options_.sites[options_.self].name;
+  e.peer_site = peer_site;
+  e.address = address;
+  e.fingerprint = fingerprint;
+  e.outcome = outcome;
+  e.reason = reason;
+  options_.audit->record(e);
+}
+
+std::vector<std::unique_ptr<Link>> SiteConnector::dial(size_t peer, int generation, Deadline deadline) {
+  const SiteAddress& to = options_.sites[peer];
+  const std::string& me = options_.sites[options_.self].name;
+  auto [host, port] = parse_host_port(to.address);
+  std::vector<std::unique_ptr<Link>> streams;
+  for (int k = 0; k < options_.streams; ++k) {
+    auto tcp = TcpLink::connect(host, port, to.name, deadline, options_.link);
+    const std::string address = tcp->address();
+    Deadline hs = Deadline::after(options_.handshake_timeout).min(deadline);
+    std::unique_ptr<Link> link;
+    try {
+      if (options_.tls) link = TlsLink::client(std::move(tcp), options_.tls, to.name, hs);
+      else link = std::move(tcp);
+      // The accepting side speaks first: if it refused our certificate, this recv gets its
+      // TLS alert (with TLS 1.3 the client's handshake ends before the server has judged it).
+      Hello greeting = read_hello(link->recv(hs), to.name);
+      auto check = [&](const Hello& h) {
+        if (h.protocol != kHelloProtocol || h.job != options_.job || h.from != to.name)
+          throw AuthError(to.name, str_cat("gateway at ", to.address, " answered as site '", h.from, "' of job '",
+                                           h.job, "' (protocol ", h.protocol, "); expected site '", to.name,
+                                           "' of job '", options_.job, "': check [[sites]] gateway addresses"));
+      };
+      check(greeting);
+      link->send(hello_frame({kHelloProtocol, options_.job, me, to.name, static_cast<uint32_t>(k),
+                              static_cast<uint32_t>(options_.streams), static_cast<uint32_t>(generation)}),
+                 hs);
+      Hello h = read_hello(link->recv(hs), to.name);
+      check(h);
+      if (h.to != me || h.stream != static_cast<uint32_t>(k))
+        throw AuthError(to.name, str_cat("site '", to.name, "' confirmed stream ", h.stream, " for '", h.to,
+                                         "'; expected stream ", k, " for '", me, "'"));
+    } catch (const TlsHandshakeError& e) {
+      audit(to.name, address, e.peer_fingerprint(), "refused", e.reason());
+      throw;
+    } catch (const AuthError& e) {
+      audit(to.name, address, link ? link->peer_fingerprint() : "", "refused", e.what());
+      throw;
+    } catch (const Timeout& e) {
+      audit(to.name, address, "", "failed", e.what());
+      throw;
+    }
+    audit(to.name, address, link->peer_fingerprint(), "accepted", generation ? "reconnected" : "dialed");
+    streams.push_back(std::move(link));
+  }
+  return streams;
+}
+
+void SiteConnector::accept_loop() {
+  for (;;) {
+    std::unique_ptr<TcpLink> tcp;
+    try {
+      tcp = listener_->accept(Deadline::after(std::chrono::milliseconds(500)));
+    } catch (const Timeout&) {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (closed_) return;
+      continue;
+    } catch (const std::exception& e) {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (!closed_) spdlog::error("gateway listener stopped: {}", e.what());
+      return;
+    }
+    // Each handshake on its own thread: a slow or hostile client cannot hold up the others.
+    std::lock_guard<std::mutex> lock(mu_);
+    if (closed_) return;
+    handshakes_.emplace_back([this, t = tcp.release()] { handshake_incoming(std::unique_ptr<TcpLink>(t)); });
+  }
+}
+
+void SiteConnector::handshake_incoming(std::unique_ptr<TcpLink> tcp) {
+  const std::string address = tcp->address();
+  const std::string& me = options_.sites[options_.self].name;
+  Deadline hs = Deadline::after(options_.handshake_timeout);
+  std::unique_ptr<Link> link;
+  std::string claimed;
+  try {
+    if (options_.tls) link = TlsLink::server(std::move(tcp), options_.tls, hs);
+    else link = std::move(tcp);
+    link->send(hello_frame({kHelloProtocol, options_.job, me, "", 0, 0, 0}), hs);  // greeting
+    Hello h = read_hello(link->recv(hs), address);
+    claimed = h.from;
+    size_t peer = options_.sites.size();
+    for (size_t j = options_.self + 1; j < options_.sites.size(); ++j)
+      if (options_.sites[j].name == h.from) peer = j;
+    std::string why;
+    if (h.protocol != kHelloProtocol) why = str_cat("protocol ", h.protocol, ", expected ", kHelloProtocol);
+    else if (h.job != options_.job) why = str_cat("job '", h.job, "', expected '", options_.job, "'");
+    else if (h.to != me) why = str_cat("wants site '", h.to, "', this is '", me, "'");
+    else if (peer == options_.sites.size()) why = str_cat("site '", h.from, "' is not a site that dials this one");
+    else if (options_.tls && link->peer_identity() != h.from)
+      why = str_cat("certificate names site '", link->peer_identity(), "' but hello claims '", h.from, "'");
+    else if (h.streams != static_cast<uint32_t>(options_.streams) || h.stream >= h.streams)
+      why = str_cat("stream ", h.stream, " of ", h.streams, ", expected ", options_.streams, " streams");
+    if (!why.empty()) throw AuthError(address, why);
+    link->send(hello_frame({kHelloProtocol, options_.job, me, h.from, h.stream, h.streams, h.generation}), hs);
+    audit(h.from, address, link->peer_fingerprint(), "accepted", str_cat("stream ", h.stream, " generation ", h.generation));
+    std::lock_guard<std::mutex> lock(mu_);
+    auto& slot = incoming_[{peer, static_cast<int>(h.generation)}];
+    slot.resize(h.streams);
+    slot[h.stream] = std::move(link);
+    arrived_.notify_all();
+  } catch (const TlsHandshakeError& e) {
+    audit(e.peer_site(), address, e.peer_fingerprint(), "refused", e.reason());
+  } catch (const Timeout& e) {
+    audit(claimed, address, "", "failed", e.what());
+  } catch (const std::exception& e) {
+    audit(claimed, address, link ? link->peer_fingerprint() : "", "refused", e.what());
+  }
+  if (link) link->close();
+}
+
+std::vector<std::unique_ptr<Link>> SiteConnector::await(size_t peer, int after_generation, Deadline deadline,
+                                                        int* taken) {
+  std::unique_lock<std::mutex> lock(mu_);
+  for (;;) {
+    // The oldest complete generation newer than the last one used; older ones are stale.
+    for (auto it = incoming_.begin(); it != incoming_.end();) {
+      auto& [key, streams] = *it;
+      if (key.first != peer) {
+        ++it;
+        continue;
+      }
+      if (key.second <= after_generation) {
+        it = incoming_.erase(it);
+        continue;
+      }
+      bool complete = true;
+      for (auto& s : streams) complete &= s != nullptr;
+      if (complete) {
+        *taken = key.second;
+        auto out = std::move(streams);
+        incoming_.erase(it);
+        return out;
+      }
+      ++it;
+    }
+    if (closed_) throw PeerLost(options_.sites[peer].name, "gateway closed while waiting for site " + options_.sites[peer].name);
+    if (arrived_.wait_until(lock, deadline.at()) == std::cv_status::timeout && deadline.expired())
+      throw Timeout(options_.sites[peer].name, str_cat("site '", options_.sites[peer].name, "' did not connect to ",
+                                                       options_.sites[options_.self].address, " in time"));
+  }
+}
+
+std::unique_ptr<Link> SiteConnector::assemble(size_t peer, std::vector<std::unique_ptr<Link>> streams, int generation) {
+  if (options_.shaper) streams = options_.shaper(peer, std::move(streams), generation);
+  if (streams.size() == 1) return std::move(streams[0]);
+  return std::make_unique<StripedLink>(std::move(streams), options_.link);
+}
+
+std::vector<std::unique_ptr<Link>> SiteConnector::connect_all(Deadline deadline) {
+  const size_t n = options_.sites.size(), me = options_.self;
+  std::vector<std::unique_ptr<Link>> links(n);
+  for (size_t j = 0; j < n; ++j) {
+    if (j == me) continue;
+    const bool dialer = j < me;
+    auto generation = std::make_shared<int>(0);
+    auto first = assemble(j, dialer ? dial(j, 0, deadline) : await(j, -1, deadline, generation.get()), 0);
+    // Reconnection: the dialing side dials again with a new generation; the accepting side
+    // waits for the peer's next complete generation.
+    Reconnect reconnect = [this, j, dialer, generation](Deadline d) {
+      if (dialer) {
+        int g = ++*generation;
+        return assemble(j, dial(j, g, d), g);
+      }
+      auto streams = await(j, *generation, d, generation.get());
+      return assemble(j, std::move(streams), *generation);
+    };
+    ResilientOptions ro;
+    ro.reconnect_timeout = options_.reconnect_timeout;
+    ro.max_pending_bytes = options_.max_pending;
+    links[j] = std::make_unique<ResilientLink>(std::move(first), std::move(reconnect), ro);
+    spdlog::info("connected to site {} ({} stream{}, {})", options_.sites[j].name, options_.streams,
+                 options_.streams > 1 ? "s" : "", options_.tls ? "mutual TLS" : "PLAINTEXT");
+  }
+  return links;
+}
+
+}  // namespace nebula::transport

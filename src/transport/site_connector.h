@@ -1,0 +1,95 @@
+// SiteConnector: builds a gateway's links to every other site's gateway, and rebuilds them
+// when they break. Per site pair it makes `streams` TCP connections, each one:
+//
+//   TcpLink → TlsLink (mutual TLS, unless insecure) → hellos: the acceptor greets, the dialer
+//           names itself (job, sites, stream, generation), the acceptor confirms
+//           → shaper (WAN emulation in local mode)
+//   N streams → StripedLink (if N > 1) → ResilientLink (reconnect + resume, exactly once)
+//
+// Site i dials every site j < i; an acceptor thread takes connections from sites j > i,
+// checks them (TLS identity == the site its hello claims; job; stream index), and files them
+// by (site, generation), so a reconnecting peer's new streams find their ResilientLink.
+// Every connection attempt, accepted or refused, is one line in the audit log.
+#pragma once
+
+#include <condition_variable>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "nebula/deadline.h"
+#include "transport/audit_log.h"
+#include "transport/link.h"
+#include "transport/tcp_link.h"
+#include "transport/tls_link.h"
+
+namespace nebula::transport {
+
+struct SiteAddress {
+  std::string name;
+  std::string address;  // "host:port" of the site's gateway
+};
+
+// Wraps the freshly connected streams to peer site `peer` (e.g. in WAN emulators);
+// `generation` counts reconnections (0 = first).
+using Shaper = std::function<std::vector<std::unique_ptr<Link>>(size_t peer, std::vector<std::unique_ptr<Link>>,
+                                                                 int generation)>;
+
+struct ConnectorOptions {
+  std::string job;
+  size_t self = 0;
+  std::vector<SiteAddress> sites;
+  int streams = 1;
+  std::shared_ptr<TlsContext> tls;  // null = plaintext (security.insecure)
+  Shaper shaper;                    // optional
+  LinkOptions link;                 // max_payload: larger frames disconnect the peer
+  std::chrono::milliseconds handshake_timeout{10000};
+  std::chrono::milliseconds reconnect_timeout{30000};
+  uint64_t max_pending = 1ull << 30;
+  std::shared_ptr<AuditLog> audit;  // optional
+};
+
+class SiteConnector {
+ public:
+  // `listener` is this gateway's bound listening socket; the connector takes it over.
+  SiteConnector(ConnectorOptions options, std::unique_ptr<TcpListener> listener);
+  ~SiteConnector();
+  SiteConnector(const SiteConnector&) = delete;
+  SiteConnector& operator=(const SiteConnector&) = delete;
+
+  // Connects to every other site; links[j] is the link to site j (null for this site).
+  // Throws Timeout if a site is not reachable by `deadline`, AuthError if a site we dial
+  // fails authentication.
+  std::vector<std::unique_ptr<Link>> connect_all(Deadline deadline);
+
+  // Stops accepting; links already handed out keep working until closed.
+  void close();
+
+ private:
+  struct Pending;  // accepted streams of one (site, generation), waiting to be complete
+  std::vector<std::unique_ptr<Link>> dial(size_t peer, int generation, Deadline deadline);
+  // The oldest complete set of streams from `peer` newer than `after_generation`; sets *taken.
+  std::vector<std::unique_ptr<Link>> await(size_t peer, int after_generation, Deadline deadline, int* taken);
+  std::unique_ptr<Link> assemble(size_t peer, std::vector<std::unique_ptr<Link>> streams, int generation);
+  void accept_loop();
+  void handshake_incoming(std::unique_ptr<TcpLink> tcp);
+  void audit(const std::string& peer_site, const std::string& address, const std::string& fingerprint,
+             const std::string& outcome, const std::string& reason);
+
+  ConnectorOptions options_;
+  std::unique_ptr<TcpListener> listener_;
+  std::thread acceptor_;
+
+  std::mutex mu_;
+  std::condition_variable arrived_;
+  // (site, generation) → streams by index. GUARDED_BY(mu_).
+  std::map<std::pair<size_t, int>, std::vector<std::unique_ptr<Link>>> incoming_;
+  std::vector<std::thread> handshakes_;  // GUARDED_BY(mu_); joined by close()
+  bool closed_ = false;                  // GUARDED_BY(mu_)
+};
+
+}  // namespace nebula::transport
