@@ -1,6 +1,9 @@
 // Goodput of one site pair over the WAN emulator: a single TCP stream against a
 // StripedLink of 4 and 8 streams, at several bandwidths and round-trip times.
-//   build/bench/wan_bench [seconds per cell, default 2]
+//   build/bench/wan_bench [seconds per cell, default 2] [--plain]
+//
+// Every stream runs mutual TLS 1.3 (TlsLink, a throwaway CA made in a temp dir), as between
+// real gateways; --plain measures plaintext TcpLinks instead.
 //
 // Every stream is a loopback TcpLink wrapped in an EmulatedLink with the TCP window model
 // (4 MiB, a typical Linux maximum); the streams of one cell share one Bottleneck, so the
@@ -18,7 +21,12 @@
 #include <string>
 #include <vector>
 
+#include <filesystem>
+#include <unistd.h>
+
+#include "transport/certs.h"
 #include "transport/emulated_link.h"
+#include "transport/tls_link.h"
 #include "transport/striped_link.h"
 #include "transport/tcp_link.h"
 
@@ -29,6 +37,23 @@ using namespace nebula::transport;
 using namespace std::chrono_literals;
 
 constexpr uint64_t kWindow = 4ull << 20;
+
+// TLS contexts of the two ends (null = plaintext).
+std::shared_ptr<TlsContext> g_tls_a, g_tls_b;
+
+// One connected stream: (sender side at site-a, receiver side at site-b).
+std::pair<std::unique_ptr<Link>, std::unique_ptr<Link>> connect_stream(TcpListener& listener) {
+  auto accepted = std::async(std::launch::async, [&]() -> std::unique_ptr<Link> {
+    auto tcp = listener.accept(Deadline::after(10s), "site-a");
+    if (!g_tls_b) return tcp;
+    return TlsLink::server(std::move(tcp), g_tls_b, Deadline::after(10s));
+  });
+  auto tcp = TcpLink::connect("127.0.0.1", listener.port(), "site-b", Deadline::after(10s));
+  std::unique_ptr<Link> client;
+  if (g_tls_a) client = TlsLink::client(std::move(tcp), g_tls_a, "site-b", Deadline::after(10s));
+  else client = std::move(tcp);
+  return {std::move(client), accepted.get()};
+}
 
 struct Cell {
   double goodput_bits = 0;  // payload bits per second
@@ -48,8 +73,8 @@ Cell run_cell(double bandwidth, std::chrono::milliseconds rtt, size_t streams, d
   std::vector<std::unique_ptr<Link>> tx_streams, rx_streams;
   TcpListener listener("127.0.0.1", 0);
   for (size_t i = 0; i < streams; ++i) {
-    auto client = TcpLink::connect("127.0.0.1", listener.port(), "site-b", Deadline::after(10s));
-    rx_streams.push_back(listener.accept(Deadline::after(10s), "site-a"));
+    auto [client, server] = connect_stream(listener);
+    rx_streams.push_back(std::move(server));
     WanEmulation emu;
     emu.bandwidth_bits_per_s = bandwidth;
     emu.one_way_delay = rtt / 2;
@@ -98,17 +123,32 @@ std::string rate(double bits) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  const double seconds = argc > 1 ? std::atof(argv[1]) : 2.0;
+  double seconds = 2.0;
+  bool plain = false;
+  for (int i = 1; i < argc; ++i) {
+    if (std::string(argv[i]) == "--plain") plain = true;
+    else seconds = std::atof(argv[i]);
+  }
   if (!(seconds > 0)) {
-    std::fprintf(stderr, "usage: %s [seconds per cell > 0]\n", argv[0]);
+    std::fprintf(stderr, "usage: %s [seconds per cell > 0] [--plain]\n", argv[0]);
     return 2;
+  }
+  std::filesystem::path certs;
+  if (!plain) {
+    certs = std::filesystem::temp_directory_path() / ("nebula-wan-bench-" + std::to_string(::getpid()));
+    std::filesystem::create_directories(certs);
+    create_ca(certs.string());
+    issue_site_certificate(certs.string(), "site-a");
+    issue_site_certificate(certs.string(), "site-b");
+    g_tls_a = TlsContext::create(TlsFiles::for_site(certs.string(), "site-a"));
+    g_tls_b = TlsContext::create(TlsFiles::for_site(certs.string(), "site-b"));
   }
   const double bandwidths[] = {10e6, 100e6, 1e9};
   const std::chrono::milliseconds rtts[] = {50ms, 200ms};
   const size_t stream_counts[] = {1, 4, 8};
 
-  std::printf("WAN emulator goodput: window %llu MiB per stream, streams share one bottleneck, ~%.1f s per cell\n",
-              static_cast<unsigned long long>(kWindow >> 20), seconds);
+  std::printf("WAN emulator goodput (%s): window %llu MiB per stream, streams share one bottleneck, ~%.1f s per cell\n",
+              plain ? "plaintext" : "mutual TLS 1.3", static_cast<unsigned long long>(kWindow >> 20), seconds);
   std::printf("%-13s %-7s %-13s", "bandwidth", "RTT", "window/RTT");
   for (size_t n : stream_counts) std::printf(" | %-21s", (std::to_string(n) + (n == 1 ? " stream" : " streams")).c_str());
   std::printf("\n");
@@ -129,5 +169,6 @@ int main(int argc, char** argv) {
   }
   std::printf("(%% = goodput / configured bandwidth; whole run %.1f s)\n",
               std::chrono::duration<double>(Clock::now() - bench_start).count());
+  if (!certs.empty()) std::filesystem::remove_all(certs);
   return 0;
 }

@@ -7,6 +7,7 @@
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -121,6 +122,40 @@ TEST(EndToEnd, TrainsOnUsersTsvAndTextFiles) {
                    common);
   EXPECT_NE(bad.exit_code, 0) << bad.output;
   EXPECT_NE(bad.output.find("site 'beta' has no sentences"), std::string::npos) << bad.output;
+  fs::remove_all(dir);
+}
+
+// A WAN cut mid-run (and a stall) costs a reconnection, nothing else: the job finishes and
+// its result is bit-identical to a run without faults (every update applied exactly once).
+TEST(EndToEnd, CutAndStalledWanLinkChangesNothingButTime) {
+  const std::string dir = temp_run_dir("faults");
+  fs::create_directories(dir);
+  std::ifstream in(NEBULA_SOURCE_DIR "/examples/smoke.toml");
+  std::stringstream text;
+  text << in.rdbuf()
+       << "\n[[wan.faults]]\nkind = \"cut\"\nafter = \"1MiB\"\n"
+       << "\n[[wan.faults]]\nkind = \"stall\"\nafter = \"2MiB\"\nduration = \"300ms\"\n";
+  std::ofstream(dir + "/faults.toml") << text.str();
+  const std::string common = " --set job.steps=30 --set wan.streams=2";
+  Result clean = run("run examples/smoke.toml" + common + " --set job.run_dir=\\\"" + dir + "/clean\\\"");
+  ASSERT_EQ(clean.exit_code, 0) << clean.output;
+  Result faulty = run("run " + dir + "/faults.toml" + common + " --set job.run_dir=\\\"" + dir + "/faulty\\\"");
+  ASSERT_EQ(faulty.exit_code, 0) << faulty.output;
+
+  auto summary = [&](const std::string& run_dir) {
+    std::ifstream s(dir + "/" + run_dir + "/summary.json");
+    return nlohmann::json::parse(s);
+  };
+  EXPECT_EQ(summary("clean")["final_train_loss"], summary("faulty")["final_train_loss"]);
+  EXPECT_EQ(summary("clean")["final_val_loss"], summary("faulty")["final_val_loss"]);
+  // The audit log shows the reconnection (a second generation of both streams).
+  std::ifstream ain(dir + "/faulty/audit.jsonl");
+  int reconnected = 0;
+  for (std::string line; std::getline(ain, line);) {
+    auto j = nlohmann::json::parse(line);
+    reconnected += j["reason"] == "reconnected";
+  }
+  EXPECT_EQ(reconnected, 2) << "one reconnection of 2 streams expected";
   fs::remove_all(dir);
 }
 

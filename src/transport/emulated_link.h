@@ -143,6 +143,7 @@ class EmulatedLink : public Link {
   std::string peer() const override { return inner_->peer(); }
   std::string peer_identity() const override { return inner_->peer_identity(); }
   std::string peer_fingerprint() const override { return inner_->peer_fingerprint(); }
+  LinkEstimates estimates() const override { return inner_->estimates(); }
   // What the caller sent (counted when send() returns) and received.
   LinkStats stats() const override;
 

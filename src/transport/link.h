@@ -9,7 +9,7 @@
 //    in the order the calls took the link's send lock);
 //  * concurrent recv() calls are NOT allowed (implementations may detect it and throw
 //    nebula::Error);
-//  * close(), peer() and stats() may be called from any thread at any time; close()
+//  * close(), peer(), stats() and estimates() may be called from any thread at any time; close()
 //    wakes a blocked send()/recv(), which then throws PeerLost.
 //
 // Errors (CONVENTIONS.md, "Two kinds of error"):
@@ -55,6 +55,27 @@ struct LinkCounters {
   }
 };
 
+// What a link measured of its path: estimates for strategies and the adaptive controller
+// (how much to compress, how often to synchronise, how to split work between sites), taken
+// from the link's own recent traffic. They describe what was seen, not what the next
+// transfer will get: no guarantee, and stale after the path changes until traffic shows it.
+// A value of 0 means "unknown" (nothing measured yet); fall back to configuration then.
+struct LinkEstimates {
+  // Round-trip time in seconds: the minimum of recent samples (windowed min filter), i.e.
+  // propagation delay plus the least queueing seen (BBR's min_rtt). 0 = unknown.
+  double rtt_s = 0;
+  // Exponentially weighted moving average (alpha 1/8, like TCP's SRTT) of the same samples,
+  // in seconds. Includes queueing: rtt_smoothed_s well above rtt_s means a standing queue.
+  double rtt_smoothed_s = 0;
+  // Delivery rate in bits per second (wire bytes, frame headers included, times 8): the
+  // maximum of recent samples (windowed max filter), i.e. the bottleneck bandwidth as far as
+  // the traffic probed it (BBR's btl_bw). A link that never carried much data reports the
+  // rate it reached, which can be below the path's capacity. 0 = unknown.
+  double bandwidth_bits_per_s = 0;
+  uint64_t rtt_samples = 0;        // samples accepted since the link was created
+  uint64_t bandwidth_samples = 0;  // likewise
+};
+
 struct LinkOptions {
   // Largest payload this side accepts (recv) or sends (send). A header claiming more is
   // rejected with FrameError kTooLarge before anything is allocated.
@@ -87,6 +108,12 @@ class Link {
   // links. Wrappers (emulation, striping) forward their inner link's.
   virtual std::string peer_identity() const { return {}; }
   virtual std::string peer_fingerprint() const { return {}; }
+
+  // Round-trip time and bandwidth measured on this link's traffic (see LinkEstimates: an
+  // estimate, not a guarantee). All zero for links that measure nothing (TcpLink, TlsLink);
+  // wrappers (emulation, striping) forward their inner link's; ResilientLink measures its
+  // session (transport/resilient_link.h). Cheap; any thread, any time.
+  virtual LinkEstimates estimates() const { return {}; }
 };
 
 }  // namespace nebula::transport

@@ -19,6 +19,8 @@ uint64_t random_session_id() {
   return id;
 }
 
+double seconds(Clock::duration d) { return std::max(0.0, std::chrono::duration<double>(d).count()); }
+
 long long ms_since(Clock::time_point t) {
   return std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - t).count();
 }
@@ -113,7 +115,7 @@ void ResilientLink::send(const wire::Frame& frame, Deadline deadline) {
                                          pending_bytes_, " bytes in ", pending_.size(),
                                          " frames unacknowledged (max_pending_bytes ", options_.max_pending_bytes,
                                          "); the frame was not sent", waiting_detail_locked()));
-  pending_.push_back(std::move(copy));
+  pending_.push_back(PendingFrame{std::move(copy), {}});
   pending_bytes_ += size;
   ++next_seq_;
   LinkCounters::add(logical_.frames_sent, 1);
@@ -195,6 +197,8 @@ std::string ResilientLink::peer_fingerprint() const {
 
 LinkStats ResilientLink::stats() const { return logical_.snapshot(); }
 
+LinkEstimates ResilientLink::estimates() const { return estimator_.snapshot(); }
+
 ResilienceStats ResilientLink::stats_ex() const {
   std::lock_guard<std::mutex> lock(mu_);
   ResilienceStats s = counters_;
@@ -227,13 +231,29 @@ bool ResilientLink::ack_urgent_locked() const {
 void ResilientLink::acknowledge_locked(uint64_t delivered) {
   if (delivered <= acked_) return;
   while (acked_ < delivered && !pending_.empty()) {
-    pending_bytes_ -= wire_size(*pending_.front());
+    pending_bytes_ -= wire_size(*pending_.front().frame);
     pending_.pop_front();
     ++acked_;
   }
   acked_ = delivered;
   if (next_write_seq_ <= acked_) next_write_seq_ = acked_ + 1;
   send_cv_.notify_all();
+}
+
+void ResilientLink::ack_received_locked(uint64_t delivered, uint64_t gen) {
+  const Clock::time_point now = Clock::now();
+  const WriteRecord p = pending_[delivered - acked_ - 1].write;  // the newest newly acked frame
+  const uint64_t before = pending_bytes_;
+  acknowledge_locked(delivered);
+  delivered_bytes_ += before - pending_bytes_;
+  delivered_at_ = now;
+  if (p.gen != gen) return;  // written on an older connection, or its write not finished yet
+  first_sent_ = p.written;
+  estimator_.on_rtt_sample(seconds(now - p.written), now);
+  if (p.rate_ok) {
+    const double interval = std::max(seconds(p.written - p.first_sent), seconds(now - p.delivered_at));
+    estimator_.on_delivery(delivered_bytes_ - p.delivered_bytes, interval, now, p.app_limited);
+  }
 }
 
 std::shared_ptr<Link> ResilientLink::declare_lost_locked(const std::string& message) {
@@ -275,20 +295,27 @@ void ResilientLink::writer_main() {
     const bool ack_pending = delivered_ > last_ack_sent_;
     const auto ack_due_at = ack_due_since_ + options_.ack_interval;
     FramePtr frame;
+    uint64_t data_seq = 0;  // seq of the caller's frame being written, 0 for an ack
     if (ack_pending && (ack_urgent_locked() || Clock::now() >= ack_due_at)) {
       frame = std::make_shared<wire::Frame>(u64_frame(FrameType::kAck, {delivered_}));
       last_ack_sent_ = delivered_;
       unacked_bytes_ = 0;
       ++counters_.acks_sent;
     } else if (next_write_seq_ < next_seq_) {
-      frame = pending_[next_write_seq_ - acked_ - 1];
-      const uint64_t seq = next_write_seq_++;
+      PendingFrame& p = pending_[next_write_seq_ - acked_ - 1];
+      frame = p.frame;
+      const uint64_t seq = data_seq = next_write_seq_++;
       if (seq <= max_written_seq_) {
         ++counters_.frames_resent;
         counters_.bytes_resent += wire_size(*frame);
       } else {
         max_written_seq_ = seq;
       }
+      // Nothing outstanding: the delivery interval starts with this write, so idle time
+      // before it never counts.
+      if (seq == acked_ + 1) delivered_at_ = first_sent_ = Clock::now();
+      p.write = WriteRecord{0, {}, delivered_bytes_, delivered_at_, first_sent_, next_write_seq_ == next_seq_,
+                            acked_ >= rate_clean_after_};
     } else if (ack_pending) {
       writer_cv_.wait_until(lock, ack_due_at);
       continue;
@@ -302,6 +329,15 @@ void ResilientLink::writer_main() {
     try {
       // No deadline: close() of the connection (by the reader, close() or a failure) wakes it.
       conn->send(*frame, Deadline::never());
+      if (data_seq != 0) {
+        const Clock::time_point written = Clock::now();
+        std::lock_guard<std::mutex> relock(mu_);
+        if (gen == gen_ && data_seq > acked_) {
+          WriteRecord& w = pending_[data_seq - acked_ - 1].write;
+          w.gen = gen;
+          w.written = written;
+        }
+      }
     } catch (const NetworkError& e) {
       connection_failed(gen, e.what());
     } catch (const FrameError& e) {
@@ -356,6 +392,8 @@ bool ResilientLink::resume_on(const std::shared_ptr<Link>& conn, Deadline deadli
   }
   peer_session_ = their_session;
   acknowledge_locked(their_delivered);
+  rate_clean_after_ = their_received;
+  delivered_at_ = first_sent_ = Clock::now();
   next_write_seq_ = their_received + 1;  // >= acked_ + 1: their_received >= their_delivered == acked_
   last_ack_sent_ = sent_delivered;
   if (delivered_ > last_ack_sent_) ack_due_since_ = Clock::now();
@@ -401,7 +439,7 @@ std::string ResilientLink::read_loop(Link& conn, uint64_t gen) {
           return str_cat("ack frame from ", conn.peer(), " acknowledges seq ", delivered, " but only ", next_seq_ - 1,
                          " were sent");
         ++counters_.acks_received;
-        acknowledge_locked(delivered);
+        if (delivered > acked_) ack_received_locked(delivered, gen);
         break;
       }
       case FrameType::kResume:

@@ -67,6 +67,28 @@
 //    send() and got from recv(), not what went over the wire. stats_ex() adds the session
 //    counters (reconnects, re-sent frames, duplicates dropped, what is pending).
 //
+// Estimates (estimates(), LinkEstimates in link.h; filters in transport/link_estimator.h).
+// Measured on the SENDING direction of this side, from the session's own acks, BBR-style
+// (draft-cheng-iccrg-delivery-rate-estimation): when a kAck acknowledges up to seq S, the
+// newest newly acknowledged frame P gives
+//  * an RTT sample: now - the moment P's write on the current connection returned (the
+//    link underneath took it whole). It includes the receiver's ack delay (up to
+//    ack_interval, 10 ms by default; nothing is subtracted, keep ack_interval small), the
+//    time P waited in the receiver's queue until its caller took it (acks mean delivery),
+//    and queueing below (e.g. a full kernel send buffer). The min filter keeps the least;
+//  * a delivery-rate sample: the bytes acknowledged since P's write began, over
+//    max(time from the write of the frame acknowledged then to P's write, time since that
+//    ack). Taking the longer of the send and ack intervals keeps bunched acks from
+//    overstating the rate, and spreading a sample over about one round trip smooths it.
+//    Idle time never counts: when a frame is written with nothing outstanding, its interval
+//    starts at its own write. A frame written with nothing queued behind it is
+//    app-limited: its sample only counts if it raises the estimate.
+// After a reconnect, samples start again on the new connection (frames written on an
+// older one give none). No RTT sample is taken from the resume exchange: both sides send
+// kResume at once, neither in answer to the other, so the time to the peer's kResume is
+// not a round trip (on the dialling side it is about one one-way delay). A side that only
+// receives has no samples (its acks are not acknowledged); the peer measures that path.
+//
 // Not covered: a silent partition (no FIN/RST, no error from the layer underneath) is only
 // noticed when that layer notices it (TCP retransmission timeout); there is no idle
 // heartbeat yet.
@@ -83,6 +105,7 @@
 #include <thread>
 
 #include "transport/link.h"
+#include "transport/link_estimator.h"
 
 namespace nebula::transport {
 
@@ -142,6 +165,8 @@ class ResilientLink : public Link {
   LinkStats stats() const override;
   std::string peer_identity() const override;
   std::string peer_fingerprint() const override;
+  // Of the sending direction, measured from this session's acks (see "Estimates" above).
+  LinkEstimates estimates() const override;
 
   // Waits until every frame sent so far has been acknowledged. Timeout / PeerLost.
   void flush(Deadline deadline);
@@ -151,6 +176,21 @@ class ResilientLink : public Link {
 
  private:
   using FramePtr = std::shared_ptr<const wire::Frame>;
+  // What the writer noted when it wrote a frame, for the estimates (BBR's per-packet
+  // delivery-rate state).
+  struct WriteRecord {
+    uint64_t gen = 0;                   // connection it was written on; 0 = not (yet) written whole
+    Clock::time_point written{};        // when that write returned
+    uint64_t delivered_bytes = 0;       // delivered_bytes_ when the write began
+    Clock::time_point delivered_at{};   // delivered_at_ then
+    Clock::time_point first_sent{};     // first_sent_ then
+    bool app_limited = false;           // nothing was queued behind it
+    bool rate_ok = false;               // acked_ >= rate_clean_after_ then
+  };
+  struct PendingFrame {
+    FramePtr frame;
+    WriteRecord write;
+  };
 
   void reader_main(std::unique_ptr<Link> first);
   void writer_main();
@@ -166,6 +206,9 @@ class ResilientLink : public Link {
   std::shared_ptr<Link> declare_lost_locked(const std::string& message);
   // Forgets frames up to `delivered`. Caller holds mu_.
   void acknowledge_locked(uint64_t delivered);
+  // A kAck for `delivered` (> acked_) arrived on connection `gen`: takes the samples, then
+  // acknowledges. Caller holds mu_.
+  void ack_received_locked(uint64_t delivered, uint64_t gen);
   // Throws PeerLost if closed or lost. Caller holds mu_.
   void throw_if_over_locked(const char* what) const;
   std::string peer_locked() const;
@@ -203,10 +246,19 @@ class ResilientLink : public Link {
   // Sending direction.
   uint64_t next_seq_ = 1;           // seq of the next frame send() queues
   uint64_t acked_ = 0;              // every seq <= acked_ is acknowledged and forgotten
-  std::deque<FramePtr> pending_;    // seqs acked_+1 .. next_seq_-1
+  std::deque<PendingFrame> pending_;  // seqs acked_+1 .. next_seq_-1
   uint64_t pending_bytes_ = 0;
   uint64_t next_write_seq_ = 1;     // next seq the writer writes on conn_
   uint64_t max_written_seq_ = 0;    // highest seq ever written (to count re-sends)
+  // Delivery-rate state (see "Estimates"): bytes acknowledged by kAck so far, when that last
+  // grew (or an interval restarted), and the write time of the frame it acknowledged.
+  uint64_t delivered_bytes_ = 0;
+  Clock::time_point delivered_at_{};
+  Clock::time_point first_sent_{};
+  // After a resume, frames the peer held but had not delivered (seqs up to its `received`)
+  // are acknowledged without being written again: rate samples only from frames written once
+  // acked_ has passed them, so their bytes are not counted as delivered in an interval.
+  uint64_t rate_clean_after_ = 0;
 
   // Receiving direction.
   uint64_t received_ = 0;            // highest contiguous seq held
@@ -219,6 +271,7 @@ class ResilientLink : public Link {
   ResilienceStats counters_;  // everything but link/pending/connected
 
   LinkCounters logical_;
+  LinkEstimator estimator_;  // its own lock; fed under mu_, read without it
 
   std::thread reader_;
   std::thread writer_;

@@ -296,7 +296,7 @@ void StripedLink::receiver_loop(Stream& s) {
         throw FrameError(FrameError::Kind::kBadPayload,
                          str_cat(what, ": ", got, " chunk bytes, expected ", expected, " for chunk ", i, " of ", n,
                                  " of a ", total, "-byte frame"));
-      r.data_crc = static_cast<uint32_t>(crc32_z(crc32_z(0, Z_NULL, 0), r.frame.payload.data() + kChunkHeaderSize, got));
+      r.data_crc = wire::crc32(0, std::span<const uint8_t>(r.frame.payload.data() + kChunkHeaderSize, got));
     } catch (const FrameError& e) {
       // Ours (already naming the stream) or the stream's own (a bad frame on the wire).
       r.error = std::string(e.what()).starts_with(what)
@@ -398,7 +398,7 @@ wire::Frame StripedLink::recv(Deadline deadline) {
   }
   frame.payload.resize(frame.header.payload_len);
   const auto head = wire::encode_header(frame.header);
-  uLong crc = crc32_z(crc32_z(0, Z_NULL, 0), head.data(), wire::kChecksumOffset);
+  uLong crc = wire::crc32(0, std::span<const uint8_t>(head.data(), wire::kChecksumOffset));
   for (size_t i = 0; i < n; ++i) {
     const auto [off, len] = chunk_range(frame.payload.size(), static_cast<uint32_t>(n), static_cast<uint32_t>(i));
     if (len > 0) std::memcpy(frame.payload.data() + off, got[i].frame.payload.data() + kChunkHeaderSize, len);

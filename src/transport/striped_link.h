@@ -37,9 +37,10 @@
 // Errors are rethrown with their type and the stream named in the message. A stream's
 // error that arrives after complete frames does not hide them: recv() returns those first.
 //
-// peer(), peer_identity() and peer_fingerprint() are stream 0's. The constructor checks that
-// every stream authenticated the same identity and certificate (else AuthError), so an
-// authenticated logical link cannot have a stream from someone else.
+// peer(), peer_identity(), peer_fingerprint() and estimates() are stream 0's (streams
+// measure nothing today; a ResilientLink above measures the striped link as a whole). The
+// constructor checks that every stream authenticated the same identity and certificate
+// (else AuthError), so an authenticated logical link cannot have a stream from someone else.
 //
 // Thread safety: as for every Link (link.h); concurrent recv() calls throw nebula::Error.
 #pragma once
@@ -106,6 +107,7 @@ class StripedLink : public Link {
   std::string peer() const override { return streams_[0]->link->peer(); }
   std::string peer_identity() const override { return streams_[0]->link->peer_identity(); }
   std::string peer_fingerprint() const override { return streams_[0]->link->peer_fingerprint(); }
+  LinkEstimates estimates() const override { return streams_[0]->link->estimates(); }
   // Logical traffic, as the caller sees it: frames sent/received and their bytes
   // (kHeaderSize + payload each), not the chunk frames on the streams (see stream_stats()).
   LinkStats stats() const override;

@@ -294,6 +294,8 @@ std::shared_ptr<TlsContext> TlsContext::create(const TlsFiles& files) {
   // Links are long-lived and reconnects rare: no session resumption, no tickets.
   SSL_CTX_set_session_cache_mode(ctx.get(), SSL_SESS_CACHE_OFF);
   SSL_CTX_set_num_tickets(ctx.get(), 0);
+  // AES-128-GCM first: as safe for this use and ~5% faster than AES-256 with AES-NI.
+  SSL_CTX_set_ciphersuites(ctx.get(), "TLS_AES_128_GCM_SHA256:TLS_AES_256_GCM_SHA384:TLS_CHACHA20_POLY1305_SHA256");
 
   auto out = std::shared_ptr<TlsContext>(new TlsContext());
   out->files_ = files;

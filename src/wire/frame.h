@@ -12,7 +12,8 @@
 //   24  codec        u8   codec id of the payload (0 = raw); the wire never interprets it
 //   25  reserved     3 B  must be zero
 //   28  payload_len  u64  payload bytes that follow the header
-//   36  checksum     u32  CRC-32 (zlib) over header bytes [0, 36) and then the payload
+//   36  checksum     u32  CRC-32 (zlib's polynomial and values) over header bytes [0, 36)
+//                          and then the payload
 //
 // Every field is encoded byte by byte (never a struct memcpy), so the format does not
 // depend on the compiler's layout or the host's endianness.
@@ -81,6 +82,10 @@ struct Frame {
   FrameHeader header;
   std::vector<uint8_t> payload;  // payload.size() == header.payload_len for a valid frame
 };
+
+// CRC-32 (the same values as zlib's crc32(crc, ...)) of `bytes`, continuing from `crc`
+// (0 to start). Every checksum on the wire is this one.
+uint32_t crc32(uint32_t crc, std::span<const uint8_t> bytes);
 
 // CRC-32 over the first kChecksumOffset bytes of the encoded `header` (its own checksum
 // field excluded), then over `payload`. Payloads above 4 GiB are fine.
