@@ -57,6 +57,7 @@ TEST(EndToEnd, SmokeRunTrainsOnTwoSitesAndWritesSummary) {
   std::ifstream min(dir + "/metrics.jsonl");
   std::map<std::string, std::vector<double>> losses;
   std::map<std::string, double> wan_sent;
+  int estimates = 0;
   for (std::string line; std::getline(min, line);) {
     auto j = nlohmann::json::parse(line);
     for (const char* key : {"time", "site", "rank", "step", "loss", "tokens", "wan_bytes_sent", "wan_bytes_received"})
@@ -64,9 +65,16 @@ TEST(EndToEnd, SmokeRunTrainsOnTwoSitesAndWritesSummary) {
     if (j["rank"] == 0) {
       losses[j["site"]].push_back(j["loss"]);
       wan_sent[j["site"]] = j["wan_bytes_sent"];
+      // Link estimates: the measured RTT cannot beat the emulated 20 ms.
+      for (auto& [peer, e] : j["wan_links"].items()) {
+        EXPECT_GE(e["rtt_ms"].get<double>(), 19.0) << peer;
+        EXPECT_GT(e["bandwidth_bits_per_s"].get<double>(), 0) << peer;
+        ++estimates;
+      }
     }
   }
   ASSERT_EQ(losses.size(), 2u);
+  EXPECT_GT(estimates, 0);
   for (auto& [site, l] : losses) {
     ASSERT_GE(l.size(), 3u) << site;
     EXPECT_LT(l.back(), l.front() - 0.3) << site << ": loss did not fall";

@@ -63,6 +63,13 @@ std::vector<std::vector<uint8_t>> GatewayMesh::all_gather(std::vector<uint8_t> p
   return out;
 }
 
+std::vector<transport::LinkEstimates> GatewayMesh::estimates() const {
+  std::vector<transport::LinkEstimates> out(links_.size());
+  for (size_t j = 0; j < links_.size(); ++j)
+    if (links_[j]) out[j] = links_[j]->estimates();
+  return out;
+}
+
 uint64_t GatewayMesh::bytes_sent() const {
   uint64_t b = 0;
   for (const auto& l : links_)

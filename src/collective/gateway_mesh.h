@@ -38,6 +38,9 @@ class GatewayMesh {
   // Throws PeerLost / Timeout naming the peer.
   std::vector<std::vector<uint8_t>> all_gather(std::vector<uint8_t> payload);
 
+  // The link estimates (RTT, bandwidth) to each site, by site index (empty for this site).
+  std::vector<transport::LinkEstimates> estimates() const;
+
   // Total bytes (headers included) over all of this gateway's links.
   uint64_t bytes_sent() const;
   uint64_t bytes_received() const;

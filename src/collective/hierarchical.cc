@@ -79,6 +79,7 @@ CommStats Hierarchy::stats() const {
   if (mesh_) {
     s.wan_bytes_sent = mesh_->bytes_sent();
     s.wan_bytes_received = mesh_->bytes_received();
+    s.links = mesh_->estimates();
   }
   return s;
 }

@@ -28,6 +28,9 @@ struct CommStats {
   uint64_t wan_bytes_sent = 0;      // this gateway's WAN bytes, headers included; 0 off-gateway
   uint64_t wan_bytes_received = 0;
   uint64_t allreduces = 0;
+  // On the gateway: the measured path to each site (by site index; empty for this site and
+  // off-gateway). For strategies and the adaptive controller, and written to metrics.
+  std::vector<transport::LinkEstimates> links;
 };
 
 class Hierarchy {

@@ -136,6 +136,14 @@ void run_worker(const Config& c, const WorkerIdentity& who) {
     if ((step + 1) % c.job.log_every == 0 || step + 1 == c.job.steps) {
       const double seconds = std::chrono::duration<double>(Clock::now() - window_start).count();
       const auto stats = comm.stats();
+      nlohmann::json links = nlohmann::json::object();
+      for (size_t j = 0; j < stats.links.size(); ++j) {
+        const auto& e = stats.links[j];
+        if (j == who.site || (e.rtt_samples == 0 && e.bandwidth_samples == 0)) continue;
+        links[c.sites[j].name] = {{"rtt_ms", e.rtt_s * 1e3},
+                                  {"rtt_smoothed_ms", e.rtt_smoothed_s * 1e3},
+                                  {"bandwidth_bits_per_s", e.bandwidth_bits_per_s}};
+      }
       metrics.write({{"time", unix_time()},
                      {"elapsed", std::chrono::duration<double>(Clock::now() - start).count()},
                      {"site", site.name},
@@ -146,7 +154,8 @@ void run_worker(const Config& c, const WorkerIdentity& who) {
                      {"tokens", tokens},
                      {"tokens_per_s", seconds > 0 ? static_cast<double>(window_tokens) / seconds : 0.0},
                      {"wan_bytes_sent", stats.wan_bytes_sent},
-                     {"wan_bytes_received", stats.wan_bytes_received}});
+                     {"wan_bytes_received", stats.wan_bytes_received},
+                     {"wan_links", links}});
       last_loss = window_loss;
       last_predicted = window_predicted;
       window_loss = window_predicted = 0;
@@ -178,6 +187,14 @@ void run_worker(const Config& c, const WorkerIdentity& who) {
         {"wan_bytes_received", total(2)},
         {"security", c.security.insecure ? "plaintext" : "mutual TLS 1.3"},
         {"wan_streams", c.wan.streams},
+        {"wan_links_seen_from_" + site.name, [&] {
+           nlohmann::json links = nlohmann::json::object();
+           for (size_t j = 0; j < wan.links.size(); ++j)
+             if (j != who.site)
+               links[c.sites[j].name] = {{"rtt_ms", wan.links[j].rtt_s * 1e3},
+                                         {"bandwidth_bits_per_s", wan.links[j].bandwidth_bits_per_s}};
+           return links;
+         }()},
         {"wan_emulation", {{"bandwidth_bits_per_s", c.wan.path.bandwidth_bits},
                            {"rtt_ms", std::chrono::duration<double, std::milli>(c.wan.path.rtt).count()}}}};
     write_json_atomically(c.job.run_dir + "/summary.json", summary);

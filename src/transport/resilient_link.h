@@ -130,6 +130,7 @@ struct ResilientOptions {
   uint64_t max_pending_bytes = 1ull << 30;
   // Longest delay of an acknowledgement after the caller took a frame. An ack also goes at
   // once when ack_every_frames frames or max_pending_bytes/4 bytes wait to be acknowledged.
+  // The delay also inflates the peer's RTT samples by up to ack_interval (see "Estimates").
   std::chrono::milliseconds ack_interval{10};
   uint64_t ack_every_frames = 256;
 };

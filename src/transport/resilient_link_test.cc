@@ -10,6 +10,7 @@
 #include <future>
 #include <thread>
 
+#include "transport/emulated_link.h"
 #include "transport/link_test_util.h"
 
 namespace nebula::transport {
@@ -510,6 +511,53 @@ TEST(ResilientLinkTest, RejectsReservedFrameTypesAndBadOptions) {
   EXPECT_EQ(f.header.type, FrameType::kHeartbeat);
   EXPECT_EQ(f.header.op_id, 5u);
   EXPECT_EQ(f.header.seq, 1u);
+}
+
+// The estimates on a path whose physics are known: 20 Mbit/s, 25 ms each way. The bounds
+// are physical (the RTT cannot be below 50 ms; the rate cannot exceed the bottleneck by
+// more than timing noise), not tight timings.
+TEST(ResilientLinkTest, EstimatesRttAndBandwidthOfAnEmulatedWanPath) {
+  WanEmulation wan;
+  wan.bandwidth_bits_per_s = 20e6;
+  wan.one_way_delay = 25ms;
+  wan.window_bytes = 0;
+  auto tcp = make_tcp_pair();
+  Reconnect none = [](Deadline) -> std::unique_ptr<Link> { throw PeerLost("peer", "no reconnection in this test"); };
+  ResilientLink a(std::make_unique<EmulatedLink>(std::move(tcp.client), wan), none);
+  ResilientLink b(std::make_unique<EmulatedLink>(std::move(tcp.server), wan), none);
+  EXPECT_EQ(a.estimates().rtt_samples, 0u);
+  EXPECT_EQ(a.estimates().bandwidth_bits_per_s, 0);
+
+  constexpr size_t kFrames = 64, kSize = 64 * 1024;  // 4 MiB: about 1.7 s at 20 Mbit/s
+  auto receiver = std::async(std::launch::async, [&]() -> std::string {
+    for (uint64_t i = 0; i < kFrames; ++i) {
+      std::string bad = check_frame(b.recv(Deadline::after(20s)), i, kSize);
+      if (!bad.empty()) return bad;
+    }
+    return {};
+  });
+  const auto t0 = Clock::now();
+  for (uint64_t i = 0; i < kFrames; ++i) a.send(frame_for(i, kSize), Deadline::after(20s));
+  a.flush(Deadline::after(20s));
+  const double elapsed = seconds_since(t0);
+  ASSERT_EQ(receiver.get(), "");
+
+  const LinkEstimates e = a.estimates();
+  std::printf("%zu x %zu bytes in %.3f s: rtt %.1f ms (smoothed %.1f ms, %llu samples), bandwidth %.2f Mbit/s "
+              "(%llu samples)\n",
+              kFrames, kSize, elapsed, e.rtt_s * 1e3, e.rtt_smoothed_s * 1e3, (unsigned long long)e.rtt_samples,
+              e.bandwidth_bits_per_s / 1e6, (unsigned long long)e.bandwidth_samples);
+  EXPECT_GE(e.rtt_s, 0.045);
+  EXPECT_LE(e.rtt_s, 0.2);
+  EXPECT_GE(e.rtt_smoothed_s, e.rtt_s);
+  EXPECT_LE(e.rtt_smoothed_s, 1.0);
+  EXPECT_GE(e.bandwidth_bits_per_s, 0.5 * 20e6);
+  EXPECT_LE(e.bandwidth_bits_per_s, 1.5 * 20e6);
+  EXPECT_GT(e.rtt_samples, 0u);
+  EXPECT_GT(e.bandwidth_samples, 0u);
+  // The receiving side sent only acks, which nobody acknowledges: it measured nothing.
+  EXPECT_EQ(b.estimates().rtt_samples, 0u);
+  EXPECT_EQ(b.estimates().bandwidth_bits_per_s, 0);
 }
 
 }  // namespace
