@@ -1,7 +1,8 @@
 // The hello frames that open every inter-site connection (after TLS, before anything else):
 // the accepting gateway greets, the dialing gateway names itself, job, target site, stream
 // index and generation, and the acceptor confirms. Parsed like any wire input: every field
-// is bounds-checked and a malformed hello is an AuthError naming the peer (fuzzed).
+// is bounds-checked; a frame that is not a hello is an AuthError, a malformed hello a
+// FrameError (kBadPayload); both name the peer (fuzzed: fuzz/hello_fuzzer.cc).
 #pragma once
 
 #include <cstdint>
