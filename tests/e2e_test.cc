@@ -167,6 +167,33 @@ TEST(EndToEnd, CutAndStalledWanLinkChangesNothingButTime) {
   fs::remove_all(dir);
 }
 
+// Training with each codec on the inter-site leg reaches nearly the loss of exact float32,
+// while the WAN carries fewer bytes. Tolerance: final validation loss within 3% of "none"
+// (measured spread: see the closing note of issue [3/7]).
+TEST(EndToEnd, EveryCodecTrainsToNearlyTheSameLossWithFewerWanBytes) {
+  const std::string dir = temp_run_dir("codecs");
+  std::map<std::string, nlohmann::json> summaries;
+  for (const char* codec : {"none", "fp16", "bf16", "int8", "int4", "topk", "powersgd"}) {
+    Result r = run(std::string("run examples/smoke.toml --set strategy.codec=") + codec +
+                   " --set strategy.codec_density=0.05 --set job.run_dir=\\\"" + dir + "/" + codec + "\\\"");
+    ASSERT_EQ(r.exit_code, 0) << codec << "\n" << r.output;
+    std::ifstream in(dir + "/" + codec + "/summary.json");
+    summaries[codec] = nlohmann::json::parse(in);
+  }
+  const double base_loss = summaries["none"]["final_val_loss"];
+  const double base_bytes = summaries["none"]["wan_bytes"];
+  // WAN bytes at most this fraction of "none" (headers, and PowerSGD sends small or 1-D
+  // tensors raw: this model is small, so its share of raw tensors is large).
+  const std::map<std::string, double> max_fraction = {{"fp16", 0.55}, {"bf16", 0.55}, {"int8", 0.3},
+                                                      {"int4", 0.2},  {"topk", 0.2},  {"powersgd", 0.7}};
+  for (auto& [codec, s] : summaries) {
+    if (codec == "none") continue;
+    EXPECT_NEAR(s["final_val_loss"].get<double>(), base_loss, 0.03 * base_loss) << codec;
+    EXPECT_LT(s["wan_bytes"].get<double>(), base_bytes * max_fraction.at(codec)) << codec;
+  }
+  fs::remove_all(dir);
+}
+
 // A site whose certificate comes from another CA is refused, the refusal is audited, and
 // the job stops with a message that says why.
 TEST(EndToEnd, SiteWithCertificateFromAnotherCaIsRefused) {

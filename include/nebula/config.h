@@ -93,6 +93,14 @@ struct WanConfig {
 
 struct StrategyConfig {
   std::string kind = "sync";         // sync (diloco, streaming: issue [4/7])
+  // The lossy codec of the inter-site leg (inside a site everything stays float32).
+  std::string codec = "none";        // none | fp16 | bf16 | int8 | int4 | topk | powersgd
+  int64_t codec_block = 256;         // int8/int4: values per scale
+  bool codec_stochastic = false;     // int8/int4: stochastic rounding
+  double codec_density = 0.01;       // topk: fraction of values kept
+  int64_t codec_rank = 4;            // powersgd
+  bool codec_error_feedback = true;  // topk/powersgd (int8/int4 optional)
+  uint64_t bucket_bytes = 4ull << 20;  // gradients are exchanged in buckets of about this size
 };
 
 struct SecurityConfig {

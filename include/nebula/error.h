@@ -41,6 +41,24 @@ class FrameError : public Error {
   Kind kind_;
 };
 
+// A codec payload (src/codec/codec.h) failed validation. `kind` says which check failed:
+//   kTruncated  fewer bytes than the header (or the header's counts) require;
+//   kBadHeader  a header field is invalid in itself: unknown codec id, format version or
+//               dtype, too many dims, a shape too large, or codec parameters out of range
+//               (block 0, k > numel, rank > min(n, m), unknown flags);
+//   kMismatch   the payload disagrees with its header or with the caller: bytes left over,
+//               indices out of range or out of order, another codec's payload, or a size
+//               other than the caller's expected_numel.
+class CodecError : public Error {
+ public:
+  enum class Kind { kTruncated, kBadHeader, kMismatch };
+  CodecError(Kind kind, const std::string& what) : Error(what), kind_(kind) {}
+  Kind kind() const { return kind_; }
+
+ private:
+  Kind kind_;
+};
+
 // Recoverable network failures. `peer` names the site (or address) concerned.
 class NetworkError : public Error {
  public:

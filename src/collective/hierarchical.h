@@ -2,13 +2,17 @@
 //   reduce inside the site (c10d, full precision) → gateways exchange over the WAN →
 //   broadcast inside the site.
 // Cross-site sums are added in site order on every gateway, so all sites end with
-// bit-identical results.
+// bit-identical results. With a lossy codec each gateway encodes its site's sum exactly once
+// and all gateways decode the same bytes (their own included), so the results stay
+// bit-identical and the error never compounds, however many sites there are.
 #pragma once
 
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <map>
 
+#include "codec/codec.h"
 #include "collective/gateway_mesh.h"
 #include "collective/site_group.h"
 
@@ -22,12 +26,24 @@ enum class ReduceOp {
 struct AllreduceOptions {
   ReduceOp op = ReduceOp::kWeightedMean;
   double weight = 1.0;  // this worker's weight (kWeightedMean); >= 0, and Σ over all workers > 0
+  // The lossy codec of the inter-site leg; null = exact float32. Only the gateway encodes,
+  // once per site per call; inside the site everything stays full precision.
+  const codec::Codec* codec = nullptr;
+  // Names the logical tensor (e.g. a gradient bucket) whose codec state (error feedback,
+  // PowerSGD's Q) this call uses and updates. Same tag, same tensor, every step.
+  uint64_t tag = 0;
 };
 
 struct CommStats {
   uint64_t wan_bytes_sent = 0;      // this gateway's WAN bytes, headers included; 0 off-gateway
   uint64_t wan_bytes_received = 0;
   uint64_t allreduces = 0;
+  // The inter-site leg on the gateway: float32 bytes this site's contributions would have
+  // been, what the codec made of them, and the time spent encoding / decoding.
+  uint64_t codec_bytes_in = 0;
+  uint64_t codec_bytes_out = 0;
+  double encode_seconds = 0;
+  double decode_seconds = 0;
   // On the gateway: the measured path to each site (by site index; empty for this site and
   // off-gateway). For strategies and the adaptive controller, and written to metrics.
   std::vector<transport::LinkEstimates> links;
@@ -53,6 +69,9 @@ class Hierarchy {
   SiteGroup& site_;
   GatewayMesh* mesh_;
   uint64_t allreduces_ = 0;
+  std::map<uint64_t, codec::CodecState> codec_state_;  // by tag; gateway only
+  uint64_t codec_bytes_in_ = 0, codec_bytes_out_ = 0;
+  double encode_seconds_ = 0, decode_seconds_ = 0;
 };
 
 }  // namespace nebula::collective

@@ -17,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "codec/codec.h"
 #include "collective/hierarchical.h"
 #include "nebula/config.h"
 
@@ -36,17 +37,28 @@ class Strategy {
 
 class SyncStrategy : public Strategy {
  public:
-  explicit SyncStrategy(collective::Hierarchy& comm) : comm_(comm) {}
+  // `codec` (may be null = exact) compresses the inter-site leg; gradients travel in buckets
+  // of about `bucket_bytes`, each with its own codec state (error feedback).
+  SyncStrategy(collective::Hierarchy& comm, std::unique_ptr<codec::Codec> codec = nullptr,
+               uint64_t bucket_bytes = 4ull << 20);
   std::string name() const override { return "sync"; }
   void init(const std::vector<at::Tensor>& params) override;
-  // One bucket: all gradients flattened, averaged weighted by `weight` over every worker.
+  // Every bucket of gradients averaged, weighted by `weight`, over every worker.
   void sync_gradients(const std::vector<at::Tensor>& params, double weight) override;
 
  private:
   collective::Hierarchy& comm_;
+  std::unique_ptr<codec::Codec> codec_;
+  uint64_t bucket_bytes_;
 };
 
+// Consecutive runs of `tensors` of about `bucket_bytes` float32 bytes each (a tensor larger
+// than a bucket is a bucket of its own); returns the index ranges [begin, end).
+std::vector<std::pair<size_t, size_t>> make_buckets(const std::vector<at::Tensor>& tensors, uint64_t bucket_bytes);
+
 std::unique_ptr<Strategy> make_strategy(const StrategyConfig& config, collective::Hierarchy& comm);
+// The codec [strategy] asks for; null for "none".
+std::unique_ptr<codec::Codec> make_wan_codec(const StrategyConfig& config);
 
 // Flattens tensors into one contiguous float32 vector, and back (in place).
 at::Tensor flatten(const std::vector<at::Tensor>& tensors);

@@ -22,6 +22,26 @@ void unflatten_into(const at::Tensor& flat, const std::vector<at::Tensor>& tenso
   NEBULA_CHECK(offset == flat.numel(), "flat buffer has ", flat.numel(), " elements, tensors ", offset);
 }
 
+std::vector<std::pair<size_t, size_t>> make_buckets(const std::vector<at::Tensor>& tensors, uint64_t bucket_bytes) {
+  std::vector<std::pair<size_t, size_t>> buckets;
+  size_t begin = 0;
+  uint64_t bytes = 0;
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const uint64_t b = static_cast<uint64_t>(tensors[i].numel()) * sizeof(float);
+    if (i > begin && bytes + b > bucket_bytes) {
+      buckets.emplace_back(begin, i);
+      begin = i;
+      bytes = 0;
+    }
+    bytes += b;
+  }
+  if (begin < tensors.size()) buckets.emplace_back(begin, tensors.size());
+  return buckets;
+}
+
+SyncStrategy::SyncStrategy(collective::Hierarchy& comm, std::unique_ptr<codec::Codec> codec, uint64_t bucket_bytes)
+    : comm_(comm), codec_(std::move(codec)), bucket_bytes_(bucket_bytes) {}
+
 void SyncStrategy::init(const std::vector<at::Tensor>& params) {
   at::NoGradGuard no_grad;
   at::Tensor flat = flatten(params);
@@ -37,13 +57,38 @@ void SyncStrategy::sync_gradients(const std::vector<at::Tensor>& params, double 
     if (!p.grad().defined()) p.mutable_grad() = at::zeros_like(p);
     grads.push_back(p.grad());
   }
-  at::Tensor flat = flatten(grads);
-  comm_.allreduce(flat, {collective::ReduceOp::kWeightedMean, weight});
-  unflatten_into(flat, grads);
+  // PowerSGD compresses matrices, so each gradient travels alone, in its own shape.
+  const bool per_tensor = codec_ && codec_->id() == codec::CodecId::kPowerSgd;
+  const auto buckets = make_buckets(grads, per_tensor ? 0 : bucket_bytes_);
+  for (size_t b = 0; b < buckets.size(); ++b) {
+    const collective::AllreduceOptions o{collective::ReduceOp::kWeightedMean, weight, codec_.get(), b};
+    if (buckets[b].second - buckets[b].first == 1) {  // one tensor: in place, shape kept
+      at::Tensor g = grads[buckets[b].first];
+      comm_.allreduce(g, o);
+      continue;
+    }
+    std::vector<at::Tensor> bucket(grads.begin() + static_cast<std::ptrdiff_t>(buckets[b].first),
+                                   grads.begin() + static_cast<std::ptrdiff_t>(buckets[b].second));
+    at::Tensor flat = flatten(bucket);
+    comm_.allreduce(flat, o);
+    unflatten_into(flat, bucket);
+  }
+}
+
+std::unique_ptr<codec::Codec> make_wan_codec(const StrategyConfig& config) {
+  if (config.codec == "none") return nullptr;  // exact float32, no codec header
+  codec::CodecOptions o;
+  o.kind = config.codec;
+  o.block = config.codec_block;
+  o.stochastic = config.codec_stochastic;
+  o.density = config.codec_density;
+  o.rank = config.codec_rank;
+  o.error_feedback = config.codec_error_feedback;
+  return codec::make_codec(o);
 }
 
 std::unique_ptr<Strategy> make_strategy(const StrategyConfig& config, collective::Hierarchy& comm) {
-  if (config.kind == "sync") return std::make_unique<SyncStrategy>(comm);
+  if (config.kind == "sync") return std::make_unique<SyncStrategy>(comm, make_wan_codec(config), config.bucket_bytes);
   throw ConfigError(str_cat("strategy.kind = \"", config.kind, "\" is not implemented (available: sync)"));
 }
 

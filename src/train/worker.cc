@@ -155,7 +155,12 @@ void run_worker(const Config& c, const WorkerIdentity& who) {
                      {"tokens_per_s", seconds > 0 ? static_cast<double>(window_tokens) / seconds : 0.0},
                      {"wan_bytes_sent", stats.wan_bytes_sent},
                      {"wan_bytes_received", stats.wan_bytes_received},
-                     {"wan_links", links}});
+                     {"wan_links", links},
+                     {"codec_bytes_in", stats.codec_bytes_in},
+                     {"codec_bytes_out", stats.codec_bytes_out},
+                     {"compression_ratio", stats.codec_bytes_out ? double(stats.codec_bytes_in) / double(stats.codec_bytes_out) : 1.0},
+                     {"encode_seconds", stats.encode_seconds},
+                     {"decode_seconds", stats.decode_seconds}});
       last_loss = window_loss;
       last_predicted = window_predicted;
       window_loss = window_predicted = 0;
@@ -175,6 +180,8 @@ void run_worker(const Config& c, const WorkerIdentity& who) {
     nlohmann::json summary = {
         {"job", c.job.name},
         {"strategy", strategy->name()},
+        {"codec", c.strategy.codec},
+        {"compression_ratio", wan.codec_bytes_out ? double(wan.codec_bytes_in) / double(wan.codec_bytes_out) : 1.0},
         {"sites", c.sites.size()},
         {"workers", c.total_workers()},
         {"steps", c.job.steps},

@@ -81,7 +81,9 @@ ResilientLink::~ResilientLink() {
 void ResilientLink::send(const wire::Frame& frame, Deadline deadline) {
   NEBULA_CHECK(frame.payload.size() == frame.header.payload_len, "send to ", peer(), ": payload has ",
                frame.payload.size(), " bytes but header.payload_len is ", frame.header.payload_len);
-  NEBULA_CHECK(frame.header.type != FrameType::kAck && frame.header.type != FrameType::kResume, "send to ",
+  NEBULA_CHECK(frame.header.type != FrameType::kAck && frame.header.type != FrameType::kResume &&
+                   frame.header.type != FrameType::kBye,
+               "send to ",
                peer(), ": frame type ", wire::frame_type_name(frame.header.type),
                " is reserved for ResilientLink's session protocol");
   std::unique_lock<std::timed_mutex> send_lock(send_mu_, std::defer_lock);
@@ -129,7 +131,8 @@ wire::Frame ResilientLink::recv(Deadline deadline) {
                " (one receiving thread per link; see transport/link.h)");
   std::unique_lock<std::mutex> lock(mu_);
   wait_until(recv_cv_, lock, deadline, [&] { return closed_ || lost_ || !inbox_.empty(); });
-  throw_if_over_locked("recv from");
+  // Frames that arrived before the peer said goodbye (or was lost) are still delivered.
+  if (closed_ || inbox_.empty()) throw_if_over_locked("recv from");
   if (inbox_.empty())
     throw Timeout(peer_locked(), str_cat("recv from ", peer_locked(), ": deadline passed", waiting_detail_locked()));
   wire::Frame f = std::move(inbox_.front());
@@ -158,8 +161,20 @@ void ResilientLink::flush(Deadline deadline) {
 void ResilientLink::close() {
   std::shared_ptr<Link> conn, candidate;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    std::unique_lock<std::mutex> lock(mu_);
     if (closed_) return;
+    // An orderly end: tell the peer, so that it does not try to reconnect for
+    // reconnect_timeout. Best effort: a peer that misses it finds out the slow way.
+    if (options_.goodbye && connected_ && conn_ && !lost_) {
+      auto bye_to = conn_;
+      lock.unlock();
+      try {
+        bye_to->send(wire::make_frame(FrameType::kBye, 0, 0, {}), Deadline::after(std::chrono::milliseconds(200)));
+      } catch (const std::exception&) {
+      }
+      lock.lock();
+      if (closed_) return;
+    }
     closed_ = true;
     connected_ = false;
     conn = conn_;
@@ -444,6 +459,19 @@ std::string ResilientLink::read_loop(Link& conn, uint64_t gen) {
       }
       case FrameType::kResume:
         return str_cat("unexpected resume frame from ", conn.peer(), " on an established connection");
+      case FrameType::kBye: {
+        // The peer closed the session on purpose: no reconnecting. Frames already received
+        // are still handed to the caller; everything after that is PeerLost.
+        spdlog::info("session with {} closed by the peer", conn.peer());
+        lost_ = true;
+        connected_ = false;
+        lost_message_ = "the peer closed the session";
+        send_cv_.notify_all();
+        recv_cv_.notify_all();
+        writer_cv_.notify_all();
+        reader_cv_.notify_all();
+        return "session over";
+      }
       default: {
         const uint64_t seq = f.header.seq;
         if (seq <= received_) {

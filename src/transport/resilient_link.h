@@ -133,6 +133,9 @@ struct ResilientOptions {
   // The delay also inflates the peer's RTT samples by up to ack_interval (see "Estimates").
   std::chrono::milliseconds ack_interval{10};
   uint64_t ack_every_frames = 256;
+  // close() tells the peer (a kBye frame), so the peer does not spend reconnect_timeout
+  // trying to reconnect to a session that ended on purpose. Off only to test vanishing peers.
+  bool goodbye = true;
 };
 
 // Session counters since construction (see also stats()).

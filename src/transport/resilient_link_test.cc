@@ -280,6 +280,7 @@ TEST(ResilientLinkTest, PeerGoneRaisesPeerLostOnPendingAndLaterCalls) {
   ResilientOptions o;
   o.reconnect_timeout = 500ms;
   o.max_pending_bytes = 256 * 1024;
+  o.goodbye = false;  // b vanishes rather than closing the session
   Session s(o);
   // a: a recv waiting, and a send blocked on a full buffer (b never reads).
   auto pending_recv = std::async(std::launch::async, [&] { return s.a->recv(Deadline::after(30s)); });
@@ -472,9 +473,31 @@ TEST(ResilientLinkTest, CloseWakesBlockedCallsWithPeerLost) {
   s.a->close();  // idempotent
 }
 
+// An orderly close says goodbye: the peer gets PeerLost at once instead of trying to
+// reconnect for reconnect_timeout.
+TEST(ResilientLinkTest, OrderlyCloseEndsThePeersSessionAtOnce) {
+  ResilientOptions o;
+  o.reconnect_timeout = 30s;
+  Session s(o);
+  for (uint64_t i = 0; i < 5; ++i) s.a->send(frame_for(i, 100), Deadline::after(5s));
+  for (uint64_t i = 0; i < 5; ++i) ASSERT_EQ(check_frame(s.b->recv(Deadline::after(5s)), i, 100), "");
+  s.a->flush(Deadline::after(5s));  // everything acknowledged: an orderly end
+  auto t0 = Clock::now();
+  s.a->close();
+  try {
+    s.b->recv(Deadline::after(20s));
+    ADD_FAILURE() << "recv returned a frame";
+  } catch (const PeerLost& e) {
+    EXPECT_NE(std::string(e.what()).find("closed the session"), std::string::npos) << e.what();
+  }
+  EXPECT_LT(seconds_since(t0), 5.0);  // far below the 30 s reconnect_timeout
+  EXPECT_THROW(s.b->send(frame_for(0, 10), Deadline::after(1s)), PeerLost);
+}
+
 TEST(ResilientLinkTest, PeerThatRestartedIsLostNotResumed) {
   ResilientOptions o;
   o.backoff_initial = 1ms;
+  o.goodbye = false;  // the old b crashes: no goodbye
   Session s(o);
   s.a->send(frame_for(0, 10), Deadline::after(5s));
   ASSERT_EQ(check_frame(s.b->recv(Deadline::after(5s)), 0, 10), "");

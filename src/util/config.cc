@@ -347,6 +347,14 @@ Config build(const toml::table& root, const std::string& file) {
   if (auto* t = table("strategy")) {
     Section s(*t, "strategy", file);
     s.string("kind", c.strategy.kind, {"sync"});
+    s.string("codec", c.strategy.codec, {"none", "fp16", "bf16", "int8", "int4", "topk", "powersgd"});
+    s.integer("codec_block", c.strategy.codec_block, 2, 1 << 24);
+    s.boolean("codec_stochastic", c.strategy.codec_stochastic);
+    s.number("codec_density", c.strategy.codec_density, 1e-6, 1.0);
+    s.integer("codec_rank", c.strategy.codec_rank, 1, 1024);
+    s.boolean("codec_error_feedback", c.strategy.codec_error_feedback);
+    s.unit("bucket", c.strategy.bucket_bytes, parse_size);
+    if (c.strategy.bucket_bytes < 1024) s.fail(*t, "bucket", "must be at least 1KiB");
     s.finish();
   }
   if (auto* t = table("security")) {
@@ -491,7 +499,14 @@ std::string to_toml(const Config& c) {
   if (!pairs.empty()) wan.insert("pairs", std::move(pairs));
   if (!faults.empty()) wan.insert("faults", std::move(faults));
   root.insert("wan", std::move(wan));
-  root.insert("strategy", toml::table{{"kind", c.strategy.kind}});
+  root.insert("strategy", toml::table{{"kind", c.strategy.kind},
+                                      {"codec", c.strategy.codec},
+                                      {"codec_block", c.strategy.codec_block},
+                                      {"codec_stochastic", c.strategy.codec_stochastic},
+                                      {"codec_density", c.strategy.codec_density},
+                                      {"codec_rank", c.strategy.codec_rank},
+                                      {"codec_error_feedback", c.strategy.codec_error_feedback},
+                                      {"bucket", bytes(c.strategy.bucket_bytes)}});
   root.insert("security", toml::table{{"insecure", c.security.insecure},
                                       {"certs", c.security.certs},
                                       {"ca", c.security.ca},
