@@ -14,41 +14,64 @@ Hierarchy::Hierarchy(SiteGroup& site, GatewayMesh* mesh) : site_(site), mesh_(me
                ": the gateway mesh belongs to local rank 0 only");
 }
 
-void Hierarchy::allreduce(at::Tensor& t, const AllreduceOptions& options) {
-  NEBULA_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous() && t.device().is_cpu(),
-               "hierarchical allreduce needs a contiguous float32 CPU tensor, got ", t.toString());
+void Hierarchy::allreduce(at::Tensor& t, const AllreduceOptions& options) { allreduce(std::vector<at::Tensor>{t}, options); }
+
+void Hierarchy::allreduce(const std::vector<at::Tensor>& bucket, const AllreduceOptions& options) {
+  int64_t n = 0;
+  for (const auto& t : bucket) {
+    NEBULA_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous() && t.device().is_cpu(),
+                 "hierarchical allreduce needs contiguous float32 CPU tensors, got ", t.toString());
+    n += t.numel();
+  }
   NEBULA_CHECK(options.weight >= 0, "weight ", options.weight);
   ++allreduces_;
   const bool weighted = options.op == ReduceOp::kWeightedMean;
-  const int64_t n = t.numel();
 
   // One buffer: the (weighted) values, then the weight, reduced together inside the site
   // (float32 is exact for weights up to 2^24); across sites the weight travels as float64.
   at::Tensor buf = at::empty({n + 1}, at::kFloat);
-  if (weighted) buf.narrow(0, 0, n).copy_(t.reshape({-1})).mul_(options.weight);
-  else buf.narrow(0, 0, n).copy_(t.reshape({-1}));
+  int64_t offset = 0;
+  for (const auto& t : bucket) {
+    buf.narrow(0, offset, t.numel()).copy_(t.reshape({-1}));
+    offset += t.numel();
+  }
+  if (weighted) buf.narrow(0, 0, n).mul_(options.weight);
   buf[n] = static_cast<float>(weighted ? options.weight : 1.0);
   site_.reduce_sum_to_root(buf);
 
   if (mesh_) {
     // What this site contributes: its (weighted) sum, encoded once, and its total weight.
+    // The parts: each tensor (per_tensor) or the whole bucket as one flat vector.
     const float* p = buf.data_ptr<float>();
     const double site_weight = p[n];
-    at::Tensor site_sum = buf.narrow(0, 0, n);
+    std::vector<at::Tensor> parts;
+    offset = 0;
+    if (options.codec && options.per_tensor) {
+      for (const auto& t : bucket) {
+        parts.push_back(buf.narrow(0, offset, t.numel()).view(t.sizes()));
+        offset += t.numel();
+      }
+    } else {
+      parts.push_back(buf.narrow(0, 0, n));
+    }
     wire::ByteWriter w;
     w.put_u64(static_cast<uint64_t>(n));
     w.put_f64(site_weight);
     w.put_u8(options.codec ? 1 : 0);
-    if (options.codec) {
-      auto start = Clock::now();
-      // In the tensor's own shape: PowerSGD needs the matrix, the others do not mind.
-      auto encoded = options.codec->encode(site_sum.view(t.sizes()), codec_state_[options.tag]);
-      encode_seconds_ += std::chrono::duration<double>(Clock::now() - start).count();
-      codec_bytes_out_ += encoded.size();
-      w.put_bytes(encoded);
-    } else {
-      w.put_bytes({reinterpret_cast<const uint8_t*>(p), static_cast<size_t>(n) * sizeof(float)});
-      codec_bytes_out_ += static_cast<uint64_t>(n) * sizeof(float);
+    w.put_u32(static_cast<uint32_t>(parts.size()));
+    for (size_t i = 0; i < parts.size(); ++i) {
+      if (options.codec) {
+        auto start = Clock::now();
+        auto encoded = options.codec->encode(parts[i], codec_state_[{options.tag, i}]);
+        encode_seconds_ += std::chrono::duration<double>(Clock::now() - start).count();
+        codec_bytes_out_ += encoded.size();
+        w.put_u64(encoded.size());
+        w.put_bytes(encoded);
+      } else {
+        w.put_u64(static_cast<uint64_t>(n) * sizeof(float));
+        w.put_bytes({reinterpret_cast<const uint8_t*>(p), static_cast<size_t>(n) * sizeof(float)});
+        codec_bytes_out_ += static_cast<uint64_t>(n) * sizeof(float);
+      }
     }
     codec_bytes_in_ += static_cast<uint64_t>(n) * sizeof(float);
     auto all = mesh_->all_gather(w.take());
@@ -58,30 +81,37 @@ void Hierarchy::allreduce(at::Tensor& t, const AllreduceOptions& options) {
     at::Tensor sum = at::zeros({n}, at::kFloat);
     double total_weight = 0;
     for (size_t s = 0; s < all.size(); ++s) {
-      const std::string what = "allreduce payload from site " + std::to_string(s);
-      wire::ByteReader r(all[s], what);
+      wire::ByteReader r(all[s], "allreduce payload from site " + std::to_string(s));
       uint64_t count = r.u64();
       if (count != static_cast<uint64_t>(n))
         throw Error(str_cat("allreduce: site ", s, " sent ", count, " elements, this site has ", n,
                             ": the sites' models differ"));
       total_weight += r.f64();
       const bool coded = r.u8() != 0;
-      if (coded != (options.codec != nullptr))
-        throw Error(str_cat("allreduce: site ", s, (coded ? " encodes" : " does not encode"),
-                            " its contribution and this site ", (coded ? "does not" : "does"),
+      const uint32_t nparts = r.u32();
+      if (coded != (options.codec != nullptr) || nparts != parts.size())
+        throw Error(str_cat("allreduce: site ", s, " sent ", nparts, (coded ? " encoded" : " raw"), " part(s), this site ",
+                            parts.size(), (options.codec ? " encoded" : " raw"),
                             ": the sites' [strategy] codec settings differ"));
-      if (coded) {
-        auto bytes = r.bytes(r.remaining());
-        auto start = Clock::now();
-        sum.add_(options.codec->decode(bytes, n).reshape({-1}));
-        decode_seconds_ += std::chrono::duration<double>(Clock::now() - start).count();
-      } else {
-        auto bytes = r.bytes(static_cast<size_t>(n) * sizeof(float));
-        r.expect_done();
-        at::Tensor part = at::empty({n}, at::kFloat);
-        if (n) std::memcpy(part.data_ptr<float>(), bytes.data(), bytes.size());
-        sum.add_(part);
+      int64_t at = 0;
+      for (uint32_t i = 0; i < nparts; ++i) {
+        const int64_t numel = parts[i].numel();
+        auto bytes = r.bytes(static_cast<size_t>(r.u64()));
+        at::Tensor target = sum.narrow(0, at, numel);
+        if (coded) {
+          auto start = Clock::now();
+          target.add_(options.codec->decode(bytes, numel).reshape({-1}));
+          decode_seconds_ += std::chrono::duration<double>(Clock::now() - start).count();
+        } else {
+          if (bytes.size() != static_cast<size_t>(numel) * sizeof(float))
+            throw Error(str_cat("allreduce: site ", s, " sent ", bytes.size(), " bytes for ", numel, " floats"));
+          at::Tensor part = at::empty({numel}, at::kFloat);
+          if (numel) std::memcpy(part.data_ptr<float>(), bytes.data(), bytes.size());
+          target.add_(part);
+        }
+        at += numel;
       }
+      r.expect_done();
     }
     if (weighted) {
       NEBULA_CHECK(total_weight > 0, "weighted allreduce with total weight ", total_weight);
@@ -90,7 +120,11 @@ void Hierarchy::allreduce(at::Tensor& t, const AllreduceOptions& options) {
     buf.narrow(0, 0, n).copy_(sum);
   }
   site_.broadcast_from_root(buf);
-  t.view({-1}).copy_(buf.narrow(0, 0, n));
+  offset = 0;
+  for (const auto& t : bucket) {
+    t.view({-1}).copy_(buf.narrow(0, offset, t.numel()));
+    offset += t.numel();
+  }
 }
 
 void Hierarchy::broadcast_from_first(at::Tensor& t) {

@@ -32,6 +32,9 @@ struct AllreduceOptions {
   // Names the logical tensor (e.g. a gradient bucket) whose codec state (error feedback,
   // PowerSGD's Q) this call uses and updates. Same tag, same tensor, every step.
   uint64_t tag = 0;
+  // Encode each tensor of a bucket on its own, in its own shape (PowerSGD needs matrices);
+  // otherwise the bucket is encoded as one flat vector.
+  bool per_tensor = false;
 };
 
 struct CommStats {
@@ -57,6 +60,8 @@ class Hierarchy {
   // In place, on a contiguous float32 CPU tensor of any size (0 included); every worker of
   // every site must call it with the same numel, in the same order.
   void allreduce(at::Tensor& t, const AllreduceOptions& options = {});
+  // The same for a bucket of tensors in one exchange (one WAN round trip for all of them).
+  void allreduce(const std::vector<at::Tensor>& bucket, const AllreduceOptions& options = {});
 
   // Makes every worker's `t` equal to global rank 0's (site 0, local rank 0).
   void broadcast_from_first(at::Tensor& t);
@@ -69,7 +74,7 @@ class Hierarchy {
   SiteGroup& site_;
   GatewayMesh* mesh_;
   uint64_t allreduces_ = 0;
-  std::map<uint64_t, codec::CodecState> codec_state_;  // by tag; gateway only
+  std::map<std::pair<uint64_t, size_t>, codec::CodecState> codec_state_;  // by (tag, tensor); gateway only
   uint64_t codec_bytes_in_ = 0, codec_bytes_out_ = 0;
   double encode_seconds_ = 0, decode_seconds_ = 0;
 };

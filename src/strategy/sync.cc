@@ -57,21 +57,14 @@ void SyncStrategy::sync_gradients(const std::vector<at::Tensor>& params, double 
     if (!p.grad().defined()) p.mutable_grad() = at::zeros_like(p);
     grads.push_back(p.grad());
   }
-  // PowerSGD compresses matrices, so each gradient travels alone, in its own shape.
+  // One exchange per bucket. PowerSGD compresses matrices, so it encodes each gradient of a
+  // bucket in its own shape; the other codecs encode the bucket as one vector.
   const bool per_tensor = codec_ && codec_->id() == codec::CodecId::kPowerSgd;
-  const auto buckets = make_buckets(grads, per_tensor ? 0 : bucket_bytes_);
+  const auto buckets = make_buckets(grads, bucket_bytes_);
   for (size_t b = 0; b < buckets.size(); ++b) {
-    const collective::AllreduceOptions o{collective::ReduceOp::kWeightedMean, weight, codec_.get(), b};
-    if (buckets[b].second - buckets[b].first == 1) {  // one tensor: in place, shape kept
-      at::Tensor g = grads[buckets[b].first];
-      comm_.allreduce(g, o);
-      continue;
-    }
     std::vector<at::Tensor> bucket(grads.begin() + static_cast<std::ptrdiff_t>(buckets[b].first),
                                    grads.begin() + static_cast<std::ptrdiff_t>(buckets[b].second));
-    at::Tensor flat = flatten(bucket);
-    comm_.allreduce(flat, o);
-    unflatten_into(flat, bucket);
+    comm_.allreduce(bucket, {collective::ReduceOp::kWeightedMean, weight, codec_.get(), b, per_tensor});
   }
 }
 
