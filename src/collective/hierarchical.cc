@@ -14,9 +14,76 @@ Hierarchy::Hierarchy(SiteGroup& site, GatewayMesh* mesh) : site_(site), mesh_(me
                ": the gateway mesh belongs to local rank 0 only");
 }
 
+void Work::wait(Deadline deadline) {
+  std::unique_lock<std::mutex> lock(mu_);
+  if (!cv_.wait_until(lock, deadline.at(), [&] { return done_; }))
+    throw Timeout("", str_cat(what_, ": still running at its deadline"));
+  if (error_) std::rethrow_exception(error_);
+}
+
+bool Work::done() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return done_;
+}
+
+void Work::finish(std::exception_ptr error) {
+  std::lock_guard<std::mutex> lock(mu_);
+  done_ = true;
+  error_ = error;
+  cv_.notify_all();
+}
+
+Hierarchy::~Hierarchy() {
+  {
+    std::lock_guard<std::mutex> lock(queue_mu_);
+    stopping_ = true;
+  }
+  queue_cv_.notify_all();
+  if (comm_thread_.joinable()) comm_thread_.join();
+}
+
+void Hierarchy::comm_main() {
+  for (;;) {
+    std::function<void()> task;
+    {
+      std::unique_lock<std::mutex> lock(queue_mu_);
+      queue_cv_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
+      if (queue_.empty()) return;  // stopping, nothing left
+      task = std::move(queue_.front());
+      queue_.pop_front();
+    }
+    task();
+  }
+}
+
+std::shared_ptr<Work> Hierarchy::allreduce_async(std::vector<at::Tensor> bucket, AllreduceOptions options) {
+  auto work = std::make_shared<Work>();
+  work->what_ = str_cat("site ", site_.site(), ": all-reduce of bucket ", options.tag);
+  {
+    std::lock_guard<std::mutex> lock(queue_mu_);
+    NEBULA_CHECK(!stopping_, "collective queued on a hierarchy that is shutting down");
+    if (!comm_thread_.joinable()) comm_thread_ = std::thread([this] { comm_main(); });
+    queue_.push_back([this, bucket = std::move(bucket), options, work] {
+      try {
+        run_allreduce(bucket, options);
+        work->finish(nullptr);
+      } catch (...) {
+        work->finish(std::current_exception());
+      }
+    });
+  }
+  queue_cv_.notify_one();
+  return work;
+}
+
 void Hierarchy::allreduce(at::Tensor& t, const AllreduceOptions& options) { allreduce(std::vector<at::Tensor>{t}, options); }
 
 void Hierarchy::allreduce(const std::vector<at::Tensor>& bucket, const AllreduceOptions& options) {
+  // Through the queue, so synchronous and asynchronous calls can never interleave.
+  allreduce_async(bucket, options)->wait(Deadline::never());
+}
+
+void Hierarchy::run_allreduce(const std::vector<at::Tensor>& bucket, const AllreduceOptions& options) {
   int64_t n = 0;
   for (const auto& t : bucket) {
     NEBULA_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous() && t.device().is_cpu(),

@@ -10,7 +10,13 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <condition_variable>
+#include <deque>
+#include <functional>
 #include <map>
+#include <memory>
+#include <mutex>
+#include <thread>
 
 #include "codec/codec.h"
 #include "collective/gateway_mesh.h"
@@ -52,6 +58,24 @@ struct CommStats {
   std::vector<transport::LinkEstimates> links;
 };
 
+// The handle of an asynchronous collective (like c10d's Work).
+class Work {
+ public:
+  // Blocks until the operation is done and rethrows its error; Timeout naming the operation
+  // if `deadline` passes first (the operation itself goes on).
+  void wait(Deadline deadline);
+  bool done() const;
+
+ private:
+  friend class Hierarchy;
+  void finish(std::exception_ptr error);
+  std::string what_;
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  bool done_ = false;                 // GUARDED_BY(mu_)
+  std::exception_ptr error_;          // GUARDED_BY(mu_)
+};
+
 class Hierarchy {
  public:
   // `mesh` is required on the gateway (local rank 0) and must be null elsewhere.
@@ -63,6 +87,14 @@ class Hierarchy {
   // The same for a bucket of tensors in one exchange (one WAN round trip for all of them).
   void allreduce(const std::vector<at::Tensor>& bucket, const AllreduceOptions& options = {});
 
+  // Queues the bucket's all-reduce on this worker's communication thread and returns at once,
+  // so the WAN exchange of one bucket overlaps with whatever the caller computes next (e.g.
+  // the rest of the backward pass). Operations run one at a time, in the order queued, which
+  // must be the same on every worker. The tensors are written in place when it is done; do
+  // not touch them before wait() returns. Synchronous calls go through the same queue.
+  std::shared_ptr<Work> allreduce_async(std::vector<at::Tensor> bucket, AllreduceOptions options);
+  ~Hierarchy();
+
   // Makes every worker's `t` equal to global rank 0's (site 0, local rank 0).
   void broadcast_from_first(at::Tensor& t);
 
@@ -71,8 +103,17 @@ class Hierarchy {
   SiteGroup& site() { return site_; }
 
  private:
+  void run_allreduce(const std::vector<at::Tensor>& bucket, const AllreduceOptions& options);
+  void comm_main();
+
   SiteGroup& site_;
   GatewayMesh* mesh_;
+  // The communication thread and its queue (started by the first collective).
+  std::mutex queue_mu_;
+  std::condition_variable queue_cv_;
+  std::deque<std::function<void()>> queue_;  // GUARDED_BY(queue_mu_)
+  bool stopping_ = false;                     // GUARDED_BY(queue_mu_)
+  std::thread comm_thread_;
   uint64_t allreduces_ = 0;
   std::map<std::pair<uint64_t, size_t>, codec::CodecState> codec_state_;  // by (tag, tensor); gateway only
   uint64_t codec_bytes_in_ = 0, codec_bytes_out_ = 0;

@@ -2,8 +2,10 @@
 // sight (src/train/trainer.cc):
 //
 //   strategy->init(params)                        once: every replica starts from the same weights
-//   loop: forward, zero_grad, backward,
-//         strategy->sync_gradients(params, w)     w = this worker's loss terms (its weight)
+//   loop: forward, zero_grad,
+//         strategy->before_backward(w)            w = this worker's loss terms (its weight)
+//         backward                                (buckets start crossing the WAN as it goes)
+//         strategy->sync_gradients(params, w)     gradients now averaged over every worker
 //         optimizer.step()
 //         strategy->after_step(step)              e.g. DiLoCo's outer step every H steps
 //
@@ -29,6 +31,9 @@ class Strategy {
   virtual std::string name() const = 0;
   // Makes every worker's parameters equal to global rank 0's.
   virtual void init(const std::vector<at::Tensor>& params) = 0;
+  // Called just before backward, with this worker's weight for the step, so that a strategy
+  // can start sending gradients while backward still runs. Optional.
+  virtual void before_backward(double weight) {}
   // Called after backward and before the optimizer step.
   virtual void sync_gradients(const std::vector<at::Tensor>& params, double weight) = 0;
   // Called after the optimizer step `step` (0-based).
@@ -40,23 +45,43 @@ class SyncStrategy : public Strategy {
   // `codec` (may be null = exact) compresses the inter-site leg; gradients travel in buckets
   // of about `bucket_bytes`, each with its own codec state (error feedback).
   SyncStrategy(collective::Hierarchy& comm, std::unique_ptr<codec::Codec> codec = nullptr,
-               uint64_t bucket_bytes = 4ull << 20);
+               uint64_t bucket_bytes = 4ull << 20, std::chrono::milliseconds timeout = std::chrono::minutes(10));
   std::string name() const override { return "sync"; }
+  // Also registers a gradient hook on every parameter: once all gradients of a bucket exist,
+  // the bucket is queued on the communication thread while backward goes on (like DDP).
   void init(const std::vector<at::Tensor>& params) override;
-  // Every bucket of gradients averaged, weighted by `weight`, over every worker.
+  void before_backward(double weight) override;
+  // Waits for every bucket (queuing any not yet sent) and writes the averages into .grad.
   void sync_gradients(const std::vector<at::Tensor>& params, double weight) override;
 
  private:
+  void on_gradient(size_t index, const at::Tensor& grad);  // autograd's thread
+  void launch_ready_buckets();                               // in bucket order
+
   collective::Hierarchy& comm_;
   std::unique_ptr<codec::Codec> codec_;
   uint64_t bucket_bytes_;
+  std::vector<at::Tensor> params_;
+  std::vector<std::pair<size_t, size_t>> buckets_;  // parameter index ranges, in reverse order
+  std::vector<size_t> bucket_of_;                    // parameter → bucket
+  // One step's state. Hooks run on the thread that called backward (CPU autograd), so
+  // the training thread owns all of it.
+  bool armed_ = false;                               // before_backward was called
+  double weight_ = 0;
+  std::vector<at::Tensor> grads_;                    // this step's gradients, as they arrive
+  std::vector<size_t> missing_;                      // per bucket: gradients still to come
+  size_t next_bucket_ = 0;                           // the next bucket to queue
+  std::vector<std::vector<at::Tensor>> sent_;        // per bucket: the tensors being reduced
+  std::vector<std::shared_ptr<collective::Work>> works_;
+  std::chrono::milliseconds timeout_;
 };
 
 // Consecutive runs of `tensors` of about `bucket_bytes` float32 bytes each (a tensor larger
 // than a bucket is a bucket of its own); returns the index ranges [begin, end).
 std::vector<std::pair<size_t, size_t>> make_buckets(const std::vector<at::Tensor>& tensors, uint64_t bucket_bytes);
 
-std::unique_ptr<Strategy> make_strategy(const StrategyConfig& config, collective::Hierarchy& comm);
+std::unique_ptr<Strategy> make_strategy(const StrategyConfig& config, collective::Hierarchy& comm,
+                                        std::chrono::milliseconds timeout = std::chrono::minutes(10));
 // The codec [strategy] asks for; null for "none".
 std::unique_ptr<codec::Codec> make_wan_codec(const StrategyConfig& config);
 

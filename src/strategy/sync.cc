@@ -39,33 +39,81 @@ std::vector<std::pair<size_t, size_t>> make_buckets(const std::vector<at::Tensor
   return buckets;
 }
 
-SyncStrategy::SyncStrategy(collective::Hierarchy& comm, std::unique_ptr<codec::Codec> codec, uint64_t bucket_bytes)
-    : comm_(comm), codec_(std::move(codec)), bucket_bytes_(bucket_bytes) {}
+SyncStrategy::SyncStrategy(collective::Hierarchy& comm, std::unique_ptr<codec::Codec> codec, uint64_t bucket_bytes,
+                           std::chrono::milliseconds timeout)
+    : comm_(comm), codec_(std::move(codec)), bucket_bytes_(bucket_bytes), timeout_(timeout) {}
 
 void SyncStrategy::init(const std::vector<at::Tensor>& params) {
   at::NoGradGuard no_grad;
   at::Tensor flat = flatten(params);
   comm_.broadcast_from_first(flat);
   unflatten_into(flat, params);
+
+  // Backward produces gradients roughly in reverse order of the parameters, so buckets are
+  // cut from the back: the first bucket to fill is the first to go.
+  params_ = params;
+  std::vector<at::Tensor> reversed(params.rbegin(), params.rend());
+  buckets_.clear();
+  for (auto [b, e] : make_buckets(reversed, bucket_bytes_)) buckets_.emplace_back(b, e);
+  bucket_of_.assign(params.size(), 0);
+  for (size_t k = 0; k < buckets_.size(); ++k)
+    for (size_t r = buckets_[k].first; r < buckets_[k].second; ++r) bucket_of_[params.size() - 1 - r] = k;
+  for (size_t i = 0; i < params.size(); ++i)
+    if (params[i].requires_grad())
+      params[i].register_hook([this, i](const at::Tensor& grad) { on_gradient(i, grad); });
+}
+
+void SyncStrategy::before_backward(double weight) {
+  NEBULA_CHECK(works_.empty(), "before_backward called twice without sync_gradients");
+  armed_ = true;
+  weight_ = weight;
+  grads_.assign(params_.size(), at::Tensor());
+  missing_.assign(buckets_.size(), 0);
+  for (size_t k = 0; k < buckets_.size(); ++k) missing_[k] = buckets_[k].second - buckets_[k].first;
+  next_bucket_ = 0;
+  sent_.assign(buckets_.size(), {});
+}
+
+void SyncStrategy::on_gradient(size_t index, const at::Tensor& grad) {
+  if (!armed_ || grads_[index].defined()) return;
+  grads_[index] = grad.detach().to(at::kFloat).contiguous().clone();
+  if (--missing_[bucket_of_[index]] == 0) launch_ready_buckets();
+}
+
+void SyncStrategy::launch_ready_buckets() {
+  // Strictly in bucket order, the same on every worker, whatever order the hooks fired in.
+  const bool per_tensor = codec_ && codec_->id() == codec::CodecId::kPowerSgd;
+  while (next_bucket_ < buckets_.size() && missing_[next_bucket_] == 0) {
+    const size_t k = next_bucket_++;
+    std::vector<at::Tensor> bucket;
+    for (size_t r = buckets_[k].first; r < buckets_[k].second; ++r) bucket.push_back(grads_[params_.size() - 1 - r]);
+    sent_[k] = bucket;
+    works_.push_back(comm_.allreduce_async(
+        std::move(bucket), {collective::ReduceOp::kWeightedMean, weight_, codec_.get(), k, per_tensor}));
+  }
 }
 
 void SyncStrategy::sync_gradients(const std::vector<at::Tensor>& params, double weight) {
-  std::vector<at::Tensor> grads;
-  for (const auto& p : params) {
-    // A parameter that got no gradient this step still takes part (as zeros) so that every
-    // worker's flat buffer has the same layout.
-    if (!p.grad().defined()) p.mutable_grad() = at::zeros_like(p);
-    grads.push_back(p.grad());
+  NEBULA_CHECK(params.size() == params_.size(), "sync_gradients with ", params.size(), " parameters, init had ",
+               params_.size());
+  if (!armed_) before_backward(weight);  // called without the hook: send everything now
+  // Parameters that got no gradient this step take part as zeros, so every worker sends the
+  // same buckets.
+  for (size_t i = 0; i < params.size(); ++i) {
+    if (grads_[i].defined()) continue;
+    grads_[i] = params[i].grad().defined() ? params[i].grad().detach().to(at::kFloat).contiguous().clone()
+                                           : at::zeros_like(params[i], at::kFloat);
+    --missing_[bucket_of_[i]];
   }
-  // One exchange per bucket. PowerSGD compresses matrices, so it encodes each gradient of a
-  // bucket in its own shape; the other codecs encode the bucket as one vector.
-  const bool per_tensor = codec_ && codec_->id() == codec::CodecId::kPowerSgd;
-  const auto buckets = make_buckets(grads, bucket_bytes_);
-  for (size_t b = 0; b < buckets.size(); ++b) {
-    std::vector<at::Tensor> bucket(grads.begin() + static_cast<std::ptrdiff_t>(buckets[b].first),
-                                   grads.begin() + static_cast<std::ptrdiff_t>(buckets[b].second));
-    comm_.allreduce(bucket, {collective::ReduceOp::kWeightedMean, weight, codec_.get(), b, per_tensor});
+  launch_ready_buckets();
+  const Deadline deadline = Deadline::after(timeout_);
+  for (auto& w : works_) w->wait(deadline);
+  for (size_t i = 0; i < params.size(); ++i) {
+    if (!params[i].grad().defined()) params[i].mutable_grad() = at::zeros_like(params[i]);
+    params[i].mutable_grad().copy_(grads_[i]);
   }
+  works_.clear();
+  armed_ = false;
 }
 
 std::unique_ptr<codec::Codec> make_wan_codec(const StrategyConfig& config) {
@@ -80,8 +128,10 @@ std::unique_ptr<codec::Codec> make_wan_codec(const StrategyConfig& config) {
   return codec::make_codec(o);
 }
 
-std::unique_ptr<Strategy> make_strategy(const StrategyConfig& config, collective::Hierarchy& comm) {
-  if (config.kind == "sync") return std::make_unique<SyncStrategy>(comm, make_wan_codec(config), config.bucket_bytes);
+std::unique_ptr<Strategy> make_strategy(const StrategyConfig& config, collective::Hierarchy& comm,
+                                        std::chrono::milliseconds timeout) {
+  if (config.kind == "sync")
+    return std::make_unique<SyncStrategy>(comm, make_wan_codec(config), config.bucket_bytes, timeout);
   throw ConfigError(str_cat("strategy.kind = \"", config.kind, "\" is not implemented (available: sync)"));
 }
 

@@ -43,7 +43,7 @@ std::vector<at::Tensor> params_of(model::MlmEncoder& m) { return m->parameters()
 // A sync step on several sites equals one single-process step on the union of their batches
 // (same initial weights, same data): the weighted mean of per-worker mean gradients, weighted
 // by predicted tokens, is the union batch's mean gradient.
-void check_equivalence(const std::vector<int>& sites) {
+void check_equivalence(const std::vector<int>& sites, bool overlap, uint64_t bucket_bytes = 4ull << 20) {
   int world = 0;
   for (int w : sites) world += w;
   const int rows_per_worker = 3;
@@ -73,7 +73,7 @@ void check_equivalence(const std::vector<int>& sites) {
       auto ps = params_of(m);
       for (size_t i = 0; i < ps.size(); ++i) ps[i].copy_(initial[i]);
     }
-    SyncStrategy strategy(*r.hierarchy);
+    SyncStrategy strategy(*r.hierarchy, nullptr, bucket_bytes);
     strategy.init(params_of(m));
     auto ps = params_of(m);
     for (size_t i = 0; i < ps.size(); ++i) ASSERT_TRUE(at::equal(ps[i], initial[i])) << "init param " << i;
@@ -83,6 +83,7 @@ void check_equivalence(const std::vector<int>& sites) {
     const double predicted = labels.ne(model::kIgnoreIndex).sum().item<double>();
     torch::optim::SGD opt(m->parameters(), torch::optim::SGDOptions(0.5));
     opt.zero_grad();
+    if (overlap) strategy.before_backward(predicted);  // buckets go out from the backward hooks
     m->loss(ids, labels).backward();
     strategy.sync_gradients(ps, predicted);
     for (size_t i = 0; i < ps.size(); ++i)
@@ -95,8 +96,20 @@ void check_equivalence(const std::vector<int>& sites) {
   });
 }
 
-TEST(SyncStrategy, TwoSitesEqualOneUnionBatchStep) { check_equivalence({1, 1}); }
-TEST(SyncStrategy, UnevenSitesEqualOneUnionBatchStep) { check_equivalence({2, 1}); }
+TEST(SyncStrategy, TwoSitesEqualOneUnionBatchStep) { check_equivalence({1, 1}, false); }
+TEST(SyncStrategy, UnevenSitesEqualOneUnionBatchStep) { check_equivalence({2, 1}, false); }
+// The same with gradients sent from autograd hooks while backward runs, in many small buckets
+// (1 KiB: most parameters get a bucket of their own), so the overlap path really is taken.
+TEST(SyncStrategy, OverlappedSmallBucketsEqualOneUnionBatchStep) { check_equivalence({2, 1}, true, 1024); }
+
+TEST(MakeBuckets, CutsRunsOfAboutTheBucketSize) {
+  std::vector<at::Tensor> ts{at::zeros({100}), at::zeros({100}), at::zeros({1000}), at::zeros({10})};
+  auto b = make_buckets(ts, 800);  // 400 + 400 bytes fit; 4000 alone; 40 alone after it
+  ASSERT_EQ(b.size(), 3u);
+  EXPECT_EQ(b[0], std::make_pair(size_t{0}, size_t{2}));
+  EXPECT_EQ(b[1], std::make_pair(size_t{2}, size_t{3}));
+  EXPECT_EQ(b[2], std::make_pair(size_t{3}, size_t{4}));
+}
 
 TEST(Flatten, RoundTrip) {
   std::vector<at::Tensor> ts{at::randn({2, 3}), at::randn({0}), at::randn({5})};

@@ -110,7 +110,7 @@ void run_worker(const Config& c, const WorkerIdentity& who) {
   at::manual_seed(c.job.seed);
   model::MlmEncoder model(c.model, tok.vocab_size(), tok.pad_id());
   auto params = model->parameters();
-  auto strategy = strategy::make_strategy(c.strategy, comm);
+  auto strategy = strategy::make_strategy(c.strategy, comm, timeout);
   strategy->init(params);
   torch::optim::AdamW optimizer(params, torch::optim::AdamWOptions(c.model.lr).weight_decay(c.model.weight_decay));
 
@@ -124,7 +124,8 @@ void run_worker(const Config& c, const WorkerIdentity& who) {
     model::MlmBatch batch = batches.next();
     at::Tensor loss = model->loss(batch.ids, batch.labels);
     optimizer.zero_grad();
-    loss.backward();
+    strategy->before_backward(static_cast<double>(batch.predicted));
+    loss.backward();  // gradient buckets start crossing the WAN while this runs
     strategy->sync_gradients(params, static_cast<double>(batch.predicted));
     optimizer.step();
     strategy->after_step(step);
