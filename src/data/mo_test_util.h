@@ -2,6 +2,8 @@
 // utilities. Header-only, used by the data layer's tests only.
 #pragma once
 
+#include "util/temp_dir.h"
+
 #include <unistd.h>
 
 #include <algorithm>
@@ -93,26 +95,8 @@ inline std::string read_bytes(const std::string& path) {
   return std::string(std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>());
 }
 
-// A fresh directory under the system temp dir, removed with its contents on destruction.
-class TempDir {
- public:
-  explicit TempDir(const std::string& tag) {
-    std::string templ = (std::filesystem::temp_directory_path() / ("nebula_" + tag + "_XXXXXX")).string();
-    if (!::mkdtemp(templ.data())) throw std::runtime_error("mkdtemp failed for " + templ);
-    path_ = templ;
-  }
-  ~TempDir() {
-    std::error_code ec;
-    std::filesystem::remove_all(path_, ec);
-  }
-  TempDir(const TempDir&) = delete;
-  TempDir& operator=(const TempDir&) = delete;
-  const std::string& path() const { return path_; }
-  std::string file(const std::string& name) const { return path_ + "/" + name; }
+using nebula::testing::TempDir;  // (util/temp_dir.h)
 
- private:
-  std::string path_;
-};
 
 // First *.mo file (sorted) in /usr/share/locale/<lang>/LC_MESSAGES larger than
 // `min_bytes`, or "" if there is none.

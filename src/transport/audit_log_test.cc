@@ -12,23 +12,16 @@
 #include <vector>
 
 #include "nebula/error.h"
+#include "util/temp_dir.h"
 
 namespace nebula::transport {
 namespace {
 
 namespace fs = std::filesystem;
 
-struct ScopedDir {
-  std::string path;
-  ScopedDir() {
-    std::string templ = (fs::temp_directory_path() / "nebula_audit_test.XXXXXX").string();
-    if (!::mkdtemp(templ.data())) throw std::runtime_error("mkdtemp failed");
-    path = templ;
-  }
-  ~ScopedDir() {
-    std::error_code ec;
-    fs::remove_all(path, ec);
-  }
+// A temp dir named after this test file, removed afterwards.
+struct ScopedDir : nebula::testing::TempDir {
+  ScopedDir() : TempDir("audit_test") {}
 };
 
 std::vector<std::string> read_lines(const std::string& path) {
@@ -40,7 +33,7 @@ std::vector<std::string> read_lines(const std::string& path) {
 
 TEST(AuditLogTest, OneJsonLinePerRecordWithAllFields) {
   ScopedDir dir;
-  const std::string path = dir.path + "/audit.jsonl";
+  const std::string path = dir.path() + "/audit.jsonl";
   {
     AuditLog log(path);
     EXPECT_TRUE(log.enabled());
@@ -75,7 +68,7 @@ TEST(AuditLogTest, OneJsonLinePerRecordWithAllFields) {
 
 TEST(AuditLogTest, ConcurrentWritersNeverInterleave) {
   ScopedDir dir;
-  const std::string path = dir.path + "/audit.jsonl";
+  const std::string path = dir.path() + "/audit.jsonl";
   constexpr int kThreads = 2, kRecords = 500;
   {
     AuditLog log(path);
@@ -108,14 +101,14 @@ TEST(AuditLogTest, EmptyPathRecordsNothing) {
 
 TEST(AuditLogTest, ErrorsNameThePath) {
   ScopedDir dir;
-  const std::string path = dir.path + "/no/such/dir/audit.jsonl";
+  const std::string path = dir.path() + "/no/such/dir/audit.jsonl";
   try {
     AuditLog log(path);
     FAIL() << "expected nebula::Error";
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find(path), std::string::npos) << e.what();
   }
-  AuditLog log(dir.path + "/a.jsonl");
+  AuditLog log(dir.path() + "/a.jsonl");
   EXPECT_THROW(log.record({"alpha", "beta", "x", "y", "maybe", ""}), Error);
 }
 

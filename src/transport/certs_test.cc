@@ -16,23 +16,16 @@
 #include <string>
 
 #include "nebula/error.h"
+#include "util/temp_dir.h"
 
 namespace nebula::transport {
 namespace {
 
 namespace fs = std::filesystem;
 
-struct ScopedDir {
-  std::string path;
-  ScopedDir() {
-    std::string templ = (fs::temp_directory_path() / "nebula_certs_test.XXXXXX").string();
-    if (!::mkdtemp(templ.data())) throw std::runtime_error("mkdtemp failed");
-    path = templ;
-  }
-  ~ScopedDir() {
-    std::error_code ec;
-    fs::remove_all(path, ec);
-  }
+// A temp dir named after this test file, removed afterwards.
+struct ScopedDir : nebula::testing::TempDir {
+  ScopedDir() : TempDir("certs_test") {}
 };
 
 struct X509Free {
@@ -59,7 +52,7 @@ void expect_error_containing(const std::function<void()>& f, const std::string& 
 
 TEST(CertsTest, CreateCaTwiceRefusesTheSecond) {
   ScopedDir dir;
-  const std::string ca_dir = dir.path + "/pki";  // created by create_ca
+  const std::string ca_dir = dir.path() + "/pki";  // created by create_ca
   create_ca(ca_dir);
   EXPECT_TRUE(fs::exists(ca_key_path(ca_dir)));
   EXPECT_TRUE(fs::exists(ca_cert_path(ca_dir)));
@@ -76,14 +69,14 @@ TEST(CertsTest, CreateCaTwiceRefusesTheSecond) {
 
 TEST(CertsTest, IssuedCertificateVerifiesAgainstItsCa) {
   ScopedDir dir;
-  create_ca(dir.path);
-  issue_site_certificate(dir.path, "site-b");
-  const std::string pem = site_cert_path(dir.path, "site-b");
-  EXPECT_EQ(file_mode(site_key_path(dir.path, "site-b")), 0600u);
+  create_ca(dir.path());
+  issue_site_certificate(dir.path(), "site-b");
+  const std::string pem = site_cert_path(dir.path(), "site-b");
+  EXPECT_EQ(file_mode(site_key_path(dir.path(), "site-b")), 0600u);
 
-  std::unique_ptr<X509, X509Free> ca(read_certificate(ca_cert_path(dir.path)));
+  std::unique_ptr<X509, X509Free> ca(read_certificate(ca_cert_path(dir.path())));
   std::unique_ptr<X509, X509Free> cert(read_certificate(pem));
-  std::unique_ptr<EVP_PKEY, PkeyFree> key(read_private_key(site_key_path(dir.path, "site-b")));
+  std::unique_ptr<EVP_PKEY, PkeyFree> key(read_private_key(site_key_path(dir.path(), "site-b")));
   EXPECT_EQ(X509_verify(cert.get(), X509_get0_pubkey(ca.get())), 1);
   EXPECT_EQ(X509_check_private_key(cert.get(), key.get()), 1);
   EXPECT_EQ(X509_check_issued(ca.get(), cert.get()), X509_V_OK);
@@ -115,47 +108,47 @@ TEST(CertsTest, IssuedCertificateVerifiesAgainstItsCa) {
   EXPECT_EQ(EVP_PKEY_get_base_id(key.get()), EVP_PKEY_EC);
 
   // A second certificate gets another key and serial.
-  issue_site_certificate(dir.path, "site-c");
-  std::unique_ptr<X509, X509Free> other(read_certificate(site_cert_path(dir.path, "site-c")));
+  issue_site_certificate(dir.path(), "site-c");
+  std::unique_ptr<X509, X509Free> other(read_certificate(site_cert_path(dir.path(), "site-c")));
   EXPECT_NE(ASN1_INTEGER_cmp(X509_get0_serialNumber(cert.get()), X509_get0_serialNumber(other.get())), 0);
-  EXPECT_NE(certificate_fingerprint(site_cert_path(dir.path, "site-c")), fp);
+  EXPECT_NE(certificate_fingerprint(site_cert_path(dir.path(), "site-c")), fp);
 
   // A certificate of another CA does not verify against this one.
   ScopedDir other_dir;
-  create_ca(other_dir.path);
-  issue_site_certificate(other_dir.path, "site-b");
-  std::unique_ptr<X509, X509Free> foreign(read_certificate(site_cert_path(other_dir.path, "site-b")));
+  create_ca(other_dir.path());
+  issue_site_certificate(other_dir.path(), "site-b");
+  std::unique_ptr<X509, X509Free> foreign(read_certificate(site_cert_path(other_dir.path(), "site-b")));
   EXPECT_NE(X509_verify(foreign.get(), X509_get0_pubkey(ca.get())), 1);
 }
 
 TEST(CertsTest, NonDnsSiteNameGetsCnOnly) {
   ScopedDir dir;
-  create_ca(dir.path);
-  issue_site_certificate(dir.path, "site_a");
-  std::unique_ptr<X509, X509Free> cert(read_certificate(site_cert_path(dir.path, "site_a")));
+  create_ca(dir.path());
+  issue_site_certificate(dir.path(), "site_a");
+  std::unique_ptr<X509, X509Free> cert(read_certificate(site_cert_path(dir.path(), "site_a")));
   EXPECT_EQ(x509_common_name(cert.get()), "site_a");
   EXPECT_TRUE(x509_dns_names(cert.get()).empty());
 }
 
 TEST(CertsTest, ValidityWindowFollowsTheArguments) {
   ScopedDir dir;
-  create_ca(dir.path);
-  issue_site_certificate(dir.path, "old", 1, -10 * 86400L);
-  issue_site_certificate(dir.path, "future", 30, 86400L);
-  std::unique_ptr<X509, X509Free> old_cert(read_certificate(site_cert_path(dir.path, "old")));
-  std::unique_ptr<X509, X509Free> future_cert(read_certificate(site_cert_path(dir.path, "future")));
+  create_ca(dir.path());
+  issue_site_certificate(dir.path(), "old", 1, -10 * 86400L);
+  issue_site_certificate(dir.path(), "future", 30, 86400L);
+  std::unique_ptr<X509, X509Free> old_cert(read_certificate(site_cert_path(dir.path(), "old")));
+  std::unique_ptr<X509, X509Free> future_cert(read_certificate(site_cert_path(dir.path(), "future")));
   EXPECT_LT(X509_cmp_current_time(X509_get0_notAfter(old_cert.get())), 0);     // in the past
   EXPECT_GT(X509_cmp_current_time(X509_get0_notBefore(future_cert.get())), 0); // in the future
 }
 
 TEST(CertsTest, InvalidSiteNamesAreRejected) {
   ScopedDir dir;
-  create_ca(dir.path);
+  create_ca(dir.path());
   for (std::string bad : {std::string(), std::string(65, 'a'), std::string("a b"), std::string("a/b"),
                           std::string("../x"), std::string("ca"), std::string("CA"), std::string("é"),
                           std::string("x\ny")}) {
     EXPECT_FALSE(is_valid_site_name(bad)) << bad;
-    expect_error_containing([&] { issue_site_certificate(dir.path, bad); }, "invalid site name \"" + bad + "\"");
+    expect_error_containing([&] { issue_site_certificate(dir.path(), bad); }, "invalid site name \"" + bad + "\"");
   }
   for (const std::string& good : std::vector<std::string>{"a", "site-b", "site_a", "gw.site-b", "A.9_-", std::string(64, 'z')})
     EXPECT_TRUE(is_valid_site_name(good)) << good;
@@ -163,8 +156,8 @@ TEST(CertsTest, InvalidSiteNamesAreRejected) {
 
 TEST(CertsTest, IssueWithoutCaNamesTheMissingFile) {
   ScopedDir dir;
-  expect_error_containing([&] { issue_site_certificate(dir.path, "alpha"); }, ca_key_path(dir.path));
-  expect_error_containing([&] { certificate_fingerprint(dir.path + "/nope.pem"); }, dir.path + "/nope.pem");
+  expect_error_containing([&] { issue_site_certificate(dir.path(), "alpha"); }, ca_key_path(dir.path()));
+  expect_error_containing([&] { certificate_fingerprint(dir.path() + "/nope.pem"); }, dir.path() + "/nope.pem");
 }
 
 }  // namespace
