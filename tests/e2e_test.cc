@@ -260,6 +260,17 @@ TEST(EndToEnd, HelpWorksForEverySubcommand) {
   }
 }
 
+// A deployed worker (no launcher to make a CA) without certificates says what to configure.
+TEST(EndToEnd, DeployedWorkerWithoutCertificatesSaysWhatToSet) {
+  const std::string dir = temp_run_dir("nocerts");
+  Result prep = run("run examples/smoke.toml --set job.steps=1 --set job.run_dir=\\\"" + dir + "\\\"", 120);
+  ASSERT_EQ(prep.exit_code, 0) << prep.output;  // leaves a tokenizer in dir
+  Result r = run("worker examples/smoke.toml --site alpha --rank 0 --set job.run_dir=\\\"" + dir + "\\\"", 60);
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  EXPECT_NE(r.output.find("nebula certs issue DIR --site alpha"), std::string::npos) << r.output;
+  fs::remove_all(dir);
+}
+
 TEST(EndToEnd, WorkerWithoutSiteSaysSo) {
   Result r = run("worker examples/smoke.toml --rank 0", 30);
   EXPECT_EQ(r.exit_code, 2) << r.output;

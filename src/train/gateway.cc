@@ -13,11 +13,12 @@
 namespace nebula::train {
 namespace fs = std::filesystem;
 
-TlsPaths tls_paths(const Config& c, const std::string& site) {
+transport::TlsFiles tls_files(const Config& c, const std::string& site) {
   const auto& s = c.security;
-  auto in_dir = [&](const std::string& name) { return s.certs.empty() ? std::string() : s.certs + "/" + name; };
-  TlsPaths p{s.ca.empty() ? in_dir("ca.pem") : s.ca, s.cert.empty() ? in_dir(site + ".pem") : s.cert,
-             s.key.empty() ? in_dir(site + ".key") : s.key};
+  transport::TlsFiles p = s.certs.empty() ? transport::TlsFiles{} : transport::TlsFiles::for_site(s.certs, site);
+  if (!s.ca.empty()) p.ca = s.ca;
+  if (!s.cert.empty()) p.cert = s.cert;
+  if (!s.key.empty()) p.key = s.key;
   if (p.ca.empty() || p.cert.empty() || p.key.empty())
     throw ConfigError(str_cat(c.source_path, ": [security] needs certs = \"DIR\" (made with `nebula certs init DIR` ",
                               "and `nebula certs issue DIR --site ", site, "`) or ca, cert and key paths; ",
@@ -50,8 +51,7 @@ GatewayLinks connect_gateway(const Config& c, size_t site) {
   if (c.security.insecure) {
     spdlog::warn("security.insecure = true: links to other sites are PLAINTEXT and unauthenticated");
   } else {
-    TlsPaths p = tls_paths(c, c.sites[site].name);
-    o.tls = transport::TlsContext::create({p.ca, p.cert, p.key});
+    o.tls = transport::TlsContext::create(tls_files(c, c.sites[site].name));
   }
   if (c.wan.emulated()) {
     // One bottleneck per site pair, shared by its streams. Faults fire on the first

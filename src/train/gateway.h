@@ -8,16 +8,13 @@
 #include "nebula/config.h"
 #include "transport/link.h"
 #include "transport/site_connector.h"
+#include "transport/tls_link.h"
 
 namespace nebula::train {
 
-struct TlsPaths {
-  std::string ca, cert, key;
-};
-
 // The CA, certificate and key that site `site` uses, from [security] (explicit paths win over
 // `certs`). ConfigError naming the keys to set when there are none.
-TlsPaths tls_paths(const Config& config, const std::string& site);
+transport::TlsFiles tls_files(const Config& config, const std::string& site);
 
 // Connects this site's gateway to every other site's. Keep the connector alive as long as the
 // links: it re-establishes them when they break.
