@@ -26,7 +26,6 @@
 namespace nebula::train {
 namespace {
 
-using Millis = std::chrono::milliseconds;
 
 // Loss and predicted-token count, summed, over a fixed set of validation batches.
 std::pair<double, double> evaluate(model::MlmEncoder& model, model::MlmBatcher& batcher, int64_t batches) {
