@@ -52,6 +52,7 @@ struct SiteConfig {
   std::string gateway = "127.0.0.1:0";  // WAN listen address of the site's gateway (rank 0)
   std::string store = "127.0.0.1:0";    // intra-site rendezvous (c10d TCPStore on rank 0)
   std::vector<std::string> languages;   // this site's shard; empty = a slice of the whole corpus
+  double slowdown = 1.0;                // emulated slower hardware: each step takes this many times longer
 };
 
 // What the WAN between two sites looks like. In local mode nebula emulates it in process
@@ -92,15 +93,33 @@ struct WanConfig {
 };
 
 struct StrategyConfig {
-  std::string kind = "sync";         // sync (diloco, streaming: issue [4/7])
+  std::string kind = "sync";         // sync | diloco | streaming
   // The lossy codec of the inter-site leg (inside a site everything stays float32).
-  std::string codec = "none";        // none | fp16 | bf16 | int8 | int4 | topk | powersgd
+  // none | fp16 | bf16 | int8 | int4 | topk | powersgd | sparseloco | auto (the adaptive
+  // controller chooses; diloco/streaming only)
+  std::string codec = "none";
   int64_t codec_block = 256;         // int8/int4: values per scale
   bool codec_stochastic = false;     // int8/int4: stochastic rounding
   double codec_density = 0.01;       // topk: fraction of values kept
   int64_t codec_rank = 4;            // powersgd
   bool codec_error_feedback = true;  // topk/powersgd (int8/int4 optional)
   uint64_t bucket_bytes = 4ull << 20;  // gradients are exchanged in buckets of about this size
+  // diloco / streaming: the outer loop.
+  int64_t inner_steps = 50;          // H: inner steps between synchronizations; 0 = auto (controller)
+  double outer_lr = 0.7;             // outer optimizer: SGD with Nesterov momentum on pseudo-gradients
+  double outer_momentum = 0.9;       // 0 = plain SGD (with sparseloco: error feedback replaces momentum)
+  bool outer_nesterov = true;
+  int64_t fragments = 4;             // streaming: model fragments, synchronized at staggered steps
+  int64_t delay = 5;                 // streaming: inner steps between sending a fragment and merging it
+  bool adaptive = false;             // re-decide codec / H from measurements (where not pinned)
+  bool heterogeneous = true;         // diloco/streaming: faster sites run more inner steps per round
+};
+
+struct PeftConfig {
+  std::string kind = "none";         // none | lora | adapter: freeze the backbone, train only these
+  int64_t rank = 8;                  // lora: rank r of B·A
+  double alpha = 16;                 // lora: scale alpha / r
+  int64_t adapter_dim = 16;          // adapter: bottleneck width
 };
 
 struct SecurityConfig {
@@ -123,6 +142,7 @@ struct Config {
   std::vector<SiteConfig> sites;
   WanConfig wan;
   StrategyConfig strategy;
+  PeftConfig peft;
   SecurityConfig security;
   MetricsConfig metrics;
 

@@ -296,6 +296,7 @@ Config build(const toml::table& root, const std::string& file) {
       s.string("gateway", site.gateway);
       s.string("store", site.store);
       s.strings("languages", site.languages);
+      s.number("slowdown", site.slowdown, 1.0, 1000.0);
       s.finish();
       if (site.name.empty()) throw ConfigError(str_cat(where(st, file), ": [[sites]] #", i + 1, " needs a name"));
       if (!names.insert(site.name).second)
@@ -346,8 +347,9 @@ Config build(const toml::table& root, const std::string& file) {
   }
   if (auto* t = table("strategy")) {
     Section s(*t, "strategy", file);
-    s.string("kind", c.strategy.kind, {"sync"});
-    s.string("codec", c.strategy.codec, {"none", "fp16", "bf16", "int8", "int4", "topk", "powersgd"});
+    s.string("kind", c.strategy.kind, {"sync", "diloco", "streaming"});
+    s.string("codec", c.strategy.codec,
+             {"none", "fp16", "bf16", "int8", "int4", "topk", "powersgd", "sparseloco", "auto"});
     s.integer("codec_block", c.strategy.codec_block, 2, 1 << 24);
     s.boolean("codec_stochastic", c.strategy.codec_stochastic);
     s.number("codec_density", c.strategy.codec_density, 1e-6, 1.0);
@@ -355,6 +357,29 @@ Config build(const toml::table& root, const std::string& file) {
     s.boolean("codec_error_feedback", c.strategy.codec_error_feedback);
     s.unit("bucket", c.strategy.bucket_bytes, parse_size);
     if (c.strategy.bucket_bytes < 1024) s.fail(*t, "bucket", "must be at least 1KiB");
+    s.integer("inner_steps", c.strategy.inner_steps, 0, 1 << 20);
+    s.number("outer_lr", c.strategy.outer_lr, 1e-6, 100.0);
+    s.number("outer_momentum", c.strategy.outer_momentum, 0.0, 0.999);
+    s.boolean("outer_nesterov", c.strategy.outer_nesterov);
+    s.integer("fragments", c.strategy.fragments, 1, 1 << 16);
+    s.integer("delay", c.strategy.delay, 0, 1 << 20);
+    s.boolean("adaptive", c.strategy.adaptive);
+    s.boolean("heterogeneous", c.strategy.heterogeneous);
+    if (c.strategy.kind == "sync" && (c.strategy.codec == "auto" || c.strategy.codec == "sparseloco"))
+      s.fail(*t, "codec", str_cat("codec = \"", c.strategy.codec,
+                                  "\" needs kind = \"diloco\" or \"streaming\" (sync sends every gradient)"));
+    if (c.strategy.kind == "streaming" && c.strategy.inner_steps > 0 &&
+        c.strategy.delay >= c.strategy.inner_steps)
+      s.fail(*t, "delay", str_cat("delay = ", c.strategy.delay, " must be below inner_steps = ",
+                                  c.strategy.inner_steps, " (a fragment must be merged before it is sent again)"));
+    s.finish();
+  }
+  if (auto* t = table("peft")) {
+    Section s(*t, "peft", file);
+    s.string("kind", c.peft.kind, {"none", "lora", "adapter"});
+    s.integer("rank", c.peft.rank, 1, 4096);
+    s.number("alpha", c.peft.alpha, 1e-6, 1e6);
+    s.integer("adapter_dim", c.peft.adapter_dim, 1, 1 << 16);
     s.finish();
   }
   if (auto* t = table("security")) {
@@ -470,7 +495,8 @@ std::string to_toml(const Config& c) {
                                 {"device", s.device},
                                 {"gateway", s.gateway},
                                 {"store", s.store},
-                                {"languages", strs(s.languages)}});
+                                {"languages", strs(s.languages)},
+                                {"slowdown", s.slowdown}});
   }
   root.insert("sites", std::move(sites));
   auto path = [&](toml::table t, const WanPathConfig& p) {
@@ -506,7 +532,19 @@ std::string to_toml(const Config& c) {
                                       {"codec_density", c.strategy.codec_density},
                                       {"codec_rank", c.strategy.codec_rank},
                                       {"codec_error_feedback", c.strategy.codec_error_feedback},
-                                      {"bucket", bytes(c.strategy.bucket_bytes)}});
+                                      {"bucket", bytes(c.strategy.bucket_bytes)},
+                                      {"inner_steps", c.strategy.inner_steps},
+                                      {"outer_lr", c.strategy.outer_lr},
+                                      {"outer_momentum", c.strategy.outer_momentum},
+                                      {"outer_nesterov", c.strategy.outer_nesterov},
+                                      {"fragments", c.strategy.fragments},
+                                      {"delay", c.strategy.delay},
+                                      {"adaptive", c.strategy.adaptive},
+                                      {"heterogeneous", c.strategy.heterogeneous}});
+  root.insert("peft", toml::table{{"kind", c.peft.kind},
+                                  {"rank", c.peft.rank},
+                                  {"alpha", c.peft.alpha},
+                                  {"adapter_dim", c.peft.adapter_dim}});
   root.insert("security", toml::table{{"insecure", c.security.insecure},
                                       {"certs", c.security.certs},
                                       {"ca", c.security.ca},
