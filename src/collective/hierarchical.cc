@@ -56,16 +56,16 @@ void Hierarchy::comm_main() {
   }
 }
 
-std::shared_ptr<Work> Hierarchy::allreduce_async(std::vector<at::Tensor> bucket, AllreduceOptions options) {
+std::shared_ptr<Work> Hierarchy::enqueue(std::string what, std::function<void(Work&)> op) {
   auto work = std::make_shared<Work>();
-  work->what_ = str_cat("site ", site_.site(), ": all-reduce of bucket ", options.tag);
+  work->what_ = std::move(what);
   {
     std::lock_guard<std::mutex> lock(queue_mu_);
     NEBULA_CHECK(!stopping_, "collective queued on a hierarchy that is shutting down");
     if (!comm_thread_.joinable()) comm_thread_ = std::thread([this] { comm_main(); });
-    queue_.push_back([this, bucket = std::move(bucket), options, work] {
+    queue_.push_back([op = std::move(op), work] {
       try {
-        run_allreduce(bucket, options);
+        op(*work);
         work->finish(nullptr);
       } catch (...) {
         work->finish(std::current_exception());
@@ -74,6 +74,38 @@ std::shared_ptr<Work> Hierarchy::allreduce_async(std::vector<at::Tensor> bucket,
   }
   queue_cv_.notify_one();
   return work;
+}
+
+std::shared_ptr<Work> Hierarchy::allreduce_async(std::vector<at::Tensor> bucket, AllreduceOptions options) {
+  return enqueue(str_cat("site ", site_.site(), ": all-reduce of bucket ", options.tag),
+                 [this, bucket = std::move(bucket), options](Work&) { run_allreduce(bucket, options); });
+}
+
+std::shared_ptr<Work> Hierarchy::exchange_async(std::vector<at::Tensor> bucket, AllreduceOptions options) {
+  NEBULA_CHECK(mesh_ != nullptr, "site ", site_.site(), " rank ", site_.rank(),
+               ": exchange_async is the gateway's (local rank 0) alone");
+  NEBULA_CHECK(options.weight >= 0, "weight ", options.weight);
+  for (const auto& t : bucket)
+    NEBULA_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous() && t.device().is_cpu(),
+                 "exchange needs contiguous float32 CPU tensors, got ", t.toString());
+  return enqueue(str_cat("site ", site_.site(), ": exchange of ", options.tag),
+                 [this, bucket = std::move(bucket), options](Work& work) {
+                   int64_t n = 0;
+                   for (const auto& t : bucket) n += t.numel();
+                   at::Tensor values = at::empty({n}, at::kFloat);
+                   int64_t offset = 0;
+                   for (const auto& t : bucket) {
+                     values.narrow(0, offset, t.numel()).copy_(t.reshape({-1}));
+                     offset += t.numel();
+                   }
+                   ++allreduces_;
+                   work.site_info_ = cross_site(values, bucket, options.weight, /*presummed=*/false, options);
+                   offset = 0;
+                   for (const auto& t : bucket) {
+                     t.view({-1}).copy_(values.narrow(0, offset, t.numel()));
+                     offset += t.numel();
+                   }
+                 });
 }
 
 void Hierarchy::allreduce(at::Tensor& t, const AllreduceOptions& options) { allreduce(std::vector<at::Tensor>{t}, options); }
@@ -107,84 +139,9 @@ void Hierarchy::run_allreduce(const std::vector<at::Tensor>& bucket, const Allre
   site_.reduce_sum_to_root(buf);
 
   if (mesh_) {
-    // What this site contributes: its (weighted) sum, encoded once, and its total weight.
-    // The parts: each tensor (per_tensor) or the whole bucket as one flat vector.
-    const float* p = buf.data_ptr<float>();
-    const double site_weight = p[n];
-    std::vector<at::Tensor> parts;
-    offset = 0;
-    if (options.codec && options.per_tensor) {
-      for (const auto& t : bucket) {
-        parts.push_back(buf.narrow(0, offset, t.numel()).view(t.sizes()));
-        offset += t.numel();
-      }
-    } else {
-      parts.push_back(buf.narrow(0, 0, n));
-    }
-    wire::ByteWriter w;
-    w.put_u64(static_cast<uint64_t>(n));
-    w.put_f64(site_weight);
-    w.put_u8(options.codec ? 1 : 0);
-    w.put_u32(static_cast<uint32_t>(parts.size()));
-    for (size_t i = 0; i < parts.size(); ++i) {
-      if (options.codec) {
-        auto start = Clock::now();
-        auto encoded = options.codec->encode(parts[i], codec_state_[{options.tag, i}]);
-        encode_seconds_ += std::chrono::duration<double>(Clock::now() - start).count();
-        codec_bytes_out_ += encoded.size();
-        w.put_u64(encoded.size());
-        w.put_bytes(encoded);
-      } else {
-        w.put_u64(static_cast<uint64_t>(n) * sizeof(float));
-        w.put_bytes({reinterpret_cast<const uint8_t*>(p), static_cast<size_t>(n) * sizeof(float)});
-        codec_bytes_out_ += static_cast<uint64_t>(n) * sizeof(float);
-      }
-    }
-    codec_bytes_in_ += static_cast<uint64_t>(n) * sizeof(float);
-    auto all = mesh_->all_gather(w.take());
-
-    // Every gateway decodes the same bytes (its own included) and adds them in site order, so
-    // all sites compute exactly the same floats.
-    at::Tensor sum = at::zeros({n}, at::kFloat);
-    double total_weight = 0;
-    for (size_t s = 0; s < all.size(); ++s) {
-      wire::ByteReader r(all[s], "allreduce payload from site " + std::to_string(s));
-      uint64_t count = r.u64();
-      if (count != static_cast<uint64_t>(n))
-        throw Error(str_cat("allreduce: site ", s, " sent ", count, " elements, this site has ", n,
-                            ": the sites' models differ"));
-      total_weight += r.f64();
-      const bool coded = r.u8() != 0;
-      const uint32_t nparts = r.u32();
-      if (coded != (options.codec != nullptr) || nparts != parts.size())
-        throw Error(str_cat("allreduce: site ", s, " sent ", nparts, (coded ? " encoded" : " raw"), " part(s), this site ",
-                            parts.size(), (options.codec ? " encoded" : " raw"),
-                            ": the sites' [strategy] codec settings differ"));
-      int64_t at = 0;
-      for (uint32_t i = 0; i < nparts; ++i) {
-        const int64_t numel = parts[i].numel();
-        auto bytes = r.bytes(static_cast<size_t>(r.u64()));
-        at::Tensor target = sum.narrow(0, at, numel);
-        if (coded) {
-          auto start = Clock::now();
-          target.add_(options.codec->decode(bytes, numel).reshape({-1}));
-          decode_seconds_ += std::chrono::duration<double>(Clock::now() - start).count();
-        } else {
-          if (bytes.size() != static_cast<size_t>(numel) * sizeof(float))
-            throw Error(str_cat("allreduce: site ", s, " sent ", bytes.size(), " bytes for ", numel, " floats"));
-          at::Tensor part = at::empty({numel}, at::kFloat);
-          if (numel) std::memcpy(part.data_ptr<float>(), bytes.data(), bytes.size());
-          target.add_(part);
-        }
-        at += numel;
-      }
-      r.expect_done();
-    }
-    if (weighted) {
-      NEBULA_CHECK(total_weight > 0, "weighted allreduce with total weight ", total_weight);
-      sum.div_(total_weight);
-    }
-    buf.narrow(0, 0, n).copy_(sum);
+    const double site_weight = buf.data_ptr<float>()[n];
+    at::Tensor values = buf.narrow(0, 0, n);
+    cross_site(values, bucket, site_weight, /*presummed=*/true, options);
   }
   site_.broadcast_from_root(buf);
   offset = 0;
@@ -192,6 +149,108 @@ void Hierarchy::run_allreduce(const std::vector<at::Tensor>& bucket, const Allre
     t.view({-1}).copy_(buf.narrow(0, offset, t.numel()));
     offset += t.numel();
   }
+}
+
+std::vector<std::vector<double>> Hierarchy::cross_site(at::Tensor values, const std::vector<at::Tensor>& bucket,
+                                                        double site_weight, bool presummed,
+                                                        const AllreduceOptions& options) {
+  const int64_t n = values.numel();
+  const bool weighted = options.op == ReduceOp::kWeightedMean;
+  // What this site contributes: its values, encoded once, its weight and its site_info.
+  // The parts: each tensor (per_tensor) or the whole bucket as one flat vector.
+  std::vector<at::Tensor> parts;
+  if (options.codec && options.per_tensor) {
+    int64_t offset = 0;
+    for (const auto& t : bucket) {
+      parts.push_back(values.narrow(0, offset, t.numel()).view(t.sizes()));
+      offset += t.numel();
+    }
+  } else {
+    parts.push_back(values);
+  }
+  wire::ByteWriter w;
+  w.put_u64(static_cast<uint64_t>(n));
+  w.put_f64(site_weight);
+  w.put_u8(presummed ? 1 : 0);
+  w.put_u32(static_cast<uint32_t>(options.site_info.size()));
+  for (double v : options.site_info) w.put_f64(v);
+  w.put_u8(options.codec ? 1 : 0);
+  w.put_u32(static_cast<uint32_t>(parts.size()));
+  for (size_t i = 0; i < parts.size(); ++i) {
+    if (options.codec) {
+      auto start = Clock::now();
+      auto encoded = options.codec->encode(parts[i], codec_state_[{options.tag, i}]);
+      encode_seconds_ += std::chrono::duration<double>(Clock::now() - start).count();
+      codec_bytes_out_ += encoded.size();
+      w.put_u64(encoded.size());
+      w.put_bytes(encoded);
+    } else {
+      const auto* p = reinterpret_cast<const uint8_t*>(values.data_ptr<float>());
+      w.put_u64(static_cast<uint64_t>(n) * sizeof(float));
+      w.put_bytes({p, static_cast<size_t>(n) * sizeof(float)});
+      codec_bytes_out_ += static_cast<uint64_t>(n) * sizeof(float);
+    }
+  }
+  codec_bytes_in_ += static_cast<uint64_t>(n) * sizeof(float);
+  auto all = mesh_->all_gather(w.take());
+
+  // Every gateway decodes the same bytes (its own included) and adds them in site order, so
+  // all sites compute exactly the same floats.
+  at::Tensor sum = at::zeros({n}, at::kFloat);
+  double total_weight = 0;
+  std::vector<std::vector<double>> info(all.size());
+  for (size_t s = 0; s < all.size(); ++s) {
+    wire::ByteReader r(all[s], "allreduce payload from site " + std::to_string(s));
+    uint64_t count = r.u64();
+    if (count != static_cast<uint64_t>(n))
+      throw Error(str_cat("allreduce: site ", s, " sent ", count, " elements, this site has ", n,
+                          ": the sites' models differ"));
+    const double weight = r.f64();
+    total_weight += weight;
+    if ((r.u8() != 0) != presummed)
+      throw Error(str_cat("allreduce: site ", s, " ran another kind of collective (all-reduce vs exchange)",
+                          ": the sites' strategies differ"));
+    const uint32_t ninfo = r.u32();
+    if (ninfo > 1024) throw Error(str_cat("allreduce: site ", s, " sent ", ninfo, " site_info values (at most 1024)"));
+    for (uint32_t i = 0; i < ninfo; ++i) info[s].push_back(r.f64());
+    const bool coded = r.u8() != 0;
+    const uint32_t nparts = r.u32();
+    if (coded != (options.codec != nullptr) || nparts != parts.size())
+      throw Error(str_cat("allreduce: site ", s, " sent ", nparts, (coded ? " encoded" : " raw"), " part(s), this site ",
+                          parts.size(), (options.codec ? " encoded" : " raw"),
+                          ": the sites' [strategy] codec settings differ"));
+    // An exchange weights each site's values here; a presummed all-reduce already did.
+    const double scale = (!presummed && weighted) ? weight : 1.0;
+    int64_t at = 0;
+    for (uint32_t i = 0; i < nparts; ++i) {
+      const int64_t numel = parts[i].numel();
+      auto bytes = r.bytes(static_cast<size_t>(r.u64()));
+      at::Tensor target = sum.narrow(0, at, numel);
+      at::Tensor part;
+      if (coded) {
+        auto start = Clock::now();
+        part = options.codec->decode(bytes, numel).reshape({-1});
+        decode_seconds_ += std::chrono::duration<double>(Clock::now() - start).count();
+      } else {
+        if (bytes.size() != static_cast<size_t>(numel) * sizeof(float))
+          throw Error(str_cat("allreduce: site ", s, " sent ", bytes.size(), " bytes for ", numel, " floats"));
+        part = at::empty({numel}, at::kFloat);
+        if (numel) std::memcpy(part.data_ptr<float>(), bytes.data(), bytes.size());
+      }
+      if (scale == 1.0)
+        target.add_(part);
+      else
+        target.add_(part, scale);
+      at += numel;
+    }
+    r.expect_done();
+  }
+  if (weighted) {
+    NEBULA_CHECK(total_weight > 0, "weighted allreduce with total weight ", total_weight);
+    sum.div_(total_weight);
+  }
+  values.copy_(sum);
+  return info;
 }
 
 void Hierarchy::broadcast_from_first(at::Tensor& t) {

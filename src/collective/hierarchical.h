@@ -41,6 +41,9 @@ struct AllreduceOptions {
   // Encode each tensor of a bucket on its own, in its own shape (PowerSGD needs matrices);
   // otherwise the bucket is encoded as one flat vector.
   bool per_tensor = false;
+  // A few numbers about this site that travel with the exchange (exchange_async only; e.g.
+  // its measured step time and link estimates); every gateway receives every site's.
+  std::vector<double> site_info;
 };
 
 struct CommStats {
@@ -65,11 +68,14 @@ class Work {
   // if `deadline` passes first (the operation itself goes on).
   void wait(Deadline deadline);
   bool done() const;
+  // After wait(): every site's AllreduceOptions::site_info, by site index (exchange_async).
+  const std::vector<std::vector<double>>& site_info() const { return site_info_; }
 
  private:
   friend class Hierarchy;
   void finish(std::exception_ptr error);
   std::string what_;
+  std::vector<std::vector<double>> site_info_;  // written by the comm thread before finish()
   mutable std::mutex mu_;
   std::condition_variable cv_;
   bool done_ = false;                 // GUARDED_BY(mu_)
@@ -95,6 +101,15 @@ class Hierarchy {
   std::shared_ptr<Work> allreduce_async(std::vector<at::Tensor> bucket, AllreduceOptions options);
   ~Hierarchy();
 
+  // The inter-site leg alone, for values every worker of a site already holds alike (e.g.
+  // DiLoCo's pseudo-gradient after the site's own data parallel steps). Gateway only:
+  // encodes the bucket once with options.codec, exchanges it with the other gateways and
+  // writes the weighted mean over sites, Σ_s W_s x_s / Σ_s W_s with W_s = the site's
+  // options.weight. Runs on the communication thread and touches no site-group collective,
+  // so the training thread may use the site group meanwhile; broadcasting the result inside
+  // the site is the caller's. Several may be in flight; they run in the order queued.
+  std::shared_ptr<Work> exchange_async(std::vector<at::Tensor> bucket, AllreduceOptions options);
+
   // Makes every worker's `t` equal to global rank 0's (site 0, local rank 0).
   void broadcast_from_first(at::Tensor& t);
 
@@ -103,7 +118,14 @@ class Hierarchy {
   SiteGroup& site() { return site_; }
 
  private:
+  std::shared_ptr<Work> enqueue(std::string what, std::function<void(Work&)> op);
   void run_allreduce(const std::vector<at::Tensor>& bucket, const AllreduceOptions& options);
+  // The gateway's WAN leg on `values` (n floats: the bucket, flattened). `presummed`: values
+  // are Σ_i w_i x_i over the site and site_weight = Σ_i w_i (run_allreduce); otherwise they
+  // are the site's x and are weighted by site_weight here. Writes Σ_s (..) / Σ_s W_s (or the
+  // plain sum for kSum) back into `values`; returns every site's site_info.
+  std::vector<std::vector<double>> cross_site(at::Tensor values, const std::vector<at::Tensor>& bucket,
+                                              double site_weight, bool presummed, const AllreduceOptions& options);
   void comm_main();
 
   SiteGroup& site_;

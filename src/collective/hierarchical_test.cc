@@ -95,7 +95,9 @@ TEST(Hierarchical, LossyCodecStaysCloseAndBitIdenticalAcrossSites) {
     at::Tensor t = data_of(r.global_rank, 5000);
     r.hierarchy->allreduce(t, {ReduceOp::kWeightedMean, 1.0, int8.get(), 7});
     CommStats s = r.hierarchy->stats();
-    if (r.local_rank == 0) EXPECT_GT(s.codec_bytes_in, 3 * s.codec_bytes_out);  // about 4x smaller
+    if (r.local_rank == 0) {
+      EXPECT_GT(s.codec_bytes_in, 3 * s.codec_bytes_out);  // about 4x smaller
+    }
     std::lock_guard<std::mutex> lock(mu);
     results.push_back(t);
   });

@@ -2,15 +2,17 @@
 // sight (src/train/trainer.cc):
 //
 //   strategy->init(params)                        once: every replica starts from the same weights
-//   loop: forward, zero_grad,
+//   loop while strategy->keep_training(step, steps):
+//         forward, zero_grad,
 //         strategy->before_backward(w)            w = this worker's loss terms (its weight)
 //         backward                                (buckets start crossing the WAN as it goes)
 //         strategy->sync_gradients(params, w)     gradients now averaged over every worker
 //         optimizer.step()
 //         strategy->after_step(step)              e.g. DiLoCo's outer step every H steps
+//   strategy->finish()                            waits for what is still in flight
 //
-// `sync` is plain synchronous data parallel: every step, full precision, every worker of every
-// site. It is the baseline later strategies (diloco, streaming: issue [4/7]) are measured against.
+// `sync` is plain synchronous data parallel: every step, every worker of every site (the
+// baseline). `diloco` and `streaming` (diloco.h) synchronize rarely and are measured against it.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -38,6 +40,14 @@ class Strategy {
   virtual void sync_gradients(const std::vector<at::Tensor>& params, double weight) = 0;
   // Called after the optimizer step `step` (0-based).
   virtual void after_step(int64_t step) {}
+  // Whether to run step `step` (0-based) of a job of `steps` steps. Strategies whose sites
+  // run different numbers of inner steps (heterogeneous diloco) count rounds instead.
+  virtual bool keep_training(int64_t step, int64_t steps) { return step < steps; }
+  // After the last step: completes every exchange still in flight.
+  virtual void finish() {}
+  // The decisions made while running (adaptive controller, per-site inner steps), one line
+  // each, for the log and summary.json.
+  virtual std::vector<std::string> decisions() const { return {}; }
 };
 
 class SyncStrategy : public Strategy {
@@ -80,10 +90,19 @@ class SyncStrategy : public Strategy {
 // than a bucket is a bucket of its own); returns the index ranges [begin, end).
 std::vector<std::pair<size_t, size_t>> make_buckets(const std::vector<at::Tensor>& tensors, uint64_t bucket_bytes);
 
+// `num_sites` and `site_index` describe the job (diloco/streaming exchange per-site numbers).
 std::unique_ptr<Strategy> make_strategy(const StrategyConfig& config, collective::Hierarchy& comm,
-                                        std::chrono::milliseconds timeout = std::chrono::minutes(10));
-// The codec [strategy] asks for; null for "none".
-std::unique_ptr<codec::Codec> make_wan_codec(const StrategyConfig& config);
+                                        std::chrono::milliseconds timeout = std::chrono::minutes(10),
+                                        size_t num_sites = 1, size_t site_index = 0);
+// The codec [strategy] asks for; null for "none". `kind` overrides config.codec (e.g. the
+// controller's choice).
+std::unique_ptr<codec::Codec> make_wan_codec(const StrategyConfig& config, const std::string& kind = "");
+codec::CodecOptions wan_codec_options(const StrategyConfig& config);
+
+// Makes every worker's `params` equal to global rank 0's. Replicas built from the same seed
+// are usually equal already, so first a CRC-32 of rank 0's values is compared everywhere (a
+// few bytes on the WAN); the full broadcast runs only where some replica differs.
+void make_replicas_equal(collective::Hierarchy& comm, const std::vector<at::Tensor>& params);
 
 // Flattens tensors into one contiguous float32 vector, and back (in place).
 at::Tensor flatten(const std::vector<at::Tensor>& tensors);

@@ -1,6 +1,8 @@
 #include <ATen/ATen.h>
 
 #include "nebula/error.h"
+#include "wire/frame.h"
+#include "strategy/diloco.h"
 #include "strategy/strategy.h"
 
 namespace nebula::strategy {
@@ -20,6 +22,24 @@ void unflatten_into(const at::Tensor& flat, const std::vector<at::Tensor>& tenso
     offset += n;
   }
   NEBULA_CHECK(offset == flat.numel(), "flat buffer has ", flat.numel(), " elements, tensors ", offset);
+}
+
+void make_replicas_equal(collective::Hierarchy& comm, const std::vector<at::Tensor>& params) {
+  at::NoGradGuard no_grad;
+  at::Tensor flat = flatten(params).contiguous();
+  const uint32_t crc = wire::crc32(
+      0, {static_cast<const uint8_t*>(flat.data_ptr()), static_cast<size_t>(flat.numel()) * sizeof(float)});
+  // Rank 0's CRC as four bytes (float32 holds them exactly), then how many workers differ.
+  at::Tensor digits = at::empty({4}, at::kFloat);
+  for (int i = 0; i < 4; ++i) digits[i] = static_cast<float>((crc >> (8 * i)) & 0xFF);
+  comm.broadcast_from_first(digits);
+  uint32_t first = 0;
+  for (int i = 0; i < 4; ++i) first |= static_cast<uint32_t>(digits[i].item<float>()) << (8 * i);
+  at::Tensor differ = at::full({1}, first == crc ? 0.0f : 1.0f, at::kFloat);
+  comm.allreduce(differ, {collective::ReduceOp::kSum, 1.0});
+  if (differ.item<float>() == 0) return;
+  comm.broadcast_from_first(flat);
+  unflatten_into(flat, params);
 }
 
 std::vector<std::pair<size_t, size_t>> make_buckets(const std::vector<at::Tensor>& tensors, uint64_t bucket_bytes) {
@@ -44,10 +64,7 @@ SyncStrategy::SyncStrategy(collective::Hierarchy& comm, std::unique_ptr<codec::C
     : comm_(comm), codec_(std::move(codec)), bucket_bytes_(bucket_bytes), timeout_(timeout) {}
 
 void SyncStrategy::init(const std::vector<at::Tensor>& params) {
-  at::NoGradGuard no_grad;
-  at::Tensor flat = flatten(params);
-  comm_.broadcast_from_first(flat);
-  unflatten_into(flat, params);
+  make_replicas_equal(comm_, params);
 
   // Backward produces gradients roughly in reverse order of the parameters, so buckets are
   // cut from the back: the first bucket to fill is the first to go.
@@ -88,8 +105,12 @@ void SyncStrategy::launch_ready_buckets() {
     std::vector<at::Tensor> bucket;
     for (size_t r = buckets_[k].first; r < buckets_[k].second; ++r) bucket.push_back(grads_[params_.size() - 1 - r]);
     sent_[k] = bucket;
-    works_.push_back(comm_.allreduce_async(
-        std::move(bucket), {collective::ReduceOp::kWeightedMean, weight_, codec_.get(), k, per_tensor}));
+    collective::AllreduceOptions o;
+    o.weight = weight_;
+    o.codec = codec_.get();
+    o.tag = k;
+    o.per_tensor = per_tensor;
+    works_.push_back(comm_.allreduce_async(std::move(bucket), std::move(o)));
   }
 }
 
@@ -116,8 +137,7 @@ void SyncStrategy::sync_gradients(const std::vector<at::Tensor>& params, double 
   armed_ = false;
 }
 
-std::unique_ptr<codec::Codec> make_wan_codec(const StrategyConfig& config) {
-  if (config.codec == "none") return nullptr;  // exact float32, no codec header
+codec::CodecOptions wan_codec_options(const StrategyConfig& config) {
   codec::CodecOptions o;
   o.kind = config.codec;
   o.block = config.codec_block;
@@ -125,14 +145,24 @@ std::unique_ptr<codec::Codec> make_wan_codec(const StrategyConfig& config) {
   o.density = config.codec_density;
   o.rank = config.codec_rank;
   o.error_feedback = config.codec_error_feedback;
+  return o;
+}
+
+std::unique_ptr<codec::Codec> make_wan_codec(const StrategyConfig& config, const std::string& kind) {
+  codec::CodecOptions o = wan_codec_options(config);
+  if (!kind.empty()) o.kind = kind;
+  if (o.kind == "none") return nullptr;  // exact float32, no codec header
+  NEBULA_CHECK(o.kind != "auto", "strategy.codec = \"auto\" is the controller's to resolve");
   return codec::make_codec(o);
 }
 
 std::unique_ptr<Strategy> make_strategy(const StrategyConfig& config, collective::Hierarchy& comm,
-                                        std::chrono::milliseconds timeout) {
+                                        std::chrono::milliseconds timeout, size_t num_sites, size_t site_index) {
   if (config.kind == "sync")
     return std::make_unique<SyncStrategy>(comm, make_wan_codec(config), config.bucket_bytes, timeout);
-  throw ConfigError(str_cat("strategy.kind = \"", config.kind, "\" is not implemented (available: sync)"));
+  if (config.kind == "diloco" || config.kind == "streaming")
+    return std::make_unique<DilocoStrategy>(comm, DilocoOptions::from(config, timeout, num_sites, site_index));
+  throw ConfigError(str_cat("strategy.kind = \"", config.kind, "\" is not one of sync, diloco, streaming"));
 }
 
 }  // namespace nebula::strategy

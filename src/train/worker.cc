@@ -8,6 +8,7 @@
 #include <dlfcn.h>
 
 #include <cmath>
+#include <thread>
 
 #include "collective/gateway_mesh.h"
 #include "collective/hierarchical.h"
@@ -109,7 +110,7 @@ void run_worker(const Config& c, const WorkerIdentity& who) {
   at::manual_seed(c.job.seed);
   model::MlmEncoder model(c.model, tok.vocab_size(), tok.pad_id());
   auto params = model->parameters();
-  auto strategy = strategy::make_strategy(c.strategy, comm, timeout);
+  auto strategy = strategy::make_strategy(c.strategy, comm, timeout, c.sites.size(), who.site);
   strategy->init(params);
   torch::optim::AdamW optimizer(params, torch::optim::AdamWOptions(c.model.lr).weight_decay(c.model.weight_decay));
 
@@ -119,7 +120,46 @@ void run_worker(const Config& c, const WorkerIdentity& who) {
   auto window_start = Clock::now();
   int64_t window_tokens = 0;
 
-  for (int64_t step = 0; step < c.job.steps; ++step) {
+  // One metrics line per `log_every` steps (and one for the last, partial window).
+  auto write_metrics = [&](int64_t steps_done) {
+    const double seconds = std::chrono::duration<double>(Clock::now() - window_start).count();
+    const auto stats = comm.stats();
+    nlohmann::json links = nlohmann::json::object();
+    for (size_t j = 0; j < stats.links.size(); ++j) {
+      const auto& e = stats.links[j];
+      if (j == who.site || (e.rtt_samples == 0 && e.bandwidth_samples == 0)) continue;
+      links[c.sites[j].name] = {{"rtt_ms", e.rtt_s * 1e3},
+                                {"rtt_smoothed_ms", e.rtt_smoothed_s * 1e3},
+                                {"bandwidth_bits_per_s", e.bandwidth_bits_per_s}};
+    }
+    metrics.write({{"time", unix_time()},
+                   {"elapsed", std::chrono::duration<double>(Clock::now() - start).count()},
+                   {"site", site.name},
+                   {"rank", who.local_rank},
+                   {"step", steps_done},
+                   {"steps", c.job.steps},
+                   {"loss", window_loss / window_predicted},
+                   {"tokens", tokens},
+                   {"tokens_per_s", seconds > 0 ? static_cast<double>(window_tokens) / seconds : 0.0},
+                   {"wan_bytes_sent", stats.wan_bytes_sent},
+                   {"wan_bytes_received", stats.wan_bytes_received},
+                   {"wan_links", links},
+                   {"codec_bytes_in", stats.codec_bytes_in},
+                   {"codec_bytes_out", stats.codec_bytes_out},
+                   {"compression_ratio",
+                    stats.codec_bytes_out ? double(stats.codec_bytes_in) / double(stats.codec_bytes_out) : 1.0},
+                   {"encode_seconds", stats.encode_seconds},
+                   {"decode_seconds", stats.decode_seconds}});
+    last_loss = window_loss;
+    last_predicted = window_predicted;
+    window_loss = window_predicted = 0;
+    window_tokens = 0;
+    window_start = Clock::now();
+  };
+
+  int64_t step = 0;
+  for (; strategy->keep_training(step, c.job.steps); ++step) {
+    const auto step_start = Clock::now();
     model::MlmBatch batch = batches.next();
     at::Tensor loss = model->loss(batch.ids, batch.labels);
     optimizer.zero_grad();
@@ -128,46 +168,17 @@ void run_worker(const Config& c, const WorkerIdentity& who) {
     strategy->sync_gradients(params, static_cast<double>(batch.predicted));
     optimizer.step();
     strategy->after_step(step);
+    if (site.slowdown > 1)  // emulated slower hardware: this step takes `slowdown` times as long
+      std::this_thread::sleep_for((Clock::now() - step_start) * (site.slowdown - 1));
 
     tokens += batch.tokens;
     window_tokens += batch.tokens;
     window_loss += loss.item<double>() * static_cast<double>(batch.predicted);
     window_predicted += static_cast<double>(batch.predicted);
-    if ((step + 1) % c.job.log_every == 0 || step + 1 == c.job.steps) {
-      const double seconds = std::chrono::duration<double>(Clock::now() - window_start).count();
-      const auto stats = comm.stats();
-      nlohmann::json links = nlohmann::json::object();
-      for (size_t j = 0; j < stats.links.size(); ++j) {
-        const auto& e = stats.links[j];
-        if (j == who.site || (e.rtt_samples == 0 && e.bandwidth_samples == 0)) continue;
-        links[c.sites[j].name] = {{"rtt_ms", e.rtt_s * 1e3},
-                                  {"rtt_smoothed_ms", e.rtt_smoothed_s * 1e3},
-                                  {"bandwidth_bits_per_s", e.bandwidth_bits_per_s}};
-      }
-      metrics.write({{"time", unix_time()},
-                     {"elapsed", std::chrono::duration<double>(Clock::now() - start).count()},
-                     {"site", site.name},
-                     {"rank", who.local_rank},
-                     {"step", step + 1},
-                     {"steps", c.job.steps},
-                     {"loss", window_loss / window_predicted},
-                     {"tokens", tokens},
-                     {"tokens_per_s", seconds > 0 ? static_cast<double>(window_tokens) / seconds : 0.0},
-                     {"wan_bytes_sent", stats.wan_bytes_sent},
-                     {"wan_bytes_received", stats.wan_bytes_received},
-                     {"wan_links", links},
-                     {"codec_bytes_in", stats.codec_bytes_in},
-                     {"codec_bytes_out", stats.codec_bytes_out},
-                     {"compression_ratio", stats.codec_bytes_out ? double(stats.codec_bytes_in) / double(stats.codec_bytes_out) : 1.0},
-                     {"encode_seconds", stats.encode_seconds},
-                     {"decode_seconds", stats.decode_seconds}});
-      last_loss = window_loss;
-      last_predicted = window_predicted;
-      window_loss = window_predicted = 0;
-      window_tokens = 0;
-      window_start = Clock::now();
-    }
+    if ((step + 1) % c.job.log_every == 0) write_metrics(step + 1);
   }
+  strategy->finish();  // exchanges still in flight
+  if (window_predicted > 0) write_metrics(step);
 
   // End of run: validation loss, and job-wide totals for the summary, in one collective.
   const auto wan = comm.stats();  // before the totals exchange itself
@@ -180,11 +191,13 @@ void run_worker(const Config& c, const WorkerIdentity& who) {
     nlohmann::json summary = {
         {"job", c.job.name},
         {"strategy", strategy->name()},
+        {"decisions", strategy->decisions()},
         {"codec", c.strategy.codec},
         {"compression_ratio", wan.codec_bytes_out ? double(wan.codec_bytes_in) / double(wan.codec_bytes_out) : 1.0},
         {"sites", c.sites.size()},
         {"workers", c.total_workers()},
         {"steps", c.job.steps},
+        {"local_steps_site0", step},
         {"tokens", total(0)},
         {"wall_seconds", std::chrono::duration<double>(Clock::now() - start).count()},
         {"final_train_loss", total(4) > 0 ? total(3) / total(4) : 0.0},
@@ -207,7 +220,7 @@ void run_worker(const Config& c, const WorkerIdentity& who) {
     write_json_atomically(c.job.run_dir + "/summary.json", summary);
   }
   group.barrier();  // nobody closes its links while another still needs them
-  spdlog::info("done: {} steps, {} tokens", c.job.steps, tokens);
+  spdlog::info("done: {} steps, {} tokens", step, tokens);
 }
 
 }  // namespace nebula::train

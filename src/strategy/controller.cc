@@ -1,0 +1,80 @@
+#include "strategy/controller.h"
+
+#include <cmath>
+
+#include "nebula/error.h"
+
+namespace nebula::strategy {
+
+const std::vector<std::string>& controller_codecs() {
+  static const std::vector<std::string> k{"none", "fp16", "int8", "int4", "sparseloco"};
+  return k;
+}
+
+const std::vector<int64_t>& controller_inner_steps() {
+  static const std::vector<int64_t> k{10, 20, 50, 100, 200, 500, 1000};
+  return k;
+}
+
+double codec_payload_bytes(const std::string& codec, int64_t params, const codec::CodecOptions& o) {
+  const double n = static_cast<double>(params);
+  const double blocks = std::ceil(n / static_cast<double>(std::max<int64_t>(o.block, 1)));
+  if (codec == "none") return 4 * n;
+  if (codec == "fp16" || codec == "bf16") return 2 * n;
+  if (codec == "int8") return n + 8 * blocks;                  // code + (min, scale) per block
+  if (codec == "int4") return n / 2 + 8 * blocks;
+  if (codec == "topk") return 8 * std::ceil(n * o.density);     // u32 index + f32 value
+  if (codec == "sparseloco") {
+    // Per chunk of `block` values: k kept, each a 2-bit code and a log2(chunk)-bit index,
+    // plus two float32 magnitude levels.
+    const double bits = 2 + std::ceil(std::log2(static_cast<double>(std::max<int64_t>(o.block, 2))));
+    return std::ceil(n * o.density) * bits / 8 + 8 * blocks;
+  }
+  throw ConfigError(str_cat("strategy.codec = \"", codec, "\": the adaptive controller has no cost model for it"));
+}
+
+ControllerChoice decide(const ControllerInput& in, const ControllerPins& pins) {
+  const bool codec_pinned = pins.codec != "auto";
+  const bool h_pinned = pins.inner_steps > 0;
+  if (codec_pinned && h_pinned) return {pins.codec, pins.inner_steps, false, "both pinned in [strategy]"};
+  if (in.step_seconds <= 0 || in.bandwidth_bits_per_s <= 0) {
+    // Nothing measured yet: start compressed and rare, and re-decide once there are numbers.
+    return {codec_pinned ? pins.codec : "int4", h_pinned ? pins.inner_steps : 50, false,
+            "no measurements yet (step time or bandwidth unknown): a safe start"};
+  }
+  const std::vector<std::string> codecs = codec_pinned ? std::vector<std::string>{pins.codec} : controller_codecs();
+  const std::vector<int64_t> hs = h_pinned ? std::vector<int64_t>{pins.inner_steps} : controller_inner_steps();
+  const int64_t f = std::max<int64_t>(in.fragments, 1);
+  const bool streaming = in.delay > 0;
+  auto wan_seconds = [&](const std::string& c, double share) {
+    return in.rtt_s + codec_payload_bytes(c, in.params, pins.codec_options) * share * 8 / in.bandwidth_bits_per_s;
+  };
+  const std::string measured = str_cat("step ", in.step_seconds * 1e3, " ms, WAN ", in.bandwidth_bits_per_s / 1e6,
+                                       " Mbit/s, RTT ", in.rtt_s * 1e3, " ms, ", in.params, " values");
+  for (const auto& c : codecs) {
+    for (int64_t h : hs) {
+      const double per_fragment = wan_seconds(c, 1.0 / static_cast<double>(f));
+      bool ok;
+      std::string why;
+      if (streaming) {
+        ok = per_fragment <= static_cast<double>(in.delay) * in.step_seconds &&
+             static_cast<double>(f) * per_fragment <= static_cast<double>(h) * in.step_seconds;
+        why = str_cat("each of ", f, " fragment exchanges takes ", per_fragment * 1e3, " ms <= delay ", in.delay,
+                      " steps (", static_cast<double>(in.delay) * in.step_seconds * 1e3, " ms)");
+      } else {
+        const double overhead = per_fragment / (static_cast<double>(h) * in.step_seconds);
+        ok = overhead <= pins.max_overhead;
+        why = str_cat("exchange ", per_fragment * 1e3, " ms every ", h, " steps adds ", overhead * 100,
+                      "% <= ", pins.max_overhead * 100, "%");
+      }
+      if (ok) return {c, h, true, str_cat(why, " (", measured, ")")};
+    }
+  }
+  const std::string c = codecs.back();
+  const int64_t h = hs.back();
+  return {c, h, false,
+          str_cat("the WAN cannot be hidden even with ", c, " and H = ", h, ": ",
+                  wan_seconds(c, 1.0 / static_cast<double>(f)) * 1e3, " ms per exchange (", measured, ")")};
+}
+
+}  // namespace nebula::strategy

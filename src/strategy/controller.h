@@ -1,0 +1,65 @@
+// The adaptive controller: from the measured WAN (bandwidth, RTT) and the measured compute
+// time per inner step, chooses the codec and the number of inner steps H between
+// synchronizations for diloco / streaming, so that communication stays hidden behind compute
+// with the least compression that allows it. Any choice can be pinned in the config
+// (strategy.codec != "auto", strategy.inner_steps > 0); the controller then only chooses the
+// other one.
+//
+// The cost model (also what `docs/architecture.md` states):
+//   payload(codec)  = bytes one site sends per full-model exchange (codec_payload_bytes)
+//   t_wan           = rtt + payload / bandwidth            (each site pair is its own path)
+//   diloco          blocking: the WAN adds t_wan / H per inner step; hidden enough when
+//                   t_wan <= max_overhead * H * t_step
+//   streaming       F fragments, each merged `delay` inner steps after it is sent: hidden when
+//                   each fragment's exchange fits in its delay, t_wan(F) <= delay * t_step,
+//                   and the F exchanges of a round fit in the round, F * t_wan(F) <= H * t_step
+// Candidates are tried from the least to the most compression (none, fp16, int8, int4,
+// sparseloco), and for each codec from the smallest H up (staleness hurts quality); the
+// first feasible pair wins. If none is feasible the most compressed codec with the largest H
+// is chosen, and the reason says the WAN cannot be hidden.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "codec/codec.h"
+
+namespace nebula::strategy {
+
+struct ControllerInput {
+  double step_seconds = 0;          // compute time per inner step of the slowest site; 0 = unknown
+  double bandwidth_bits_per_s = 0;  // the slowest measured site-to-site path; 0 = unknown
+  double rtt_s = 0;                 // the longest measured round trip
+  int64_t params = 0;               // values synchronized per full exchange (trainable parameters)
+  int64_t fragments = 1;            // streaming: F (1 for diloco)
+  int64_t delay = 0;                // streaming: inner steps a fragment may take to arrive (0: blocking)
+};
+
+struct ControllerPins {
+  std::string codec = "auto";       // a codec name pins it
+  int64_t inner_steps = 0;          // > 0 pins H
+  double max_overhead = 0.05;       // blocking exchanges may add at most this fraction to compute
+  codec::CodecOptions codec_options;  // density / block for the payload sizes
+};
+
+struct ControllerChoice {
+  std::string codec;
+  int64_t inner_steps = 0;
+  bool hidden = false;              // the model says the WAN is hidden (within max_overhead)
+  std::string reason;               // one line: the numbers behind the choice
+};
+
+// The codecs the controller chooses among, least compression first.
+const std::vector<std::string>& controller_codecs();
+// The H values it tries, smallest first.
+const std::vector<int64_t>& controller_inner_steps();
+
+// Bytes one site puts on the WAN for `params` values with this codec (payload, headers of a
+// few dozen bytes ignored). Throws ConfigError for a codec it has no model for.
+double codec_payload_bytes(const std::string& codec, int64_t params, const codec::CodecOptions& options);
+
+// Deterministic: the same input gives the same choice on every site.
+ControllerChoice decide(const ControllerInput& in, const ControllerPins& pins);
+
+}  // namespace nebula::strategy

@@ -1,0 +1,91 @@
+#include "strategy/controller.h"
+
+#include <gtest/gtest.h>
+
+#include "nebula/error.h"
+
+namespace nebula::strategy {
+namespace {
+
+ControllerInput measured(double step_s, double bits_per_s, double rtt_s, int64_t params) {
+  ControllerInput in;
+  in.step_seconds = step_s;
+  in.bandwidth_bits_per_s = bits_per_s;
+  in.rtt_s = rtt_s;
+  in.params = params;
+  return in;
+}
+
+TEST(Controller, PayloadSizesFollowTheCodecFormats) {
+  codec::CodecOptions o;
+  o.block = 256;
+  o.density = 0.01;
+  EXPECT_EQ(codec_payload_bytes("none", 1000, o), 4000);
+  EXPECT_EQ(codec_payload_bytes("fp16", 1000, o), 2000);
+  EXPECT_EQ(codec_payload_bytes("int8", 1024, o), 1024 + 8 * 4);
+  EXPECT_EQ(codec_payload_bytes("int4", 1024, o), 512 + 8 * 4);
+  EXPECT_EQ(codec_payload_bytes("topk", 1000, o), 8 * 10);
+  o.block = 4096;
+  // 41 kept values of 2 + 12 bits, and two float levels per chunk.
+  EXPECT_DOUBLE_EQ(codec_payload_bytes("sparseloco", 4096, o), 41 * 14 / 8.0 + 8);
+  EXPECT_THROW(codec_payload_bytes("powersgd", 10, o), ConfigError);
+}
+
+TEST(Controller, FastLinkGetsNoCompressionAndTheSmallestH) {
+  // 1M values = 4 MB raw; 10 Gbit/s: 3.2 ms + 1 ms RTT against 10 x 100 ms of compute.
+  auto c = decide(measured(0.1, 10e9, 0.001, 1 << 20), {});
+  EXPECT_EQ(c.codec, "none");
+  EXPECT_EQ(c.inner_steps, 10);
+  EXPECT_TRUE(c.hidden);
+}
+
+TEST(Controller, SlowLinkGetsTheLeastCompressionThatHidesIt) {
+  // 10M values, 20 Mbit/s, 100 ms RTT, 50 ms per step, 5% budget:
+  //   none 16 s per exchange needs H >= 6400 (> 1000); fp16 8 s needs H >= 3200;
+  //   int8 ~4.1 s needs H >= 1640; int4 ~2.1 s needs H >= 840 -> 1000.
+  auto c = decide(measured(0.05, 20e6, 0.1, 10'000'000), {});
+  EXPECT_EQ(c.codec, "int4");
+  EXPECT_EQ(c.inner_steps, 1000);
+  EXPECT_TRUE(c.hidden);
+}
+
+TEST(Controller, PinnedChoicesWin) {
+  ControllerPins pins;
+  pins.codec = "int8";
+  auto c = decide(measured(0.05, 20e6, 0.1, 10'000'000), pins);
+  EXPECT_EQ(c.codec, "int8");
+  EXPECT_EQ(c.inner_steps, 1000);  // the largest H still cannot hide int8: best effort
+  EXPECT_FALSE(c.hidden);
+  pins.codec = "auto";
+  pins.inner_steps = 10;
+  c = decide(measured(0.1, 10e9, 0.001, 1 << 20), pins);
+  EXPECT_EQ(c.inner_steps, 10);
+  EXPECT_EQ(c.codec, "none");
+  pins.codec = "fp16";
+  c = decide(measured(0.1, 10e9, 0.001, 1 << 20), pins);
+  EXPECT_EQ(c.codec, "fp16");
+  EXPECT_EQ(c.inner_steps, 10);
+  EXPECT_EQ(c.reason, "both pinned in [strategy]");
+}
+
+TEST(Controller, WithoutMeasurementsStartsSafe) {
+  auto c = decide(measured(0, 0, 0, 1000), {});
+  EXPECT_EQ(c.codec, "int4");
+  EXPECT_EQ(c.inner_steps, 50);
+  EXPECT_FALSE(c.hidden);
+}
+
+TEST(Controller, StreamingHidesEachFragmentWithinItsDelay) {
+  // 1M values in 4 fragments; 100 Mbit/s, 50 ms RTT; 20 ms per step, delay 5 steps = 100 ms.
+  // none: 1 MB per fragment = 80 ms + 50 ms > 100 ms; fp16: 40 + 50 = 90 ms <= 100 ms.
+  ControllerInput in = measured(0.02, 100e6, 0.05, 1'000'000);
+  in.fragments = 4;
+  in.delay = 5;
+  auto c = decide(in, {});
+  EXPECT_EQ(c.codec, "fp16");
+  EXPECT_EQ(c.inner_steps, 20);  // 4 x 90 ms must fit in H x 20 ms: H >= 18
+  EXPECT_TRUE(c.hidden);
+}
+
+}  // namespace
+}  // namespace nebula::strategy

@@ -1,0 +1,338 @@
+#include "strategy/diloco.h"
+
+#include <ATen/ATen.h>
+#include <spdlog/spdlog.h>
+
+#include <algorithm>
+#include <cmath>
+
+#include "nebula/error.h"
+
+namespace nebula::strategy {
+
+namespace {
+// What each site attaches to an exchange: compute seconds per inner step, the slowest of its
+// measured WAN paths (bits/s) and the longest RTT (s). 0 = not measured.
+constexpr size_t kInfo = 3;
+constexpr uint64_t kTagBase = 1000;  // exchange tags: kTagBase + fragment
+using Clock = std::chrono::steady_clock;
+}  // namespace
+
+DilocoOptions DilocoOptions::from(const StrategyConfig& c, std::chrono::milliseconds timeout, size_t num_sites,
+                                  size_t site_index) {
+  DilocoOptions o;
+  o.num_sites = num_sites;
+  o.site_index = site_index;
+  o.name = c.kind;
+  o.inner_steps = c.inner_steps;
+  o.outer_lr = c.outer_lr;
+  o.outer_momentum = c.outer_momentum;
+  o.nesterov = c.outer_nesterov;
+  o.fragments = c.kind == "streaming" ? c.fragments : 1;
+  o.delay = c.kind == "streaming" ? c.delay : 0;
+  o.heterogeneous = c.heterogeneous;
+  o.adaptive = c.adaptive;
+  o.codec = c.codec;
+  o.codec_options = wan_codec_options(c);
+  o.timeout = timeout;
+  return o;
+}
+
+DilocoStrategy::DilocoStrategy(collective::Hierarchy& comm, DilocoOptions options)
+    : comm_(comm), options_(std::move(options)) {
+  NEBULA_CHECK(options_.num_sites >= 1 && options_.site_index < options_.num_sites, "site ", options_.site_index,
+               " of ", options_.num_sites);
+  NEBULA_CHECK(options_.inner_steps >= 0 && options_.fragments >= 1 && options_.delay >= 0, "inner_steps ",
+               options_.inner_steps, " fragments ", options_.fragments, " delay ", options_.delay);
+  if (options_.codec != "auto") set_codec(options_.codec);
+}
+
+DilocoStrategy::~DilocoStrategy() {
+  // Exchanges still queued hold pointers into this object's tensors and codecs.
+  for (auto& f : fragments_)
+    if (f.work) try {
+        f.work->wait(Deadline::after(options_.timeout));
+      } catch (...) {
+      }
+}
+
+void DilocoStrategy::set_codec(const std::string& kind) {
+  codec::CodecOptions o = options_.codec_options;
+  o.kind = kind;
+  // A codec in use by an exchange in flight must outlive it: retired ones are kept.
+  if (codec_) retired_.push_back(std::move(codec_));
+  codec_ = kind == "none" ? nullptr : codec::make_codec(o);
+  codec_kind_ = kind;
+}
+
+at::Tensor DilocoStrategy::flat_params(size_t begin, size_t end) const {
+  std::vector<at::Tensor> part(params_.begin() + static_cast<std::ptrdiff_t>(begin),
+                               params_.begin() + static_cast<std::ptrdiff_t>(end));
+  return flatten(part);
+}
+
+void DilocoStrategy::init(const std::vector<at::Tensor>& params) {
+  at::NoGradGuard no_grad;
+  params_ = params;
+  make_replicas_equal(comm_, params);
+  at::Tensor flat = flatten(params);
+  total_numel_ = flat.numel();
+
+  // Fragments: contiguous runs of parameters of about equal size.
+  const int64_t total = flat.numel();
+  const size_t f = std::min<size_t>(static_cast<size_t>(options_.fragments), std::max<size_t>(params.size(), 1));
+  if (static_cast<int64_t>(f) != options_.fragments)
+    spdlog::warn("strategy.fragments = {} but the model has {} parameter tensors: using {}", options_.fragments,
+                 params.size(), f);
+  fragments_.assign(f, Fragment{});
+  size_t p = 0;
+  int64_t offset = 0;
+  for (size_t j = 0; j < f; ++j) {
+    Fragment& fr = fragments_[j];
+    fr.begin = p;
+    fr.offset = offset;
+    const int64_t target = total * static_cast<int64_t>(j + 1) / static_cast<int64_t>(f);
+    // Take at least one tensor, and leave one for each fragment still to come.
+    while (p < params.size() && (p == fr.begin || offset + params[p].numel() <= target) &&
+           params.size() - p > f - j - 1) {
+      offset += params[p].numel();
+      ++p;
+    }
+    if (j + 1 == f)
+      while (p < params.size()) offset += params[p++].numel();
+    fr.end = p;
+    fr.numel = offset - fr.offset;
+    fr.global = flat.narrow(0, fr.offset, fr.numel).clone();
+    fr.momentum = at::zeros({fr.numel}, at::kFloat);
+  }
+  last_step_end_ = Clock::now();
+}
+
+void DilocoStrategy::sync_gradients(const std::vector<at::Tensor>& params, double weight) {
+  NEBULA_CHECK(params.size() == params_.size(), "sync_gradients with ", params.size(), " parameters, init had ",
+               params_.size());
+  collective::SiteGroup& site = comm_.site();
+  if (site.size() == 1) {  // nothing to average; the weight still counts for the exchange
+    site_weight_ += weight;
+    return;
+  }
+  std::vector<at::Tensor> grads;
+  for (const auto& p : params) grads.push_back(p.grad().defined() ? p.grad() : at::zeros_like(p));
+  at::Tensor flat = flatten(grads);
+  const int64_t n = flat.numel();
+  at::Tensor buf = at::empty({n + 1}, at::kFloat);
+  buf.narrow(0, 0, n).copy_(flat).mul_(weight);
+  buf[n] = static_cast<float>(weight);
+  site.allreduce_sum(buf);
+  const double total = buf[n].item<double>();
+  NEBULA_CHECK(total > 0, "site ", site.site(), ": total weight ", total, " in a data parallel step");
+  site_weight_ += total;
+  buf.narrow(0, 0, n).div_(total);
+  for (auto& p : params_)
+    if (!p.grad().defined()) p.mutable_grad() = at::zeros_like(p);
+  std::vector<at::Tensor> out;
+  for (auto& p : params_) out.push_back(p.mutable_grad());
+  unflatten_into(buf.narrow(0, 0, n), out);
+}
+
+bool DilocoStrategy::keep_training(int64_t /*step*/, int64_t steps) {
+  if (!round_open_) {
+    if (nominal_done_ >= steps) return false;
+    start_round(steps);
+  }
+  return true;
+}
+
+std::vector<float> DilocoStrategy::known_info() const {
+  // With delay 0 the previous round's last exchange is merged when this round starts; with a
+  // delay only the one before it is sure to be, on every site.
+  const int64_t lag = options_.delay == 0 ? 1 : 2;
+  const int64_t r = rounds_ - lag;
+  if (r < 0 || static_cast<size_t>(r) >= info_of_round_.size()) return {};
+  return info_of_round_[static_cast<size_t>(r)];
+}
+
+void DilocoStrategy::start_round(int64_t steps) {
+  const std::vector<float> info = known_info();
+  // Per site: [seconds per step, bandwidth, rtt]; the slowest site paces the job.
+  double slowest = 0, mine = 0, bandwidth = 0, rtt = 0;
+  for (size_t s = 0; s + kInfo <= info.size(); s += kInfo) {
+    slowest = std::max(slowest, static_cast<double>(info[s]));
+    if (info[s + 1] > 0) bandwidth = bandwidth > 0 ? std::min(bandwidth, double(info[s + 1])) : double(info[s + 1]);
+    rtt = std::max(rtt, static_cast<double>(info[s + 2]));
+  }
+  if (!info.empty() && options_.site_index * kInfo < info.size()) mine = info[options_.site_index * kInfo];
+
+  // Codec and H: pinned, or the controller's (once measured; every round if adaptive).
+  int64_t h = options_.inner_steps;
+  if (options_.codec == "auto" || options_.inner_steps == 0) {
+    const bool measured = slowest > 0 && bandwidth > 0;
+    if (!decided_ || (options_.adaptive && measured) || (measured && !decided_measured_)) {
+      ControllerInput in{slowest, bandwidth, rtt, total_numel_, static_cast<int64_t>(fragments_.size()), options_.delay};
+      ControllerPins pins;
+      pins.codec = options_.codec;
+      pins.inner_steps = options_.inner_steps;
+      pins.codec_options = options_.codec_options;
+      ControllerChoice choice = decide(in, pins);
+      if (!decided_ || choice.codec != codec_kind_ || choice.inner_steps != controller_h_) {
+        decisions_.push_back(str_cat("round ", rounds_, ": codec ", choice.codec, ", H ", choice.inner_steps, " — ",
+                                     choice.reason));
+        if (comm_.is_gateway()) spdlog::info("controller: {}", decisions_.back());
+      }
+      if (choice.codec != codec_kind_) set_codec(choice.codec);
+      controller_h_ = choice.inner_steps;
+      decided_ = true;
+      decided_measured_ = decided_measured_ || measured;
+    }
+    h = controller_h_;
+  }
+  nominal_h_ = std::min<int64_t>(h, steps - nominal_done_);
+  // Heterogeneous sites: the slowest runs H, a faster one proportionally more.
+  int64_t mine_h = nominal_h_;
+  if (options_.heterogeneous && slowest > 0 && mine > 0)
+    mine_h = std::max<int64_t>(nominal_h_, std::llround(static_cast<double>(nominal_h_) * slowest / mine));
+  if (mine_h != round_steps_ && (mine_h != nominal_h_ || round_steps_ > nominal_h_)) {
+    decisions_.push_back(str_cat("round ", rounds_, ": this site runs ", mine_h, " inner steps (H ", nominal_h_,
+                                 "; ", mine * 1e3, " ms per step here, ", slowest * 1e3, " ms at the slowest site)"));
+    if (comm_.is_gateway()) spdlog::info("{}", decisions_.back());
+  }
+  round_steps_ = mine_h;
+  in_round_ = 0;
+  next_fragment_ = 0;
+  round_open_ = true;
+  compute_seconds_ = 0;
+  timed_steps_ = 0;
+}
+
+std::vector<double> DilocoStrategy::site_info() const {
+  std::vector<double> info(kInfo, 0.0);
+  info[0] = timed_steps_ > 0 ? compute_seconds_ / static_cast<double>(timed_steps_) : 0.0;
+  if (options_.assumed_step_seconds > 0) info[0] = options_.assumed_step_seconds;
+  for (const auto& e : comm_.stats().links) {
+    if (e.bandwidth_bits_per_s > 0)
+      info[1] = info[1] > 0 ? std::min(info[1], e.bandwidth_bits_per_s) : e.bandwidth_bits_per_s;
+    info[2] = std::max(info[2], e.rtt_s);
+  }
+  return info;
+}
+
+void DilocoStrategy::after_step(int64_t /*step*/) {
+  NEBULA_CHECK(round_open_, "after_step outside a round: call keep_training before each step");
+  const auto now = Clock::now();
+  compute_seconds_ += std::chrono::duration<double>(now - last_step_end_).count();
+  ++timed_steps_;
+  ++local_step_;
+  ++in_round_;
+  // Fragment j goes at the end of slot j of the round.
+  const auto f = static_cast<int64_t>(fragments_.size());
+  while (next_fragment_ < fragments_.size() &&
+         in_round_ * f >= static_cast<int64_t>(next_fragment_ + 1) * round_steps_)
+    send(next_fragment_++);
+  if (next_fragment_ == fragments_.size()) {
+    nominal_done_ += nominal_h_;
+    ++rounds_;
+    round_open_ = false;
+  }
+  // Merge, in the order sent, what is due.
+  for (;;) {
+    Fragment* due = nullptr;
+    for (auto& fr : fragments_)
+      if (fr.in_flight && fr.merge_at <= local_step_ && (!due || fr.seq < due->seq)) due = &fr;
+    if (!due) break;
+    merge(static_cast<size_t>(due - fragments_.data()));
+  }
+  last_step_end_ = Clock::now();
+}
+
+void DilocoStrategy::send(size_t f) {
+  Fragment& fr = fragments_[f];
+  if (fr.in_flight) merge(f);  // a round shorter than the delay: merge before sending again
+  at::NoGradGuard no_grad;
+  fr.sent_local = flat_params(fr.begin, fr.end);
+  fr.round = rounds_;
+  fr.seq = next_seq_++;
+  const double weight = site_weight_ - fr.weight_at_send;
+  fr.weight_at_send = site_weight_;
+  if (comm_.is_gateway()) {
+    fr.delta = fr.global - fr.sent_local;  // the pseudo-gradient
+    std::vector<at::Tensor> bucket;
+    const bool per_tensor = codec_ && codec_->id() == codec::CodecId::kPowerSgd;
+    if (per_tensor) {
+      int64_t at = 0;
+      for (size_t i = fr.begin; i < fr.end; ++i) {
+        bucket.push_back(fr.delta.narrow(0, at, params_[i].numel()).view(params_[i].sizes()));
+        at += params_[i].numel();
+      }
+    } else {
+      bucket.push_back(fr.delta);
+    }
+    collective::AllreduceOptions o;
+    o.op = collective::ReduceOp::kWeightedMean;
+    o.weight = weight;
+    o.codec = codec_.get();
+    o.tag = kTagBase + f;
+    o.per_tensor = per_tensor;
+    o.site_info = site_info();
+    fr.work = comm_.exchange_async(std::move(bucket), std::move(o));
+  }
+  fr.in_flight = true;
+  fr.merge_at = local_step_ + options_.delay;
+}
+
+void DilocoStrategy::merge(size_t f) {
+  Fragment& fr = fragments_[f];
+  const auto start = Clock::now();
+  at::NoGradGuard no_grad;
+  const int64_t info_len = static_cast<int64_t>(options_.num_sites * kInfo);
+  at::Tensor buf = at::zeros({fr.numel + info_len}, at::kFloat);
+  if (comm_.is_gateway()) {
+    fr.work->wait(Deadline::after(options_.timeout));
+    buf.narrow(0, 0, fr.numel).copy_(fr.delta);
+    const auto& info = fr.work->site_info();
+    NEBULA_CHECK(info.size() == options_.num_sites, "exchange returned ", info.size(), " sites' info, the job has ",
+                 options_.num_sites);
+    for (size_t s = 0; s < info.size(); ++s)
+      for (size_t k = 0; k < kInfo && k < info[s].size(); ++k)
+        buf[fr.numel + static_cast<int64_t>(s * kInfo + k)] = static_cast<float>(info[s][k]);
+    fr.work.reset();
+  }
+  if (comm_.site().size() > 1) comm_.site().broadcast_from_root(buf);
+  if (f + 1 == fragments_.size()) {
+    at::Tensor tail = buf.narrow(0, fr.numel, info_len).contiguous();
+    if (info_of_round_.size() <= static_cast<size_t>(fr.round)) info_of_round_.resize(static_cast<size_t>(fr.round) + 1);
+    info_of_round_[static_cast<size_t>(fr.round)].assign(tail.data_ptr<float>(), tail.data_ptr<float>() + info_len);
+  }
+
+  // The outer step, the same on every worker of every site.
+  at::Tensor avg = buf.narrow(0, 0, fr.numel);
+  const double mu = options_.outer_momentum;
+  at::Tensor update;
+  if (mu > 0) {
+    fr.momentum.mul_(mu).add_(avg);
+    update = options_.nesterov ? avg + fr.momentum * mu : fr.momentum;
+  } else {
+    update = avg;
+  }
+  fr.global.sub_(update, options_.outer_lr);
+  // Keep the inner progress made while the fragment was in flight (0 with delay 0).
+  at::Tensor local = fr.global + (flat_params(fr.begin, fr.end) - fr.sent_local);
+  std::vector<at::Tensor> part(params_.begin() + static_cast<std::ptrdiff_t>(fr.begin),
+                               params_.begin() + static_cast<std::ptrdiff_t>(fr.end));
+  unflatten_into(local, part);
+  fr.in_flight = false;
+  fr.sent_local = at::Tensor();
+  ++outer_steps_;
+  blocked_seconds_ += std::chrono::duration<double>(Clock::now() - start).count();
+}
+
+void DilocoStrategy::finish() {
+  for (;;) {
+    Fragment* next = nullptr;
+    for (auto& fr : fragments_)
+      if (fr.in_flight && (!next || fr.seq < next->seq)) next = &fr;
+    if (!next) break;
+    merge(static_cast<size_t>(next - fragments_.data()));
+  }
+}
+
+}  // namespace nebula::strategy

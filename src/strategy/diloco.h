@@ -1,0 +1,141 @@
+// DiLoCo (Douillard et al., arXiv 2311.08105) and Streaming DiLoCo (arXiv 2501.18512) as one
+// strategy: inside each site ordinary data parallel every step (the inner optimizer, AdamW,
+// steps on the site's averaged gradient; LAN only); every H inner steps the sites exchange
+// pseudo-gradients Δ = θ_global − θ_local over the WAN, encoded with any codec, and every
+// worker applies the same outer step (SGD with Nesterov momentum) to θ_global:
+//
+//   m ← μ m + Δ̄        θ_global ← θ_global − lr_outer (Δ̄ + μ m)   (plain m without Nesterov)
+//   θ_local ← θ_global + (θ_local_now − θ_local_at_send)
+//
+// Δ̄ is the mean of the sites' Δ weighted by the tokens each processed since its last send.
+//
+//   diloco     the whole model at once (F = 1), merged at once (delay 0): every worker of
+//              every site holds bit-identical weights after every outer step.
+//   streaming  the model cut into F fragments sent at staggered steps (fragment j at the end
+//              of slot j of each round); each exchange runs on the communication thread while
+//              inner steps go on and is merged `delay` inner steps later. The inner progress
+//              made while a fragment was in flight is kept (the last term above; 0 when
+//              delay = 0), so the WAN time disappears from the step time as long as an
+//              exchange takes less than `delay` steps.
+//
+// With codec "sparseloco" this is SparseLoCo (arXiv 2508.15706): the codec's per-site error
+// feedback carries what top-k dropped, and outer_momentum = 0, outer_lr = 1 reproduce it.
+//
+// Heterogeneous sites: each exchange carries the site's measured compute time per inner
+// step; a faster site then runs proportionally more inner steps per round (H_s = H · t_slowest
+// / t_s, the slowest runs H), so all sites reach each exchange together; Δ̄ is weighted by
+// tokens. The adaptive controller (controller.h) chooses codec and H from the same numbers.
+// Every site applies a round's decisions from the exchange of the previous round's last
+// fragment, which every site has merged by then, so all make the same decisions.
+//
+// Threads: all of it runs on the training thread except the WAN leg (Hierarchy::exchange_async
+// on the gateway's communication thread); the site-group collectives are the training thread's.
+#pragma once
+
+#include <chrono>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "strategy/controller.h"
+#include "strategy/strategy.h"
+
+namespace nebula::strategy {
+
+struct DilocoOptions {
+  std::string name = "diloco";
+  int64_t inner_steps = 50;       // H; 0 = the controller chooses
+  double outer_lr = 0.7;
+  double outer_momentum = 0.9;
+  bool nesterov = true;
+  int64_t fragments = 1;          // F
+  int64_t delay = 0;              // inner steps between sending a fragment and merging it
+  bool heterogeneous = true;
+  bool adaptive = false;          // re-decide auto choices every round (else once)
+  std::string codec = "none";     // or "auto"
+  codec::CodecOptions codec_options;
+  std::chrono::milliseconds timeout{std::chrono::minutes(10)};
+  size_t num_sites = 1;           // of the job
+  size_t site_index = 0;          // this worker's site
+  double assumed_step_seconds = 0;  // tests: report this compute time per step instead of measuring
+
+  static DilocoOptions from(const StrategyConfig& config, std::chrono::milliseconds timeout, size_t num_sites,
+                            size_t site_index);
+};
+
+class DilocoStrategy : public Strategy {
+ public:
+  DilocoStrategy(collective::Hierarchy& comm, DilocoOptions options);
+  ~DilocoStrategy() override;
+  std::string name() const override { return options_.name; }
+  void init(const std::vector<at::Tensor>& params) override;
+  // The site's own data parallel step: gradients averaged over the site's workers, weighted.
+  void sync_gradients(const std::vector<at::Tensor>& params, double weight) override;
+  void after_step(int64_t step) override;
+  bool keep_training(int64_t step, int64_t steps) override;
+  void finish() override;
+  std::vector<std::string> decisions() const override { return decisions_; }
+
+  // For tests and metrics.
+  int64_t outer_steps() const { return outer_steps_; }  // merges so far (fragments count each)
+  int64_t rounds() const { return rounds_; }
+  int64_t round_inner_steps() const { return round_steps_; }  // this site's H_s this round
+  const std::string& codec_kind() const { return codec_kind_; }
+  size_t num_fragments() const { return fragments_.size(); }
+  // Parameter index range [begin, end) of fragment j.
+  std::pair<size_t, size_t> fragment_params(size_t j) const { return {fragments_.at(j).begin, fragments_.at(j).end}; }
+
+ private:
+  struct Fragment {
+    size_t begin = 0, end = 0;       // parameter index range
+    int64_t offset = 0, numel = 0;   // in the flat parameter vector
+    at::Tensor global;               // θ_global of this fragment (flat, float32)
+    at::Tensor momentum;
+    at::Tensor sent_local;           // θ_local when last sent
+    at::Tensor delta;                // being exchanged (gateway)
+    std::shared_ptr<collective::Work> work;  // in flight (gateway)
+    bool in_flight = false;          // sent, not merged (every worker)
+    int64_t merge_at = 0;            // local step at which to merge
+    double weight_at_send = 0;       // site weight processed up to the last send
+    int64_t round = 0;               // round of the last send
+    uint64_t seq = 0;                // send order
+  };
+  void send(size_t f);
+  void merge(size_t f);
+  void start_round(int64_t steps);
+  void set_codec(const std::string& kind);
+  at::Tensor flat_params(size_t begin, size_t end) const;
+  std::vector<double> site_info() const;
+  std::vector<float> known_info() const;  // every site's info, as of the last sure merge
+
+  collective::Hierarchy& comm_;
+  DilocoOptions options_;
+  std::unique_ptr<codec::Codec> codec_;   // null = exact float32
+  std::vector<std::unique_ptr<codec::Codec>> retired_;  // replaced by the controller, maybe in flight
+  std::string codec_kind_;
+  bool decided_ = false, decided_measured_ = false;  // the controller ran (with measurements)
+  int64_t controller_h_ = 0;
+  int64_t total_numel_ = 0;
+  bool round_open_ = false;
+  uint64_t next_seq_ = 0;
+  std::vector<at::Tensor> params_;
+  std::vector<Fragment> fragments_;
+  int64_t nominal_h_ = 0;          // H this round (before the heterogeneous scaling)
+  int64_t round_steps_ = 0;        // H_s: this site's inner steps this round
+  int64_t in_round_ = 0;           // inner steps done in this round
+  size_t next_fragment_ = 0;       // the next fragment to send this round
+  int64_t local_step_ = 0;
+  int64_t rounds_ = 0, outer_steps_ = 0;
+  int64_t nominal_done_ = 0;       // Σ nominal H over finished rounds: the job's step count
+  double site_weight_ = 0;         // tokens (weights) the site processed so far
+  // The per-site numbers of the last fragment's exchange, by round (float-rounded on every
+  // worker alike, so that all workers decide alike).
+  std::vector<std::vector<float>> info_of_round_;
+  // Timing of this worker's own inner steps, excluding time blocked on the WAN.
+  std::chrono::steady_clock::time_point last_step_end_;
+  double blocked_seconds_ = 0, compute_seconds_ = 0;
+  int64_t timed_steps_ = 0;
+  std::vector<std::string> decisions_;
+};
+
+}  // namespace nebula::strategy

@@ -1,0 +1,278 @@
+#include "strategy/diloco.h"
+
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+#include <torch/optim/adamw.h>
+
+#include <map>
+#include <mutex>
+
+#include "collective/testing.h"
+#include "model/mlm_batch.h"
+#include "model/mlm_encoder.h"
+
+namespace nebula::strategy {
+namespace {
+
+ModelConfig tiny_model() {
+  ModelConfig c;
+  c.dim = 16;
+  c.layers = 1;
+  c.heads = 2;
+  c.ffn = 32;
+  c.max_len = 12;
+  return c;
+}
+
+// A deterministic stream of small MLM batches, different per `stream`.
+model::MlmBatcher batches_for(uint64_t stream) {
+  model::SpecialIds ids;
+  ids.vocab_size = 40;
+  std::vector<std::vector<int>> seqs;
+  for (int i = 0; i < 24; ++i) {
+    std::vector<int> s{2};
+    for (int j = 0; j < 3 + i % 7; ++j) s.push_back(5 + static_cast<int>((i * 7 + j * 3 + stream * 5) % 35));
+    s.push_back(3);
+    seqs.push_back(s);
+  }
+  return model::MlmBatcher(seqs, ids, 0.3, 4, stream);
+}
+
+model::MlmEncoder make_model(uint64_t seed) {
+  static std::mutex mu;  // the default generator is shared by the threads
+  std::lock_guard<std::mutex> lock(mu);
+  at::manual_seed(seed);
+  return model::MlmEncoder(tiny_model(), 40, 0);
+}
+
+DilocoOptions options(int64_t h, size_t sites, size_t site) {
+  DilocoOptions o;
+  o.inner_steps = h;
+  o.num_sites = sites;
+  o.site_index = site;
+  o.timeout = std::chrono::seconds(60);
+  o.heterogeneous = false;  // measured step times differ from run to run; tests pin them
+  return o;
+}
+
+// The training loop of src/train/worker.cc, reduced to its strategy calls.
+template <typename AfterStep>
+void train(Strategy& strategy, model::MlmEncoder& m, model::MlmBatcher& data, int64_t steps, AfterStep after) {
+  auto params = m->parameters();
+  strategy.init(params);
+  torch::optim::AdamW opt(params, torch::optim::AdamWOptions(1e-2));
+  for (int64_t step = 0; strategy.keep_training(step, steps); ++step) {
+    model::MlmBatch b = data.next();
+    at::Tensor loss = m->loss(b.ids, b.labels);
+    opt.zero_grad();
+    strategy.before_backward(static_cast<double>(b.predicted));
+    loss.backward();
+    strategy.sync_gradients(params, static_cast<double>(b.predicted));
+    opt.step();
+    strategy.after_step(step);
+    after(step);
+  }
+  strategy.finish();
+}
+
+// llm.c style: the degenerate case equals the plain computation. One site, H = 1, outer
+// lr 1, no momentum: θ_global − 1·(θ_global − θ_local) = θ_local, so DiLoCo is plain AdamW.
+TEST(Diloco, OneSiteH1OuterLr1NoMomentumEqualsPlainTraining) {
+  model::MlmEncoder reference = make_model(7);
+  model::MlmBatcher ref_data = batches_for(1);
+  {
+    auto params = reference->parameters();
+    torch::optim::AdamW opt(params, torch::optim::AdamWOptions(1e-2));
+    for (int i = 0; i < 6; ++i) {
+      model::MlmBatch b = ref_data.next();
+      opt.zero_grad();
+      reference->loss(b.ids, b.labels).backward();
+      opt.step();
+    }
+  }
+  collective::testing::run_cluster({1}, [&](collective::testing::Rank& r) {
+    model::MlmEncoder m = make_model(7);
+    model::MlmBatcher data = batches_for(1);
+    DilocoOptions o = options(1, 1, 0);
+    o.outer_lr = 1.0;
+    o.outer_momentum = 0.0;
+    DilocoStrategy s(*r.hierarchy, o);
+    int64_t steps = 0;
+    train(s, m, data, 6, [&](int64_t) { ++steps; });
+    EXPECT_EQ(steps, 6);
+    EXPECT_EQ(s.outer_steps(), 6);
+    // Not bit-equal: θ_g − (θ_g − θ_l) is θ_l within an ulp, and AdamW divides by √v, which
+    // grows such differences for parameters whose gradients are near zero. The updates
+    // themselves are ~lr = 1e-2 per step.
+    auto ours = m->parameters(), theirs = reference->parameters();
+    for (size_t i = 0; i < ours.size(); ++i)
+      EXPECT_TRUE(at::allclose(ours[i], theirs[i], 1e-4, 1e-4))
+          << "param " << i << " max diff " << (ours[i] - theirs[i]).abs().max().item<float>();
+  });
+}
+
+// Two sites (one with two workers), different data and different initial weights: right
+// after every merge, every worker of every site holds bit-identical values of the merged
+// fragment (with one fragment: the whole model), and training moved them. With and without a
+// lossy codec.
+void check_identical_after_outer_steps(const std::string& codec, int64_t fragments) {
+  const std::vector<int> sites{2, 1};
+  const int64_t h = 3, steps = 9;
+  std::mutex mu;
+  std::map<std::pair<int64_t, int>, std::vector<at::Tensor>> merged;  // (outer step, global rank)
+  collective::testing::run_cluster(sites, [&](collective::testing::Rank& r) {
+    model::MlmEncoder m = make_model(100 + r.global_rank);
+    model::MlmBatcher data = batches_for(10 + r.global_rank);
+    DilocoOptions o = options(h, sites.size(), r.site);
+    o.codec = codec;
+    o.fragments = fragments;
+    DilocoStrategy s(*r.hierarchy, o);
+    int64_t seen = 0;
+    train(s, m, data, steps, [&](int64_t) {
+      for (; seen < s.outer_steps(); ++seen) {  // fragments merge in order, one per slot here
+        auto [begin, end] = s.fragment_params(static_cast<size_t>(seen % fragments));
+        std::vector<at::Tensor> copy;
+        auto params = m->parameters();
+        for (size_t i = begin; i < end; ++i) copy.push_back(params[i].detach().clone());
+        std::lock_guard<std::mutex> lock(mu);
+        merged[{seen + 1, r.global_rank}] = copy;
+      }
+    });
+    EXPECT_EQ(s.rounds(), steps / h);
+    EXPECT_EQ(s.outer_steps(), steps / h * fragments);
+  });
+  const int64_t outer = steps / h * fragments;
+  ASSERT_EQ(merged.size(), static_cast<size_t>(outer * 3));
+  for (int64_t k = 1; k <= outer; ++k) {
+    const auto& first = merged.at({k, 0});
+    for (int g = 1; g < 3; ++g) {
+      const auto& other = merged.at({k, g});
+      for (size_t i = 0; i < first.size(); ++i)
+        EXPECT_TRUE(at::equal(first[i], other[i])) << "outer step " << k << " rank " << g << " tensor " << i;
+    }
+  }
+  // The same fragment one round later: training moved it.
+  bool moved = false;
+  const auto& a = merged.at({1, 0});
+  const auto& b = merged.at({1 + fragments, 0});
+  for (size_t i = 0; i < a.size(); ++i) moved |= !at::equal(a[i], b[i]);
+  EXPECT_TRUE(moved) << "the outer steps changed nothing";
+}
+
+TEST(Diloco, TwoSitesHoldIdenticalWeightsAfterEveryOuterStep) { check_identical_after_outer_steps("none", 1); }
+TEST(Diloco, IdenticalWeightsWithInt4Codec) { check_identical_after_outer_steps("int4", 1); }
+TEST(Diloco, IdenticalWeightsWithSparseOuterUpdates) { check_identical_after_outer_steps("topk", 1); }
+TEST(Streaming, FragmentsWithoutDelayAlsoEndRoundsIdentical) { check_identical_after_outer_steps("int8", 3); }
+
+// Streaming with a delay: each fragment is merged `delay` steps after it was sent, the inner
+// progress made meanwhile is kept, and every fragment is synchronized once per round.
+TEST(Streaming, DelayedMergesKeepInnerProgressAndCountEveryFragment) {
+  const std::vector<int> sites{1, 1};
+  std::mutex mu;
+  std::vector<std::vector<at::Tensor>> finals(2);
+  collective::testing::run_cluster(sites, [&](collective::testing::Rank& r) {
+    model::MlmEncoder m = make_model(5);
+    model::MlmBatcher data = batches_for(20 + r.global_rank);
+    DilocoOptions o = options(4, 2, r.site);
+    o.name = "streaming";
+    o.fragments = 2;
+    o.delay = 1;
+    DilocoStrategy s(*r.hierarchy, o);
+    int64_t steps = 0;
+    train(s, m, data, 12, [&](int64_t) { ++steps; });
+    EXPECT_EQ(steps, 12);
+    EXPECT_EQ(s.rounds(), 3);
+    EXPECT_EQ(s.outer_steps(), 6);
+    std::lock_guard<std::mutex> lock(mu);
+    for (auto& p : m->parameters()) {
+      EXPECT_TRUE(at::isfinite(p).all().item<bool>());
+      finals[r.global_rank].push_back(p.detach().clone());
+    }
+  });
+  // The sites ran different data; the last fragment is merged with no progress in flight, the
+  // first one after a step of local progress, so the sites differ there and agree elsewhere.
+  bool some_equal = false, some_different = false;
+  for (size_t i = 0; i < finals[0].size(); ++i) {
+    if (at::equal(finals[0][i], finals[1][i])) some_equal = true;
+    else some_different = true;
+  }
+  EXPECT_TRUE(some_equal);
+  EXPECT_TRUE(some_different);
+}
+
+// Heterogeneous sites: a site three times faster runs three times the inner steps per round
+// once the sites have exchanged their step times; both run the same number of rounds.
+TEST(Diloco, FasterSiteRunsMoreInnerStepsPerRound) {
+  const std::vector<int> sites{1, 1};
+  std::mutex mu;
+  std::vector<int64_t> local_steps(2), last_round_steps(2), rounds(2);
+  collective::testing::run_cluster(sites, [&](collective::testing::Rank& r) {
+    model::MlmEncoder m = make_model(5);
+    model::MlmBatcher data = batches_for(30 + r.global_rank);
+    DilocoOptions o = options(2, 2, r.site);
+    o.heterogeneous = true;
+    o.assumed_step_seconds = r.site == 0 ? 0.01 : 0.03;  // no wall-clock in tests
+    DilocoStrategy s(*r.hierarchy, o);
+    int64_t steps = 0;
+    train(s, m, data, 8, [&](int64_t) { ++steps; });
+    std::lock_guard<std::mutex> lock(mu);
+    local_steps[r.site] = steps;
+    last_round_steps[r.site] = s.round_inner_steps();
+    rounds[r.site] = s.rounds();
+    if (r.site == 0) {
+      EXPECT_FALSE(s.decisions().empty());
+    }
+  });
+  EXPECT_EQ(rounds[0], 4);
+  EXPECT_EQ(rounds[1], 4);
+  EXPECT_EQ(last_round_steps[0], 6);
+  EXPECT_EQ(last_round_steps[1], 2);
+  EXPECT_EQ(local_steps[1], 8);
+  EXPECT_EQ(local_steps[0], 2 + 6 * 3);  // round 0 before any measurement, then 3x
+}
+
+// PEFT-style: only the parameters handed to the strategy cross the WAN, and frozen ones never
+// change. Bytes per exchange = the codec's encoding of the trainable values.
+TEST(Diloco, OnlyTrainableParametersCrossTheWan) {
+  collective::testing::run_cluster({1, 1}, [&](collective::testing::Rank& r) {
+    model::MlmEncoder m = make_model(9);
+    auto all = m->parameters();
+    std::vector<at::Tensor> trainable, frozen_before;
+    std::vector<at::Tensor> frozen;
+    for (size_t i = 0; i < all.size(); ++i) {
+      if (i % 2 == 0) {
+        trainable.push_back(all[i]);
+      } else {
+        all[i].set_requires_grad(false);
+        frozen.push_back(all[i]);
+        frozen_before.push_back(all[i].detach().clone());
+      }
+    }
+    int64_t trainable_numel = 0;
+    for (auto& p : trainable) trainable_numel += p.numel();
+    DilocoOptions o = options(2, 2, r.site);
+    DilocoStrategy s(*r.hierarchy, o);
+    s.init(trainable);
+    torch::optim::AdamW opt(trainable, torch::optim::AdamWOptions(1e-2));
+    model::MlmBatcher data = batches_for(40 + r.global_rank);
+    for (int64_t step = 0; s.keep_training(step, 6); ++step) {
+      model::MlmBatch b = data.next();
+      at::Tensor loss = m->loss(b.ids, b.labels);
+      opt.zero_grad();
+      loss.backward();
+      s.sync_gradients(trainable, static_cast<double>(b.predicted));
+      opt.step();
+      s.after_step(step);
+    }
+    s.finish();
+    for (size_t i = 0; i < frozen.size(); ++i) EXPECT_TRUE(at::equal(frozen[i], frozen_before[i])) << i;
+    auto stats = r.hierarchy->stats();
+    // 3 exchanges (rounds) of the trainable values alone, as raw float32, and the initial
+    // replica check: a CRC (4 values) and a count (1); the replicas were equal already.
+    EXPECT_EQ(stats.codec_bytes_in, static_cast<uint64_t>(4 * (3 * trainable_numel + 4 + 1)));
+    EXPECT_EQ(stats.codec_bytes_out, stats.codec_bytes_in);
+  });
+}
+
+}  // namespace
+}  // namespace nebula::strategy
