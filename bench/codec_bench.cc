@@ -1,10 +1,11 @@
 // Tensor codecs, one thread: encode + decode throughput (bytes_per_second counts the input
 // float32 bytes), the two halves separately (enc_GB/s, dec_GB/s, 1e9 bytes), and the
 // compression ratio (input bytes / payload bytes). Error feedback is off for the casts and
-// quantizers (their fast path; *_ef variants show its cost) and on for topk and powersgd,
-// as they are used. powersgd gets a square matrix (1024^2 or 4096^2) so it takes the
-// low-rank path. at_topk is ATen's top-k selection alone, for comparison with topk's
-// radix select (which is inside the whole topk encode + decode).
+// quantizers (their fast path; *_ef variants show its cost) and on for topk, powersgd and
+// sparseloco, as they are used. powersgd gets a square matrix (1024^2 or 4096^2) so it
+// takes the low-rank path. sparseloco keeps 1% of each chunk of 4096 (SparseLoCo's chunk)
+// or of 256 (the [strategy] default block). at_topk is ATen's top-k selection alone, for
+// comparison with topk's radix select (which is inside the whole topk encode + decode).
 #include <ATen/Parallel.h>
 #include <ATen/ops/abs.h>
 #include <ATen/ops/randn.h>
@@ -28,6 +29,13 @@ CodecOptions opts(const char* kind, bool error_feedback = false, bool stochastic
   o.kind = kind;
   o.error_feedback = error_feedback;
   o.stochastic = stochastic;
+  return o;
+}
+
+CodecOptions sparseloco(int64_t chunk, double density) {
+  CodecOptions o = opts("sparseloco", true);
+  o.block = chunk;
+  o.density = density;
   return o;
 }
 
@@ -88,4 +96,6 @@ CODEC_BENCH(int8_ef, opts("int8", true));
 CODEC_BENCH(int4_ef, opts("int4", true));
 CODEC_BENCH(topk, opts("topk", true));
 CODEC_BENCH(powersgd, opts("powersgd", true));
+CODEC_BENCH(sparseloco, sparseloco(4096, 0.01));
+CODEC_BENCH(sparseloco_256, sparseloco(256, 0.01));
 BENCHMARK(BM_AtTopk)->Arg(1 << 20)->Arg(1 << 24)->Unit(benchmark::kMillisecond);

@@ -10,6 +10,7 @@
 #include "codec/payload.h"
 #include "codec/powersgd_codec.h"
 #include "codec/quant_codec.h"
+#include "codec/sparseloco_codec.h"
 #include "codec/topk_codec.h"
 
 namespace nebula::codec {
@@ -17,7 +18,7 @@ namespace nebula::codec {
 using Kind = CodecError::Kind;
 
 namespace {
-constexpr const char* kKinds[] = {"none", "fp16", "bf16", "int8", "int4", "topk", "powersgd"};
+constexpr const char* kKinds[] = {"none", "fp16", "bf16", "int8", "int4", "topk", "powersgd", "sparseloco"};
 constexpr int kNumKinds = sizeof(kKinds) / sizeof(kKinds[0]);
 }  // namespace
 
@@ -59,6 +60,15 @@ std::unique_ptr<Codec> make_codec(const CodecOptions& o) {
       if (o.rank < 1 || o.rank > 65536)
         throw ConfigError(str_cat("strategy.codec_rank = ", o.rank, " is not in [1, 65536] (rank of powersgd)"));
       return std::make_unique<PowerSgdCodec>(o);
+    case CodecId::kSparseLoco:
+      // The chunk is the block: in-chunk indices are at most 16 bits.
+      if (o.block < 2 || o.block > kMaxSparseLocoChunk)
+        throw ConfigError(str_cat("strategy.codec_block = ", o.block, " is not in [2, ", kMaxSparseLocoChunk,
+                                  "] (values per chunk of sparseloco)"));
+      if (!(o.density > 0.0 && o.density <= 1.0))
+        throw ConfigError(
+            str_cat("strategy.codec_density = ", o.density, " is not in (0, 1] (fraction sparseloco keeps per chunk)"));
+      return std::make_unique<SparseLocoCodec>(o);
   }
   throw ConfigError(str_cat("strategy.codec = \"", o.kind, "\": no codec"));  // unreachable
 }
@@ -70,6 +80,7 @@ const Codec& decoder_for(CodecId id) {
   static const BlockQuantCodec int8(8, CodecOptions{}), int4(4, CodecOptions{});
   static const TopKCodec topk(CodecOptions{});
   static const PowerSgdCodec powersgd(CodecOptions{});
+  static const SparseLocoCodec sparseloco(CodecOptions{});
   switch (id) {
     case CodecId::kNone: return none;
     case CodecId::kFp16: return fp16;
@@ -78,6 +89,7 @@ const Codec& decoder_for(CodecId id) {
     case CodecId::kInt4: return int4;
     case CodecId::kTopK: return topk;
     case CodecId::kPowerSgd: return powersgd;
+    case CodecId::kSparseLoco: return sparseloco;
   }
   detail::fail(Kind::kBadHeader, str_cat("codec payload: unknown codec id ", static_cast<int>(id)));
 }
@@ -190,10 +202,7 @@ void add(const float* a, const float* b, float* x, int64_t n) {
 }
 
 void sub_finite(const float* x, const float* y, float* r, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) {
-    float d = x[i] - y[i];
-    r[i] = (d - d == 0.0f) ? d : 0.0f;  // d - d is NaN exactly when d is NaN or +-inf
-  }
+  for (int64_t i = 0; i < n; ++i) r[i] = finite_or_zero(x[i] - y[i]);
 }
 
 }  // namespace detail

@@ -27,17 +27,29 @@
 //    powersgd   rank u32, reserved u32 (0) rank 0: numel x f32 (raw fallback);
 //                                          else P (n x rank) then Q (m x rank), f32 row-major;
 //                                          the tensor is P Q^T reshaped
+//    sparseloco chunk u32, k u32,          nchunks x f32 lo, nchunks x f32 hi, then the K
+//               k_last u32                 kept values' in-chunk indices, ceil(log2(chunk))
+//                                          bits each (strictly increasing within a chunk,
+//                                          < its length), then their K 2-bit codes (bit 0:
+//                                          sign, 1 = negative; bit 1: 1 = level hi, 0 = lo);
+//                                          both bit streams in chunk order, LSB-first, each
+//                                          zero-padded to a whole byte
 //  nblocks = ceil(numel / block); int8/int4 flags: bit 0 = stochastic rounding was used
-//  (informational), other bits must be 0. The header is 4 + 8 ndim (+ 8 parameter) bytes,
-//  so the data starts at a multiple of 4. Bulk arrays are the host's little-endian bits
-//  (codec.cc refuses to build on a big-endian host).
+//  (informational), other bits must be 0. sparseloco: chunk in [2, 65536]; every full chunk
+//  keeps k in [1, chunk] values, a partial last chunk (numel % chunk values) keeps k_last in
+//  [1, its length] (k_last = 0 when chunk divides numel); nchunks = ceil(numel / chunk),
+//  K = k * floor(numel / chunk) + k_last; levels are both NaN or 0 <= lo <= hi < inf. The
+//  header is 4 + 8 ndim (+ 8 parameter, 12 for sparseloco) bytes, so the data starts at a
+//  multiple of 4. Bulk arrays are the host's little-endian bits (codec.cc refuses to build
+//  on a big-endian host).
 //
 // Every decoder validates a payload like wire input: each failure is a CodecError whose
 // kind says which check failed (see nebula/error.h) and whose message names the codec, the
 // field, the value and the limit. No decoder reads out of bounds or allocates more than the
 // header's numel floats, and only after the byte length has been checked against the
-// header (topk and powersgd expand: there numel is bounded by kMaxNumel, by numel <= k *
-// kMaxTopKExpansion for topk, and by expected_numel when the caller passes one).
+// header (topk, powersgd and sparseloco expand: there numel is bounded by kMaxNumel, by
+// numel <= k * kMaxTopKExpansion for topk, by 65536 values per 8 bytes of sparseloco
+// levels, and by expected_numel when the caller passes one).
 //
 // Error bounds (for one encode of t from a fresh state, without error feedback; see
 // Codec::error_bound) and non-finite input:
@@ -59,6 +71,15 @@
 //             converges); raw fallback exact. A non-finite M (or an overflow inside the
 //             power iteration) is sent as all-NaN P and Q, so the whole tensor decodes to
 //             NaN, and state.q is left as it was.
+//   sparseloco per chunk, the k largest |x| are kept (ties to lower indices), the rest are 0:
+//             |err_i| = |x_i| <= T, T the chunk's k-th largest |x|. The kept magnitudes are
+//             cut, in sorted order, into a low and a high group at the cut of least squared
+//             error, each sent as its mean (clamped to the group's range): a kept x_i
+//             decodes to sign(x_i) * its group's level, |err_i| <= max - min of the group's
+//             |x| (so <= the range of the chunk's kept |x|). NaN and Inf rank above every
+//             finite value, so they are kept; a chunk holding one sends lo = hi = NaN: all
+//             its kept positions decode to NaN, the rest (and non-finite values beyond k) to
+//             0. Finite input always decodes finite.
 //  With error feedback, any non-finite entry of the new residual is set to 0 (the step that
 //  produced it decodes to non-finite values, which the update guard rejects; the residual
 //  must not poison every later step).
@@ -76,10 +97,19 @@
 
 namespace nebula::codec {
 
-enum class CodecId : uint8_t { kNone = 0, kFp16 = 1, kBf16 = 2, kInt8 = 3, kInt4 = 4, kTopK = 5, kPowerSgd = 6 };
+enum class CodecId : uint8_t {
+  kNone = 0,
+  kFp16 = 1,
+  kBf16 = 2,
+  kInt8 = 3,
+  kInt4 = 4,
+  kTopK = 5,
+  kPowerSgd = 6,
+  kSparseLoco = 7,
+};
 
-// "none", "fp16", "bf16", "int8", "int4", "topk", "powersgd" (the config's spelling), or
-// "codec(N)" for a value outside the enum.
+// "none", "fp16", "bf16", "int8", "int4", "topk", "powersgd", "sparseloco" (the config's
+// spelling), or "codec(N)" for a value outside the enum.
 std::string codec_name(CodecId id);
 
 inline constexpr uint8_t kFormatVersion = 1;
@@ -93,13 +123,14 @@ inline constexpr int64_t kMaxTopKExpansion = int64_t{1} << 20;
 
 // How to encode. Defaults match [strategy] in the config (include/nebula/config.h).
 struct CodecOptions {
-  std::string kind = "none";   // none | fp16 | bf16 | int8 | int4 | topk | powersgd
-  int64_t block = 256;         // int8/int4: values per (min, scale) pair, 1..2^24
+  std::string kind = "none";   // none | fp16 | bf16 | int8 | int4 | topk | powersgd | sparseloco
+  int64_t block = 256;         // int8/int4: values per (min, scale) pair, 1..2^24;
+                               // sparseloco: values per chunk, 2..65536
   bool stochastic = false;     // int8/int4: stochastic rounding (unbiased) instead of nearest
-  double density = 0.01;       // topk: fraction of values kept, in (0, 1]
+  double density = 0.01;       // topk, sparseloco (per chunk): fraction of values kept, in (0, 1]
   int64_t rank = 4;            // powersgd: rank of the approximation, 1..65536
   uint64_t seed = 1;           // stochastic rounding and PowerSGD's initial Q
-  bool error_feedback = true;  // int8/int4/topk/powersgd; none/fp16/bf16 ignore it
+  bool error_feedback = true;  // int8/int4/topk/powersgd/sparseloco; none/fp16/bf16 ignore it
 };
 
 // Per-tensor state kept by the caller between steps for one logical tensor (bucket). A

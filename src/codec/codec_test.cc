@@ -1,15 +1,20 @@
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <numeric>
 #include <random>
 #include <string>
 #include <vector>
 
 #include "codec/codec.h"
 #include "codec/powersgd_codec.h"
+#include "codec/sparseloco_codec.h"
 #include "codec/topk_codec.h"
 #include "wire/frame.h"
 
@@ -33,10 +38,19 @@ CodecOptions opts(std::string kind) {
   return o;
 }
 
+CodecOptions sparseloco(int64_t chunk, double density) {
+  CodecOptions o = opts("sparseloco");
+  o.block = chunk;
+  o.density = density;
+  return o;
+}
+
+constexpr const char* kAllKinds[] = {"none", "fp16", "bf16", "int8", "int4", "topk", "powersgd", "sparseloco"};
+
 // Every codec, plus the variants with their own code paths.
 std::vector<Case> all_cases() {
   std::vector<Case> cases;
-  for (const char* k : {"none", "fp16", "bf16", "int8", "int4", "topk", "powersgd"}) cases.push_back({k, opts(k)});
+  for (const char* k : kAllKinds) cases.push_back({k, opts(k)});
   for (const char* k : {"int8", "int4"}) {
     CodecOptions o = opts(k);
     o.stochastic = true;
@@ -45,6 +59,11 @@ std::vector<Case> all_cases() {
     o.block = 7;  // odd, and not dividing the sizes below
     cases.push_back({std::string(k) + "_block7", o});
   }
+  // sparseloco: chunks of 7 (3-bit indices, one value kept per chunk), SparseLoCo's chunks
+  // of 4096 keeping 1/64, and a density above 1/32 (the per-value selection path).
+  cases.push_back({"sparseloco_chunk7", sparseloco(7, 0.01)});
+  cases.push_back({"sparseloco_4096", sparseloco(4096, 1.0 / 64)});
+  cases.push_back({"sparseloco_dense", sparseloco(256, 0.3)});
   return cases;
 }
 
@@ -79,6 +98,51 @@ Kind codec_error_kind(F&& f) {
 
 // ---------------------------------------------------------------------------------------
 // Round trips
+
+// sparseloco: in each chunk exactly the k largest |x| (ties to lower indices) decode
+// non-zero, with x's sign and one of at most two levels; each level is the mean of the |x|
+// it stands for, and every |x| of the low level is below every |x| of the high one.
+void check_sparseloco(const CodecOptions& o, const float* x, const float* y, int64_t n) {
+  std::vector<int64_t> order;
+  std::vector<char> keep;
+  for (int64_t start = 0; start < n; start += o.block) {
+    const int64_t len = std::min(o.block, n - start), k = sparseloco_count(len, o.density);
+    order.resize(static_cast<size_t>(len));
+    std::iota(order.begin(), order.end(), start);
+    std::stable_sort(order.begin(), order.end(),
+                     [&](int64_t a, int64_t b) { return std::fabs(x[a]) > std::fabs(x[b]); });
+    keep.assign(static_cast<size_t>(len), 0);
+    for (int64_t j = 0; j < k; ++j) keep[static_cast<size_t>(order[static_cast<size_t>(j)] - start)] = 1;
+    std::vector<float> levels;
+    for (int64_t i = start; i < start + len; ++i) {
+      if (!keep[static_cast<size_t>(i - start)]) {
+        ASSERT_EQ(std::bit_cast<uint32_t>(y[i]), 0u) << "element " << i << " is not kept but decodes to " << y[i];
+        continue;
+      }
+      ASSERT_EQ(std::signbit(y[i]), std::signbit(x[i])) << "element " << i;
+      if (std::find(levels.begin(), levels.end(), std::fabs(y[i])) == levels.end()) levels.push_back(std::fabs(y[i]));
+    }
+    ASSERT_GE(levels.size(), 1u);
+    ASSERT_LE(levels.size(), 2u) << "chunk at " << start;
+    std::sort(levels.begin(), levels.end());
+    double sum[2] = {0, 0}, lo_max = 0, hi_min = kInf;
+    int64_t count[2] = {0, 0};
+    for (int64_t i = start; i < start + len; ++i) {
+      if (!keep[static_cast<size_t>(i - start)]) continue;
+      const int g = std::fabs(y[i]) == levels.back() ? 1 : 0;
+      sum[g] += std::fabs(x[i]);
+      ++count[g];
+      if (g == 0) lo_max = std::max<double>(lo_max, std::fabs(x[i]));
+      if (g == 1) hi_min = std::min<double>(hi_min, std::fabs(x[i]));
+    }
+    ASSERT_EQ(count[0] + count[1], k);
+    if (levels.size() == 2) {
+      EXPECT_NEAR(sum[0] / count[0], levels[0], 1e-6 * levels[0]) << "chunk at " << start;
+      EXPECT_LT(lo_max, hi_min) << "chunk at " << start;
+    }
+    EXPECT_NEAR(sum[1] / count[1], levels.back(), 1e-6 * levels.back()) << "chunk at " << start;
+  }
+}
 
 // The bound each codec promises, checked independently of Codec::error_bound.
 void check_promise(const Case& c, const at::Tensor& t, const at::Tensor& d) {
@@ -117,6 +181,8 @@ void check_promise(const Case& c, const at::Tensor& t, const at::Tensor& d) {
     if (!powersgd_low_rank(t.sizes(), c.options.rank)) {
       EXPECT_TRUE(at::equal(tf, df));
     }
+  } else if (kind == "sparseloco") {
+    check_sparseloco(c.options, x, y, n);
   }
 }
 
@@ -161,6 +227,16 @@ TEST(CodecRoundTrip, PayloadSizes) {
   EXPECT_EQ(topk_count(7, 1.0), 7);
   const at::Tensor m = randn({1000, 1000}, 2);
   EXPECT_EQ(encode_fresh(*make_codec(opts("powersgd")), m).size(), 4 + 16 + 8 + 4 * 2000 * 4);
+  // sparseloco, chunks of 256 keeping 3 (the last, of 67, keeps 1): 3907 chunks, 11719
+  // values of 8 + 2 bits.
+  EXPECT_EQ(encode_fresh(*make_codec(opts("sparseloco")), t).size(), header + 12 + 8 * 3907 + 11719 + 2930);
+  EXPECT_EQ(sparseloco_count(256, 0.01), 3);
+  EXPECT_EQ(sparseloco_count(67, 0.01), 1);
+  EXPECT_EQ(sparseloco_count(4096, 0.01), 41);
+  EXPECT_EQ(sparseloco_count(4096, 1.0 / 64), 64);
+  EXPECT_EQ(sparseloco_count(7, 1.0), 7);
+  EXPECT_EQ(sparseloco_count(10, 0.25), 3);  // 2.5 rounds up
+  EXPECT_EQ(sparseloco_count(0, 0.5), 0);
 }
 
 TEST(CodecRoundTrip, ShapesPreserved) {
@@ -204,6 +280,144 @@ TEST(CodecRoundTrip, CastsRoundToNearestEvenAndOverflowToInf) {
   EXPECT_EQ(b[7].item<float>(), 1.0f);        // 1 + 2^-8 ties to even in bf16
   EXPECT_TRUE(std::isfinite(b[8].item<float>()));  // bf16 has float's range
   EXPECT_NEAR(b[8].item<float>(), 3e38f, 3e38f * 0x1p-8f);
+}
+
+// ---------------------------------------------------------------------------------------
+// sparseloco
+
+// The size a sparseloco payload must have: header, chunk/k/k_last, two f32 levels per
+// chunk, ceil(log2(chunk))-bit indices and 2-bit codes, each stream padded to a byte.
+size_t sparseloco_size(int64_t ndim, int64_t n, int64_t chunk, double density) {
+  const int64_t nchunks = (n + chunk - 1) / chunk;
+  const int64_t kept = n / chunk * sparseloco_count(chunk, density) + sparseloco_count(n % chunk, density);
+  const auto bits = static_cast<int64_t>(std::bit_width(static_cast<uint64_t>(chunk - 1)));
+  return static_cast<size_t>(4 + 8 * ndim + 12 + 8 * nchunks + (kept * bits + 7) / 8 + (kept * 2 + 7) / 8);
+}
+
+TEST(CodecSparseLoco, CompressionRatio) {
+  const int64_t n = int64_t{1} << 20;
+  const at::Tensor t = randn({n}, 41);
+  // SparseLoCo's setting, chunks of 4096 keeping 64: 256 chunks of 64 x (12 + 2) bits plus
+  // two f32 levels.
+  const Bytes p = encode_fresh(*make_codec(sparseloco(4096, 1.0 / 64)), t);
+  EXPECT_EQ(p.size(), 12u + 12 + 256 * 8 + 256 * 64 * 14 / 8);
+  EXPECT_GT(4.0 * n / static_cast<double>(p.size()), 136.0);
+  // 1% (41 per chunk of 4096).
+  const Bytes q = encode_fresh(*make_codec(sparseloco(4096, 0.01)), t);
+  EXPECT_EQ(q.size(), 12u + 12 + 256 * 8 + 256 * 41 * 14 / 8);
+  EXPECT_GT(4.0 * n / static_cast<double>(q.size()), 205.0);
+}
+
+TEST(CodecSparseLoco, RoundTripAtChunkBoundaries) {
+  // Chunks of 4096 (12-bit indices) and of 100 (7-bit, so the bit streams need padding);
+  // work is split in groups of 8 chunks, so 8 and 9 chunks are boundaries too.
+  for (const auto& [chunk, density] : {std::pair{int64_t{4096}, 1.0 / 64}, std::pair{int64_t{100}, 0.05}}) {
+    const CodecOptions o = sparseloco(chunk, density);
+    const Case c{"sparseloco", o};
+    auto codec = make_codec(o);
+    for (int64_t n : {int64_t{0}, int64_t{1}, int64_t{2}, int64_t{3}, chunk - 1, chunk, chunk + 1, 2 * chunk - 1,
+                      2 * chunk, 8 * chunk, 8 * chunk + 1, 9 * chunk - 1, 17 * chunk + 5, int64_t{1'000'003}}) {
+      SCOPED_TRACE("chunk " + std::to_string(chunk) + " numel " + std::to_string(n));
+      const at::Tensor t = randn({n}, 50 + n, 2.0);
+      CodecState state;
+      const Bytes p = codec->encode(t, state);
+      EXPECT_EQ(p.size(), sparseloco_size(1, n, chunk, density));
+      const at::Tensor d = codec->decode(p, n);
+      ASSERT_EQ(d.sizes(), t.sizes());
+      EXPECT_LE(excess(d, t, codec->error_bound(t)), 0.0);
+      check_promise(c, t, d);
+      EXPECT_TRUE(at::equal(decode_any(p), d));
+      // Error feedback keeps exactly what was not sent.
+      EXPECT_TRUE(at::equal(state.residual, t - d));
+    }
+  }
+}
+
+TEST(CodecSparseLoco, TiesConstantsAndZeros) {
+  auto codec = make_codec(sparseloco(256, 0.01));  // k = 3; a last chunk of 44 keeps 1
+  // Equal magnitudes: the lowest indices win, and one level is sent exactly.
+  at::Tensor t = at::full({300}, 2.0f, at::kFloat);
+  t[1] = -2.0f;
+  t[299] = -2.0f;
+  at::Tensor want = at::zeros({300}, at::kFloat);
+  want[0] = 2.0f;
+  want[1] = -2.0f;
+  want[2] = 2.0f;
+  want[256] = 2.0f;
+  CodecState state;
+  const at::Tensor d = codec->decode(codec->encode(t, state));
+  EXPECT_TRUE(at::equal(d, want));
+  EXPECT_TRUE(at::equal(codec->error_bound(t) > 0, want == 0));
+  EXPECT_TRUE(at::equal(state.residual, t - want));
+  // All zeros: zeros are kept (as +-0), nothing else changes.
+  const at::Tensor z = at::zeros({512}, at::kFloat);
+  EXPECT_TRUE(at::equal(codec->decode(encode_fresh(*codec, z)), z));
+  EXPECT_TRUE(at::equal(codec->error_bound(z), z));
+  // One value kept per chunk: sent exactly.
+  auto one = make_codec(sparseloco(8, 0.05));
+  const at::Tensor u = randn({64}, 3);
+  const at::Tensor du = one->decode(encode_fresh(*one, u));
+  EXPECT_TRUE(at::equal(du.abs().view({8, 8}).amax(1), u.abs().view({8, 8}).amax(1)));
+  EXPECT_EQ(at::count_nonzero(du).item<int64_t>(), 8);
+  EXPECT_TRUE(at::equal(du.masked_select(du != 0), u.masked_select(du != 0)));
+}
+
+TEST(CodecSparseLoco, SameBytesOnAnyThreadCount) {
+  // Chunks are coded in parallel groups of 8 whose bit streams start on byte boundaries;
+  // the payload and the residual must not depend on how the groups are spread.
+  const int threads = at::get_num_threads();
+  for (int64_t chunk : {int64_t{7}, int64_t{100}, int64_t{256}, int64_t{4096}}) {
+    SCOPED_TRACE("chunk " + std::to_string(chunk));
+    auto codec = make_codec(sparseloco(chunk, 0.02));
+    const at::Tensor t1 = randn({1'000'003}, 60), t2 = randn({1'000'003}, 61);
+    Bytes p[2];
+    at::Tensor r[2];
+    for (int run = 0; run < 2; ++run) {
+      at::set_num_threads(run == 0 ? 1 : 4);
+      CodecState s;
+      codec->encode(t1, s);
+      p[run] = codec->encode(t2, s);  // with a non-zero residual
+      r[run] = s.residual;
+    }
+    at::set_num_threads(threads);
+    EXPECT_EQ(p[0], p[1]);
+    EXPECT_TRUE(at::equal(r[0], r[1]));
+  }
+}
+
+TEST(CodecSparseLoco, NonFiniteChunksDecodeToNaNWhereKept) {
+  CodecOptions o = sparseloco(8, 0.25);  // k = 2 per chunk of 8
+  auto codec = make_codec(o);
+  at::Tensor t = randn({32}, 70);
+  float* x = t.data_ptr<float>();
+  x[1] = kNaN;  // chunk 0 holds three non-finite values: NaN, then the lower-index inf
+  x[2] = kInf;
+  x[5] = -kInf;
+  x[9] = kInf;  // chunk 1: inf and the largest finite value
+  CodecState state;
+  const at::Tensor d = codec->decode(codec->encode(t, state));
+  const float* y = d.data_ptr<float>();
+  EXPECT_TRUE(std::isnan(y[1]));
+  EXPECT_TRUE(std::isnan(y[2]));
+  EXPECT_EQ(y[5], 0.0f);  // beyond k: not sent
+  EXPECT_TRUE(std::isnan(y[9]));
+  const at::Tensor nan = at::isnan(d).view({4, 8});
+  EXPECT_EQ(nan.sum(1)[0].item<int64_t>(), 2);
+  EXPECT_EQ(nan.sum(1)[1].item<int64_t>(), 2);
+  EXPECT_EQ(nan.slice(0, 2).sum().item<int64_t>(), 0);
+  EXPECT_TRUE(at::isfinite(d.slice(0, 16)).all().item<bool>());
+  // Chunks 2 and 3 are coded as if the others did not exist.
+  const at::Tensor tail = t.slice(0, 16).clone();
+  EXPECT_TRUE(at::equal(d.slice(0, 16), codec->decode(encode_fresh(*codec, tail))));
+  // The residual stays finite: 0 where the decode is non-finite or the value was, x where a
+  // finite value was not sent.
+  const at::Tensor want_residual = at::where(at::isfinite(d) & at::isfinite(t), t - d, at::zeros_like(t));
+  EXPECT_TRUE(at::equal(state.residual, want_residual));
+  // The bound: no promise where the decode is NaN or x is not finite, |x| elsewhere in those
+  // chunks.
+  const at::Tensor b = codec->error_bound(t);
+  EXPECT_TRUE(at::equal(at::isinf(b).slice(0, 0, 16), (at::isnan(d) | at::isfinite(t).logical_not()).slice(0, 0, 16)));
+  EXPECT_TRUE(at::isfinite(b.slice(0, 16)).all().item<bool>());
 }
 
 // ---------------------------------------------------------------------------------------
@@ -253,6 +467,20 @@ TEST(CodecNonFinite, BehavesAsDocumented) {
       if (k == "topk") {
         EXPECT_EQ(at::isfinite(d).logical_not().sum().item<int64_t>(), 3);
       }
+      if (k == "sparseloco") {
+        // The k kept positions of each chunk holding a non-finite value decode to NaN; the
+        // rest of the tensor is finite.
+        const int64_t C = c.options.block, n = d.numel();
+        for (int64_t start = 0; start < n; start += C) {
+          const int64_t len = std::min(C, n - start);
+          const bool bad_chunk = (start <= 3 && 3 < start + len) || (start <= 500 && 500 < start + len) ||
+                                 (start <= 777 && 777 < start + len);
+          const at::Tensor chunk = d.slice(0, start, start + len);
+          EXPECT_EQ(at::isnan(chunk).sum().item<int64_t>(), bad_chunk ? sparseloco_count(len, c.options.density) : 0)
+              << "chunk at " << start;
+          EXPECT_EQ(at::isinf(chunk).sum().item<int64_t>(), 0);
+        }
+      }
     }
   }
   // PowerSGD keeps its warm start through a non-finite step.
@@ -268,7 +496,7 @@ TEST(CodecNonFinite, BehavesAsDocumented) {
 TEST(CodecNonFinite, HugeFiniteValuesStayFiniteOrBecomeInf) {
   // fp16 overflows to inf (documented); int8 of a block within float range stays within bound.
   const at::Tensor t = at::tensor({-1e30f, 1e30f, 0.0f, 5.0f}, at::kFloat);
-  for (const char* k : {"int8", "int4", "bf16", "topk", "none"}) {
+  for (const char* k : {"int8", "int4", "bf16", "topk", "none", "sparseloco"}) {
     auto c = make_codec(opts(k));
     const at::Tensor d = c->decode(encode_fresh(*c, t));
     EXPECT_TRUE(at::isfinite(d).all().item<bool>()) << k;
@@ -373,7 +601,7 @@ TEST(CodecErrorFeedback, CumulativeSumConverges) {
   CodecOptions psgd = opts("powersgd");
   psgd.rank = 2;
   CodecOptions int4 = opts("int4");
-  for (const CodecOptions& o : {topk, psgd, int4}) {
+  for (const CodecOptions& o : {topk, psgd, int4, opts("sparseloco"), sparseloco(4096, 1.0 / 64)}) {
     SCOPED_TRACE(o.kind);
     const FeedbackResult ef = run_feedback(o, true, 200);
     const FeedbackResult plain = run_feedback(o, false, 200);
@@ -456,6 +684,7 @@ TEST(CodecPowerSgd, FallsBackToRawForSmallOrOneDimensional) {
 Bytes sample_payload(const std::string& kind) {
   CodecOptions o = opts(kind);
   if (kind == "topk") o.density = 0.05;
+  if (kind == "sparseloco") o = sparseloco(100, 0.05);  // 7-bit indices, 5 per chunk
   const at::Tensor t = kind == "powersgd" ? randn({64, 96}, 31) : randn({10, 100}, 31);
   return encode_fresh(*make_codec(o), t);
 }
@@ -463,7 +692,7 @@ Bytes sample_payload(const std::string& kind) {
 Bytes cut(const Bytes& p, size_t len) { return Bytes(p.begin(), p.begin() + static_cast<std::ptrdiff_t>(len)); }
 
 TEST(CodecCorrupt, TruncatedAtEveryLength) {
-  for (const char* kind : {"none", "fp16", "bf16", "int8", "int4", "topk", "powersgd"}) {
+  for (const char* kind : kAllKinds) {
     SCOPED_TRACE(kind);
     const Bytes p = sample_payload(kind);
     auto codec = make_codec(opts(kind));
@@ -482,7 +711,7 @@ TEST(CodecCorrupt, TruncatedAtEveryLength) {
 }
 
 TEST(CodecCorrupt, HeaderFields) {
-  for (const char* kind : {"none", "fp16", "bf16", "int8", "int4", "topk", "powersgd"}) {
+  for (const char* kind : kAllKinds) {
     SCOPED_TRACE(kind);
     const Bytes p = sample_payload(kind);
     auto codec = make_codec(opts(kind));
@@ -492,7 +721,7 @@ TEST(CodecCorrupt, HeaderFields) {
     EXPECT_CODEC_ERROR(Kind::kBadHeader, decode_any(q));
     EXPECT_CODEC_ERROR(Kind::kBadHeader, payload_codec(q));
     q = p;
-    q[0] = static_cast<uint8_t>((p[0] + 1) % 7);  // another codec's id
+    q[0] = static_cast<uint8_t>((p[0] + 1) % 8);  // another codec's id
     EXPECT_CODEC_ERROR(Kind::kMismatch, codec->decode(q));
     q = p;
     q[1] = 2;  // format version
@@ -521,6 +750,25 @@ TEST(CodecCorrupt, HeaderFields) {
 
 void put_u32(Bytes& p, size_t off, uint32_t v) { std::memcpy(p.data() + off, &v, 4); }
 void put_u64(Bytes& p, size_t off, uint64_t v) { std::memcpy(p.data() + off, &v, 8); }
+void put_f32(Bytes& p, size_t off, float v) { std::memcpy(p.data() + off, &v, 4); }
+float get_f32(const Bytes& p, size_t off) {
+  float v;
+  std::memcpy(&v, p.data() + off, 4);
+  return v;
+}
+// n bits at bit offset `bit` (LSB-first), as sparseloco's bit streams hold them.
+uint32_t get_bits(const Bytes& p, size_t bit, int n) {
+  uint32_t v = 0;
+  for (int j = 0; j < n; ++j) v |= static_cast<uint32_t>((p[(bit + j) / 8] >> ((bit + j) % 8)) & 1) << j;
+  return v;
+}
+void put_bits(Bytes& p, size_t bit, int n, uint32_t v) {
+  for (int j = 0; j < n; ++j) {
+    uint8_t& b = p[(bit + j) / 8];
+    const auto mask = static_cast<uint8_t>(1u << ((bit + j) % 8));
+    b = static_cast<uint8_t>(((v >> j) & 1) ? (b | mask) : (b & ~mask));
+  }
+}
 
 TEST(CodecCorrupt, CodecParameters) {
   const size_t params = 4 + 16;  // every sample payload is 2-D
@@ -606,12 +854,130 @@ TEST(CodecCorrupt, CodecParameters) {
     w.put_u32(0);
     EXPECT_CODEC_ERROR(Kind::kBadHeader, decode_any(w.take()));
   }
+  {
+    // sparseloco: 1000 values in 10 chunks of 100 keeping 5: levels at 32 (lo) and 72 (hi),
+    // 50 7-bit indices at byte 112 (350 bits: 44 bytes), 50 2-bit codes at 156 (13 bytes).
+    const Bytes p = sample_payload("sparseloco");
+    ASSERT_EQ(p.size(), 169u);
+    const size_t lo = params + 12, hi = lo + 40, idx = 8 * (hi + 40), codes = 8 * 156;
+    auto index_bit = [&](int chunk, int j) { return idx + 7 * static_cast<size_t>(5 * chunk + j); };
+    EXPECT_NO_THROW(decode_any(p));
+    for (uint32_t chunk : {0u, 1u, 65537u, 0xFFFFFFFFu}) {
+      Bytes q = p;
+      put_u32(q, params, chunk);
+      EXPECT_CODEC_ERROR(Kind::kBadHeader, decode_any(q)) << chunk;
+    }
+    Bytes q = p;
+    put_u32(q, params, 128);  // 7 full chunks and one of 104, which must keep k_last >= 1
+    EXPECT_CODEC_ERROR(Kind::kBadHeader, decode_any(q));
+    q = p;
+    put_u32(q, params, 200);  // 5 chunks: fewer bytes than the data holds
+    EXPECT_CODEC_ERROR(Kind::kMismatch, decode_any(q));
+    for (uint32_t k : {0u, 101u}) {  // k outside [1, chunk]
+      q = p;
+      put_u32(q, params + 4, k);
+      EXPECT_CODEC_ERROR(Kind::kBadHeader, decode_any(q)) << k;
+    }
+    q = p;
+    put_u32(q, params + 4, 4);  // fewer indices and codes than the data holds
+    EXPECT_CODEC_ERROR(Kind::kMismatch, decode_any(q));
+    q = p;
+    put_u32(q, params + 4, 6);  // more
+    EXPECT_CODEC_ERROR(Kind::kTruncated, decode_any(q));
+    q = p;
+    put_u32(q, params + 8, 1);  // k_last, but 100 divides 1000
+    EXPECT_CODEC_ERROR(Kind::kBadHeader, decode_any(q));
+    // Levels: both NaN is a non-finite chunk; anything else must be 0 <= lo <= hi < inf.
+    q = p;
+    put_f32(q, lo + 12, kNaN);
+    put_f32(q, hi + 12, kNaN);
+    const at::Tensor nan_chunk = decode_any(q).flatten();
+    EXPECT_EQ(at::isnan(nan_chunk).sum().item<int64_t>(), 5);
+    EXPECT_EQ(at::isnan(nan_chunk.slice(0, 300, 400)).sum().item<int64_t>(), 5);
+    const float lo3 = get_f32(p, lo + 12), hi3 = get_f32(p, hi + 12);
+    for (const auto& [l, h] : {std::pair{hi3 * 2, hi3}, std::pair{-lo3, hi3}, std::pair{-0.5f, 0.5f},
+                               std::pair{lo3, kInf}, std::pair{kInf, kInf}, std::pair{kNaN, hi3},
+                               std::pair{lo3, kNaN}}) {
+      q = p;
+      put_f32(q, lo + 12, l);
+      put_f32(q, hi + 12, h);
+      EXPECT_CODEC_ERROR(Kind::kMismatch, decode_any(q)) << l << " " << h;
+    }
+    // Indices: equal, decreasing, past the chunk (7 bits reach 127).
+    q = p;
+    put_bits(q, index_bit(2, 1), 7, get_bits(p, index_bit(2, 0), 7));
+    EXPECT_CODEC_ERROR(Kind::kMismatch, decode_any(q));
+    q = p;
+    put_bits(q, index_bit(2, 0), 7, get_bits(p, index_bit(2, 1), 7) + 1);
+    EXPECT_CODEC_ERROR(Kind::kMismatch, decode_any(q));
+    for (uint32_t i : {100u, 127u}) {
+      q = p;
+      put_bits(q, index_bit(9, 4), 7, i);
+      EXPECT_CODEC_ERROR(Kind::kMismatch, decode_any(q)) << i;
+    }
+    q = p;
+    put_bits(q, index_bit(9, 4), 7, 99);  // still after index 3 (almost surely) and in range
+    if (get_bits(p, index_bit(9, 3), 7) < 99) {
+      EXPECT_NO_THROW(decode_any(q));
+    }
+    // Padding bits after the last index and the last code.
+    q = p;
+    put_bits(q, idx + 350, 1, 1);
+    EXPECT_CODEC_ERROR(Kind::kMismatch, decode_any(q));
+    q = p;
+    put_bits(q, codes + 103, 1, 1);
+    EXPECT_CODEC_ERROR(Kind::kMismatch, decode_any(q));
+    // Codes are never wrong: flipping a sign flips a sign.
+    q = p;
+    put_bits(q, codes, 1, get_bits(p, codes, 1) ^ 1);
+    EXPECT_TRUE(at::equal(decode_any(q).abs(), decode_any(p).abs()));
+    // A shape of ~2^30 elements (a multiple of the chunk) from a 169-byte payload: the byte
+    // count gives it away before anything is allocated.
+    q = p;
+    put_u64(q, 4, uint64_t{100} << 20);
+    put_u64(q, 12, 10);
+    EXPECT_CODEC_ERROR(Kind::kTruncated, decode_any(q));
+    q = p;
+    put_u64(q, 4, uint64_t{1} << 15);  // 2^30: not a multiple of 100, and k_last is 0
+    put_u64(q, 12, uint64_t{1} << 15);
+    EXPECT_CODEC_ERROR(Kind::kBadHeader, decode_any(q));
+
+    // A partial last chunk of 50 keeps 3 (2.5 rounds up); its indices must stay below 50.
+    const Bytes r = encode_fresh(*make_codec(sparseloco(100, 0.05)), randn({1050}, 32));
+    const size_t rp = 4 + 8;  // 1-D
+    EXPECT_EQ(r.size(), sparseloco_size(1, 1050, 100, 0.05));
+    for (uint32_t k_last : {0u, 51u}) {
+      q = r;
+      put_u32(q, rp + 8, k_last);
+      EXPECT_CODEC_ERROR(Kind::kBadHeader, decode_any(q)) << k_last;
+    }
+    const size_t r_last_index = 8 * (rp + 12 + 8 * 11) + 7 * (53 - 1);
+    q = r;
+    put_bits(q, r_last_index, 7, 50);
+    EXPECT_CODEC_ERROR(Kind::kMismatch, decode_any(q));
+    // An empty tensor: no chunks, k_last must be 0.
+    auto empty = [](uint32_t chunk, uint32_t k, uint32_t k_last) {
+      wire::ByteWriter w;
+      for (uint8_t b : {uint8_t{7}, uint8_t{1}, uint8_t{1}, uint8_t{1}}) w.put_u8(b);
+      w.put_u64(0);
+      w.put_u32(chunk);
+      w.put_u32(k);
+      w.put_u32(k_last);
+      return w.take();
+    };
+    EXPECT_EQ(decode_any(empty(2, 1, 0)).numel(), 0);
+    EXPECT_CODEC_ERROR(Kind::kBadHeader, decode_any(empty(2, 1, 1)));
+    EXPECT_CODEC_ERROR(Kind::kBadHeader, decode_any(empty(2, 3, 0)));
+    Bytes longer = empty(2, 1, 0);
+    longer.push_back(0);
+    EXPECT_CODEC_ERROR(Kind::kMismatch, decode_any(longer));
+  }
 }
 
 TEST(CodecCorrupt, RandomMutationsNeverCrash) {
   std::mt19937_64 rng(20240601);
   int errors = 0, ok = 0;
-  for (const char* kind : {"none", "fp16", "bf16", "int8", "int4", "topk", "powersgd"}) {
+  for (const char* kind : kAllKinds) {
     const Bytes p = sample_payload(kind);
     for (int iter = 0; iter < 300; ++iter) {
       Bytes q = p;
@@ -670,18 +1036,29 @@ TEST(CodecOptionsTest, BadOptionsNameTheKey) {
   o = opts("powersgd");
   o.rank = 0;
   EXPECT_NE(config_error(o).find("strategy.codec_rank = 0"), std::string::npos);
+  // sparseloco: the block is the chunk, and in-chunk indices must fit in 16 bits.
+  for (int64_t block : {int64_t{-1}, int64_t{0}, int64_t{1}, int64_t{65537}, int64_t{1} << 24}) {
+    const std::string e = config_error(sparseloco(block, 0.01));
+    EXPECT_NE(e.find("strategy.codec_block = " + std::to_string(block) + " is not in [2, 65536]"), std::string::npos)
+        << e;
+  }
+  EXPECT_EQ(config_error(sparseloco(2, 0.01)), "");
+  EXPECT_EQ(config_error(sparseloco(65536, 1.0)), "");
+  for (double d : {0.0, -0.1, 1.5, std::nan("")}) {
+    EXPECT_NE(config_error(sparseloco(4096, d)).find("strategy.codec_density"), std::string::npos) << d;
+  }
   // Parameters of other codecs are not checked.
   o = opts("fp16");
   o.rank = 0;
   o.block = 0;
   EXPECT_EQ(config_error(o), "");
-  const char* kinds[] = {"none", "fp16", "bf16", "int8", "int4", "topk", "powersgd"};
-  for (int i = 0; i < 7; ++i) {
-    auto c = make_codec(opts(kinds[i]));
-    EXPECT_EQ(c->name(), kinds[i]);
+  for (int i = 0; i < 8; ++i) {
+    auto c = make_codec(opts(kAllKinds[i]));
+    EXPECT_EQ(c->name(), kAllKinds[i]);
     EXPECT_EQ(static_cast<int>(c->id()), i);
-    EXPECT_EQ(codec_name(c->id()), kinds[i]);
+    EXPECT_EQ(codec_name(c->id()), kAllKinds[i]);
   }
+  EXPECT_EQ(CodecId::kSparseLoco, static_cast<CodecId>(7));
   EXPECT_EQ(codec_name(static_cast<CodecId>(42)), "codec(42)");
 }
 

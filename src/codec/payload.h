@@ -72,7 +72,10 @@ at::Tensor& residual_for(CodecState& state, const at::Tensor& t, const char* cod
 
 // x[i] = a[i] + b[i].
 void add(const float* a, const float* b, float* x, int64_t n);
-// r[i] = x[i] - y[i], with non-finite results set to 0.
+// d, or 0 when d is NaN or +-inf (d - d is NaN exactly then): error feedback never keeps a
+// non-finite residual. For codecs that update the residual one element at a time.
+inline float finite_or_zero(float d) { return (d - d == 0.0f) ? d : 0.0f; }
+// r[i] = finite_or_zero(x[i] - y[i]).
 void sub_finite(const float* x, const float* y, float* r, int64_t n);
 
 // Counter-based RNG: a 64-bit key from (seed, counter), then 32 random bits per element
