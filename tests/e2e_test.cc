@@ -253,7 +253,7 @@ TEST(EndToEnd, BadConfigGivesOneLineNamingTheKey) {
 }
 
 TEST(EndToEnd, HelpWorksForEverySubcommand) {
-  for (const char* sub : {"", "run ", "worker ", "demo ", "certs ", "certs init ", "certs issue "}) {
+  for (const char* sub : {"", "run ", "worker ", "demo ", "plan ", "certs ", "certs init ", "certs issue "}) {
     Result r = run(std::string(sub) + "--help", 30);
     EXPECT_EQ(r.exit_code, 0) << sub << r.output;
     EXPECT_NE(r.output.find("Usage"), std::string::npos) << sub << r.output;
@@ -278,6 +278,23 @@ TEST(EndToEnd, WorkerWithoutSiteSaysSo) {
   r = run("worker examples/smoke.toml --site nowhere --rank 0", 30);
   EXPECT_EQ(r.exit_code, 2) << r.output;
   EXPECT_NE(r.output.find("no site named 'nowhere'"), std::string::npos) << r.output;
+}
+
+// `nebula plan`: the table with a recommendation, the same as JSON, and config errors (exit 2).
+TEST(EndToEnd, PlanPrintsTableOrJsonAndNamesBadKeys) {
+  Result r = run("plan examples/plan_8x512_70b.toml", 30);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("recommended: "), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("WAN/1000 steps"), std::string::npos) << r.output;
+  r = run("plan examples/plan_demo.toml --json --set 'wan.bandwidth=\"1Gbit\"'", 30);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  auto j = nlohmann::json::parse(r.output);
+  EXPECT_EQ(j["topology"]["wan_bandwidth_bits_per_s"].get<double>(), 1e9);
+  EXPECT_TRUE(j["recommended"].contains("reason"));
+  EXPECT_GT(j["candidates"].size(), 10u);
+  r = run("plan examples/plan_demo.toml --set 'candidates.codecs=[\"int9\"]'", 30);
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  EXPECT_NE(r.output.find("candidates.codecs"), std::string::npos) << r.output;
 }
 
 }  // namespace

@@ -12,6 +12,7 @@
 #include "nebula/config.h"
 #include "nebula/error.h"
 #include "nebula/log.h"
+#include "plan/plan.h"
 #include "train/launcher.h"
 #include "train/worker.h"
 #include "transport/certs.h"
@@ -80,6 +81,20 @@ int main(int argc, char** argv) {
   certs_issue->add_option("--site", site_name, "The site's name, as in [[sites]] name")->required();
   certs_issue->add_option("--days", days, "Validity in days (default 825)");
 
+  std::string topology_path;
+  bool plan_json = false;
+  size_t plan_top = 0;
+  auto* plan = app.add_subcommand(
+      "plan", "Predict step time, WAN bytes and compute utilization of each strategy and codec for a topology, "
+              "and recommend one (see examples/plan_*.toml)");
+  plan->add_option("topology", topology_path, "Topology (TOML): [model], [[sites]], [wan], [candidates], [planner]")
+      ->required()
+      ->check(CLI::ExistingFile);
+  plan->add_option("--set", overrides, "Override a topology key, e.g. --set wan.bandwidth='\"10Gbit\"' (repeatable)")
+      ->allow_extra_args(false);
+  plan->add_flag("--json", plan_json, "Print the same as JSON");
+  plan->add_option("--top", plan_top, "Show only the best N rows of the table (default: all)");
+
   CLI11_PARSE(app, argc, argv);
   nebula::init_logging("nebula");
   try {
@@ -93,6 +108,13 @@ int main(int argc, char** argv) {
       std::printf("nebula demo: MLM pre-training on two sites (%s) over an emulated WAN; run dir %s\n",
                   (c.sites[0].name + ", " + c.sites[1].name).c_str(), c.job.run_dir.c_str());
       return nebula::train::run_local(c, {self_executable()});
+    }
+    if (*plan) {
+      nebula::plan::Topology t = nebula::plan::load_topology(topology_path, overrides);
+      nebula::plan::Plan p = nebula::plan::make_plan(t);
+      std::fputs((plan_json ? nebula::plan::format_json(t, p) : nebula::plan::format_table(t, p, plan_top)).c_str(),
+                 stdout);
+      return 0;
     }
     if (*certs_init) {
       std::filesystem::create_directories(certs_dir);

@@ -1,0 +1,787 @@
+#include "plan/plan.h"
+
+#include <algorithm>
+#include <cctype>
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <set>
+#include <sstream>
+#include <toml++/toml.h>
+#include <tuple>
+
+#include "nebula/error.h"
+#include "nebula/units.h"
+
+namespace nebula::plan {
+namespace {
+
+// ─── Reading the topology file ──────────────────────────────────────────────────────────────
+// The same conventions as the job config (src/util/config.cc): every error names
+// file:line:col and the key, unknown keys are errors. The reader there is private to the
+// config; this is the subset a topology needs, plus the unit-bearing numbers it adds
+// ("70B" parameters, "400T" FLOP/s).
+
+std::string where(const toml::node& node, const std::string& fallback) {
+  const auto& src = node.source();
+  std::string file = src.path ? *src.path : fallback;
+  if (src.begin.line == 0) return file;
+  return str_cat(file, ":", src.begin.line, ":", src.begin.column);
+}
+
+std::string type_name(const toml::node& n) {
+  switch (n.type()) {
+    case toml::node_type::string: return "a string";
+    case toml::node_type::integer: return "an integer";
+    case toml::node_type::floating_point: return "a float";
+    case toml::node_type::boolean: return "a boolean";
+    case toml::node_type::array: return "an array";
+    case toml::node_type::table: return "a table";
+    default: return "a date/time";
+  }
+}
+
+// "70e9", "70B", "1.5M", "400T", "400TFLOP/s": a non-negative number with an optional SI
+// suffix (K, M, G or B, T, P, E) and an optional unit word that `units` allows.
+double parse_si(const std::string& text, std::initializer_list<const char*> units, const char* forms) {
+  size_t i = 0;
+  while (i < text.size() && std::isspace(static_cast<unsigned char>(text[i]))) ++i;
+  size_t start = i;
+  while (i < text.size() && (std::isdigit(static_cast<unsigned char>(text[i])) || text[i] == '.' ||
+                             ((text[i] == 'e' || text[i] == 'E') && i + 1 < text.size() &&
+                              (std::isdigit(static_cast<unsigned char>(text[i + 1])) || text[i + 1] == '+' ||
+                               text[i + 1] == '-')) ||
+                             ((text[i] == '+' || text[i] == '-') && i > start &&
+                              (text[i - 1] == 'e' || text[i - 1] == 'E'))))
+    ++i;
+  std::string number = text.substr(start, i - start);
+  double value = 0;
+  try {
+    size_t used = 0;
+    value = std::stod(number, &used);
+    if (used != number.size()) throw std::invalid_argument("trailing");
+  } catch (const std::exception&) {
+    throw ConfigError(str_cat("bad number \"", text, "\": expected a non-negative number, ", forms));
+  }
+  while (i < text.size() && std::isspace(static_cast<unsigned char>(text[i]))) ++i;
+  std::string rest = text.substr(i);
+  while (!rest.empty() && std::isspace(static_cast<unsigned char>(rest.back()))) rest.pop_back();
+  static const std::map<char, double> prefix = {{'K', 1e3}, {'M', 1e6}, {'G', 1e9}, {'B', 1e9},
+                                                {'T', 1e12}, {'P', 1e15}, {'E', 1e18}};
+  if (!rest.empty()) {
+    auto p = prefix.find(rest[0]);
+    if (p != prefix.end()) {
+      std::string unit = rest.substr(1);
+      bool ok = unit.empty();
+      for (const char* u : units) ok |= unit == u;
+      if (ok) return value * p->second;
+    }
+    bool ok = false;
+    for (const char* u : units) ok |= rest == u;
+    if (!ok) throw ConfigError(str_cat("bad number \"", text, "\": unknown suffix \"", rest, "\"; ", forms));
+  }
+  if (!std::isfinite(value)) throw ConfigError(str_cat("bad number \"", text, "\": not finite"));
+  return value;
+}
+
+class Section {
+ public:
+  Section(const toml::table& table, std::string prefix, std::string file)
+      : table_(table), prefix_(std::move(prefix)), file_(std::move(file)) {}
+
+  std::string key_name(const std::string& key) const { return prefix_.empty() ? key : prefix_ + "." + key; }
+
+  [[noreturn]] void fail(const toml::node& node, const std::string& key, const std::string& msg) const {
+    throw ConfigError(str_cat(where(node, file_), ": key '", key_name(key), "': ", msg));
+  }
+
+  const toml::node* find(const std::string& key) {
+    used_.insert(key);
+    return table_.get(key);
+  }
+
+  bool has(const std::string& key) const { return table_.get(key) != nullptr; }
+
+  // A key the topology cannot do without: the error points at the table's header.
+  void require(const std::string& key, const char* example) const {
+    if (!has(key)) fail(table_, key, str_cat("missing (e.g. ", example, ")"));
+  }
+
+  void string(const std::string& key, std::string& out) {
+    const toml::node* n = find(key);
+    if (!n) return;
+    if (!n->is_string()) fail(*n, key, str_cat("expected a string, got ", type_name(*n)));
+    out = *n->value<std::string>();
+  }
+
+  void boolean(const std::string& key, bool& out) {
+    const toml::node* n = find(key);
+    if (!n) return;
+    if (!n->is_boolean()) fail(*n, key, str_cat("expected true or false, got ", type_name(*n)));
+    out = *n->value<bool>();
+  }
+
+  void number(const std::string& key, double& out, double min, double max) {
+    const toml::node* n = find(key);
+    if (!n) return;
+    if (!n->is_number()) fail(*n, key, str_cat("expected a number, got ", type_name(*n)));
+    check_range(*n, key, *n->value<double>(), min, max, out);
+  }
+
+  void integer(const std::string& key, int64_t& out, int64_t min, int64_t max) {
+    const toml::node* n = find(key);
+    if (!n) return;
+    if (!n->is_integer()) fail(*n, key, str_cat("expected an integer, got ", type_name(*n)));
+    int64_t v = *n->value<int64_t>();
+    if (v < min || v > max) fail(*n, key, str_cat(v, " is out of range [", min, ", ", max, "]"));
+    out = v;
+  }
+
+  // A number, or a string with an SI suffix and optional unit words ("70B", "400T").
+  void si(const std::string& key, double& out, double min, std::initializer_list<const char*> units,
+          const char* forms) {
+    const toml::node* n = find(key);
+    if (!n) return;
+    double v = 0;
+    if (n->is_number()) {
+      v = *n->value<double>();
+    } else if (n->is_string()) {
+      try {
+        v = parse_si(*n->value<std::string>(), units, forms);
+      } catch (const ConfigError& e) {
+        fail(*n, key, e.what());
+      }
+    } else {
+      fail(*n, key, str_cat("expected a number or a string like \"70B\", got ", type_name(*n)));
+    }
+    check_range(*n, key, v, min, 1e30, out);
+  }
+
+  // A rate ("1Gbit"); "0" means unlimited, as in the job config's [wan].
+  void rate(const std::string& key, double& out) {
+    unit(key, out, [](const std::string& text) {
+      double bits = parse_rate_bits(text);
+      return bits == 0 ? kUnlimited : bits;
+    });
+  }
+
+  void duration(const std::string& key, double& seconds) {
+    unit(key, seconds, [](const std::string& text) { return std::chrono::duration<double>(parse_duration(text)).count(); });
+  }
+
+  // An array of strings, each one of `allowed`.
+  void strings(const std::string& key, std::vector<std::string>& out, const std::vector<std::string>& allowed) {
+    const toml::node* n = find(key);
+    if (!n) return;
+    const toml::array* arr = n->as_array();
+    if (!arr) fail(*n, key, str_cat("expected an array of strings, got ", type_name(*n)));
+    out.clear();
+    for (const toml::node& item : *arr) {
+      if (!item.is_string()) fail(item, key, str_cat("expected an array of strings, found ", type_name(item)));
+      std::string v = *item.value<std::string>();
+      if (std::find(allowed.begin(), allowed.end(), v) == allowed.end()) {
+        std::string list;
+        for (const auto& a : allowed) list += str_cat(list.empty() ? "" : ", ", "\"", a, "\"");
+        fail(item, key, str_cat("\"", v, "\" is not one of ", list));
+      }
+      out.push_back(v);
+    }
+    if (out.empty()) fail(*n, key, "must not be empty");
+  }
+
+  // An integer or an array of integers, each in [min, max].
+  void integers(const std::string& key, std::vector<int64_t>& out, int64_t min, int64_t max) {
+    const toml::node* n = find(key);
+    if (!n) return;
+    std::vector<const toml::node*> items;
+    if (const toml::array* arr = n->as_array()) {
+      for (const toml::node& item : *arr) items.push_back(&item);
+      if (items.empty()) fail(*n, key, "must not be empty");
+    } else {
+      items.push_back(n);
+    }
+    out.clear();
+    for (const toml::node* item : items) {
+      if (!item->is_integer()) fail(*item, key, str_cat("expected an integer or an array of integers, found ", type_name(*item)));
+      int64_t v = *item->value<int64_t>();
+      if (v < min || v > max) fail(*item, key, str_cat(v, " is out of range [", min, ", ", max, "]"));
+      out.push_back(v);
+    }
+  }
+
+  template <typename Each>
+  void tables(const std::string& key, Each each) {
+    const toml::node* n = find(key);
+    if (!n) return;
+    const toml::array* arr = n->as_array();
+    if (!arr || !arr->is_array_of_tables())
+      fail(*n, key, str_cat("expected an array of tables ([[", key_name(key), "]] blocks)"));
+    for (size_t i = 0; i < arr->size(); ++i) {
+      const toml::table& t = *arr->get(i)->as_table();
+      Section s(t, str_cat(key_name(key), "[", i, "]"), file_);
+      each(s, t);
+      s.finish();
+    }
+  }
+
+  // A sub-table ([wan] inside the root); nullptr if absent.
+  const toml::table* table(const std::string& key) {
+    const toml::node* n = find(key);
+    if (!n) return nullptr;
+    if (!n->is_table()) fail(*n, key, str_cat("expected a table [", key_name(key), "], got ", type_name(*n)));
+    return n->as_table();
+  }
+
+  void finish() const {
+    for (auto&& [k, v] : table_) {
+      std::string key(k.str());
+      if (used_.count(key)) continue;
+      std::string known;
+      for (const auto& u : used_) known += str_cat(known.empty() ? "" : ", ", u);
+      fail(v, key, str_cat("unknown key (known keys here: ", known, ")"));
+    }
+  }
+
+  const toml::table& node() const { return table_; }
+
+ private:
+  template <typename T, typename Parse>
+  void unit(const std::string& key, T& out, Parse parse) {
+    const toml::node* n = find(key);
+    if (!n) return;
+    std::string text;
+    if (n->is_string()) text = *n->value<std::string>();
+    else if (n->is_integer() && *n->value<int64_t>() == 0) text = "0";
+    else fail(*n, key, str_cat("expected a string with a unit (e.g. \"50ms\", \"1Gbit\"), got ", type_name(*n)));
+    try {
+      out = parse(text);
+    } catch (const ConfigError& e) {
+      fail(*n, key, e.what());
+    }
+  }
+
+  void check_range(const toml::node& n, const std::string& key, double v, double min, double max, double& out) {
+    if (!(v >= min && v <= max)) fail(n, key, str_cat(v, " is out of range [", min, ", ", max, "]"));
+    out = v;
+  }
+
+  const toml::table& table_;
+  std::string prefix_;
+  std::string file_;
+  std::set<std::string> used_;
+};
+
+// "a.b.c=value" → table[a][b][c] = value (TOML, else a bare string); sites.N.key indexes
+// [[sites]]. The same rules as `nebula run --set`.
+void apply_override(toml::table& root, const std::string& text) {
+  auto eq = text.find('=');
+  if (eq == std::string::npos || eq == 0)
+    throw ConfigError(str_cat("--set ", text, ": expected KEY=VALUE, e.g. --set wan.bandwidth=\"10Gbit\""));
+  std::string key = text.substr(0, eq), value = text.substr(eq + 1);
+  std::string origin = "--set " + text;
+  toml::table parsed;
+  try {
+    parsed = toml::parse("v = " + value, origin);
+  } catch (const toml::parse_error&) {
+    parsed = toml::parse("v = \"\"\"" + value + "\"\"\"", origin);
+  }
+  std::vector<std::string> parts;
+  std::stringstream ss(key);
+  for (std::string p; std::getline(ss, p, '.');) parts.push_back(p);
+  if (parts.empty() || std::find(parts.begin(), parts.end(), "") != parts.end())
+    throw ConfigError(str_cat(origin, ": bad key '", key, "'"));
+  toml::table* t = &root;
+  for (size_t i = 0; i + 1 < parts.size(); ++i) {
+    toml::node* next = t->get(parts[i]);
+    if (!next) {
+      t->insert(parts[i], toml::table{});
+      next = t->get(parts[i]);
+    }
+    if (auto* arr = next->as_array()) {
+      if (parts[i + 1].find_first_not_of("0123456789") != std::string::npos)
+        throw ConfigError(str_cat(origin, ": '", parts[i], "' is an array; name an index, e.g. ", parts[i], ".0.key"));
+      size_t idx = std::stoul(parts[++i]);
+      if (idx >= arr->size() || !arr->get(idx)->is_table())
+        throw ConfigError(str_cat(origin, ": index ", idx, " out of range for '", parts[i - 1], "' (size ", arr->size(), ")"));
+      if (i + 1 >= parts.size()) throw ConfigError(str_cat(origin, ": expected a key after the index"));
+      t = arr->get(idx)->as_table();
+      continue;
+    }
+    t = next->as_table();
+    if (!t) throw ConfigError(str_cat(origin, ": '", parts[i], "' is not a table"));
+  }
+  t->insert_or_assign(parts.back(), std::move(*parsed.get("v")));
+}
+
+const char* kCountForms = "e.g. 70e9 or \"70B\" (K, M, B or G, T)";
+const char* kFlopsForms = "e.g. 4e14 or \"400T\" / \"400TFLOP/s\" (K, M, G, T, P, E)";
+
+Topology build(const toml::table& root, const std::string& file) {
+  Topology t;
+  t.source = file;
+  Section top(root, "", file);
+
+  const toml::table* model = top.table("model");
+  if (!model) throw ConfigError(str_cat(file, ": key 'model': missing: a topology needs [model] parameters = ..."));
+  {
+    Section s(*model, "model", file);
+    s.require("parameters", "parameters = 70e9");
+    s.require("tokens_per_step_per_worker", "tokens_per_step_per_worker = 4096");
+    s.si("parameters", t.parameters, 1, {}, kCountForms);
+    s.si("trainable", t.trainable, 1, {}, kCountForms);
+    s.si("tokens_per_step_per_worker", t.tokens_per_step_per_worker, 1e-9, {}, kCountForms);
+    s.si("flops_per_token", t.flops_per_token, 1e-9, {"FLOP", "FLOPs", "flop"}, kFlopsForms);
+    s.finish();
+    if (t.trainable == 0) t.trainable = t.parameters;
+    if (t.trainable > t.parameters)
+      s.fail(*model->get("trainable"), "trainable",
+             str_cat(t.trainable, " is more than parameters = ", t.parameters));
+    if (t.flops_per_token == 0) t.flops_per_token = 6 * t.parameters;
+  }
+
+  std::set<std::string> names;
+  if (!top.has("sites")) throw ConfigError(str_cat(file, ": key 'sites': missing: a topology needs [[sites]] blocks"));
+  top.tables("sites", [&](Section& s, const toml::table& st) {
+    SitePlan site;
+    s.require("name", "name = \"alpha\"");
+    s.string("name", site.name);
+    s.integer("workers", site.workers, 1, int64_t{1} << 30);
+    s.si("worker_flops", site.worker_flops, 1e-9, {"FLOP/s", "FLOPS", "flop/s"}, kFlopsForms);
+    s.si("tokens_per_second_per_worker", site.tokens_per_second_per_worker, 1e-9, {}, kCountForms);
+    s.rate("lan_bandwidth", site.lan_bandwidth_bits);
+    s.duration("lan_latency", site.lan_latency_s);
+    if (site.name.empty()) s.fail(st, "name", "must not be empty");
+    if (!names.insert(site.name).second) s.fail(st, "name", str_cat("site name '", site.name, "' is used twice"));
+    if ((site.worker_flops > 0) == (site.tokens_per_second_per_worker > 0))
+      s.fail(st, "worker_flops",
+             "give exactly one of worker_flops = \"400T\" (FLOP/s per worker) or tokens_per_second_per_worker = "
+             "... (measured)");
+    t.sites.push_back(site);
+  });
+  if (t.sites.empty()) throw ConfigError(str_cat(file, ": key 'sites': a topology needs at least one [[sites]]"));
+
+  if (const toml::table* wan = top.table("wan")) {
+    Section s(*wan, "wan", file);
+    s.rate("bandwidth", t.wan.bandwidth_bits);
+    s.duration("rtt", t.wan.rtt_s);
+    s.boolean("shared_uplink", t.shared_uplink);
+    s.tables("pairs", [&](Section& p, const toml::table& pt) {
+      WanPairPlan pair;
+      pair.path = t.wan;
+      std::vector<std::string> ends;
+      std::vector<std::string> site_names(names.begin(), names.end());
+      p.require("sites", "sites = [\"alpha\", \"beta\"]");
+      p.strings("sites", ends, site_names);
+      if (ends.size() != 2 || ends[0] == ends[1])
+        p.fail(pt, "sites", "expected two different site names, e.g. sites = [\"alpha\", \"beta\"]");
+      pair.a = ends[0];
+      pair.b = ends[1];
+      p.rate("bandwidth", pair.path.bandwidth_bits);
+      p.duration("rtt", pair.path.rtt_s);
+      t.pairs.push_back(pair);
+    });
+    s.finish();
+  }
+
+  if (const toml::table* cand = top.table("candidates")) {
+    Section s(*cand, "candidates", file);
+    s.strings("strategies", t.strategies, {"sync", "diloco", "streaming"});
+    s.strings("codecs", t.codecs, known_codecs());
+    s.integers("inner_steps", t.inner_steps, 1, 1 << 20);
+    s.integers("fragments", t.fragments, 1, 1 << 16);
+    s.integers("delay", t.delays, 0, 1 << 20);
+    s.integer("codec_block", t.codec.block, 2, 1 << 24);
+    s.number("codec_density", t.codec.density, 1e-6, 1.0);
+    s.number("powersgd_ratio", t.codec.powersgd_ratio, 1.0, 1e9);
+    s.number("sparseloco_density", t.codec.sparseloco_density, 1e-6, 1.0);
+    s.integer("sparseloco_chunk", t.codec.sparseloco_chunk, 2, 1 << 24);
+    s.finish();
+  }
+
+  if (const toml::table* planner = top.table("planner")) {
+    Section s(*planner, "planner", file);
+    s.number("overlap", t.overlap, 0.0, 1.0);
+    s.number("tolerance", t.tolerance, 0.0, 0.5);
+    s.boolean("heterogeneous", t.heterogeneous);
+    s.finish();
+  }
+  top.finish();
+  return t;
+}
+
+// ─── The cost model (formulas in plan.h) ────────────────────────────────────────────────────
+
+int strategy_order(const std::string& s) { return s == "sync" ? 0 : s == "diloco" ? 1 : 2; }
+
+// Bits over a rate that may be unlimited (x / inf = 0; 0 / inf = 0).
+double transfer_s(double bytes, double bits_per_s) { return bytes * 8 / bits_per_s; }
+
+struct SiteCost {
+  double compute = 0, allreduce = 0, broadcast = 0;
+};
+
+// Ring all-reduce of `bytes` among `w` workers and the broadcast half of it.
+std::pair<double, double> lan_costs(const SitePlan& s, double bytes) {
+  if (s.workers <= 1) return {0.0, 0.0};
+  const double w = static_cast<double>(s.workers);
+  const double half = (w - 1) / w * transfer_s(bytes, s.lan_bandwidth_bits) + (w - 1) * s.lan_latency_s;
+  return {2 * half, half};
+}
+
+// One all-gather of `payload` bytes per gateway among all sites; `latency` false gives only
+// the time the uplinks are busy.
+double exchange_s(const Topology& t, double payload, bool latency) {
+  const size_t S = t.sites.size();
+  double worst = 0;
+  for (size_t i = 0; i < S; ++i) {
+    double lat = 0, serial = 0;
+    for (size_t j = 0; j < S; ++j) {
+      if (j == i) continue;
+      const WanPath p = t.path_between(i, j);
+      const double one_way = latency ? p.rtt_s / 2 : 0.0;
+      const double x = transfer_s(payload, p.bandwidth_bits);
+      if (t.shared_uplink) {
+        lat = std::max(lat, one_way);
+        serial += x;
+      } else {
+        worst = std::max(worst, one_way + x);
+      }
+    }
+    if (t.shared_uplink) worst = std::max(worst, lat + serial);
+  }
+  return worst;
+}
+
+double site_compute_s(const Topology& t, const SitePlan& s) {
+  return s.tokens_per_second_per_worker > 0 ? t.tokens_per_step_per_worker / s.tokens_per_second_per_worker
+                                            : t.tokens_per_step_per_worker * t.flops_per_token / s.worker_flops;
+}
+
+std::string fmt(const char* f, double v) {
+  char buf[64];
+  std::snprintf(buf, sizeof buf, f, v);
+  return buf;
+}
+
+std::string seconds(double s) {
+  if (!std::isfinite(s)) return "inf";
+  if (s == 0) return "0";
+  if (s >= 3600) return fmt("%.1f h", s / 3600);
+  return format_duration(std::chrono::nanoseconds(static_cast<int64_t>(std::llround(s * 1e9))));
+}
+
+// 70e9 → "70B", 16384 → "16.4K".
+std::string count(double v) {
+  const char* names[] = {"", "K", "M", "B", "T"};
+  int i = 0;
+  while (std::fabs(v) >= 1000 && i < 4) {
+    v /= 1000;
+    ++i;
+  }
+  return fmt(i == 0 ? "%.0f" : "%.3g", v) + names[i];
+}
+
+std::string label(const Candidate& c) {
+  if (c.strategy == "sync") return str_cat("sync/", c.codec);
+  if (c.strategy == "diloco") return str_cat("diloco/", c.codec, " H=", c.inner_steps);
+  return str_cat("streaming/", c.codec, " H=", c.inner_steps, " F=", c.fragments, " delay=", c.delay);
+}
+
+std::string percent(double u) { return fmt("%.1f%%", 100 * u); }
+
+// Quality risk, lowest first: least compression, fewest inner steps, simplest strategy.
+bool less_risky(const Prediction& a, const Prediction& b) {
+  const double ra = a.compression, rb = b.compression;
+  if (std::fabs(ra - rb) > 1e-9 * std::max(ra, rb)) return ra < rb;
+  if (a.candidate.inner_steps != b.candidate.inner_steps) return a.candidate.inner_steps < b.candidate.inner_steps;
+  if (a.candidate.strategy != b.candidate.strategy)
+    return strategy_order(a.candidate.strategy) < strategy_order(b.candidate.strategy);
+  if (a.candidate.delay != b.candidate.delay) return a.candidate.delay < b.candidate.delay;
+  return a.candidate.fragments < b.candidate.fragments;
+}
+
+}  // namespace
+
+WanPath Topology::path_between(size_t i, size_t j) const {
+  for (const auto& p : pairs)
+    if ((p.a == sites[i].name && p.b == sites[j].name) || (p.a == sites[j].name && p.b == sites[i].name))
+      return p.path;
+  return wan;
+}
+
+Topology parse_topology(const std::string& text, const std::string& name, const std::vector<std::string>& overrides) {
+  toml::table root;
+  try {
+    root = toml::parse(text, name);
+  } catch (const toml::parse_error& e) {
+    throw ConfigError(str_cat(name, ":", e.source().begin.line, ":", e.source().begin.column, ": ", e.description()));
+  }
+  for (const auto& o : overrides) apply_override(root, o);
+  return build(root, name);
+}
+
+Topology load_topology(const std::string& path, const std::vector<std::string>& overrides) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw ConfigError(str_cat(path, ": cannot open topology file"));
+  std::stringstream buf;
+  buf << in.rdbuf();
+  return parse_topology(buf.str(), path, overrides);
+}
+
+const std::vector<std::string>& known_codecs() {
+  static const std::vector<std::string> codecs = {"none", "fp16", "bf16", "int8", "int4", "powersgd", "topk", "sparseloco"};
+  return codecs;
+}
+
+double payload_bytes(const std::string& codec, double m, const CodecParams& p) {
+  // What nebula's codecs put on the wire per value (src/codec/codec.h), headers left out.
+  const double blocks = std::ceil(m / static_cast<double>(p.block));
+  if (codec == "none") return 4 * m;
+  if (codec == "fp16" || codec == "bf16") return 2 * m;
+  if (codec == "int8") return m + 8 * blocks;                  // u8 code; f32 min + scale per block
+  if (codec == "int4") return std::ceil(m / 2) + 8 * blocks;   // 4-bit code; f32 min + scale per block
+  if (codec == "topk") return 8 * std::ceil(p.density * m);    // u32 index + f32 value per kept value
+  if (codec == "powersgd") return 4 * m / p.powersgd_ratio;    // P and Q factors: ratio from shapes
+  if (codec == "sparseloco") {                                 // 2-bit values + in-chunk index bits,
+    const double kept = std::ceil(p.sparseloco_density * m);   // 8 bytes of scale per chunk
+    const double chunk = static_cast<double>(p.sparseloco_chunk);
+    return std::ceil(kept * (2 + std::log2(chunk)) / 8) + 8 * std::ceil(m / chunk);
+  }
+  throw Error(str_cat("plan: unknown codec '", codec, "'"));
+}
+
+std::vector<Candidate> enumerate_candidates(const Topology& t) {
+  std::vector<Candidate> out;
+  for (const auto& strategy : t.strategies) {
+    for (const auto& codec : t.codecs) {
+      if (strategy == "sync") {
+        if (codec != "sparseloco") out.push_back({strategy, codec, 1, 1, 0});
+        continue;
+      }
+      for (int64_t h : t.inner_steps) {
+        if (strategy == "diloco") {
+          out.push_back({strategy, codec, h, 1, 0});
+          continue;
+        }
+        for (int64_t f : t.fragments)
+          for (int64_t d : t.delays)
+            if (f <= h && d < h) out.push_back({strategy, codec, h, f, d});
+      }
+    }
+  }
+  return out;
+}
+
+Prediction predict(const Topology& t, const Candidate& c) {
+  NEBULA_CHECK(!t.sites.empty(), "a topology without sites");
+  NEBULA_CHECK(c.inner_steps >= 1 && c.fragments >= 1 && c.delay >= 0, label(c));
+  const double n = t.trainable;
+  const double grad_bytes = 4 * n;
+  const double S = static_cast<double>(t.sites.size());
+  const double o = t.overlap;
+  const double H = static_cast<double>(c.inner_steps);
+  const double F = static_cast<double>(c.fragments);
+
+  std::vector<SiteCost> site(t.sites.size());
+  double workers = 0, tc = 0, tar = 0, tbc = 0;
+  for (size_t s = 0; s < t.sites.size(); ++s) {
+    site[s].compute = site_compute_s(t, t.sites[s]);
+    std::tie(site[s].allreduce, site[s].broadcast) = lan_costs(t.sites[s], grad_bytes);
+    workers += static_cast<double>(t.sites[s].workers);
+    tc = std::max(tc, site[s].compute);
+    tar = std::max(tar, site[s].allreduce);
+    tbc = std::max(tbc, site[s].broadcast);
+  }
+
+  Prediction p;
+  p.candidate = c;
+  p.compute_s = tc;
+  p.lan_s = tar;
+  const double payload = payload_bytes(c.codec, n, t.codec);
+  p.compression = grad_bytes / payload;
+
+  // busy[s]: compute seconds per worker of site s per step of the slowest site.
+  std::vector<double> steps_per_step(t.sites.size(), 1.0);
+  if (c.strategy == "sync") {
+    p.wan_exchange_s = exchange_s(t, payload, true);
+    p.step_s = tc + std::max(0.0, tar + p.wan_exchange_s - o * tc);
+    p.wan_bytes_per_step = S * (S - 1) * payload;
+  } else if (c.strategy == "diloco" || c.strategy == "streaming") {
+    std::vector<double> tb(t.sites.size());
+    double tb_max = 0;
+    for (size_t s = 0; s < site.size(); ++s) {
+      tb[s] = site[s].compute + std::max(0.0, site[s].allreduce - o * site[s].compute);
+      tb_max = std::max(tb_max, tb[s]);
+    }
+    if (c.strategy == "diloco") {
+      p.wan_exchange_s = exchange_s(t, payload, true);
+      p.step_s = tb_max + (p.wan_exchange_s + tbc) / H;
+      p.wan_bytes_per_step = S * (S - 1) * payload / H;
+    } else {
+      const double fragment = payload_bytes(c.codec, n / F, t.codec);
+      double tbc_fragment = 0;
+      for (const auto& s : t.sites) tbc_fragment = std::max(tbc_fragment, lan_costs(s, grad_bytes / F).second);
+      p.wan_exchange_s = exchange_s(t, fragment, true);
+      const double stall = std::max(0.0, p.wan_exchange_s - static_cast<double>(c.delay) * tb_max);
+      p.step_s = std::max(tb_max + (F * stall + F * tbc_fragment) / H, F * exchange_s(t, fragment, false) / H);
+      p.wan_bytes_per_step = S * (S - 1) * F * fragment / H;
+    }
+    if (t.heterogeneous)
+      for (size_t s = 0; s < site.size(); ++s) steps_per_step[s] = tb_max / tb[s];
+  } else {
+    throw Error(str_cat("plan: unknown strategy '", c.strategy, "'"));
+  }
+
+  double busy = 0, tokens = 0;
+  for (size_t s = 0; s < site.size(); ++s) {
+    const double w = static_cast<double>(t.sites[s].workers);
+    busy += w * steps_per_step[s] * site[s].compute;
+    tokens += w * steps_per_step[s] * t.tokens_per_step_per_worker;
+  }
+  p.utilization = busy / (workers * p.step_s);
+  p.tokens_per_s = tokens / p.step_s;
+  return p;
+}
+
+Plan make_plan(const Topology& t) {
+  Plan plan;
+  for (const auto& c : enumerate_candidates(t)) plan.predictions.push_back(predict(t, c));
+  NEBULA_CHECK(!plan.predictions.empty(), t.source, ": [candidates] leaves nothing to compare");
+  for (const auto& s : t.sites)
+    plan.ideal_tokens_per_s += static_cast<double>(s.workers) * t.tokens_per_step_per_worker / site_compute_s(t, s);
+
+  std::stable_sort(plan.predictions.begin(), plan.predictions.end(), [](const Prediction& a, const Prediction& b) {
+    if (a.utilization != b.utilization) return a.utilization > b.utilization;
+    return less_risky(a, b);
+  });
+  const Prediction& best = plan.predictions.front();
+  const double floor = best.utilization * (1 - t.tolerance);
+  size_t pick = 0, close = 0;
+  for (size_t i = 0; i < plan.predictions.size(); ++i) {
+    const Prediction& p = plan.predictions[i];
+    if (p.utilization < floor) continue;
+    ++close;
+    if (less_risky(p, plan.predictions[pick])) pick = i;
+  }
+  plan.recommended = pick;
+  const Prediction& r = plan.predictions[pick];
+  const std::string sync_every =
+      r.candidate.strategy == "sync" ? "synchronizes every step" : str_cat("synchronizes every ", r.candidate.inner_steps, " steps");
+  if (close == 1) {
+    plan.reason = str_cat(label(r.candidate), ": the highest compute utilization (", percent(r.utilization),
+                          "); nothing else comes within ", percent(t.tolerance), " of it");
+  } else if (pick == 0) {
+    plan.reason = str_cat(label(r.candidate), ": the highest compute utilization (", percent(r.utilization), "), and of the ",
+                          close, " candidates within ", percent(t.tolerance), " of it the one that compresses least (",
+                          fmt("%.1fx", r.compression), ") and ", sync_every);
+  } else {
+    plan.reason = str_cat(label(r.candidate), ": ", percent(r.utilization), " compute utilization, within ",
+                          percent(t.tolerance), " of the best (", percent(best.utilization), ", ", label(best.candidate),
+                          "); of the ", close, " candidates that close it compresses least (",
+                          fmt("%.1fx", r.compression), ") and ", sync_every, ", the lowest risk to the loss");
+  }
+  if (best.utilization < 0.5)
+    plan.reason += str_cat(". Even the best keeps workers busy only ", percent(best.utilization),
+                           " of the time: communication dominates");
+  return plan;
+}
+
+std::string format_table(const Topology& t, const Plan& plan, size_t top) {
+  std::ostringstream out;
+  double workers = 0;
+  for (const auto& s : t.sites) workers += static_cast<double>(s.workers);
+  const Prediction& any = plan.predictions.front();
+  auto rate = [](double bits) { return std::isinf(bits) ? std::string("unlimited") : format_rate_bits(bits); };
+  out << t.source << ": " << t.sites.size() << " sites, " << fmt("%.0f", workers) << " workers, "
+      << count(t.parameters) << " parameters (" << count(t.trainable) << " trainable), "
+      << count(t.tokens_per_step_per_worker) << " tokens per worker-step\n";
+  out << "  compute " << seconds(any.compute_s) << " per step (slowest site), LAN all-reduce " << seconds(any.lan_s)
+      << "; WAN " << rate(t.wan.bandwidth_bits) << ", RTT " << seconds(t.wan.rtt_s)
+      << (t.pairs.empty() ? "" : str_cat(" (", t.pairs.size(), " pair override(s))"))
+      << (t.sites.size() > 2 ? (t.shared_uplink ? ", shared gateway uplink" : ", independent pairs") : "")
+      << "; overlap " << fmt("%.2f", t.overlap) << "\n\n";
+  char line[256];
+  std::snprintf(line, sizeof line, "  %-10s %-10s %5s %4s %5s %11s %12s %14s %7s %6s\n", "strategy", "codec", "H", "F",
+                "delay", "step", "WAN/step", "WAN/1000 steps", "util", "ratio");
+  out << line;
+  auto row = [&](size_t i) {
+    const Prediction& p = plan.predictions[i];
+    const Candidate& c = p.candidate;
+    const bool streaming = c.strategy == "streaming";
+    std::snprintf(line, sizeof line, "%s %-10s %-10s %5s %4s %5s %11s %12s %14s %7s %5.1fx\n",
+                  i == plan.recommended ? "*" : " ", c.strategy.c_str(), c.codec.c_str(),
+                  c.strategy == "sync" ? "-" : std::to_string(c.inner_steps).c_str(),
+                  streaming ? std::to_string(c.fragments).c_str() : "-",
+                  streaming ? std::to_string(c.delay).c_str() : "-", seconds(p.step_s).c_str(),
+                  format_bytes(p.wan_bytes_per_step).c_str(), format_bytes(1000 * p.wan_bytes_per_step).c_str(),
+                  percent(p.utilization).c_str(), p.compression);
+    out << line;
+  };
+  const size_t shown = top == 0 ? plan.predictions.size() : std::min(top, plan.predictions.size());
+  for (size_t i = 0; i < shown; ++i) row(i);
+  if (shown < plan.predictions.size()) {
+    if (plan.recommended >= shown) {
+      out << "  ...\n";
+      row(plan.recommended);
+    }
+    out << "  (" << plan.predictions.size() - shown << " more; --top 0 shows all)\n";
+  }
+  const Prediction& r = plan.predictions[plan.recommended];
+  out << "\nrecommended: " << label(r.candidate) << " (" << seconds(r.step_s) << " per step, "
+      << format_bytes(r.wan_bytes_per_step) << " WAN per step, " << count(r.tokens_per_s) << " tokens/s of "
+      << count(plan.ideal_tokens_per_s) << " ideal)\n  why: " << plan.reason << "\n";
+  return out.str();
+}
+
+std::string format_json(const Topology& t, const Plan& plan) {
+  auto finite = [](double v) { return std::isfinite(v) ? nlohmann::ordered_json(v) : nlohmann::ordered_json(nullptr); };
+  auto one = [&](const Prediction& p, bool recommended) {
+    return nlohmann::ordered_json{{"strategy", p.candidate.strategy},
+                          {"codec", p.candidate.codec},
+                          {"inner_steps", p.candidate.inner_steps},
+                          {"fragments", p.candidate.fragments},
+                          {"delay", p.candidate.delay},
+                          {"step_seconds", p.step_s},
+                          {"compute_seconds", p.compute_s},
+                          {"lan_allreduce_seconds", p.lan_s},
+                          {"wan_exchange_seconds", p.wan_exchange_s},
+                          {"wan_bytes_per_step", p.wan_bytes_per_step},
+                          {"wan_bytes_per_1000_steps", 1000 * p.wan_bytes_per_step},
+                          {"compression", p.compression},
+                          {"utilization", p.utilization},
+                          {"tokens_per_second", p.tokens_per_s},
+                          {"recommended", recommended}};
+  };
+  nlohmann::ordered_json sites = nlohmann::ordered_json::array();
+  for (const auto& s : t.sites)
+    sites.push_back({{"name", s.name},
+                     {"workers", s.workers},
+                     {"compute_seconds", site_compute_s(t, s)},
+                     {"lan_bandwidth_bits_per_s", finite(s.lan_bandwidth_bits)},
+                     {"lan_latency_seconds", s.lan_latency_s}});
+  nlohmann::ordered_json rows = nlohmann::ordered_json::array();
+  for (size_t i = 0; i < plan.predictions.size(); ++i) rows.push_back(one(plan.predictions[i], i == plan.recommended));
+  nlohmann::ordered_json rec = one(plan.predictions[plan.recommended], true);
+  rec["reason"] = plan.reason;
+  nlohmann::ordered_json j = {{"topology",
+                       {{"source", t.source},
+                        {"parameters", t.parameters},
+                        {"trainable", t.trainable},
+                        {"tokens_per_step_per_worker", t.tokens_per_step_per_worker},
+                        {"flops_per_token", t.flops_per_token},
+                        {"sites", sites},
+                        {"wan_bandwidth_bits_per_s", finite(t.wan.bandwidth_bits)},
+                        {"wan_rtt_seconds", t.wan.rtt_s},
+                        {"shared_uplink", t.shared_uplink},
+                        {"overlap", t.overlap},
+                        {"tolerance", t.tolerance},
+                        {"heterogeneous", t.heterogeneous}}},
+                      {"ideal_tokens_per_second", plan.ideal_tokens_per_s},
+                      {"recommended", rec},
+                      {"candidates", rows}};
+  return j.dump(2) + "\n";
+}
+
+}  // namespace nebula::plan

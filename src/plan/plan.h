@@ -1,0 +1,208 @@
+// `nebula plan`: a cost model that predicts, for a described topology (sites, workers, device
+// throughput, model size, LAN and WAN bandwidth/latency), the step time, WAN bytes and compute
+// utilization of every candidate strategy × codec × H, and recommends one. It is closed form,
+// so topologies far beyond this machine (8 sites × 512 GPUs, 70B parameters) take
+// microseconds. No torch here: this layer uses only nebula_util (and nlohmann_json, header
+// only, for --json).
+//
+// ─── The model (all times in seconds, sizes in bytes, rates in bits/s) ──────────────────────
+//  n        trainable parameters ([model] trainable, default parameters; PEFT trains fewer)
+//  B = 4n   bytes of one float32 gradient / pseudo-gradient (inside a site nothing is lossy)
+//  S        sites; per site s: w_s workers
+//
+//  compute   t_c(s) = tokens_per_step_per_worker · flops_per_token / worker_flops(s)
+//            or       tokens_per_step_per_worker / tokens_per_second_per_worker(s)  (measured)
+//            flops_per_token defaults to 6 · parameters (forward + backward, dense).
+//  LAN       ring all-reduce of B among w workers, per hop bandwidth bw and latency l:
+//              t_ar(s) = 2(w-1)/w · 8B/bw + 2(w-1)·l          (0 for w = 1)
+//            broadcast (half of it): t_bc(s) = (w-1)/w · 8B/bw + (w-1)·l
+//  payload   P(codec, m): bytes one gateway sends for m values; see payload_bytes() (the table).
+//  WAN       one exchange = every gateway sends its payload to every other gateway (full-mesh
+//            all-gather, what nebula's GatewayMesh does), all at once, over pairs with
+//            bandwidth bw_ij and round trip rtt_ij:
+//              shared uplink (default; a gateway's S-1 copies share one pipe):
+//                t_x(P) = max_i [ max_{j≠i} rtt_ij/2 + Σ_{j≠i} 8P/bw_ij ]
+//              independent pairs ([wan] shared_uplink = false; what the local emulator does):
+//                t_x(P) = max_{i≠j} [ rtt_ij/2 + 8P/bw_ij ]
+//            bytes on the WAN per exchange, all gateways together: S(S-1)·P
+//            (both 0 for one site). Frame/TLS overhead (~70 B per exchange) is not modelled.
+//  overlap   a fraction `o` of the compute can hide communication that runs in the background
+//            (gradient buckets go out during backward, which is ~2/3 of a step): a step with
+//            compute t and overlappable communication x takes t + max(0, x - o·t).
+//            [planner] overlap, default 2/3. Today's nebula sends one bucket for small models,
+//            so a model that fits one bucket should use overlap = 0.
+//  Sites pace each other: t_c = max_s t_c(s), t_ar = max_s t_ar(s), t_bc = max_s t_bc(s).
+//
+//  sync       step = t_c + max(0, t_ar + t_x(P(n)) - o·t_c)
+//             WAN bytes/step = S(S-1)·P(n)
+//  diloco H   inner step of site s: t_b(s) = t_c(s) + max(0, t_ar(s) - o·t_c(s)); t_b = max_s t_b(s).
+//             Every H steps a blocking exchange of the pseudo-gradient, then the gateway
+//             broadcasts the outer update inside its site:
+//             step = t_b + (t_x(P(n)) + t_bc) / H
+//             WAN bytes/step = S(S-1)·P(n) / H
+//  streaming H, F fragments, delay τ: each fragment (n/F values) is synchronized every H
+//             steps, one fragment every H/F steps, sent in the background and merged τ steps
+//             later, so only what τ inner steps cannot hide stalls:
+//               stall = max(0, t_x(P(n/F)) - τ·t_b)
+//               step = max( t_b + F·(stall + t_bc(B/F)) / H,  F·t_x0(P(n/F)) / H )
+//             where t_bc(B/F) broadcasts one merged fragment inside the site and t_x0 is t_x
+//             without the latency (the uplink must carry F fragments per H steps).
+//             F = 1, τ = 0 gives exactly diloco.
+//             WAN bytes/step = S(S-1)·F·P(n/F) / H
+//  Heterogeneous sites (diloco/streaming, [planner] heterogeneous = true, like [strategy]
+//  heterogeneous): "step" is a step of the slowest site; a faster site runs
+//  H_s = H · t_b / t_b(s) inner steps in the same round instead of waiting. With false, and
+//  for sync, every site runs one step per step and faster sites wait.
+//
+//  compute utilization U = worker-seconds spent computing / worker-seconds elapsed
+//      sync: Σ_s w_s t_c(s) / (W · step);  diloco/streaming: Σ_s w_s H_s t_c(s) / (W · H · step)
+//  (W = Σ w_s). With identical sites this is t_c / step: the time per token with free
+//  communication divided by the time per token with this LAN and WAN.
+//  tokens/s = Σ_s w_s (H_s/H) tokens_per_step_per_worker / step   (H_s = H = 1 for sync)
+//
+//  Not modelled: encode/decode compute, stragglers, jitter, packet loss, TCP slow start, the
+//  loss penalty of compression or staleness (the recommendation only orders candidates by
+//  that risk, see make_plan()).
+//
+// Degenerate cases are exact: one site with infinite LAN bandwidth and zero latency gives
+// step = t_c, U = 1 and 0 WAN bytes for every candidate.
+//
+// bench/plan_validate.sh compares predictions with demo runs over the emulated WAN. On the
+// shared 2-core development machine, WAN bytes per step came within 0.1 %, and step time was
+// over-predicted by 12 % (sync/none) and 40 % (sync/int8): the compute speed calibrated with
+// an unlimited WAN is slower than the compute inside the emulated runs.
+#pragma once
+
+#include <cstdint>
+#include <limits>
+#include <string>
+#include <vector>
+
+namespace nebula::plan {
+
+inline constexpr double kUnlimited = std::numeric_limits<double>::infinity();
+
+struct SitePlan {
+  std::string name;
+  int64_t workers = 1;
+  double worker_flops = 0;                  // effective FLOP/s per worker; 0 = not given
+  double tokens_per_second_per_worker = 0;  // measured; 0 = not given (exactly one is given)
+  double lan_bandwidth_bits = kUnlimited;   // per ring hop; "0" in the file = unlimited
+  double lan_latency_s = 0;                 // per ring hop
+};
+
+struct WanPath {
+  double bandwidth_bits = kUnlimited;       // "0" in the file = unlimited
+  double rtt_s = 0;
+};
+
+struct WanPairPlan {
+  std::string a, b;
+  WanPath path;
+};
+
+// Codec parameters, as in [strategy] of the job config.
+struct CodecParams {
+  int64_t block = 256;                       // int8/int4: values per (min, scale) pair
+  double density = 0.01;                     // topk: fraction of values kept
+  double powersgd_ratio = 8;                 // powersgd: compression ratio (depends on shapes)
+  double sparseloco_density = 64.0 / 4096;   // sparseloco: fraction kept per chunk
+  int64_t sparseloco_chunk = 4096;           // sparseloco: values per chunk
+};
+
+struct Topology {
+  std::string source;                       // file name, for messages
+  // [model]
+  double parameters = 0;
+  double trainable = 0;                     // defaults to parameters
+  double tokens_per_step_per_worker = 0;
+  double flops_per_token = 0;               // defaults to 6 · parameters
+  // [[sites]]
+  std::vector<SitePlan> sites;
+  // [wan]
+  WanPath wan;
+  std::vector<WanPairPlan> pairs;
+  bool shared_uplink = true;
+  // [candidates]
+  std::vector<std::string> strategies = {"sync", "diloco", "streaming"};
+  std::vector<std::string> codecs = {"none", "fp16", "int8", "int4", "topk", "powersgd", "sparseloco"};
+  std::vector<int64_t> inner_steps = {10, 50, 100, 500};
+  std::vector<int64_t> fragments = {4};
+  std::vector<int64_t> delays = {5};
+  CodecParams codec;
+  // [planner]
+  double overlap = 2.0 / 3.0;               // share of compute that can hide background comm
+  double tolerance = 0.01;                  // "as good as the best": within this relative U
+  bool heterogeneous = true;                // diloco/streaming: fast sites run more inner steps
+
+  WanPath path_between(size_t i, size_t j) const;
+};
+
+// Parses and validates a topology file after applying `overrides` ("section.key=value", as in
+// `nebula run --set`; sites.N.key reaches into [[sites]]). Throws ConfigError naming
+// file:line:col and the key, like the job config.
+Topology load_topology(const std::string& path, const std::vector<std::string>& overrides = {});
+Topology parse_topology(const std::string& text, const std::string& name,
+                        const std::vector<std::string>& overrides = {});
+
+// Bytes one gateway sends for `values` float32 values with `codec`:
+//   none        4m
+//   fp16, bf16  2m
+//   int8        m + 8·⌈m/block⌉                          (≈3.9× at block 256)
+//   int4        ⌈m/2⌉ + 8·⌈m/block⌉                      (≈7.5×)
+//   topk        8·⌈density·m⌉  (u32 index + f32 value)   (1/(2·density)×: 50× at 1 %)
+//   powersgd    4m / powersgd_ratio                      (rank r factors; the ratio depends on
+//                                                         the matrix shapes, so it is a parameter)
+//   sparseloco  ⌈k·(2 + log2 chunk)/8⌉ + 8·⌈m/chunk⌉, k = ⌈density·m⌉ (2-bit values, in-chunk
+//               indices, 8 bytes of scale per chunk)    (≈137× at 64 of 4096)
+// Payload headers (a few dozen bytes) are left out. Throws nebula::Error for an unknown codec.
+double payload_bytes(const std::string& codec, double values, const CodecParams& params);
+// Every codec payload_bytes() knows, least compressed first.
+const std::vector<std::string>& known_codecs();
+
+struct Candidate {
+  std::string strategy;   // sync | diloco | streaming
+  std::string codec;
+  int64_t inner_steps = 1;  // H (1 for sync)
+  int64_t fragments = 1;    // F (streaming)
+  int64_t delay = 0;        // τ (streaming)
+};
+
+struct Prediction {
+  Candidate candidate;
+  double compute_s = 0;            // t_c: compute of the slowest site per step
+  double lan_s = 0;                // t_ar: intra-site all-reduce of the slowest site
+  double wan_exchange_s = 0;       // t_x of one exchange (one fragment for streaming)
+  double step_s = 0;               // predicted wall time per step
+  double wan_bytes_per_step = 0;   // all gateways together
+  double compression = 1;          // 4n / P(n)
+  double utilization = 0;          // compute utilization U in [0, 1]
+  double tokens_per_s = 0;         // the whole job
+};
+
+// Every candidate of [candidates]: sync × codecs (sparseloco needs diloco/streaming),
+// diloco × codecs × inner_steps, streaming × codecs × inner_steps × fragments × delays (only
+// F <= H and τ < H, as the job config requires).
+std::vector<Candidate> enumerate_candidates(const Topology& t);
+// The formulas above for one candidate. Throws nebula::Error for an unknown codec or strategy.
+Prediction predict(const Topology& t, const Candidate& c);
+
+struct Plan {
+  std::vector<Prediction> predictions;  // best utilization first
+  size_t recommended = 0;               // index into predictions
+  std::string reason;                   // one line: why that one
+  double ideal_tokens_per_s = 0;        // every worker computing all the time
+};
+
+// Predicts every candidate and recommends one: the highest utilization; among the candidates
+// within `tolerance` (relative) of the best, the one with the lowest quality risk: least
+// compression first, then the fewest inner steps H (least staleness), then sync over diloco
+// over streaming (no delayed merges).
+Plan make_plan(const Topology& t);
+
+// A readable table (at most `top` rows, 0 = all, plus the recommended row if it is below)
+// and the recommendation; and the same as JSON.
+std::string format_table(const Topology& t, const Plan& p, size_t top = 0);
+std::string format_json(const Topology& t, const Plan& p);
+
+}  // namespace nebula::plan

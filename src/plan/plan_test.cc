@@ -1,0 +1,317 @@
+#include "plan/plan.h"
+
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <cmath>
+#include <nlohmann/json.hpp>
+
+#include "nebula/error.h"
+
+namespace nebula::plan {
+namespace {
+
+// Two sites of one worker; each worker computes a step in exactly 1 s; 1e6 parameters (4 MB of
+// gradient); the WAN moves 1e6 bytes/s with a 100 ms round trip; nothing overlaps.
+const char* kTwo = R"(
+[model]
+parameters = 1000000
+tokens_per_step_per_worker = 1000
+
+[[sites]]
+name = "a"
+tokens_per_second_per_worker = 1000
+
+[[sites]]
+name = "b"
+tokens_per_second_per_worker = 1000
+
+[wan]
+bandwidth = "8Mbit"
+rtt = "100ms"
+
+[planner]
+overlap = 0
+)";
+
+Topology two(const std::vector<std::string>& overrides = {}) { return parse_topology(kTwo, "two.toml", overrides); }
+
+Prediction run(const Topology& t, const std::string& strategy, const std::string& codec, int64_t h = 1,
+               int64_t f = 1, int64_t delay = 0) {
+  return predict(t, Candidate{strategy, codec, h, f, delay});
+}
+
+void expect_error(const std::string& text, std::initializer_list<const char*> fragments,
+                  const std::vector<std::string>& overrides = {}) {
+  try {
+    parse_topology(text, "topo.toml", overrides);
+    ADD_FAILURE() << "no error for:\n" << text;
+  } catch (const ConfigError& e) {
+    for (const char* f : fragments) EXPECT_NE(std::string(e.what()).find(f), std::string::npos) << e.what();
+  }
+}
+
+std::string replace(std::string text, const std::string& from, const std::string& to) {
+  auto pos = text.find(from);
+  EXPECT_NE(pos, std::string::npos) << from;
+  return text.replace(pos, from.size(), to);
+}
+
+TEST(Plan, OneSiteFreeCommunicationIsExactlyCompute) {
+  // One site of 64 workers, infinite LAN bandwidth, zero latency: nothing to wait for.
+  Topology t = parse_topology(R"(
+[model]
+parameters = 1e9
+tokens_per_step_per_worker = 2048
+[[sites]]
+name = "only"
+workers = 64
+worker_flops = "100T"
+lan_bandwidth = "0"
+lan_latency = "0s"
+[wan]
+bandwidth = "1Mbit"
+rtt = "300ms"
+)",
+                              "one.toml");
+  const double compute = 2048 * 6e9 / 1e14;  // tokens × 6·parameters / FLOP/s
+  auto candidates = enumerate_candidates(t);
+  ASSERT_EQ(candidates.size(), 6u + 7 * 4 + 7 * 4);
+  for (const auto& c : candidates) {
+    Prediction p = predict(t, c);
+    EXPECT_DOUBLE_EQ(p.compute_s, compute);
+    EXPECT_EQ(p.step_s, p.compute_s) << c.strategy << "/" << c.codec;
+    EXPECT_EQ(p.utilization, 1.0) << c.strategy << "/" << c.codec;
+    EXPECT_EQ(p.wan_bytes_per_step, 0.0) << c.strategy << "/" << c.codec;
+    EXPECT_EQ(p.lan_s, 0.0);
+    EXPECT_DOUBLE_EQ(p.tokens_per_s, 64 * 2048 / compute);
+  }
+  Plan plan = make_plan(t);
+  EXPECT_EQ(plan.predictions[plan.recommended].candidate.strategy, "sync");  // all tie: least risk
+  EXPECT_EQ(plan.predictions[plan.recommended].candidate.codec, "none");
+}
+
+TEST(Plan, TwoSitesFreeWanIsExactlyCompute) {
+  Topology t = two({"wan.bandwidth=\"0\"", "wan.rtt=\"0s\""});
+  for (const auto& c : enumerate_candidates(t)) {
+    Prediction p = predict(t, c);
+    EXPECT_EQ(p.step_s, 1.0) << c.strategy << "/" << c.codec;
+    EXPECT_EQ(p.utilization, 1.0);
+    EXPECT_GT(p.wan_bytes_per_step, 0.0);  // the bytes still cross, they just take no time
+  }
+}
+
+TEST(Plan, PayloadTable) {
+  CodecParams p;
+  EXPECT_EQ(payload_bytes("none", 1e6, p), 4e6);
+  EXPECT_EQ(payload_bytes("fp16", 1e6, p), 2e6);
+  EXPECT_EQ(payload_bytes("bf16", 1e6, p), 2e6);
+  EXPECT_EQ(payload_bytes("int8", 1e6, p), 1e6 + 8 * 3907);     // ⌈1e6/256⌉ = 3907 blocks
+  EXPECT_EQ(payload_bytes("int4", 1e6, p), 5e5 + 8 * 3907);
+  EXPECT_EQ(payload_bytes("topk", 1e6, p), 8 * 10000);          // 1 %: u32 index + f32 value
+  EXPECT_EQ(payload_bytes("powersgd", 1e6, p), 4e6 / 8);
+  EXPECT_EQ(payload_bytes("sparseloco", 4096 * 1000, p), 64000 * 14 / 8 + 8 * 1000);  // 2 + 12 bits
+  EXPECT_THROW(payload_bytes("int9", 1, p), Error);
+}
+
+TEST(Plan, TwoSitesSyncNone) {
+  Topology t = two();
+  Prediction p = run(t, "sync", "none");
+  // 4e6 bytes at 1e6 B/s plus half the round trip, after 1 s of compute.
+  EXPECT_DOUBLE_EQ(p.wan_exchange_s, 0.05 + 4.0);
+  EXPECT_DOUBLE_EQ(p.step_s, 1 + 4.05);
+  EXPECT_DOUBLE_EQ(p.wan_bytes_per_step, 2 * 1 * 4e6);
+  EXPECT_DOUBLE_EQ(p.utilization, 1 / 5.05);
+  EXPECT_DOUBLE_EQ(p.compression, 1.0);
+  EXPECT_DOUBLE_EQ(p.tokens_per_s, 2 * 1000 / 5.05);
+  // With two thirds of the compute hiding communication.
+  Prediction o = run(two({"planner.overlap=0.6"}), "sync", "none");
+  EXPECT_DOUBLE_EQ(o.step_s, 1 + (4.05 - 0.6));
+}
+
+TEST(Plan, TwoSitesDilocoInt4) {
+  Prediction p = run(two(), "diloco", "int4", 50);
+  const double payload = 500000 + 8 * 3907;  // 531,256 bytes
+  EXPECT_DOUBLE_EQ(p.wan_exchange_s, 0.05 + payload / 1e6);
+  EXPECT_DOUBLE_EQ(p.step_s, 1 + (0.05 + 0.531256) / 50);
+  EXPECT_DOUBLE_EQ(p.wan_bytes_per_step, 2 * payload / 50);
+  EXPECT_DOUBLE_EQ(p.utilization, 1 / 1.01162512);
+  EXPECT_DOUBLE_EQ(p.compression, 4e6 / payload);
+}
+
+TEST(Plan, TwoSitesStreaming) {
+  Topology t = two();
+  // H=100, F=4, delay 5: a fragment (1e6 bytes) takes 1.05 s, hidden behind 5 s of steps.
+  Prediction hidden = run(t, "streaming", "none", 100, 4, 5);
+  EXPECT_DOUBLE_EQ(hidden.wan_exchange_s, 1.05);
+  EXPECT_EQ(hidden.step_s, 1.0);
+  EXPECT_EQ(hidden.utilization, 1.0);
+  EXPECT_DOUBLE_EQ(hidden.wan_bytes_per_step, 2 * 4 * 1e6 / 100);
+  // H=10, F=2, delay 1: a fragment (2e6 bytes) takes 2.05 s, 1 s hidden, 1.05 s stalls, twice
+  // per 10 steps.
+  Prediction stalls = run(t, "streaming", "none", 10, 2, 1);
+  EXPECT_DOUBLE_EQ(stalls.step_s, 1 + 2 * 1.05 / 10);
+  EXPECT_DOUBLE_EQ(stalls.wan_bytes_per_step, 2 * 2 * 2e6 / 10);
+  // Bandwidth-bound: at 5e5 B/s, H=F=4, delay 3: each fragment hides (2.05 s <= 3 s), but the
+  // uplink must carry 4 fragments of 2 s per 4 steps.
+  Prediction bound = run(two({"wan.bandwidth=\"4Mbit\""}), "streaming", "none", 4, 4, 3);
+  EXPECT_DOUBLE_EQ(bound.step_s, 2.0);
+  EXPECT_DOUBLE_EQ(bound.utilization, 0.5);
+  // F = 1 and no delay is exactly diloco.
+  Prediction as_diloco = run(t, "streaming", "int8", 50, 1, 0);
+  Prediction diloco = run(t, "diloco", "int8", 50);
+  EXPECT_EQ(as_diloco.step_s, diloco.step_s);
+  EXPECT_EQ(as_diloco.wan_bytes_per_step, diloco.wan_bytes_per_step);
+}
+
+TEST(Plan, LanAllReduceAndBroadcast) {
+  // Four workers per site, 1e9 B/s and 10 us per ring hop.
+  Topology t = two({"sites.0.workers=4", "sites.1.workers=4", "sites.0.lan_bandwidth=\"8Gbit\"",
+                    "sites.1.lan_bandwidth=\"8Gbit\"", "sites.0.lan_latency=\"10us\"", "sites.1.lan_latency=\"10us\""});
+  const double allreduce = 2 * 0.75 * 4e6 / 1e9 + 2 * 3 * 10e-6;
+  const double broadcast = allreduce / 2;
+  Prediction sync = run(t, "sync", "none");
+  EXPECT_DOUBLE_EQ(sync.lan_s, allreduce);
+  EXPECT_DOUBLE_EQ(sync.step_s, 1 + allreduce + 4.05);
+  Prediction diloco = run(t, "diloco", "none", 10);
+  EXPECT_DOUBLE_EQ(diloco.step_s, 1 + allreduce + (4.05 + broadcast) / 10);
+  EXPECT_DOUBLE_EQ(diloco.utilization, 1 / diloco.step_s);
+}
+
+TEST(Plan, ThreeSitesSharedUplinkOrIndependentPairs) {
+  std::string three = std::string(kTwo) + "\n[[sites]]\nname = \"c\"\ntokens_per_second_per_worker = 1000\n";
+  Topology shared = parse_topology(three, "three.toml");
+  Prediction p = run(shared, "sync", "none");
+  EXPECT_DOUBLE_EQ(p.wan_exchange_s, 0.05 + 2 * 4.0);  // two copies through one uplink
+  EXPECT_DOUBLE_EQ(p.wan_bytes_per_step, 3 * 2 * 4e6);
+  Topology pairs = parse_topology(three, "three.toml", {"wan.shared_uplink=false"});
+  EXPECT_DOUBLE_EQ(run(pairs, "sync", "none").wan_exchange_s, 0.05 + 4.0);
+  // A slow pair paces the exchange.
+  Topology slow = parse_topology(three + "[[wan.pairs]]\nsites = [\"a\", \"c\"]\nbandwidth = \"4Mbit\"\nrtt = \"300ms\"\n",
+                                 "three.toml", {"wan.shared_uplink=false"});
+  EXPECT_DOUBLE_EQ(run(slow, "sync", "none").wan_exchange_s, 0.15 + 8.0);
+}
+
+TEST(Plan, PeftSendsOnlyTrainable) {
+  Prediction p = run(two({"model.trainable=1e5"}), "sync", "none");
+  EXPECT_DOUBLE_EQ(p.wan_bytes_per_step, 2 * 4e5);
+  EXPECT_DOUBLE_EQ(p.step_s, 1 + 0.05 + 0.4);
+}
+
+TEST(Plan, HeterogeneousSites) {
+  // Site b computes twice as fast; communication is free.
+  std::vector<std::string> o = {"sites.1.tokens_per_second_per_worker=2000", "wan.bandwidth=\"0\"", "wan.rtt=\"0s\""};
+  Topology t = two(o);
+  Prediction sync = run(t, "sync", "none");
+  EXPECT_EQ(sync.step_s, 1.0);
+  EXPECT_DOUBLE_EQ(sync.utilization, (1 + 0.5) / 2);  // b waits half of every step
+  Prediction diloco = run(t, "diloco", "none", 10);
+  EXPECT_DOUBLE_EQ(diloco.utilization, 1.0);          // b runs 20 inner steps per round
+  EXPECT_DOUBLE_EQ(diloco.tokens_per_s, 1000 + 2000);
+  o.push_back("planner.heterogeneous=false");
+  EXPECT_DOUBLE_EQ(run(two(o), "diloco", "none", 10).utilization, 0.75);
+}
+
+TEST(Plan, RecommendsLeastRiskWithinTolerance) {
+  Topology t = two({"candidates.strategies=[\"diloco\"]", "candidates.codecs=[\"none\", \"int4\"]",
+                    "candidates.inner_steps=[50, 500]"});
+  // U: none/50 0.925, none/500 0.9920, int4/50 0.9885, int4/500 0.9988 (the best). Within
+  // 1 % of the best: none/500 and int4/500; none compresses less.
+  Plan plan = make_plan(t);
+  ASSERT_EQ(plan.predictions.size(), 4u);
+  EXPECT_EQ(plan.predictions[0].candidate.codec, "int4");
+  EXPECT_EQ(plan.predictions[0].candidate.inner_steps, 500);
+  const Candidate& r = plan.predictions[plan.recommended].candidate;
+  EXPECT_EQ(r.codec, "none");
+  EXPECT_EQ(r.inner_steps, 500);
+  EXPECT_NE(plan.reason.find("within 1.0%"), std::string::npos) << plan.reason;
+  // With no tolerance the best wins.
+  Plan strict = make_plan(two({"candidates.strategies=[\"diloco\"]", "candidates.codecs=[\"none\", \"int4\"]",
+                               "candidates.inner_steps=[50, 500]", "planner.tolerance=0.0"}));
+  EXPECT_EQ(strict.recommended, 0u);
+  EXPECT_NE(format_table(t, plan).find("recommended: diloco/none H=500"), std::string::npos) << format_table(t, plan);
+  auto j = nlohmann::json::parse(format_json(t, plan));
+  EXPECT_EQ(j["recommended"]["codec"], "none");
+  EXPECT_EQ(j["candidates"].size(), 4u);
+}
+
+TEST(Plan, CandidatesFollowTheJobConfigRules) {
+  Topology t = two({"candidates.inner_steps=[4]", "candidates.fragments=[2, 8]", "candidates.delay=[0, 4]"});
+  for (const auto& c : enumerate_candidates(t)) {
+    EXPECT_FALSE(c.strategy == "sync" && c.codec == "sparseloco");
+    if (c.strategy == "streaming") {
+      EXPECT_EQ(c.fragments, 2);  // F = 8 > H and delay 4 >= H are left out
+      EXPECT_EQ(c.delay, 0);
+    }
+  }
+}
+
+TEST(Plan, Big8x512x70BIsFastAndFinite) {
+  const auto start = std::chrono::steady_clock::now();
+  Topology t = load_topology(std::string(NEBULA_SOURCE_DIR) + "/examples/plan_8x512_70b.toml");
+  Plan plan = make_plan(t);
+  std::string table = format_table(t, plan);
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_LT(seconds, 1.0);
+  ASSERT_EQ(t.sites.size(), 8u);
+  EXPECT_EQ(t.sites[0].workers, 512);
+  EXPECT_EQ(t.parameters, 70e9);
+  ASSERT_FALSE(plan.predictions.empty());
+  for (const auto& p : plan.predictions) {
+    EXPECT_TRUE(std::isfinite(p.step_s) && p.step_s > 0);
+    EXPECT_TRUE(std::isfinite(p.wan_bytes_per_step) && p.wan_bytes_per_step > 0);
+    EXPECT_TRUE(p.utilization > 0 && p.utilization <= 1);
+  }
+  EXPECT_LT(plan.recommended, plan.predictions.size());
+  EXPECT_NE(table.find("recommended: "), std::string::npos);
+  // The demo's topology loads too.
+  EXPECT_NO_THROW(make_plan(load_topology(std::string(NEBULA_SOURCE_DIR) + "/examples/plan_demo.toml")));
+}
+
+TEST(Plan, BadInputNamesFileLineAndKey) {
+  expect_error(replace(kTwo, "parameters = 1000000\n", ""), {"topo.toml:2:1", "model.parameters", "missing"});
+  expect_error(replace(kTwo, "bandwidth = \"8Mbit\"", "bandwidth = \"-1Gbit\""),
+               {"topo.toml:15:13", "wan.bandwidth", "non-negative"});
+  expect_error(std::string(kTwo) + "[candidates]\ncodecs = [\"none\", \"int9\"]\n",
+               {"topo.toml:21:", "candidates.codecs", "\"int9\" is not one of"});
+  expect_error(replace(kTwo, "rtt = \"100ms\"", "rtt = \"100\""), {"topo.toml:16:", "wan.rtt"});
+  expect_error(replace(kTwo, "[planner]", "[planner]\nspeed = 3"), {"topo.toml:19:", "planner.speed", "unknown key"});
+  expect_error(replace(kTwo, "name = \"b\"\ntokens_per_second_per_worker = 1000", "name = \"b\"\nworker_flops = \"1T\"\ntokens_per_second_per_worker = 1000"),
+               {"topo.toml:10:", "sites[1].worker_flops", "exactly one"});
+  expect_error(replace(kTwo, "name = \"b\"\ntokens_per_second_per_worker = 1000", "name = \"b\""),
+               {"sites[1].worker_flops", "exactly one"});
+  expect_error(replace(kTwo, "name = \"b\"", "name = \"a\""), {"sites[1].name", "used twice"});
+  expect_error(replace(kTwo, "parameters = 1000000", "parameters = \"70Q\""), {"topo.toml:3:", "model.parameters", "70Q"});
+  expect_error(replace(kTwo, "parameters = 1000000", "parameters = -5"), {"model.parameters", "out of range"});
+  expect_error(kTwo, {"--set", "planner.overlap", "out of range"}, {"planner.overlap=2"});
+  expect_error(std::string(kTwo) + "[[wan.pairs]]\nsites = [\"a\", \"zz\"]\n", {"wan.pairs[0].sites", "\"zz\""});
+  expect_error("[model\n", {"topo.toml:1:"});
+}
+
+TEST(Plan, UnitsForCountsAndFlops) {
+  Topology t = parse_topology(R"(
+[model]
+parameters = "70B"
+trainable = "1.5M"
+tokens_per_step_per_worker = "4K"
+flops_per_token = "420G"
+[[sites]]
+name = "x"
+workers = 2
+worker_flops = "400TFLOP/s"
+lan_bandwidth = "400Gbit"
+lan_latency = "5us"
+)",
+                              "units.toml");
+  EXPECT_EQ(t.parameters, 70e9);
+  EXPECT_EQ(t.trainable, 1.5e6);
+  EXPECT_EQ(t.tokens_per_step_per_worker, 4000);
+  EXPECT_EQ(t.flops_per_token, 420e9);
+  EXPECT_EQ(t.sites[0].worker_flops, 400e12);
+  EXPECT_EQ(t.sites[0].lan_bandwidth_bits, 400e9);
+  EXPECT_DOUBLE_EQ(t.sites[0].lan_latency_s, 5e-6);
+  EXPECT_TRUE(std::isinf(t.wan.bandwidth_bits));  // no [wan]: unlimited
+}
+
+}  // namespace
+}  // namespace nebula::plan
