@@ -9,15 +9,15 @@
 namespace nebula::model {
 
 MlmEncoderImpl::MlmEncoderImpl(const ModelConfig& c, int64_t vocab_size, int64_t pad_id)
-    : pad_id_(pad_id), max_len_(c.max_len), dim_(c.dim) {
+    : config_(c), pad_id_(pad_id), max_len_(c.max_len), dim_(c.dim) {
   NEBULA_CHECK(vocab_size > 0 && pad_id >= 0 && pad_id < vocab_size, "vocab ", vocab_size, " pad ", pad_id);
   tokens_ = register_module("tokens", torch::nn::Embedding(vocab_size, c.dim));
   positions_ = register_module("positions", torch::nn::Embedding(c.max_len, c.dim));
-  auto layer = torch::nn::TransformerEncoderLayer(torch::nn::TransformerEncoderLayerOptions(c.dim, c.heads)
-                                                      .dim_feedforward(c.ffn)
-                                                      .dropout(c.dropout)
-                                                      .activation(torch::kGELU));
-  layers_ = register_module("layers", torch::nn::TransformerEncoder(layer, c.layers));
+  auto list = register_module("layers", torch::nn::ModuleList());
+  for (int64_t i = 0; i < c.layers; ++i) {
+    layers_.push_back(EncoderLayer(c.dim, c.heads, c.ffn, c.dropout));
+    list->push_back(layers_.back());
+  }
   norm_ = register_module("norm", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.dim})));
   // Small embeddings: the tied output projection starts near uniform.
   torch::NoGradGuard no_grad;
@@ -30,14 +30,20 @@ at::Tensor MlmEncoderImpl::encode(const at::Tensor& ids) {
   const int64_t seq = ids.size(1);
   at::Tensor pos = at::arange(seq, ids.options());
   at::Tensor x = tokens_(ids) * std::sqrt(static_cast<double>(dim_)) + positions_(pos).unsqueeze(0);
-  // torch::nn::TransformerEncoder is sequence-first: [seq, batch, dim].
   at::Tensor pad_mask = ids.eq(pad_id_);
-  x = layers_->forward(x.transpose(0, 1), /*src_mask=*/at::Tensor(), /*src_key_padding_mask=*/pad_mask).transpose(0, 1);
+  for (auto& layer : layers_) x = layer(x, pad_mask);
   return norm_(x);
 }
 
 at::Tensor MlmEncoderImpl::forward(const at::Tensor& ids) {
   return at::matmul(encode(ids), tokens_->weight.t());
+}
+
+std::vector<at::Tensor> MlmEncoderImpl::trainable_parameters() const {
+  std::vector<at::Tensor> out;
+  for (const at::Tensor& p : parameters())
+    if (p.requires_grad()) out.push_back(p);
+  return out;
 }
 
 at::Tensor MlmEncoderImpl::loss(const at::Tensor& ids, const at::Tensor& labels) {

@@ -1,15 +1,18 @@
 // A small Transformer encoder trained with masked-language modelling (BERT/XLM style):
-// token + learned position embeddings → N post-LN encoder layers → LayerNorm → vocab logits
-// (the output projection shares the token embedding matrix).
+// token + learned position embeddings → N post-LN encoder layers (model/transformer.h) →
+// LayerNorm → vocab logits (the output projection shares the token embedding matrix).
+// PEFT (model/peft.h) may freeze most of it afterwards: trainable_parameters() is then what
+// the optimizer and the strategy get.
 #pragma once
 
 #include <torch/nn/module.h>
+#include <torch/nn/modules/container/modulelist.h>
 #include <torch/nn/modules/embedding.h>
-#include <torch/nn/modules/linear.h>
 #include <torch/nn/modules/normalization.h>
-#include <torch/nn/modules/transformercoder.h>
-#include <torch/nn/modules/transformerlayer.h>
 
+#include <vector>
+
+#include "model/transformer.h"
 #include "nebula/config.h"
 
 namespace nebula::model {
@@ -29,11 +32,18 @@ class MlmEncoderImpl : public torch::nn::Module {
   at::Tensor loss(const at::Tensor& ids, const at::Tensor& labels);
 
   int64_t max_len() const { return max_len_; }
+  const ModelConfig& config() const { return config_; }
+  // The encoder layers, first to last (PEFT injects LoRA / adapters into them).
+  const std::vector<EncoderLayer>& layers() const { return layers_; }
+  // The parameters with requires_grad, in parameters() order (deterministic: registration
+  // order). Without PEFT that is all of them.
+  std::vector<at::Tensor> trainable_parameters() const;
 
  private:
+  ModelConfig config_;
   int64_t pad_id_, max_len_, dim_;
   torch::nn::Embedding tokens_{nullptr}, positions_{nullptr};
-  torch::nn::TransformerEncoder layers_{nullptr};
+  std::vector<EncoderLayer> layers_;  // registered as "layers.<i>"
   torch::nn::LayerNorm norm_{nullptr};
 };
 TORCH_MODULE(MlmEncoder);

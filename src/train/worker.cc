@@ -16,6 +16,7 @@
 #include "data/tokenizer.h"
 #include "model/mlm_batch.h"
 #include "model/mlm_encoder.h"
+#include "model/peft.h"
 #include "nebula/error.h"
 #include "nebula/log.h"
 #include "strategy/strategy.h"
@@ -109,7 +110,11 @@ void run_worker(const Config& c, const WorkerIdentity& who) {
 
   at::manual_seed(c.job.seed);
   model::MlmEncoder model(c.model, tok.vocab_size(), tok.pad_id());
-  auto params = model->parameters();
+  // PEFT freezes the backbone (equal on every worker: same seed). Only the trainable
+  // parameters are optimized and synchronized, so they alone cross the WAN.
+  auto params = model::apply_peft(*model, c.peft);
+  spdlog::info("{} trainable of {} parameters (peft: {})", model::numel(params), model::numel(model->parameters()),
+               c.peft.kind);
   auto strategy = strategy::make_strategy(c.strategy, comm, timeout, c.sites.size(), who.site);
   strategy->init(params);
   torch::optim::AdamW optimizer(params, torch::optim::AdamWOptions(c.model.lr).weight_decay(c.model.weight_decay));
