@@ -17,6 +17,11 @@ declare -A runs=(
   [diloco-sparse]="strategy.kind=diloco strategy.codec=sparseloco strategy.codec_density=0.015625 strategy.codec_block=4096 strategy.outer_momentum=0 strategy.outer_lr=1 strategy.inner_steps=$h"
   [streaming-int4]="strategy.kind=streaming strategy.codec=int4 strategy.inner_steps=$h strategy.fragments=4 strategy.delay=5"
   [peft-diloco]="strategy.kind=diloco strategy.codec=int4 strategy.inner_steps=$h peft.kind=\"lora\""
+  # Further points toward 10^4x (run by name: bench/strategies.sh 300 50 sync-none sparse-d16 ...)
+  [diloco-int4-h100]="strategy.kind=diloco strategy.codec=int4 strategy.inner_steps=100"
+  [sparse-d16]="strategy.kind=diloco strategy.codec=sparseloco strategy.codec_density=0.0625 strategy.codec_block=4096 strategy.outer_momentum=0 strategy.outer_lr=1 strategy.inner_steps=$h"
+  [sparse-d16-nesterov]="strategy.kind=diloco strategy.codec=sparseloco strategy.codec_density=0.0625 strategy.codec_block=4096 strategy.inner_steps=$h"
+  [sparse-d4]="strategy.kind=diloco strategy.codec=sparseloco strategy.codec_density=0.25 strategy.codec_block=4096 strategy.outer_momentum=0 strategy.outer_lr=1 strategy.inner_steps=$h"
 )
 order=(sync-none sync-int8 diloco-int4 diloco-sparse streaming-int4 peft-diloco)
 [ $# -gt 0 ] && order=("$@")
@@ -26,7 +31,7 @@ run() {  # name, wan (emulated|unlimited)
   for kv in ${runs[$1]}; do sets+=(--set "$kv"); done
   if [ "$wan" = unlimited ]; then sets+=(--set 'wan.bandwidth="0bit"' --set 'wan.rtt="0s"'); fi
   [ -n "$tokenizer" ] && sets+=(--set "data.tokenizer=\"$tokenizer\"")
-  build/nebula run examples/demo.toml --set job.steps="$steps" --set job.log_every=10 \
+  build/nebula run examples/demo.toml --set job.steps="$steps" --set job.log_every=10 --set strategy.heterogeneous=false \
     --set 'wan.bandwidth="20Mbit"' --set 'wan.rtt="100ms"' "${sets[@]}" \
     --set metrics.progress='"off"' --set job.run_dir="\"$dir\"" > "$dir.log" 2>&1 \
     || { echo "$name ($wan) failed: see $dir.log"; exit 1; }
