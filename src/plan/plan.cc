@@ -14,34 +14,17 @@
 
 #include "nebula/error.h"
 #include "nebula/units.h"
+#include "util/toml_reader.h"
 
 namespace nebula::plan {
 namespace {
 
 // ─── Reading the topology file ──────────────────────────────────────────────────────────────
-// The same conventions as the job config (src/util/config.cc): every error names
-// file:line:col and the key, unknown keys are errors. The reader there is private to the
-// config; this is the subset a topology needs, plus the unit-bearing numbers it adds
-// ("70B" parameters, "400T" FLOP/s).
+// The same reader as the job config (util/toml_reader.h): every error names file:line:col and
+// the key, unknown keys are errors. Added here: the unit-bearing numbers a topology needs
+// ("70B" parameters, "400T" FLOP/s), and rates where "0" means unlimited.
 
-std::string where(const toml::node& node, const std::string& fallback) {
-  const auto& src = node.source();
-  std::string file = src.path ? *src.path : fallback;
-  if (src.begin.line == 0) return file;
-  return str_cat(file, ":", src.begin.line, ":", src.begin.column);
-}
-
-std::string type_name(const toml::node& n) {
-  switch (n.type()) {
-    case toml::node_type::string: return "a string";
-    case toml::node_type::integer: return "an integer";
-    case toml::node_type::floating_point: return "a float";
-    case toml::node_type::boolean: return "a boolean";
-    case toml::node_type::array: return "an array";
-    case toml::node_type::table: return "a table";
-    default: return "a date/time";
-  }
-}
+using toml_reader::Section;
 
 // "70e9", "70B", "1.5M", "400T", "400TFLOP/s": a non-negative number with an optional SI
 // suffix (K, M, G or B, T, P, E) and an optional unit word that `units` allows.
@@ -86,233 +69,44 @@ double parse_si(const std::string& text, std::initializer_list<const char*> unit
   return value;
 }
 
-class Section {
- public:
-  Section(const toml::table& table, std::string prefix, std::string file)
-      : table_(table), prefix_(std::move(prefix)), file_(std::move(file)) {}
+const char* kUnitExamples = "\"50ms\", \"1Gbit\"";
 
-  std::string key_name(const std::string& key) const { return prefix_.empty() ? key : prefix_ + "." + key; }
-
-  [[noreturn]] void fail(const toml::node& node, const std::string& key, const std::string& msg) const {
-    throw ConfigError(str_cat(where(node, file_), ": key '", key_name(key), "': ", msg));
-  }
-
-  const toml::node* find(const std::string& key) {
-    used_.insert(key);
-    return table_.get(key);
-  }
-
-  bool has(const std::string& key) const { return table_.get(key) != nullptr; }
-
-  // A key the topology cannot do without: the error points at the table's header.
-  void require(const std::string& key, const char* example) const {
-    if (!has(key)) fail(table_, key, str_cat("missing (e.g. ", example, ")"));
-  }
-
-  void string(const std::string& key, std::string& out) {
-    const toml::node* n = find(key);
-    if (!n) return;
-    if (!n->is_string()) fail(*n, key, str_cat("expected a string, got ", type_name(*n)));
-    out = *n->value<std::string>();
-  }
-
-  void boolean(const std::string& key, bool& out) {
-    const toml::node* n = find(key);
-    if (!n) return;
-    if (!n->is_boolean()) fail(*n, key, str_cat("expected true or false, got ", type_name(*n)));
-    out = *n->value<bool>();
-  }
-
-  void number(const std::string& key, double& out, double min, double max) {
-    const toml::node* n = find(key);
-    if (!n) return;
-    if (!n->is_number()) fail(*n, key, str_cat("expected a number, got ", type_name(*n)));
-    check_range(*n, key, *n->value<double>(), min, max, out);
-  }
-
-  void integer(const std::string& key, int64_t& out, int64_t min, int64_t max) {
-    const toml::node* n = find(key);
-    if (!n) return;
-    if (!n->is_integer()) fail(*n, key, str_cat("expected an integer, got ", type_name(*n)));
-    int64_t v = *n->value<int64_t>();
-    if (v < min || v > max) fail(*n, key, str_cat(v, " is out of range [", min, ", ", max, "]"));
-    out = v;
-  }
-
-  // A number, or a string with an SI suffix and optional unit words ("70B", "400T").
-  void si(const std::string& key, double& out, double min, std::initializer_list<const char*> units,
-          const char* forms) {
-    const toml::node* n = find(key);
-    if (!n) return;
-    double v = 0;
-    if (n->is_number()) {
-      v = *n->value<double>();
-    } else if (n->is_string()) {
-      try {
-        v = parse_si(*n->value<std::string>(), units, forms);
-      } catch (const ConfigError& e) {
-        fail(*n, key, e.what());
-      }
-    } else {
-      fail(*n, key, str_cat("expected a number or a string like \"70B\", got ", type_name(*n)));
-    }
-    check_range(*n, key, v, min, 1e30, out);
-  }
-
-  // A rate ("1Gbit"); "0" means unlimited, as in the job config's [wan].
-  void rate(const std::string& key, double& out) {
-    unit(key, out, [](const std::string& text) {
-      double bits = parse_rate_bits(text);
-      return bits == 0 ? kUnlimited : bits;
-    });
-  }
-
-  void duration(const std::string& key, double& seconds) {
-    unit(key, seconds, [](const std::string& text) { return std::chrono::duration<double>(parse_duration(text)).count(); });
-  }
-
-  // An array of strings, each one of `allowed`.
-  void strings(const std::string& key, std::vector<std::string>& out, const std::vector<std::string>& allowed) {
-    const toml::node* n = find(key);
-    if (!n) return;
-    const toml::array* arr = n->as_array();
-    if (!arr) fail(*n, key, str_cat("expected an array of strings, got ", type_name(*n)));
-    out.clear();
-    for (const toml::node& item : *arr) {
-      if (!item.is_string()) fail(item, key, str_cat("expected an array of strings, found ", type_name(item)));
-      std::string v = *item.value<std::string>();
-      if (std::find(allowed.begin(), allowed.end(), v) == allowed.end()) {
-        std::string list;
-        for (const auto& a : allowed) list += str_cat(list.empty() ? "" : ", ", "\"", a, "\"");
-        fail(item, key, str_cat("\"", v, "\" is not one of ", list));
-      }
-      out.push_back(v);
-    }
-    if (out.empty()) fail(*n, key, "must not be empty");
-  }
-
-  // An integer or an array of integers, each in [min, max].
-  void integers(const std::string& key, std::vector<int64_t>& out, int64_t min, int64_t max) {
-    const toml::node* n = find(key);
-    if (!n) return;
-    std::vector<const toml::node*> items;
-    if (const toml::array* arr = n->as_array()) {
-      for (const toml::node& item : *arr) items.push_back(&item);
-      if (items.empty()) fail(*n, key, "must not be empty");
-    } else {
-      items.push_back(n);
-    }
-    out.clear();
-    for (const toml::node* item : items) {
-      if (!item->is_integer()) fail(*item, key, str_cat("expected an integer or an array of integers, found ", type_name(*item)));
-      int64_t v = *item->value<int64_t>();
-      if (v < min || v > max) fail(*item, key, str_cat(v, " is out of range [", min, ", ", max, "]"));
-      out.push_back(v);
-    }
-  }
-
-  template <typename Each>
-  void tables(const std::string& key, Each each) {
-    const toml::node* n = find(key);
-    if (!n) return;
-    const toml::array* arr = n->as_array();
-    if (!arr || !arr->is_array_of_tables())
-      fail(*n, key, str_cat("expected an array of tables ([[", key_name(key), "]] blocks)"));
-    for (size_t i = 0; i < arr->size(); ++i) {
-      const toml::table& t = *arr->get(i)->as_table();
-      Section s(t, str_cat(key_name(key), "[", i, "]"), file_);
-      each(s, t);
-      s.finish();
-    }
-  }
-
-  // A sub-table ([wan] inside the root); nullptr if absent.
-  const toml::table* table(const std::string& key) {
-    const toml::node* n = find(key);
-    if (!n) return nullptr;
-    if (!n->is_table()) fail(*n, key, str_cat("expected a table [", key_name(key), "], got ", type_name(*n)));
-    return n->as_table();
-  }
-
-  void finish() const {
-    for (auto&& [k, v] : table_) {
-      std::string key(k.str());
-      if (used_.count(key)) continue;
-      std::string known;
-      for (const auto& u : used_) known += str_cat(known.empty() ? "" : ", ", u);
-      fail(v, key, str_cat("unknown key (known keys here: ", known, ")"));
-    }
-  }
-
-  const toml::table& node() const { return table_; }
-
- private:
-  template <typename T, typename Parse>
-  void unit(const std::string& key, T& out, Parse parse) {
-    const toml::node* n = find(key);
-    if (!n) return;
-    std::string text;
-    if (n->is_string()) text = *n->value<std::string>();
-    else if (n->is_integer() && *n->value<int64_t>() == 0) text = "0";
-    else fail(*n, key, str_cat("expected a string with a unit (e.g. \"50ms\", \"1Gbit\"), got ", type_name(*n)));
+// A number, or a string with an SI suffix and optional unit words ("70B", "400T").
+void read_si(Section& s, const std::string& key, double& out, double min, std::initializer_list<const char*> units,
+             const char* forms) {
+  const toml::node* n = s.find(key);
+  if (!n) return;
+  double v = 0;
+  if (n->is_number()) {
+    v = *n->value<double>();
+  } else if (n->is_string()) {
     try {
-      out = parse(text);
+      v = parse_si(*n->value<std::string>(), units, forms);
     } catch (const ConfigError& e) {
-      fail(*n, key, e.what());
+      s.fail(*n, key, e.what());
     }
+  } else {
+    s.fail(*n, key, str_cat("expected a number or a string like \"70B\", got ", Section::type_name(*n)));
   }
+  out = s.check_range(*n, key, v, min, 1e30);
+}
 
-  void check_range(const toml::node& n, const std::string& key, double v, double min, double max, double& out) {
-    if (!(v >= min && v <= max)) fail(n, key, str_cat(v, " is out of range [", min, ", ", max, "]"));
-    out = v;
-  }
+// A rate ("1Gbit"); "0" means unlimited, as in the job config's [wan].
+void read_rate(Section& s, const std::string& key, double& out) {
+  s.unit(
+      key, out,
+      [](const std::string& text) {
+        double bits = parse_rate_bits(text);
+        return bits == 0 ? kUnlimited : bits;
+      },
+      kUnitExamples);
+}
 
-  const toml::table& table_;
-  std::string prefix_;
-  std::string file_;
-  std::set<std::string> used_;
-};
-
-// "a.b.c=value" → table[a][b][c] = value (TOML, else a bare string); sites.N.key indexes
-// [[sites]]. The same rules as `nebula run --set`.
-void apply_override(toml::table& root, const std::string& text) {
-  auto eq = text.find('=');
-  if (eq == std::string::npos || eq == 0)
-    throw ConfigError(str_cat("--set ", text, ": expected KEY=VALUE, e.g. --set wan.bandwidth=\"10Gbit\""));
-  std::string key = text.substr(0, eq), value = text.substr(eq + 1);
-  std::string origin = "--set " + text;
-  toml::table parsed;
-  try {
-    parsed = toml::parse("v = " + value, origin);
-  } catch (const toml::parse_error&) {
-    parsed = toml::parse("v = \"\"\"" + value + "\"\"\"", origin);
-  }
-  std::vector<std::string> parts;
-  std::stringstream ss(key);
-  for (std::string p; std::getline(ss, p, '.');) parts.push_back(p);
-  if (parts.empty() || std::find(parts.begin(), parts.end(), "") != parts.end())
-    throw ConfigError(str_cat(origin, ": bad key '", key, "'"));
-  toml::table* t = &root;
-  for (size_t i = 0; i + 1 < parts.size(); ++i) {
-    toml::node* next = t->get(parts[i]);
-    if (!next) {
-      t->insert(parts[i], toml::table{});
-      next = t->get(parts[i]);
-    }
-    if (auto* arr = next->as_array()) {
-      if (parts[i + 1].find_first_not_of("0123456789") != std::string::npos)
-        throw ConfigError(str_cat(origin, ": '", parts[i], "' is an array; name an index, e.g. ", parts[i], ".0.key"));
-      size_t idx = std::stoul(parts[++i]);
-      if (idx >= arr->size() || !arr->get(idx)->is_table())
-        throw ConfigError(str_cat(origin, ": index ", idx, " out of range for '", parts[i - 1], "' (size ", arr->size(), ")"));
-      if (i + 1 >= parts.size()) throw ConfigError(str_cat(origin, ": expected a key after the index"));
-      t = arr->get(idx)->as_table();
-      continue;
-    }
-    t = next->as_table();
-    if (!t) throw ConfigError(str_cat(origin, ": '", parts[i], "' is not a table"));
-  }
-  t->insert_or_assign(parts.back(), std::move(*parsed.get("v")));
+void read_duration(Section& s, const std::string& key, double& seconds) {
+  s.unit(
+      key, seconds,
+      [](const std::string& text) { return std::chrono::duration<double>(parse_duration(text)).count(); },
+      kUnitExamples);
 }
 
 const char* kCountForms = "e.g. 70e9 or \"70B\" (K, M, B or G, T)";
@@ -329,10 +123,10 @@ Topology build(const toml::table& root, const std::string& file) {
     Section s(*model, "model", file);
     s.require("parameters", "parameters = 70e9");
     s.require("tokens_per_step_per_worker", "tokens_per_step_per_worker = 4096");
-    s.si("parameters", t.parameters, 1, {}, kCountForms);
-    s.si("trainable", t.trainable, 1, {}, kCountForms);
-    s.si("tokens_per_step_per_worker", t.tokens_per_step_per_worker, 1e-9, {}, kCountForms);
-    s.si("flops_per_token", t.flops_per_token, 1e-9, {"FLOP", "FLOPs", "flop"}, kFlopsForms);
+    read_si(s, "parameters", t.parameters, 1, {}, kCountForms);
+    read_si(s, "trainable", t.trainable, 1, {}, kCountForms);
+    read_si(s, "tokens_per_step_per_worker", t.tokens_per_step_per_worker, 1e-9, {}, kCountForms);
+    read_si(s, "flops_per_token", t.flops_per_token, 1e-9, {"FLOP", "FLOPs", "flop"}, kFlopsForms);
     s.finish();
     if (t.trainable == 0) t.trainable = t.parameters;
     if (t.trainable > t.parameters)
@@ -348,10 +142,10 @@ Topology build(const toml::table& root, const std::string& file) {
     s.require("name", "name = \"alpha\"");
     s.string("name", site.name);
     s.integer("workers", site.workers, 1, int64_t{1} << 30);
-    s.si("worker_flops", site.worker_flops, 1e-9, {"FLOP/s", "FLOPS", "flop/s"}, kFlopsForms);
-    s.si("tokens_per_second_per_worker", site.tokens_per_second_per_worker, 1e-9, {}, kCountForms);
-    s.rate("lan_bandwidth", site.lan_bandwidth_bits);
-    s.duration("lan_latency", site.lan_latency_s);
+    read_si(s, "worker_flops", site.worker_flops, 1e-9, {"FLOP/s", "FLOPS", "flop/s"}, kFlopsForms);
+    read_si(s, "tokens_per_second_per_worker", site.tokens_per_second_per_worker, 1e-9, {}, kCountForms);
+    read_rate(s, "lan_bandwidth", site.lan_bandwidth_bits);
+    read_duration(s, "lan_latency", site.lan_latency_s);
     if (site.name.empty()) s.fail(st, "name", "must not be empty");
     if (!names.insert(site.name).second) s.fail(st, "name", str_cat("site name '", site.name, "' is used twice"));
     if ((site.worker_flops > 0) == (site.tokens_per_second_per_worker > 0))
@@ -364,8 +158,8 @@ Topology build(const toml::table& root, const std::string& file) {
 
   if (const toml::table* wan = top.table("wan")) {
     Section s(*wan, "wan", file);
-    s.rate("bandwidth", t.wan.bandwidth_bits);
-    s.duration("rtt", t.wan.rtt_s);
+    read_rate(s, "bandwidth", t.wan.bandwidth_bits);
+    read_duration(s, "rtt", t.wan.rtt_s);
     s.boolean("shared_uplink", t.shared_uplink);
     s.tables("pairs", [&](Section& p, const toml::table& pt) {
       WanPairPlan pair;
@@ -378,8 +172,8 @@ Topology build(const toml::table& root, const std::string& file) {
         p.fail(pt, "sites", "expected two different site names, e.g. sites = [\"alpha\", \"beta\"]");
       pair.a = ends[0];
       pair.b = ends[1];
-      p.rate("bandwidth", pair.path.bandwidth_bits);
-      p.duration("rtt", pair.path.rtt_s);
+      read_rate(p, "bandwidth", pair.path.bandwidth_bits);
+      read_duration(p, "rtt", pair.path.rtt_s);
       t.pairs.push_back(pair);
     });
     s.finish();
@@ -512,13 +306,8 @@ WanPath Topology::path_between(size_t i, size_t j) const {
 }
 
 Topology parse_topology(const std::string& text, const std::string& name, const std::vector<std::string>& overrides) {
-  toml::table root;
-  try {
-    root = toml::parse(text, name);
-  } catch (const toml::parse_error& e) {
-    throw ConfigError(str_cat(name, ":", e.source().begin.line, ":", e.source().begin.column, ": ", e.description()));
-  }
-  for (const auto& o : overrides) apply_override(root, o);
+  toml::table root = toml_reader::parse(text, name);
+  for (const auto& o : overrides) toml_reader::apply_override(root, o, "wan.bandwidth=\"10Gbit\"");
   return build(root, name);
 }
 

@@ -8,199 +8,13 @@
 
 #include "nebula/error.h"
 #include "nebula/units.h"
+#include "util/toml_reader.h"
 
 namespace nebula {
 namespace {
 
-std::string where(const toml::node& node, const std::string& fallback) {
-  const auto& src = node.source();
-  std::string file = src.path ? *src.path : fallback;
-  if (src.begin.line == 0) return file;
-  return str_cat(file, ":", src.begin.line, ":", src.begin.column);
-}
-
-// Reads one TOML table, remembering which keys were consumed so that unknown keys can be
-// reported by finish(). Every accessor throws ConfigError naming file:line:col and the key.
-class Section {
- public:
-  Section(const toml::table& table, std::string prefix, std::string file)
-      : table_(table), prefix_(std::move(prefix)), file_(std::move(file)) {}
-
-  std::string key_name(const std::string& key) const { return prefix_.empty() ? key : prefix_ + "." + key; }
-
-  [[noreturn]] void fail(const toml::node& node, const std::string& key, const std::string& msg) const {
-    throw ConfigError(str_cat(where(node, file_), ": key '", key_name(key), "': ", msg));
-  }
-
-  const toml::node* find(const std::string& key) {
-    used_.insert(key);
-    return table_.get(key);
-  }
-
-  void string(const std::string& key, std::string& out, std::initializer_list<const char*> allowed = {}) {
-    const toml::node* n = find(key);
-    if (!n) return;
-    auto v = n->value<std::string>();
-    if (!n->is_string() || !v) fail(*n, key, str_cat("expected a string, got ", type_name(*n)));
-    if (allowed.size()) {
-      bool ok = false;
-      std::string list;
-      for (const char* a : allowed) {
-        ok |= (*v == a);
-        list += str_cat(list.empty() ? "" : ", ", "\"", a, "\"");
-      }
-      if (!ok) fail(*n, key, str_cat("\"", *v, "\" is not one of ", list));
-    }
-    out = *v;
-  }
-
-  void integer(const std::string& key, int64_t& out, int64_t min, int64_t max) {
-    const toml::node* n = find(key);
-    if (!n) return;
-    if (!n->is_integer()) fail(*n, key, str_cat("expected an integer, got ", type_name(*n)));
-    int64_t v = *n->value<int64_t>();
-    if (v < min || v > max) fail(*n, key, str_cat(v, " is out of range [", min, ", ", max, "]"));
-    out = v;
-  }
-
-  void unsigned_integer(const std::string& key, uint64_t& out) {
-    int64_t v = static_cast<int64_t>(out);
-    integer(key, v, 0, INT64_MAX);
-    out = static_cast<uint64_t>(v);
-  }
-
-  void number(const std::string& key, double& out, double min, double max) {
-    const toml::node* n = find(key);
-    if (!n) return;
-    if (!n->is_number()) fail(*n, key, str_cat("expected a number, got ", type_name(*n)));
-    double v = *n->value<double>();
-    if (!(v >= min && v <= max)) fail(*n, key, str_cat(v, " is out of range [", min, ", ", max, "]"));
-    out = v;
-  }
-
-  void boolean(const std::string& key, bool& out) {
-    const toml::node* n = find(key);
-    if (!n) return;
-    if (!n->is_boolean()) fail(*n, key, str_cat("expected true or false, got ", type_name(*n)));
-    out = *n->value<bool>();
-  }
-
-  void strings(const std::string& key, std::vector<std::string>& out) {
-    const toml::node* n = find(key);
-    if (!n) return;
-    const toml::array* arr = n->as_array();
-    if (!arr) fail(*n, key, str_cat("expected an array of strings, got ", type_name(*n)));
-    out.clear();
-    for (const toml::node& item : *arr) {
-      if (!item.is_string()) fail(item, key, str_cat("expected an array of strings, found ", type_name(item)));
-      out.push_back(*item.value<std::string>());
-    }
-  }
-
-  // A unit-bearing string: "80ms", "50Mbit". `parse` throws ConfigError without a location.
-  template <typename T, typename Parse>
-  void unit(const std::string& key, T& out, Parse parse) {
-    const toml::node* n = find(key);
-    if (!n) return;
-    std::string text;
-    if (n->is_string()) text = *n->value<std::string>();
-    else if (n->is_integer() && *n->value<int64_t>() == 0) text = "0";
-    else fail(*n, key, str_cat("expected a string with a unit (e.g. \"80ms\", \"50Mbit\"), got ", type_name(*n)));
-    try {
-      out = parse(text);
-    } catch (const ConfigError& e) {
-      fail(*n, key, e.what());
-    }
-  }
-
-  bool has(const std::string& key) const { return table_.get(key) != nullptr; }
-
-  // An array of tables ([[prefix.key]]): calls each(section, table) for every element.
-  template <typename Each>
-  void tables(const std::string& key, Each each) {
-    const toml::node* n = find(key);
-    if (!n) return;
-    const toml::array* arr = n->as_array();
-    if (!arr || !arr->is_array_of_tables())
-      fail(*n, key, str_cat("expected an array of tables ([[", key_name(key), "]] blocks)"));
-    for (size_t i = 0; i < arr->size(); ++i) {
-      const toml::table& t = *arr->get(i)->as_table();
-      Section s(t, str_cat(key_name(key), "[", i, "]"), file_);
-      each(s, t);
-      s.finish();
-    }
-  }
-
-  // Reports the first key that no accessor asked for.
-  void finish() const {
-    for (auto&& [k, v] : table_) {
-      std::string key(k.str());
-      if (used_.count(key)) continue;
-      std::string known;
-      for (const auto& u : used_) known += str_cat(known.empty() ? "" : ", ", u);
-      fail(v, key, str_cat("unknown key (known keys here: ", known, ")"));
-    }
-  }
-
-  static std::string type_name(const toml::node& n) {
-    switch (n.type()) {
-      case toml::node_type::string: return "a string";
-      case toml::node_type::integer: return "an integer";
-      case toml::node_type::floating_point: return "a float";
-      case toml::node_type::boolean: return "a boolean";
-      case toml::node_type::array: return "an array";
-      case toml::node_type::table: return "a table";
-      default: return "a date/time";
-    }
-  }
-
- private:
-  const toml::table& table_;
-  std::string prefix_;
-  std::string file_;
-  std::set<std::string> used_;
-};
-
-// "a.b.c=value" → sets table[a][b][c]. The value is parsed as TOML; if that fails it is
-// taken as a bare string, so `--set data.source=tsv` works without quotes.
-void apply_override(toml::table& root, const std::string& text) {
-  auto eq = text.find('=');
-  if (eq == std::string::npos || eq == 0)
-    throw ConfigError(str_cat("--set ", text, ": expected KEY=VALUE, e.g. --set job.steps=20"));
-  std::string key = text.substr(0, eq), value = text.substr(eq + 1);
-  std::string origin = "--set " + text;
-  toml::table parsed;
-  try {
-    parsed = toml::parse("v = " + value, origin);
-  } catch (const toml::parse_error&) {
-    parsed = toml::parse("v = \"\"\"" + value + "\"\"\"", origin);
-  }
-  std::vector<std::string> parts;
-  std::stringstream ss(key);
-  for (std::string p; std::getline(ss, p, '.');) parts.push_back(p);
-  toml::table* t = &root;
-  for (size_t i = 0; i + 1 < parts.size(); ++i) {
-    toml::node* next = t->get(parts[i]);
-    if (!next) {
-      t->insert(parts[i], toml::table{});
-      next = t->get(parts[i]);
-    }
-    if (auto* arr = next->as_array()) {
-      // sites.0.workers: index into an array of tables.
-      if (parts[i + 1].find_first_not_of("0123456789") != std::string::npos)
-        throw ConfigError(str_cat(origin, ": '", parts[i], "' is an array; name an index, e.g. ", parts[i], ".0.key"));
-      size_t idx = std::stoul(parts[++i]);
-      if (idx >= arr->size() || !arr->get(idx)->is_table())
-        throw ConfigError(str_cat(origin, ": index ", idx, " out of range for '", parts[i - 1], "' (size ", arr->size(), ")"));
-      if (i + 1 >= parts.size()) throw ConfigError(str_cat(origin, ": expected a key after the index"));
-      t = arr->get(idx)->as_table();
-      continue;
-    }
-    t = next->as_table();
-    if (!t) throw ConfigError(str_cat(origin, ": '", parts[i], "' is not a table"));
-  }
-  t->insert_or_assign(parts.back(), std::move(*parsed.get("v")));
-}
+using toml_reader::Section;
+using toml_reader::where;
 
 void read_path(Section& s, WanPathConfig& p) {
   s.unit("bandwidth", p.bandwidth_bits, parse_rate_bits);
@@ -229,14 +43,8 @@ Config build(const toml::table& root, const std::string& file) {
   Config c;
   c.source_path = file;
   Section top(root, "", file);
-  auto table = [&](const char* name) -> const toml::table* {
-    const toml::node* n = top.find(name);
-    if (!n) return nullptr;
-    if (!n->is_table()) top.fail(*n, name, str_cat("expected a table [", name, "], got ", Section::type_name(*n)));
-    return n->as_table();
-  };
 
-  if (auto* t = table("job")) {
+  if (auto* t = top.table("job")) {
     Section s(*t, "job", file);
     s.string("name", c.job.name);
     s.string("run_dir", c.job.run_dir);
@@ -249,7 +57,7 @@ Config build(const toml::table& root, const std::string& file) {
   }
   if (c.job.run_dir.empty()) c.job.run_dir = "runs/" + c.job.name;
 
-  if (auto* t = table("model")) {
+  if (auto* t = top.table("model")) {
     Section s(*t, "model", file);
     s.string("kind", c.model.kind, {"mlm_encoder"});
     s.integer("dim", c.model.dim, 8, 65536);
@@ -267,7 +75,7 @@ Config build(const toml::table& root, const std::string& file) {
     }
   }
 
-  if (auto* t = table("data")) {
+  if (auto* t = top.table("data")) {
     Section s(*t, "data", file);
     s.string("source", c.data.source, {"gettext", "tsv", "text"});
     s.string("path", c.data.path);
@@ -281,32 +89,27 @@ Config build(const toml::table& root, const std::string& file) {
     s.finish();
   }
 
-  if (const toml::node* n = top.find("sites")) {
-    const toml::array* arr = n->as_array();
-    if (!arr || !arr->is_array_of_tables())
-      top.fail(*n, "sites", "expected an array of tables ([[sites]] blocks)");
-    std::set<std::string> names;
-    for (size_t i = 0; i < arr->size(); ++i) {
-      const toml::table& st = *arr->get(i)->as_table();
-      Section s(st, str_cat("sites[", i, "]"), file);
-      SiteConfig site;
-      s.string("name", site.name);
-      s.integer("workers", site.workers, 1, 1 << 16);
-      s.string("device", site.device, {"cpu"});
-      s.string("gateway", site.gateway);
-      s.string("store", site.store);
-      s.strings("languages", site.languages);
-      s.number("slowdown", site.slowdown, 1.0, 1000.0);
-      s.finish();
-      if (site.name.empty()) throw ConfigError(str_cat(where(st, file), ": [[sites]] #", i + 1, " needs a name"));
-      if (!names.insert(site.name).second)
-        throw ConfigError(str_cat(where(st, file), ": site name '", site.name, "' is used twice"));
-      c.sites.push_back(site);
-    }
-  }
+  std::set<std::string> names;
+  size_t index = 0;
+  top.tables("sites", [&](Section& s, const toml::table& st) {
+    const size_t i = index++;
+    SiteConfig site;
+    s.string("name", site.name);
+    s.integer("workers", site.workers, 1, 1 << 16);
+    s.string("device", site.device, {"cpu"});
+    s.string("gateway", site.gateway);
+    s.string("store", site.store);
+    s.strings("languages", site.languages);
+    s.number("slowdown", site.slowdown, 1.0, 1000.0);
+    s.finish();  // unknown keys before the checks below
+    if (site.name.empty()) throw ConfigError(str_cat(where(st, file), ": [[sites]] #", i + 1, " needs a name"));
+    if (!names.insert(site.name).second)
+      throw ConfigError(str_cat(where(st, file), ": site name '", site.name, "' is used twice"));
+    c.sites.push_back(site);
+  });
   if (c.sites.empty()) throw ConfigError(str_cat(file, ": no [[sites]]: a job needs at least one site"));
 
-  if (auto* t = table("wan")) {
+  if (auto* t = top.table("wan")) {
     Section s(*t, "wan", file);
     read_path(s, c.wan.path);
     s.integer("streams", c.wan.streams, 1, 256);
@@ -345,7 +148,7 @@ Config build(const toml::table& root, const std::string& file) {
     });
     s.finish();
   }
-  if (auto* t = table("strategy")) {
+  if (auto* t = top.table("strategy")) {
     Section s(*t, "strategy", file);
     s.string("kind", c.strategy.kind, {"sync", "diloco", "streaming"});
     s.string("codec", c.strategy.codec,
@@ -374,7 +177,7 @@ Config build(const toml::table& root, const std::string& file) {
                                   c.strategy.inner_steps, " (a fragment must be merged before it is sent again)"));
     s.finish();
   }
-  if (auto* t = table("peft")) {
+  if (auto* t = top.table("peft")) {
     Section s(*t, "peft", file);
     s.string("kind", c.peft.kind, {"none", "lora", "adapter"});
     s.integer("rank", c.peft.rank, 1, 4096);
@@ -382,7 +185,7 @@ Config build(const toml::table& root, const std::string& file) {
     s.integer("adapter_dim", c.peft.adapter_dim, 1, 1 << 16);
     s.finish();
   }
-  if (auto* t = table("security")) {
+  if (auto* t = top.table("security")) {
     Section s(*t, "security", file);
     s.boolean("insecure", c.security.insecure);
     s.string("certs", c.security.certs);
@@ -392,7 +195,7 @@ Config build(const toml::table& root, const std::string& file) {
     s.string("audit_log", c.security.audit_log);
     s.finish();
   }
-  if (auto* t = table("metrics")) {
+  if (auto* t = top.table("metrics")) {
     Section s(*t, "metrics", file);
     s.string("progress", c.metrics.progress, {"auto", "plain", "off"});
     s.finish();
@@ -400,14 +203,6 @@ Config build(const toml::table& root, const std::string& file) {
   top.finish();
 
   return c;
-}
-
-toml::table parse_toml(const std::string& text, const std::string& name) {
-  try {
-    return toml::parse(text, name);
-  } catch (const toml::parse_error& e) {
-    throw ConfigError(str_cat(name, ":", e.source().begin.line, ":", e.source().begin.column, ": ", e.description()));
-  }
 }
 
 }  // namespace
@@ -442,8 +237,8 @@ size_t Config::site_index(const std::string& name) const {
 }
 
 Config parse_config(const std::string& text, const std::string& name, const std::vector<std::string>& overrides) {
-  toml::table root = parse_toml(text, name);
-  for (const auto& o : overrides) apply_override(root, o);
+  toml::table root = toml_reader::parse(text, name);
+  for (const auto& o : overrides) toml_reader::apply_override(root, o, "job.steps=20");
   return build(root, name);
 }
 
