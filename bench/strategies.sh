@@ -10,6 +10,7 @@ steps="${1:-300}"
 h="${2:-50}"
 shift 2 || true
 out="${BENCH_OUT:-$(mktemp -d)}"
+mkdir -p "$out"
 declare -A runs=(
   [sync-none]="strategy.kind=sync strategy.codec=none"
   [sync-int8]="strategy.kind=sync strategy.codec=int8"

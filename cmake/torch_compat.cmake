@@ -4,10 +4,23 @@
 # one header next to this note and nowhere else.
 #
 # 1. c10d's ProcessGroupGloo.hpp includes <gloo/...>. Debian ships those headers in
-#    libgloo-dev, not in libtorch-dev; the official zips ship them under include/.
+#    libgloo-dev, not in libtorch-dev; the official zips ship them under include/. Headers
+#    shipped with LibTorch match the Gloo compiled into it, so look there first (before any
+#    prefix in CMAKE_PREFIX_PATH), then fall back to libgloo-dev's (the pip wheels, e.g.
+#    2.11.0+cu130, ship none: there Debian 12's libgloo-dev headers compile and the tests pass).
 # 2. Debian's Caffe2 target exports USE_C10D_GLOO/USE_DISTRIBUTED; not every LibTorch build
 #    does, and without them the Gloo process group is compiled out of the header.
-find_path(GLOO_INCLUDE_DIR gloo/rendezvous/store.h HINTS ${TORCH_INCLUDE_DIRS} REQUIRED)
+# 3. CUDA builds of LibTorch (2.x wheels or zips) define the torch_cuda target; the GPU sanity
+#    check (bench/gpu_sanity.cc, run by bench/gpu_check.sh) is built only then.
+find_path(GLOO_INCLUDE_DIR gloo/rendezvous/store.h PATHS ${TORCH_INCLUDE_DIRS} NO_DEFAULT_PATH)
+find_path(GLOO_INCLUDE_DIR gloo/rendezvous/store.h REQUIRED)
+
+if(TARGET torch_cuda OR TORCH_CUDA_LIBRARIES)
+  set(NEBULA_TORCH_CUDA ON)
+else()
+  set(NEBULA_TORCH_CUDA OFF)
+endif()
+message(STATUS "nebula: LibTorch ${Torch_VERSION} (CUDA: ${NEBULA_TORCH_CUDA}), Gloo headers in ${GLOO_INCLUDE_DIR}")
 
 function(nebula_use_c10d target)
   target_include_directories(${target} PRIVATE ${GLOO_INCLUDE_DIR})

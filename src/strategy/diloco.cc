@@ -1,6 +1,7 @@
 #include "strategy/diloco.h"
 
 #include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>  // at::NoGradGuard: ATen.h no longer brings it in LibTorch 2.x
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
