@@ -32,13 +32,13 @@ at::Tensor data_of(int global_rank, int64_t numel) {
 // The hierarchical sum equals c10d's own allreduce over all ranks of all sites.
 TEST_P(HierarchicalAllreduce, SumEqualsFlatC10dAllreduce) {
   const Case c = GetParam();
-  const uint16_t global_port = transport::pick_free_port("127.0.0.1");
+  testing::StorePort flat_port;  // global rank 0 hosts the flat group's store and publishes its port
   testing::run_cluster(c.sites, [&](testing::Rank& r) {
     at::Tensor mine = data_of(r.global_rank, c.numel);
     at::Tensor ours = mine.clone();
     r.hierarchy->allreduce(ours, {ReduceOp::kSum, 1.0});
 
-    SiteGroup flat("flat", "127.0.0.1", global_port, r.global_rank, r.world_size, std::chrono::seconds(60));
+    SiteGroup flat = testing::join_group("flat", r.global_rank, r.world_size, std::chrono::seconds(60), flat_port);
     at::Tensor reference = mine.clone();
     flat.allreduce_sum(reference);
 

@@ -20,17 +20,23 @@ bool is_loopback(const std::string& host) {
 }  // namespace
 
 SiteGroup::SiteGroup(const std::string& site, const std::string& store_host, uint16_t store_port, int rank,
-                     int size, std::chrono::milliseconds timeout)
-    : impl_(std::make_unique<Impl>()), site_(site), rank_(rank), size_(size) {
+                     int size, std::chrono::milliseconds timeout,
+                     const std::function<void(uint16_t)>& on_store_listening)
+    : impl_(std::make_unique<Impl>()), site_(site), rank_(rank), size_(size), store_port_(store_port) {
   NEBULA_CHECK(size >= 1 && rank >= 0 && rank < size, "site ", site, ": rank ", rank, " of ", size);
+  NEBULA_CHECK(rank == 0 || store_port != 0, "site ", site, ": rank ", rank,
+               " needs the store's real port (only rank 0 may pass 0)");
   try {
     c10d::TCPStoreOptions opts;
     opts.port = store_port;
     opts.isServer = (rank == 0);
     opts.numWorkers = size;
-    opts.waitWorkers = false;
+    opts.waitWorkers = false;  // the constructor returns once the store listens: see on_store_listening
     opts.timeout = timeout;
     auto tcp = c10::make_intrusive<c10d::TCPStore>(store_host, opts);
+    store_port_ = tcp->getPort();  // the bound port on rank 0 (port 0 → the kernel's pick)
+    NEBULA_CHECK(store_port_ != 0, "site ", site, ": the store reports port 0");
+    if (on_store_listening) on_store_listening(store_port_);
     impl_->store = c10::make_intrusive<c10d::PrefixStore>("nebula/" + site, tcp);
     auto gloo = c10d::ProcessGroupGloo::Options::create(timeout);
     // Gloo binds its own sockets; on loopback stay on loopback, else use the host's address.
@@ -41,7 +47,7 @@ SiteGroup::SiteGroup(const std::string& site, const std::string& store_host, uin
     impl_->pg = c10::make_intrusive<c10d::ProcessGroupGloo>(impl_->store, rank, size, gloo);
   } catch (const c10::Error& e) {
     throw Timeout(site, str_cat("site ", site, " rank ", rank, "/", size, ": rendezvous at ", store_host, ":",
-                                store_port, " failed: ", e.what_without_backtrace()));
+                                store_port_, " failed: ", e.what_without_backtrace()));
   }
 }
 

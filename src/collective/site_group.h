@@ -5,6 +5,8 @@
 #include <ATen/core/Tensor.h>
 
 #include <chrono>
+#include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 
@@ -14,8 +16,16 @@ class SiteGroup {
  public:
   // Rendezvous at the site's TCPStore `store_host:store_port`; local rank 0 hosts the store.
   // Blocks until all `size` ranks have joined or `timeout` passes (then throws nebula::Timeout).
+  //
+  // Port 0 on rank 0 means "pick one": the store binds a port of the kernel's choosing, with no
+  // window for another process to take it; read it with store_port(). The other ranks need the
+  // real port (port 0 on them is an error), and as this constructor only returns once they have
+  // joined, rank 0 hands them the port through `on_store_listening`: called once, on the
+  // constructing thread, with the bound port as soon as the store listens and before the
+  // rendezvous (called for an explicit port too; if it throws, the constructor rethrows).
+  // Workers started by the launcher get an explicit port on every rank and need neither.
   SiteGroup(const std::string& site, const std::string& store_host, uint16_t store_port, int rank, int size,
-            std::chrono::milliseconds timeout);
+            std::chrono::milliseconds timeout, const std::function<void(uint16_t)>& on_store_listening = {});
   ~SiteGroup();
   SiteGroup(const SiteGroup&) = delete;
   SiteGroup& operator=(const SiteGroup&) = delete;
@@ -23,6 +33,8 @@ class SiteGroup {
   int rank() const { return rank_; }
   int size() const { return size_; }
   const std::string& site() const { return site_; }
+  // The port of the site's TCPStore: on rank 0 the one it bound (the real one when given 0).
+  uint16_t store_port() const { return store_port_; }
 
   // In-place collectives over the site's ranks (contiguous CPU tensors). Each waits at most the
   // group's timeout and rethrows c10d's error as nebula::Error naming the site and operation.
@@ -37,6 +49,7 @@ class SiteGroup {
   std::string site_;
   int rank_;
   int size_;
+  uint16_t store_port_;
 };
 
 }  // namespace nebula::collective

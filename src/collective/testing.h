@@ -1,9 +1,15 @@
 // Test helper: runs a whole multi-site job as threads of one process on loopback, one thread
-// per worker, with ephemeral ports, like gloo's multi-rank test helpers.
+// per worker, with ephemeral ports, like gloo's multi-rank test helpers. Every port is bound
+// with port 0 by its owner and then handed to the others: no pick-then-bind window that a
+// concurrent process (tests run in parallel) could fall into.
 #pragma once
 
+#include <chrono>
+#include <exception>
 #include <functional>
+#include <future>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <thread>
 #include <vector>
@@ -11,10 +17,55 @@
 #include "collective/gateway_mesh.h"
 #include "collective/hierarchical.h"
 #include "collective/site_group.h"
+#include "nebula/error.h"
 #include "transport/site_connector.h"
 #include "transport/tcp_link.h"
 
 namespace nebula::collective::testing {
+
+// The port of a group's TCPStore, published by its rank 0 once the store listens on a port of
+// the kernel's choosing, to the other ranks' threads. Shared by the threads of one group.
+class StorePort {
+ public:
+  StorePort() : future_(promise_.get_future().share()) {}
+  void publish(uint16_t port) { settle([&] { promise_.set_value(port); }); }
+  // Rank 0 failed before (or after) publishing: the others fail fast instead of waiting.
+  void fail(std::exception_ptr e) { settle([&] { promise_.set_exception(e); }); }
+  // Waits at most `timeout` for rank 0; rethrows rank 0's failure.
+  uint16_t await(const std::string& group, std::chrono::milliseconds timeout) const {
+    if (future_.wait_for(timeout) != std::future_status::ready)
+      throw Timeout(group, "group " + group + ": rank 0 did not publish its store port within " +
+                               std::to_string(timeout.count()) + " ms");
+    return future_.get();
+  }
+
+ private:
+  template <typename F>
+  void settle(F&& f) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (settled_) return;
+    settled_ = true;
+    f();
+  }
+  std::mutex mu_;
+  bool settled_ = false;
+  std::promise<uint16_t> promise_;
+  std::shared_future<uint16_t> future_;
+};
+
+// Joins `group` on loopback: rank 0 hosts the store on port 0 and publishes the bound port through
+// `port`; the other ranks wait (bounded by `timeout`) for it, then join. Every rank of the group
+// must call this with the same `port`.
+inline SiteGroup join_group(const std::string& group, int rank, int size, std::chrono::milliseconds timeout,
+                            StorePort& port) {
+  if (rank != 0) return SiteGroup(group, "127.0.0.1", port.await(group, timeout), rank, size, timeout);
+  try {
+    return SiteGroup(group, "127.0.0.1", 0, 0, size, timeout, [&](uint16_t p) { port.publish(p); });
+  } catch (...) {
+    port.fail(std::current_exception());
+    throw;
+  }
+}
 
 struct Rank {
   size_t site;
@@ -31,12 +82,11 @@ inline void run_cluster(const std::vector<int>& workers_per_site, const std::fun
   const size_t n = workers_per_site.size();
   std::vector<std::string> names, addresses;
   std::vector<std::unique_ptr<transport::TcpListener>> listeners;
-  std::vector<uint16_t> store_ports;
+  std::vector<StorePort> store_ports(n);
   for (size_t s = 0; s < n; ++s) {
     names.push_back("site" + std::to_string(s));
     listeners.push_back(std::make_unique<transport::TcpListener>("127.0.0.1", 0));
     addresses.push_back("127.0.0.1:" + std::to_string(listeners.back()->port()));
-    store_ports.push_back(transport::pick_free_port("127.0.0.1"));
   }
   int world = 0;
   for (int w : workers_per_site) world += w;
@@ -47,7 +97,7 @@ inline void run_cluster(const std::vector<int>& workers_per_site, const std::fun
     for (int r = 0; r < workers_per_site[s]; ++r, ++global) {
       threads.emplace_back([&, s, r, global] {
         try {
-          SiteGroup group(names[s], "127.0.0.1", store_ports[s], r, workers_per_site[s], timeout);
+          SiteGroup group = join_group(names[s], r, workers_per_site[s], timeout, store_ports[s]);
           std::unique_ptr<transport::SiteConnector> connector;
           std::unique_ptr<GatewayMesh> mesh;
           if (r == 0) {
