@@ -210,7 +210,7 @@ TEST(EndToEnd, DilocoStreamingPeftAndControllerTrainWithFarFewerWanBytes) {
       {"lora", "--set strategy.kind=diloco --set strategy.inner_steps=10 --set strategy.codec=int4 "
                "--set peft.kind=lora --set peft.rank=4"},
       {"auto", "--set strategy.kind=diloco --set strategy.inner_steps=0 --set strategy.codec=auto "
-               "--set strategy.adaptive=true"},
+               "--set strategy.adaptive=true --set job.steps=150"},  // rounds of 50: decides at step 100
   };
   std::map<std::string, nlohmann::json> summaries;
   for (const auto& [name, sets] : runs) {
@@ -232,7 +232,13 @@ TEST(EndToEnd, DilocoStreamingPeftAndControllerTrainWithFarFewerWanBytes) {
   EXPECT_LT(summaries["sparse"]["wan_bytes"].get<double>(), sync_bytes / 300);
   // LoRA r=4 trains about a fifth of this model's values.
   EXPECT_LT(summaries["lora"]["wan_bytes"].get<double>(), 0.4 * summaries["diloco"]["wan_bytes"].get<double>());
-  EXPECT_FALSE(summaries["auto"]["decisions"].empty()) << summaries["auto"].dump();
+  // A safe start, then a decision from measured numbers (which choice depends on this
+  // machine's speed: not asserted).
+  const auto& decisions = summaries["auto"]["decisions"];
+  ASSERT_GE(decisions.size(), 2u) << summaries["auto"].dump();
+  EXPECT_NE(decisions[0].get<std::string>().find("no measurements yet"), std::string::npos);
+  EXPECT_EQ(decisions.back().get<std::string>().find("no measurements yet"), std::string::npos);
+  EXPECT_NE(decisions.back().get<std::string>().find("Mbit/s"), std::string::npos);
   fs::remove_all(dir);
 }
 

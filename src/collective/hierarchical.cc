@@ -63,9 +63,13 @@ std::shared_ptr<Work> Hierarchy::enqueue(std::string what, std::function<void(Wo
     std::lock_guard<std::mutex> lock(queue_mu_);
     NEBULA_CHECK(!stopping_, "collective queued on a hierarchy that is shutting down");
     if (!comm_thread_.joinable()) comm_thread_ = std::thread([this] { comm_main(); });
-    queue_.push_back([op = std::move(op), work] {
+    queue_.push_back([this, op = std::move(op), work] {
       try {
+        const auto start = Clock::now();
+        const uint64_t sent = mesh_ ? mesh_->bytes_sent() : 0;
         op(*work);
+        work->seconds_ = std::chrono::duration<double>(Clock::now() - start).count();
+        work->wan_bytes_sent_ = mesh_ ? mesh_->bytes_sent() - sent : 0;
         work->finish(nullptr);
       } catch (...) {
         work->finish(std::current_exception());

@@ -70,12 +70,18 @@ class Work {
   bool done() const;
   // After wait(): every site's AllreduceOptions::site_info, by site index (exchange_async).
   const std::vector<std::vector<double>>& site_info() const { return site_info_; }
+  // After wait(): how long the operation ran on the communication thread (queueing not
+  // included), and the WAN bytes this gateway sent for it (0 off-gateway).
+  double seconds() const { return seconds_; }
+  uint64_t wan_bytes_sent() const { return wan_bytes_sent_; }
 
  private:
   friend class Hierarchy;
   void finish(std::exception_ptr error);
   std::string what_;
   std::vector<std::vector<double>> site_info_;  // written by the comm thread before finish()
+  double seconds_ = 0;                           // likewise
+  uint64_t wan_bytes_sent_ = 0;                  // likewise
   mutable std::mutex mu_;
   std::condition_variable cv_;
   bool done_ = false;                 // GUARDED_BY(mu_)

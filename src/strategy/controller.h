@@ -13,10 +13,12 @@
 //   streaming       F fragments, each merged `delay` inner steps after it is sent: hidden when
 //                   each fragment's exchange fits in its delay, t_wan(F) <= delay * t_step,
 //                   and the F exchanges of a round fit in the round, F * t_wan(F) <= H * t_step
-// Candidates are tried from the least to the most compression (none, fp16, int8, int4,
-// sparseloco), and for each codec from the smallest H up (staleness hurts quality); the
-// first feasible pair wins. If none is feasible the most compressed codec with the largest H
-// is chosen, and the reason says the WAN cannot be hidden.
+// Candidates (codec x H: none, fp16, int8, int4, sparseloco x 10 ... 1000) are tried from the
+// least total reduction of WAN traffic up, H x the codec's ratio to float32 (ties: smaller H
+// first), and the first feasible pair wins: the most information per second that the WAN can
+// carry while hidden. ("The least compression" counts both factors: on the demo, README,
+// diloco with int4 at H = 50 ended 0.3 % above sync's validation loss, at H = 100 2.8 %.) If none is feasible the most compressed codec with the
+// largest H is chosen, and the reason says the WAN cannot be hidden.
 #pragma once
 
 #include <cstdint>

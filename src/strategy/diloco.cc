@@ -175,7 +175,9 @@ void DilocoStrategy::start_round(int64_t steps) {
       pins.inner_steps = options_.inner_steps;
       pins.codec_options = options_.codec_options;
       ControllerChoice choice = decide(in, pins);
-      if (!decided_ || choice.codec != codec_kind_ || choice.inner_steps != controller_h_) {
+      // Logged when it changes, and the first time it rests on measurements.
+      if (!decided_ || (measured && !decided_measured_) || choice.codec != codec_kind_ ||
+          choice.inner_steps != controller_h_) {
         decisions_.push_back(str_cat("round ", rounds_, ": codec ", choice.codec, ", H ", choice.inner_steps, " — ",
                                      choice.reason));
         if (comm_.is_gateway()) spdlog::info("controller: {}", decisions_.back());
@@ -214,6 +216,11 @@ std::vector<double> DilocoStrategy::site_info() const {
       info[1] = info[1] > 0 ? std::min(info[1], e.bandwidth_bits_per_s) : e.bandwidth_bits_per_s;
     info[2] = std::max(info[2], e.rtt_s);
   }
+  // The delivery-rate estimate only sees what the traffic could show: small, rare exchanges
+  // never fill the path. The exchange itself moved its bytes in its time, RTT included, so
+  // that rate is a lower bound too; take the larger, once there is one (before the first
+  // exchange the link estimates rest on handshakes and heartbeats alone: report unknown).
+  info[1] = exchange_bits_per_s_ > 0 ? std::max(info[1], exchange_bits_per_s_) : 0.0;
   return info;
 }
 
@@ -288,6 +295,9 @@ void DilocoStrategy::merge(size_t f) {
   at::Tensor buf = at::zeros({fr.numel + info_len}, at::kFloat);
   if (comm_.is_gateway()) {
     fr.work->wait(Deadline::after(options_.timeout));
+    if (fr.work->seconds() > 0 && fr.work->wan_bytes_sent() > 0)
+      exchange_bits_per_s_ = static_cast<double>(fr.work->wan_bytes_sent()) * 8 / fr.work->seconds() /
+                             static_cast<double>(std::max<size_t>(options_.num_sites - 1, 1));  // per path
     buf.narrow(0, 0, fr.numel).copy_(fr.delta);
     const auto& info = fr.work->site_info();
     NEBULA_CHECK(info.size() == options_.num_sites, "exchange returned ", info.size(), " sites' info, the job has ",

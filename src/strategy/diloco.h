@@ -136,6 +136,9 @@ class DilocoStrategy : public Strategy {
   double blocked_seconds_ = 0, compute_seconds_ = 0;
   int64_t timed_steps_ = 0;
   std::vector<std::string> decisions_;
+  // Gateway: a lower bound of the WAN's bandwidth from the last exchange's own bytes and time
+  // (link estimates alone come from frames too small to fill the path).
+  double exchange_bits_per_s_ = 0;
 };
 
 }  // namespace nebula::strategy
