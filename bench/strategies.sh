@@ -20,6 +20,7 @@ declare -A runs=(
   [peft-diloco]="strategy.kind=diloco strategy.codec=int4 strategy.inner_steps=$h peft.kind=\"lora\""
   # Further points toward 10^4x (run by name: bench/strategies.sh 300 50 sync-none sparse-d16 ...)
   [diloco-int4-h100]="strategy.kind=diloco strategy.codec=int4 strategy.inner_steps=100"
+  [diloco-int4-m8]="strategy.kind=diloco strategy.codec=int4 strategy.inner_steps=$h strategy.outer_momentum=0.8"
   [sparse-d16]="strategy.kind=diloco strategy.codec=sparseloco strategy.codec_density=0.0625 strategy.codec_block=4096 strategy.outer_momentum=0 strategy.outer_lr=1 strategy.inner_steps=$h"
   [sparse-d16-nesterov]="strategy.kind=diloco strategy.codec=sparseloco strategy.codec_density=0.0625 strategy.codec_block=4096 strategy.inner_steps=$h"
   [sparse-d4]="strategy.kind=diloco strategy.codec=sparseloco strategy.codec_density=0.25 strategy.codec_block=4096 strategy.outer_momentum=0 strategy.outer_lr=1 strategy.inner_steps=$h"

@@ -4,6 +4,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <initializer_list>
 #include <string>
 #include <string_view>
 
@@ -16,6 +17,11 @@ uint64_t parse_size(std::string_view text);
 double parse_rate_bits(std::string_view text);
 // Durations: ns, us, ms, s, min, h; "0" alone.
 std::chrono::nanoseconds parse_duration(std::string_view text);
+
+// A plain count with an optional SI prefix (K, M, G or B = 1e9, T, P, E) and optionally one
+// of `units` after it: "70e9", "70B", "1.5M", "400T", "400TFLOP/s". `forms` names the accepted
+// forms in errors.
+double parse_si(std::string_view text, std::initializer_list<const char*> units, const char* forms);
 
 // Human output, for logs and summaries: "1.5 MiB", "50.0 Mbit/s", "80.0 ms".
 std::string format_bytes(double bytes);

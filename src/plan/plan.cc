@@ -26,49 +26,6 @@ namespace {
 
 using toml_reader::Section;
 
-// "70e9", "70B", "1.5M", "400T", "400TFLOP/s": a non-negative number with an optional SI
-// suffix (K, M, G or B, T, P, E) and an optional unit word that `units` allows.
-double parse_si(const std::string& text, std::initializer_list<const char*> units, const char* forms) {
-  size_t i = 0;
-  while (i < text.size() && std::isspace(static_cast<unsigned char>(text[i]))) ++i;
-  size_t start = i;
-  while (i < text.size() && (std::isdigit(static_cast<unsigned char>(text[i])) || text[i] == '.' ||
-                             ((text[i] == 'e' || text[i] == 'E') && i + 1 < text.size() &&
-                              (std::isdigit(static_cast<unsigned char>(text[i + 1])) || text[i + 1] == '+' ||
-                               text[i + 1] == '-')) ||
-                             ((text[i] == '+' || text[i] == '-') && i > start &&
-                              (text[i - 1] == 'e' || text[i - 1] == 'E'))))
-    ++i;
-  std::string number = text.substr(start, i - start);
-  double value = 0;
-  try {
-    size_t used = 0;
-    value = std::stod(number, &used);
-    if (used != number.size()) throw std::invalid_argument("trailing");
-  } catch (const std::exception&) {
-    throw ConfigError(str_cat("bad number \"", text, "\": expected a non-negative number, ", forms));
-  }
-  while (i < text.size() && std::isspace(static_cast<unsigned char>(text[i]))) ++i;
-  std::string rest = text.substr(i);
-  while (!rest.empty() && std::isspace(static_cast<unsigned char>(rest.back()))) rest.pop_back();
-  static const std::map<char, double> prefix = {{'K', 1e3}, {'M', 1e6}, {'G', 1e9}, {'B', 1e9},
-                                                {'T', 1e12}, {'P', 1e15}, {'E', 1e18}};
-  if (!rest.empty()) {
-    auto p = prefix.find(rest[0]);
-    if (p != prefix.end()) {
-      std::string unit = rest.substr(1);
-      bool ok = unit.empty();
-      for (const char* u : units) ok |= unit == u;
-      if (ok) return value * p->second;
-    }
-    bool ok = false;
-    for (const char* u : units) ok |= rest == u;
-    if (!ok) throw ConfigError(str_cat("bad number \"", text, "\": unknown suffix \"", rest, "\"; ", forms));
-  }
-  if (!std::isfinite(value)) throw ConfigError(str_cat("bad number \"", text, "\": not finite"));
-  return value;
-}
-
 const char* kUnitExamples = "\"50ms\", \"1Gbit\"";
 
 // A number, or a string with an SI suffix and optional unit words ("70B", "400T").

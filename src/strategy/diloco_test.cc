@@ -10,19 +10,12 @@
 #include "collective/testing.h"
 #include "model/mlm_batch.h"
 #include "model/mlm_encoder.h"
+#include "model/testing.h"
 
 namespace nebula::strategy {
 namespace {
 
-ModelConfig tiny_model() {
-  ModelConfig c;
-  c.dim = 16;
-  c.layers = 1;
-  c.heads = 2;
-  c.ffn = 32;
-  c.max_len = 12;
-  return c;
-}
+using model::testing::tiny_model_config;
 
 // A deterministic stream of small MLM batches, different per `stream`.
 model::MlmBatcher batches_for(uint64_t stream) {
@@ -42,7 +35,7 @@ model::MlmEncoder make_model(uint64_t seed) {
   static std::mutex mu;  // the default generator is shared by the threads
   std::lock_guard<std::mutex> lock(mu);
   at::manual_seed(seed);
-  return model::MlmEncoder(tiny_model(), 40, 0);
+  return model::MlmEncoder(tiny_model_config(), 40, 0);
 }
 
 DilocoOptions options(int64_t h, size_t sites, size_t site) {

@@ -7,20 +7,13 @@
 #include "collective/testing.h"
 #include "model/mlm_batch.h"
 #include "model/mlm_encoder.h"
+#include "model/testing.h"
 #include "strategy/strategy.h"
 
 namespace nebula::strategy {
 namespace {
 
-ModelConfig tiny_model() {
-  ModelConfig c;
-  c.dim = 16;
-  c.layers = 1;
-  c.heads = 2;
-  c.ffn = 32;
-  c.max_len = 12;
-  return c;
-}
+using model::testing::tiny_model_config;
 
 model::MlmBatch union_batch(int rows) {
   model::SpecialIds ids;
@@ -50,7 +43,7 @@ void check_equivalence(const std::vector<int>& sites, bool overlap, uint64_t buc
   model::MlmBatch all = union_batch(world * rows_per_worker);
 
   at::manual_seed(11);
-  model::MlmEncoder reference(tiny_model(), 40, 0);
+  model::MlmEncoder reference(tiny_model_config(), 40, 0);
   std::vector<at::Tensor> initial;
   for (auto& p : params_of(reference)) initial.push_back(p.detach().clone());
   torch::optim::SGD ref_opt(reference->parameters(), torch::optim::SGDOptions(0.5));
@@ -66,7 +59,7 @@ void check_equivalence(const std::vector<int>& sites, bool overlap, uint64_t buc
     {
       std::lock_guard<std::mutex> lock(mu);  // the default generator is shared by the threads
       at::manual_seed(100 + r.global_rank);    // different random init everywhere...
-      m = model::MlmEncoder(tiny_model(), 40, 0);
+      m = model::MlmEncoder(tiny_model_config(), 40, 0);
     }
     if (r.global_rank == 0) {  // ...except global rank 0, which holds the reference's weights
       at::NoGradGuard g;

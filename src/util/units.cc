@@ -3,6 +3,7 @@
 #include <cctype>
 #include <cmath>
 #include <cstdio>
+#include <map>
 #include <stdexcept>
 #include <utility>
 #include <vector>
@@ -18,7 +19,18 @@ std::pair<double, std::string> split_number(std::string_view text, const char* w
   size_t i = 0;
   while (i < s.size() && std::isspace(static_cast<unsigned char>(s[i]))) ++i;
   size_t start = i;
-  while (i < s.size() && (std::isdigit(static_cast<unsigned char>(s[i])) || s[i] == '.')) ++i;
+  // Digits, a point, and an exponent ("70e9", "1.5E-3") when one follows.
+  auto digit = [&](size_t k) { return k < s.size() && std::isdigit(static_cast<unsigned char>(s[k])); };
+  while (i < s.size()) {
+    if (digit(i) || s[i] == '.') {
+      ++i;
+    } else if ((s[i] == 'e' || s[i] == 'E') && i > start &&
+               (digit(i + 1) || ((s[i + 1] == '+' || s[i + 1] == '-') && digit(i + 2)))) {
+      i += digit(i + 1) ? 1 : 2;
+    } else {
+      break;
+    }
+  }
   std::string number = s.substr(start, i - start);
   while (i < s.size() && std::isspace(static_cast<unsigned char>(s[i]))) ++i;
   std::string unit = s.substr(i);
@@ -84,6 +96,22 @@ std::chrono::nanoseconds parse_duration(std::string_view text) {
   double ns = lookup(text, unit, value, units, "duration", forms);
   if (ns > 9.0e18) throw ConfigError(str_cat("bad duration \"", text, "\": too large"));
   return std::chrono::nanoseconds(static_cast<int64_t>(std::llround(ns)));
+}
+
+double parse_si(std::string_view text, std::initializer_list<const char*> units, const char* forms) {
+  auto [value, rest] = split_number(text, "number", forms);
+  static const std::map<char, double> prefix = {{'K', 1e3}, {'M', 1e6}, {'G', 1e9}, {'B', 1e9},
+                                                {'T', 1e12}, {'P', 1e15}, {'E', 1e18}};
+  if (rest.empty()) return value;
+  if (auto p = prefix.find(rest[0]); p != prefix.end()) {
+    const std::string unit = rest.substr(1);
+    bool ok = unit.empty();
+    for (const char* u : units) ok |= unit == u;
+    if (ok) return value * p->second;
+  }
+  for (const char* u : units)
+    if (rest == u) return value;
+  throw ConfigError(str_cat("bad number \"", text, "\": unknown suffix \"", rest, "\"; ", forms));
 }
 
 std::string format_bytes(double bytes) {
