@@ -153,6 +153,10 @@ struct Config {
 
 // Parses and validates `path`, after applying `overrides` ("section.key=value", the value in
 // TOML syntax, or a bare string). Throws ConfigError.
+// Throws ConfigError naming the offending key ("peft.kind", "peft.rank", ...) if `peft` cannot
+// be applied to a model of configuration `model`. load_config calls it; so does apply_peft.
+void check_peft(const ModelConfig& model, const PeftConfig& peft);
+
 Config load_config(const std::string& path, const std::vector<std::string>& overrides = {});
 // Same, from text; `name` is used in messages in place of a file name.
 Config parse_config(const std::string& text, const std::string& name,

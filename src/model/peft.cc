@@ -9,13 +9,6 @@
 #include "nebula/error.h"
 
 namespace nebula::model {
-namespace {
-
-[[noreturn]] void config_error(const std::string& key, const std::string& msg) {
-  throw ConfigError(str_cat("key '", key, "': ", msg));
-}
-
-}  // namespace
 
 LoraLinearImpl::LoraLinearImpl(torch::nn::Linear base, int64_t rank, double alpha)
     : base_(std::move(base)), scale_(alpha / static_cast<double>(rank)) {
@@ -44,26 +37,6 @@ AdapterImpl::AdapterImpl(int64_t dim, int64_t bottleneck) {
 }
 
 at::Tensor AdapterImpl::forward(const at::Tensor& x) { return x + up_(at::gelu(down_(x))); }
-
-void check_peft(const ModelConfig& model, const PeftConfig& peft) {
-  if (peft.kind != "none" && peft.kind != "lora" && peft.kind != "adapter")
-    config_error("peft.kind", str_cat("\"", peft.kind, "\" is not one of \"none\", \"lora\", \"adapter\""));
-  if (peft.kind == "none") return;
-  if (model.kind != "mlm_encoder")
-    config_error("peft.kind", str_cat("\"", peft.kind, "\" needs a model whose layers PEFT knows; model.kind \"",
-                                      model.kind, "\" is not one (supported: \"mlm_encoder\")"));
-  if (peft.kind == "lora") {
-    // The narrowest Linear is dim×dim (or dim×ffn): a B·A of higher rank does not exist.
-    const int64_t max_rank = std::min(model.dim, model.ffn);
-    if (peft.rank < 1 || peft.rank > max_rank)
-      config_error("peft.rank", str_cat(peft.rank, " is out of range [1, ", max_rank,
-                                        "]: the update of a Linear cannot have a rank above min(model.dim, model.ffn)"));
-    if (!(peft.alpha > 0)) config_error("peft.alpha", str_cat(peft.alpha, " must be positive"));
-  } else if (peft.adapter_dim < 1 || peft.adapter_dim > model.dim) {
-    config_error("peft.adapter_dim", str_cat(peft.adapter_dim, " is out of range [1, ", model.dim,
-                                             "]: a bottleneck is at most model.dim wide"));
-  }
-}
 
 std::vector<at::Tensor> apply_peft(MlmEncoderImpl& model, const PeftConfig& peft) {
   check_peft(model.config(), peft);

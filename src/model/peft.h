@@ -62,10 +62,6 @@ class AdapterImpl : public torch::nn::Module {
 };
 TORCH_MODULE(Adapter);
 
-// Throws ConfigError naming the offending key ("peft.kind", "peft.rank", ...) if `peft` cannot
-// be applied to a model of configuration `model`.
-void check_peft(const ModelConfig& model, const PeftConfig& peft);
-
 // Injects `peft` into `model` (check_peft first) and freezes every parameter that was there
 // before: embeddings, norms, base weights. Returns model.trainable_parameters(): the added
 // parameters in registration order (layer by layer; q, k, v, out, linear1, linear2, each

@@ -1,5 +1,6 @@
 #include "nebula/config.h"
 
+#include <algorithm>
 #include <fstream>
 #include <map>
 #include <set>
@@ -201,6 +202,11 @@ Config build(const toml::table& root, const std::string& file) {
     s.finish();
   }
   top.finish();
+  try {
+    check_peft(c.model, c.peft);
+  } catch (const ConfigError& e) {
+    throw ConfigError(str_cat(file, ": ", e.what()));
+  }
 
   return c;
 }
@@ -350,6 +356,32 @@ std::string to_toml(const Config& c) {
   std::ostringstream out;
   out << "# written by nebula from " << c.source_path << "\n" << root << "\n";
   return out.str();
+}
+
+namespace {
+[[noreturn]] void peft_error(const std::string& key, const std::string& msg) {
+  throw ConfigError(str_cat("key '", key, "': ", msg));
+}
+}  // namespace
+
+void check_peft(const ModelConfig& model, const PeftConfig& peft) {
+  if (peft.kind != "none" && peft.kind != "lora" && peft.kind != "adapter")
+    peft_error("peft.kind", str_cat("\"", peft.kind, "\" is not one of \"none\", \"lora\", \"adapter\""));
+  if (peft.kind == "none") return;
+  if (model.kind != "mlm_encoder")
+    peft_error("peft.kind", str_cat("\"", peft.kind, "\" needs a model whose layers PEFT knows; model.kind \"",
+                                      model.kind, "\" is not one (supported: \"mlm_encoder\")"));
+  if (peft.kind == "lora") {
+    // The narrowest Linear is dim×dim (or dim×ffn): a B·A of higher rank does not exist.
+    const int64_t max_rank = std::min(model.dim, model.ffn);
+    if (peft.rank < 1 || peft.rank > max_rank)
+      peft_error("peft.rank", str_cat(peft.rank, " is out of range [1, ", max_rank,
+                                        "]: the update of a Linear cannot have a rank above min(model.dim, model.ffn)"));
+    if (!(peft.alpha > 0)) peft_error("peft.alpha", str_cat(peft.alpha, " must be positive"));
+  } else if (peft.adapter_dim < 1 || peft.adapter_dim > model.dim) {
+    peft_error("peft.adapter_dim", str_cat(peft.adapter_dim, " is out of range [1, ", model.dim,
+                                             "]: a bottleneck is at most model.dim wide"));
+  }
 }
 
 }  // namespace nebula

@@ -145,6 +145,33 @@ TEST(Config, OverridesApplyAndAreValidated) {
   expect_error(kValid, {"sites.9.workers", "out of range"}, {"sites.9.workers=1"});
 }
 
+// The [strategy] keys of issue [4/7] and [peft]: ranges, combinations, and PEFT checked
+// against the model at load time (not only when a worker starts).
+TEST(Config, StrategyAndPeftKeysAreValidated) {
+  Config c = parse_config(kValid, "job.toml",
+                          {"strategy.kind=diloco", "strategy.codec=sparseloco", "strategy.inner_steps=20",
+                           "peft.kind=lora", "peft.rank=4"});
+  EXPECT_EQ(c.strategy.kind, "diloco");
+  EXPECT_EQ(c.strategy.inner_steps, 20);
+  EXPECT_EQ(c.peft.rank, 4);
+  auto error_of = [](std::vector<std::string> sets) {
+    try {
+      parse_config(kValid, "job.toml", sets);
+    } catch (const ConfigError& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  EXPECT_NE(error_of({"strategy.codec=auto"}).find("needs kind = \"diloco\" or \"streaming\""), std::string::npos);
+  EXPECT_NE(error_of({"strategy.kind=streaming", "strategy.inner_steps=10", "strategy.delay=10"}).find("'strategy.delay'"),
+            std::string::npos);
+  EXPECT_NE(error_of({"strategy.kind=gossip"}).find("'strategy.kind'"), std::string::npos);
+  const std::string rank = error_of({"peft.kind=lora", "peft.rank=200"});
+  EXPECT_NE(rank.find("job.toml"), std::string::npos) << rank;
+  EXPECT_NE(rank.find("'peft.rank'"), std::string::npos) << rank;
+  EXPECT_NE(error_of({"sites.0.slowdown=0.5"}).find("slowdown"), std::string::npos);
+}
+
 TEST(Config, RoundTripsThroughToml) {
   Config a = parse_config(kValid, "job.toml");
   Config b = parse_config(to_toml(a), "resolved.toml");
