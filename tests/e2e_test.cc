@@ -8,6 +8,7 @@
 #include <cmath>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <set>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -31,6 +32,18 @@ Result run(const std::string& args, int timeout_s = 600) {
   while (size_t n = std::fread(buf.data(), 1, buf.size(), p)) out.append(buf.data(), n);
   int status = ::pclose(p);
   return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, out};
+}
+
+std::string read_file(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+}
+
+std::vector<std::string> lines_of(const std::string& path) {
+  std::vector<std::string> lines;
+  std::ifstream in(path);
+  for (std::string line; std::getline(in, line);) lines.push_back(line);
+  return lines;
 }
 
 std::string temp_run_dir(const std::string& name) {
@@ -301,7 +314,8 @@ TEST(EndToEnd, BadConfigGivesOneLineNamingTheKey) {
 }
 
 TEST(EndToEnd, HelpWorksForEverySubcommand) {
-  for (const char* sub : {"", "run ", "worker ", "demo ", "plan ", "certs ", "certs init ", "certs issue "}) {
+  for (const char* sub : {"", "run ", "worker ", "demo ", "plan ", "certs ", "certs init ", "certs issue ", "corpus ",
+                          "corpus build ", "bleu "}) {
     Result r = run(std::string(sub) + "--help", 30);
     EXPECT_EQ(r.exit_code, 0) << sub << r.output;
     EXPECT_NE(r.output.find("Usage"), std::string::npos) << sub << r.output;
@@ -343,6 +357,119 @@ TEST(EndToEnd, PlanPrintsTableOrJsonAndNamesBadKeys) {
   r = run("plan examples/plan_demo.toml --set 'candidates.codecs=[\"int9\"]'", 30);
   EXPECT_EQ(r.exit_code, 2) << r.output;
   EXPECT_NE(r.output.find("candidates.codecs"), std::string::npos) << r.output;
+}
+
+// `nebula corpus build` on this machine's real catalogs: three disjoint, non-empty splits,
+// byte-identical on a second run; a corrupt catalog in a copied locale tree is skipped with
+// a warning naming it and changes nothing else.
+TEST(EndToEnd, CorpusBuildFromRealCatalogsIsDisjointDeterministicAndSkipsCorruptFiles) {
+  for (const char* lang : {"de", "fr"}) {
+    if (!fs::exists(std::string("/usr/share/locale/") + lang + "/LC_MESSAGES"))
+      GTEST_SKIP() << "no " << lang << " catalogs on this machine";
+  }
+  const std::string dir = temp_run_dir("corpus");
+  const std::string args = " --languages de,fr --max-pairs-per-language 400 --valid-fraction 0.1 --test-fraction 0.1";
+  Result a = run("corpus build" + args + " --out " + dir + "/a", 120);
+  ASSERT_EQ(a.exit_code, 0) << a.output;
+  EXPECT_NE(a.output.find("\nde "), std::string::npos) << a.output;
+  EXPECT_NE(a.output.find("\ntotal "), std::string::npos) << a.output;
+  EXPECT_NE(a.output.find("duplicates removed"), std::string::npos) << a.output;
+  Result b = run("corpus build" + args + " --out " + dir + "/b", 120);
+  ASSERT_EQ(b.exit_code, 0) << b.output;
+
+  std::set<std::string> seen;
+  size_t total = 0;
+  for (const char* split : {"train.tsv", "valid.tsv", "test.tsv"}) {
+    const auto lines = lines_of(dir + "/a/" + split);
+    EXPECT_FALSE(lines.empty()) << split;
+    for (const auto& line : lines) {
+      EXPECT_TRUE(line.starts_with("de\t") || line.starts_with("fr\t")) << line;
+      EXPECT_EQ(std::count(line.begin(), line.end(), '\t'), 2) << line;
+      EXPECT_TRUE(seen.insert(line).second) << "in two splits or twice: " << line;
+    }
+    total += lines.size();
+  }
+  EXPECT_EQ(total, 800u);  // 400 per language: both have far more
+  for (const char* f : {"train.tsv", "valid.tsv", "test.tsv", "stats.json"})
+    EXPECT_EQ(read_file(dir + "/a/" + f), read_file(dir + "/b/" + f)) << f << " differs between two runs";
+  auto stats = nlohmann::json::parse(read_file(dir + "/a/stats.json"));
+  EXPECT_EQ(stats["pairs"].get<size_t>(), 800u);
+  size_t de_pairs = 0;
+  for (const char* split : {"train", "valid", "test"}) de_pairs += stats["languages"]["de"][split]["pairs"].get<size_t>();
+  EXPECT_EQ(de_pairs, 400u);
+
+  // The same catalogs plus a truncated copy of one of them.
+  for (const char* lang : {"de", "fr"}) {
+    fs::create_directories(dir + "/locale/" + lang);
+    fs::copy(std::string("/usr/share/locale/") + lang + "/LC_MESSAGES", dir + "/locale/" + lang + "/LC_MESSAGES",
+             fs::copy_options::recursive);
+  }
+  std::string catalog;
+  for (const auto& e : fs::directory_iterator(dir + "/locale/de/LC_MESSAGES"))
+    if (e.path().extension() == ".mo" && e.file_size() > 4096 && (catalog.empty() || e.path().string() < catalog))
+      catalog = e.path().string();
+  ASSERT_FALSE(catalog.empty());
+  const std::string bytes = read_file(catalog);
+  std::ofstream(dir + "/locale/de/LC_MESSAGES/zz-corrupt.mo", std::ios::binary) << bytes.substr(0, bytes.size() / 2);
+  Result c = run("corpus build --path " + dir + "/locale" + args + " --out " + dir + "/c", 120);
+  ASSERT_EQ(c.exit_code, 0) << c.output;
+  EXPECT_NE(c.output.find("warning"), std::string::npos) << c.output;
+  EXPECT_NE(c.output.find(dir + "/locale/de/LC_MESSAGES/zz-corrupt.mo"), std::string::npos) << c.output;
+  EXPECT_NE(c.output.find("1 skipped"), std::string::npos) << c.output;
+  stats = nlohmann::json::parse(read_file(dir + "/c/stats.json"));
+  EXPECT_EQ(stats["files_skipped"].get<int>(), 1);
+  for (const char* f : {"train.tsv", "valid.tsv", "test.tsv"})
+    EXPECT_EQ(read_file(dir + "/a/" + f), read_file(dir + "/c/" + f)) << f;
+  fs::remove_all(dir);
+}
+
+TEST(EndToEnd, CorpusBuildBadOptionGivesOneLineAndExitCode2) {
+  const std::string dir = temp_run_dir("corpus-bad");
+  for (const std::string bad : {"--valid-fraction 2", "--valid-fraction 0.6 --test-fraction 0.5",
+                                 "--valid-fraction abc", "--source csv", "--source tsv"}) {
+    Result r = run("corpus build " + bad + " --out " + dir, 30);
+    EXPECT_EQ(r.exit_code, 2) << bad << "\n" << r.output;
+    EXPECT_EQ(std::count(r.output.begin(), r.output.end(), '\n'), 1) << bad << "\n" << r.output;
+    const std::string option = bad.substr(0, bad.find(' '));
+    EXPECT_NE(r.output.find(option), std::string::npos) << bad << "\n" << r.output;
+  }
+  EXPECT_FALSE(fs::exists(dir));
+}
+
+// `nebula bleu` prints sacreBLEU's score line; a hand-computed case and sacreBLEU's README
+// example (two reference files) give the published numbers.
+TEST(EndToEnd, BleuPrintsTheScoreLine) {
+  const std::string dir = temp_run_dir("bleu");
+  fs::create_directories(dir);
+  std::ofstream(dir + "/hyp.txt") << "the cat sat on a mat\n";
+  std::ofstream(dir + "/ref.txt") << "the cat sat on the mat\n";
+  Result r = run("bleu " + dir + "/hyp.txt " + dir + "/ref.txt", 30);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  // (5/6 * 3/5 * 2/4 * 1/3)^(1/4) = 0.5373 (see bleu_test.cc)
+  EXPECT_EQ(r.output, "BLEU|nrefs:1|case:mixed|eff:no|tok:13a|smooth:none|version:nebula = 53.73 83.3/60.0/50.0/33.3 "
+                      "(BP = 1.000 ratio = 1.000 hyp_len = 6 ref_len = 6)\n");
+
+  std::ofstream(dir + "/h.txt") << "The dog bit the man.\nIt wasn't surprising.\nThe man had just bitten him.\n";
+  std::ofstream(dir + "/r1.txt") << "The dog bit the man.\nIt was not unexpected.\nThe man bit him first.\n";
+  std::ofstream(dir + "/r2.txt") << "The dog had bit the man.\nNo one was surprised.\nThe man had bitten the dog.\n";
+  r = run("bleu " + dir + "/h.txt " + dir + "/r1.txt " + dir + "/r2.txt --smooth exp", 30);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("BLEU|nrefs:2|case:mixed|eff:no|tok:13a|smooth:exp|version:nebula = 48.53 "),
+            std::string::npos)
+      << r.output;
+
+  // An empty translation is a segment (score 0), not a missing line.
+  std::ofstream(dir + "/empty.txt") << "\n";
+  r = run("bleu " + dir + "/empty.txt " + dir + "/ref.txt", 30);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find(" = 0.00 "), std::string::npos) << r.output;
+  // Misaligned files name both; a missing file or a bad option is a usage error.
+  r = run("bleu " + dir + "/h.txt " + dir + "/ref.txt", 30);
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_NE(r.output.find("ref.txt has 1 lines but " + dir + "/h.txt has 3"), std::string::npos) << r.output;
+  EXPECT_EQ(run("bleu " + dir + "/nonexistent.txt " + dir + "/ref.txt", 30).exit_code, 2);
+  EXPECT_EQ(run("bleu " + dir + "/hyp.txt " + dir + "/ref.txt --smooth add-k", 30).exit_code, 2);
+  fs::remove_all(dir);
 }
 
 }  // namespace

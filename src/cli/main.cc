@@ -4,11 +4,14 @@
 #include <spdlog/spdlog.h>
 #include <unistd.h>
 
+#include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <string>
 
 #include "cli/demo_config.h"
+#include "data/corpus.h"
+#include "eval/bleu.h"
 #include "nebula/config.h"
 #include "nebula/error.h"
 #include "nebula/log.h"
@@ -41,6 +44,12 @@ int parse_rank(const std::string& text, const char* from) {
   } catch (const std::exception&) {
   }
   throw nebula::ConfigError(nebula::str_cat(from, " = \"", text, "\" is not a rank (a non-negative integer)"));
+}
+
+// A fraction option of `nebula corpus build`: in [0, 1], else a ConfigError naming it.
+void check_fraction(const char* option, double value) {
+  if (!(value >= 0 && value <= 1))
+    throw nebula::ConfigError(nebula::str_cat(option, " = ", value, " is not a fraction in [0, 1]"));
 }
 
 }  // namespace
@@ -95,7 +104,57 @@ int main(int argc, char** argv) {
   plan->add_flag("--json", plan_json, "Print the same as JSON");
   plan->add_option("--top", plan_top, "Show only the best N rows of the table (default: all)");
 
-  CLI11_PARSE(app, argc, argv);
+  nebula::data::CorpusBuildOptions corpus_opt;
+  std::string corpus_out;
+  auto* corpus = app.add_subcommand("corpus", "Parallel corpora for the NLP workloads");
+  corpus->require_subcommand(1);
+  auto* corpus_build = corpus->add_subcommand(
+      "build", "Build a deduplicated English-X corpus with deterministic train/valid/test splits: "
+               "OUT/train.tsv, valid.tsv, test.tsv (lang<TAB>en<TAB>other) and OUT/stats.json");
+  corpus_build->add_option("--source", corpus_opt.source, "gettext (this machine's catalogs), tsv or text")
+      ->check(CLI::IsMember({"gettext", "tsv", "text"}))
+      ->capture_default_str();
+  corpus_build->add_option("--path", corpus_opt.path,
+                           "gettext: the locale directory (default /usr/share/locale); tsv, text: the file");
+  corpus_build->add_option("--languages", corpus_opt.languages, "Languages to keep, e.g. de,fr (default: all found)")
+      ->delimiter(',');
+  corpus_build->add_option("--max-pairs-per-language", corpus_opt.max_pairs_per_language,
+                           "Keep at most N pairs per language, a fixed hash-chosen subset (default 0: all)");
+  corpus_build->add_option("--valid-fraction", corpus_opt.valid_fraction, "Share of pairs in valid.tsv")
+      ->capture_default_str();
+  corpus_build->add_option("--test-fraction", corpus_opt.test_fraction, "Share of pairs in test.tsv")
+      ->capture_default_str();
+  corpus_build->add_option("--out", corpus_out, "Output directory (created)")->required();
+
+  std::string hyp_path;
+  std::vector<std::string> ref_paths;
+  std::string bleu_smooth = "none";
+  std::string bleu_tokenize = "13a";
+  auto* bleu = app.add_subcommand(
+      "bleu", "Corpus BLEU of translations against references, as sacreBLEU computes it (13a tokenization)");
+  bleu->add_option("hypotheses", hyp_path, "The translations, one sentence per line")
+      ->required()
+      ->check(CLI::ExistingFile);
+  bleu->add_option("references", ref_paths,
+                   "The reference translations, line by line with the hypotheses (several files: several "
+                   "references per sentence)")
+      ->required()
+      ->check(CLI::ExistingFile);
+  bleu->add_option("--smooth", bleu_smooth, "Smoothing: none, exp (sacreBLEU's default) or floor (0.1)")
+      ->check(CLI::IsMember({"none", "exp", "floor"}))
+      ->capture_default_str();
+  bleu->add_option("--tokenize", bleu_tokenize, "13a, or none for text that is already tokenized")
+      ->check(CLI::IsMember({"13a", "none"}))
+      ->capture_default_str();
+
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    if (e.get_exit_code() == static_cast<int>(CLI::ExitCodes::Success)) return app.exit(e);  // --help
+    // A wrong command line is a config error: one line naming the option, exit 2.
+    std::fprintf(stderr, "nebula: %s (see --help)\n", e.what());
+    return 2;
+  }
   nebula::init_logging("nebula");
   try {
     if (*run) {
@@ -129,6 +188,50 @@ int main(int argc, char** argv) {
                   certs_dir.c_str(), site_name.c_str(), certs_dir.c_str(), site_name.c_str(),
                   nebula::transport::certificate_fingerprint(certs_dir + "/" + site_name + ".pem").c_str(),
                   site_name.c_str());
+      return 0;
+    }
+    if (*corpus_build) {
+      check_fraction("--valid-fraction", corpus_opt.valid_fraction);
+      check_fraction("--test-fraction", corpus_opt.test_fraction);
+      if (corpus_opt.valid_fraction + corpus_opt.test_fraction >= 1)
+        throw nebula::ConfigError(nebula::str_cat("--valid-fraction + --test-fraction = ",
+                                                  corpus_opt.valid_fraction + corpus_opt.test_fraction,
+                                                  " leaves nothing for train: make the sum less than 1"));
+      if (corpus_opt.source != "gettext" && corpus_opt.path.empty())
+        throw nebula::ConfigError(nebula::str_cat("--source ", corpus_opt.source, " needs --path FILE"));
+      if (corpus_opt.source == "text" && !corpus_opt.languages.empty())
+        throw nebula::ConfigError("--languages does not apply to --source text (each line is one monolingual "
+                                  "sentence): leave it out");
+      nebula::data::Corpus c = nebula::data::build_corpus(corpus_opt);
+      nebula::data::write_corpus(corpus_out, c, corpus_opt);
+      std::fputs(nebula::data::format_corpus_stats(c, corpus_opt).c_str(), stdout);
+      std::printf("wrote %s/{train,valid,test}.tsv (%zu, %zu, %zu pairs) and %s/stats.json\n", corpus_out.c_str(),
+                  c.train.size(), c.valid.size(), c.test.size(), corpus_out.c_str());
+      return 0;
+    }
+    if (*bleu) {
+      std::vector<std::string> hyps = nebula::data::read_lines(hyp_path);
+      std::vector<std::vector<std::string>> refs;
+      for (const std::string& path : ref_paths) {
+        refs.push_back(nebula::data::read_lines(path));
+        if (refs.back().size() != hyps.size())
+          throw nebula::DataError(nebula::str_cat(path, " has ", refs.back().size(), " lines but ", hyp_path, " has ",
+                                                  hyps.size(), ": one sentence per line, in the same order"));
+      }
+      nebula::eval::BleuOptions o;
+      o.smoothing = bleu_smooth == "exp"     ? nebula::eval::BleuSmoothing::kExp
+                    : bleu_smooth == "floor" ? nebula::eval::BleuSmoothing::kFloor
+                                             : nebula::eval::BleuSmoothing::kNone;
+      o.tokenize = bleu_tokenize == "13a";
+      nebula::eval::BleuScore score;
+      try {
+        score = nebula::eval::corpus_bleu_multi(hyps, refs, o);
+      } catch (const nebula::DataError& e) {  // "segment N: ..." is line N of the reference files
+        std::string files;
+        for (const std::string& path : ref_paths) files += (files.empty() ? "" : ", ") + path;
+        throw nebula::DataError(nebula::str_cat(files, ": ", e.what()));
+      }
+      std::printf("%s\n", score.format().c_str());
       return 0;
     }
     if (*worker) {

@@ -1,9 +1,11 @@
 #include "data/corpus.h"
 
+#include <nlohmann/json.hpp>
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
 #include <array>
+#include <cstdio>
 #include <filesystem>
 #include <set>
 #include <system_error>
@@ -303,6 +305,48 @@ std::string remove_empty_pairs(std::string s) {
   return s;
 }
 
+// Rule 1, second part: GnuPG's option help names the argument between bars first.
+std::string remove_argument_name(std::string s) {
+  if (s.size() < 3 || s[0] != '|') return s;
+  const size_t end = s.find('|', 1);
+  // "||Text" (no name) too; but "|| is or" is text: the message starts right after the bar.
+  if (end == std::string::npos || end > 40 || s.find(' ', 1) < end || end + 1 >= s.size() || s[end + 1] == ' ')
+    return s;
+  s[end] = kGap;
+  return s.substr(end);
+}
+
+// Quote characters, ASCII and typographic. Whether one opens or closes depends on where it
+// stands (German uses »...« and „...“, French «...», English '...' and “...”).
+constexpr std::array<std::string_view, 13> kQuotes = {
+    "'", "\"", "`",
+    "\xc2\xab", "\xc2\xbb",                          // « »
+    "\xe2\x80\x9e", "\xe2\x80\x9c", "\xe2\x80\x9d",  // „ “ ”
+    "\xe2\x80\x98", "\xe2\x80\x99", "\xe2\x80\x9a",  // ‘ ’ ‚
+    "\xe3\x80\x8c", "\xe3\x80\x8d"};               // 「 」
+
+bool is_closing_punct(char c) { return std::string_view(",.:;!?)]").find(c) != std::string_view::npos; }
+
+// A quote ends `out` and opens (it follows the start, a space or '(').
+bool ends_with_opening_quote(std::string_view out) {
+  for (std::string_view q : kQuotes) {
+    if (!out.ends_with(q)) continue;
+    const size_t p = out.size() - q.size();
+    return p == 0 || out[p - 1] == ' ' || out[p - 1] == '(';
+  }
+  return false;
+}
+
+// A quote starts at s[i] and closes (the end, a space, a gap or punctuation follows it).
+bool closing_quote_at(std::string_view s, size_t i) {
+  for (std::string_view q : kQuotes) {
+    if (!starts_with_at(s, i, q)) continue;
+    const size_t k = i + q.size();
+    return k == s.size() || s[k] == ' ' || s[k] == kGap || is_closing_punct(s[k]);
+  }
+  return false;
+}
+
 // Rule 8.
 std::string collapse_and_trim(std::string_view s) {
   std::string out;
@@ -314,8 +358,11 @@ std::string collapse_and_trim(std::string_view s) {
     }
     bool space = false, gap = false;
     for (; i < s.size() && (s[i] == ' ' || s[i] == kGap); ++i) (s[i] == ' ' ? space : gap) = true;
-    const bool closing = i < s.size() && std::string_view(",.:;!?)]").find(s[i]) != std::string_view::npos;
-    if (out.empty() || i == s.size() || (gap && closing)) continue;
+    // Where something was removed, no space before closing punctuation or a closing quote,
+    // nor after an opening quote: "in %s." -> "in.", "'PROT %s'" -> "'PROT'".
+    const bool tight =
+        i < s.size() && (is_closing_punct(s[i]) || closing_quote_at(s, i) || ends_with_opening_quote(out));
+    if (out.empty() || i == s.size() || (gap && tight)) continue;
     if (space) out += ' ';
   }
   for (bool changed = true; changed;) {
@@ -388,10 +435,41 @@ std::string sanitize_field(std::string s) {
   return s;
 }
 
+// Keeps the `max` pairs (of one language) with the smallest subset hash, in their original
+// order: a fixed pseudo-random subset that does not favour the start of the alphabet.
+// 0 = keep all. Returns how many were left out.
+size_t keep_hash_subset(std::vector<SentencePair>& pairs, size_t max) {
+  if (max == 0 || pairs.size() <= max) return 0;
+  std::vector<std::pair<uint64_t, size_t>> keyed;
+  keyed.reserve(pairs.size());
+  for (size_t i = 0; i < pairs.size(); ++i) keyed.emplace_back(pair_hash(pairs[i], kSubsetSalt), i);
+  std::nth_element(keyed.begin(), keyed.begin() + static_cast<std::ptrdiff_t>(max), keyed.end());
+  keyed.resize(max);
+  std::vector<size_t> indices;
+  indices.reserve(keyed.size());
+  for (const auto& [h, i] : keyed) indices.push_back(i);
+  std::sort(indices.begin(), indices.end());  // back to the original order
+  std::vector<SentencePair> subset;
+  subset.reserve(indices.size());
+  for (size_t i : indices) subset.push_back(std::move(pairs[i]));
+  const size_t dropped = pairs.size() - subset.size();
+  pairs = std::move(subset);
+  return dropped;
+}
+
+// Unicode code points in UTF-8 text: bytes that are not continuation bytes (10xxxxxx).
+size_t count_chars(std::string_view s) {
+  size_t n = 0;
+  for (unsigned char c : s) n += (c & 0xc0) != 0x80;
+  return n;
+}
+
+constexpr std::array<const char*, 3> kSplitNames = {"train", "valid", "test"};
+
 }  // namespace
 
 std::string clean_message(std::string_view s) {
-  std::string t = normalize_spaces(s);
+  std::string t = remove_argument_name(normalize_spaces(s));
   t = remove_tags(t);
   t = remove_format_specs(t);
   t = remove_braces(t);
@@ -471,18 +549,25 @@ std::vector<SentencePair> build_gettext_corpus(const CorpusOptions& options, Cor
       } catch (const DataError& e) {
         spdlog::warn("skipping gettext catalog: {}", e.what());
         ++st.files_skipped;
+        st.skipped_files.push_back(file);
         continue;
       }
       ++st.files_read;
       st.entries_seen += entries.size();
       for (const MoEntry& e : entries) {
-        if (e.translations.empty() || e.translations[0].empty()) continue;  // untranslated
+        if (e.translations.empty() || e.translations[0].empty()) {  // untranslated
+          ++st.entries_dropped;
+          continue;
+        }
         std::string en = clean_message(e.msgid);
         std::string other = clean_message(e.translations[0]);
         auto size_ok = [&](const std::string& x) {
           return !x.empty() && x.size() >= options.min_chars && x.size() <= options.max_chars;
         };
-        if (!size_ok(en) || !size_ok(other) || en == other) continue;
+        if (!size_ok(en) || !size_ok(other) || en == other) {
+          ++st.entries_dropped;
+          continue;
+        }
         pairs.push_back(SentencePair{lang, std::move(en), std::move(other)});
       }
     }
@@ -491,28 +576,15 @@ std::vector<SentencePair> build_gettext_corpus(const CorpusOptions& options, Cor
     pairs.erase(std::unique(pairs.begin(), pairs.end()), pairs.end());
     st.duplicates_dropped += before - pairs.size();
 
-    if (options.max_pairs_per_language > 0 && pairs.size() > options.max_pairs_per_language) {
-      std::vector<std::pair<uint64_t, size_t>> keyed;
-      keyed.reserve(pairs.size());
-      for (size_t i = 0; i < pairs.size(); ++i) keyed.emplace_back(pair_hash(pairs[i], kSubsetSalt), i);
-      const auto keep = static_cast<std::ptrdiff_t>(options.max_pairs_per_language);
-      std::nth_element(keyed.begin(), keyed.begin() + keep, keyed.end());
-      keyed.resize(options.max_pairs_per_language);
-      std::vector<size_t> indices;
-      indices.reserve(keyed.size());
-      for (const auto& [h, i] : keyed) indices.push_back(i);
-      std::sort(indices.begin(), indices.end());  // back to (en, other) order
-      std::vector<SentencePair> subset;
-      subset.reserve(indices.size());
-      for (size_t i : indices) subset.push_back(std::move(pairs[i]));
-      pairs = std::move(subset);
-    }
+    st.pairs_over_cap += keep_hash_subset(pairs, options.max_pairs_per_language);
     if (!pairs.empty()) st.pairs_per_language[lang] = pairs.size();
     st.pairs_kept += pairs.size();
     result.insert(result.end(), std::make_move_iterator(pairs.begin()), std::make_move_iterator(pairs.end()));
   }
   return result;
 }
+
+std::vector<std::string> read_lines(const std::string& path) { return split_lines(read_file_bytes(path)); }
 
 std::vector<std::string> read_text_file(const std::string& path) {
   std::vector<std::string> out;
@@ -597,6 +669,164 @@ std::vector<SentencePair> take_slice(const std::vector<SentencePair>& pairs, siz
   for (const SentencePair& p : pairs) {
     if (pair_hash(p, kSliceSalt) % count == index) out.push_back(p);
   }
+  return out;
+}
+
+Corpus build_corpus(const CorpusBuildOptions& o) {
+  NEBULA_CHECK(o.valid_fraction >= 0 && o.valid_fraction <= 1 && o.test_fraction >= 0 && o.test_fraction <= 1 &&
+                   o.valid_fraction + o.test_fraction < 1,
+               "valid_fraction = ", o.valid_fraction, ", test_fraction = ", o.test_fraction,
+               ": each must lie in [0, 1] and their sum below 1 (the rest is train)");
+  Corpus c;
+  CorpusStats& st = c.stats;
+  std::vector<SentencePair> pairs;
+  if (o.source == "gettext") {
+    CorpusOptions g;
+    if (!o.path.empty()) g.locale_dir = o.path;
+    g.languages = o.languages;
+    g.max_pairs_per_language = o.max_pairs_per_language;
+    pairs = build_gettext_corpus(g, &st);
+  } else if (o.source == "tsv" || o.source == "text") {
+    NEBULA_CHECK(!o.path.empty(), "source '", o.source, "' needs the path of a file");
+    if (o.source == "tsv") {
+      pairs = read_tsv_file(o.path, "xx");
+      st.entries_seen = pairs.size();
+      pairs = select_languages(pairs, o.languages);
+    } else {
+      NEBULA_CHECK(o.languages.empty(), "source 'text' has no languages (each line is one monolingual "
+                                        "sentence); leave the languages out");
+      for (std::string& line : read_text_file(o.path)) pairs.push_back({"text", std::move(line), ""});
+      st.entries_seen = pairs.size();
+    }
+    st.files_read = 1;
+    st.entries_dropped = st.entries_seen - pairs.size();  // lines of languages not selected
+    std::sort(pairs.begin(), pairs.end());
+    const size_t before = pairs.size();
+    pairs.erase(std::unique(pairs.begin(), pairs.end()), pairs.end());
+    st.duplicates_dropped = before - pairs.size();
+    // Cap each language's run of the sorted pairs.
+    std::vector<SentencePair> kept;
+    for (size_t begin = 0; begin < pairs.size();) {
+      size_t end = begin;
+      while (end < pairs.size() && pairs[end].lang == pairs[begin].lang) ++end;
+      std::vector<SentencePair> lang(std::make_move_iterator(pairs.begin() + static_cast<std::ptrdiff_t>(begin)),
+                                     std::make_move_iterator(pairs.begin() + static_cast<std::ptrdiff_t>(end)));
+      st.pairs_over_cap += keep_hash_subset(lang, o.max_pairs_per_language);
+      st.pairs_per_language[lang.front().lang] = lang.size();
+      kept.insert(kept.end(), std::make_move_iterator(lang.begin()), std::make_move_iterator(lang.end()));
+      begin = end;
+    }
+    pairs = std::move(kept);
+    st.pairs_kept = pairs.size();
+    for (const std::string& lang : o.languages) {
+      if (!st.pairs_per_language.count(lang))
+        throw DataError(str_cat(o.path, ": no pairs of language '", lang, "' (its first column)"));
+    }
+  } else {
+    NEBULA_CHECK(false, "corpus source '", o.source, "' is not one of gettext, tsv, text");
+  }
+
+  for (SentencePair& p : pairs) {
+    const auto split = static_cast<size_t>(split_of(p, o.valid_fraction, o.test_fraction));
+    SplitStats& s = c.split_stats[p.lang][split];
+    ++s.pairs;
+    s.en_chars += count_chars(p.en);
+    s.other_chars += count_chars(p.other);
+    (split == 0 ? c.train : split == 1 ? c.valid : c.test).push_back(std::move(p));
+  }
+  return c;
+}
+
+std::string corpus_stats_json(const Corpus& c, const CorpusBuildOptions& o) {
+  using nlohmann::json;
+  const CorpusStats& st = c.stats;
+  json j;
+  j["source"] = o.source;
+  j["path"] = o.path.empty() && o.source == "gettext" ? CorpusOptions{}.locale_dir : o.path;
+  j["languages_requested"] = o.languages;
+  j["max_pairs_per_language"] = o.max_pairs_per_language;
+  j["valid_fraction"] = o.valid_fraction;
+  j["test_fraction"] = o.test_fraction;
+  j["files_read"] = st.files_read;
+  j["files_skipped"] = st.files_skipped;
+  j["skipped_files"] = st.skipped_files;
+  j["entries_seen"] = st.entries_seen;
+  j["entries_dropped"] = st.entries_dropped;
+  j["duplicates_removed"] = st.duplicates_dropped;
+  j["pairs_over_cap"] = st.pairs_over_cap;
+  j["pairs"] = st.pairs_kept;
+  json langs = json::object();
+  std::array<SplitStats, 3> total{};
+  for (const auto& [lang, splits] : c.split_stats) {
+    for (size_t i = 0; i < 3; ++i) {
+      langs[lang][kSplitNames[i]] = {
+          {"pairs", splits[i].pairs}, {"en_chars", splits[i].en_chars}, {"other_chars", splits[i].other_chars}};
+      total[i].pairs += splits[i].pairs;
+      total[i].en_chars += splits[i].en_chars;
+      total[i].other_chars += splits[i].other_chars;
+    }
+  }
+  j["languages"] = langs;
+  for (size_t i = 0; i < 3; ++i) {
+    j["splits"][kSplitNames[i]] = {
+        {"pairs", total[i].pairs}, {"en_chars", total[i].en_chars}, {"other_chars", total[i].other_chars}};
+  }
+  return j.dump(1) + "\n";
+}
+
+void write_corpus(const std::string& dir, const Corpus& c, const CorpusBuildOptions& o) {
+  std::error_code ec;
+  fs::create_directories(dir, ec);
+  if (ec) throw DataError(str_cat(dir, ": cannot create the output directory: ", ec.message()));
+  write_tsv_file((fs::path(dir) / "train.tsv").string(), c.train);
+  write_tsv_file((fs::path(dir) / "valid.tsv").string(), c.valid);
+  write_tsv_file((fs::path(dir) / "test.tsv").string(), c.test);
+  write_file_atomic((fs::path(dir) / "stats.json").string(), corpus_stats_json(c, o));
+}
+
+std::string format_corpus_stats(const Corpus& c, const CorpusBuildOptions& o) {
+  const CorpusStats& st = c.stats;
+  std::string out;
+  char line[256];
+  const bool gettext = o.source == "gettext";
+  std::snprintf(line, sizeof line, "%zu %s read, %zu skipped as corrupt or unreadable; %zu entries, %zu dropped %s, "
+                "%zu duplicates removed, %zu left out by the per-language cap\n",
+                st.files_read, gettext ? "catalogs" : "file", st.files_skipped, st.entries_seen, st.entries_dropped,
+                gettext ? "(untranslated, empty, too short/long, or unchanged)" : "(other languages)",
+                st.duplicates_dropped, st.pairs_over_cap);
+  out += line;
+  std::snprintf(line, sizeof line, "%-10s %8s %8s %8s %8s   %s\n", "lang", "train", "valid", "test", "total",
+                "avg chars en / other");
+  out += line;
+  auto row = [&](const std::string& name, const std::array<SplitStats, 3>& s) {
+    size_t pairs = 0, en = 0, other = 0;
+    for (const SplitStats& x : s) {
+      pairs += x.pairs;
+      en += x.en_chars;
+      other += x.other_chars;
+    }
+    const double n = pairs ? static_cast<double>(pairs) : 1.0;
+    std::snprintf(line, sizeof line, "%-10s %8zu %8zu %8zu %8zu   %.1f / %.1f\n", name.c_str(), s[0].pairs,
+                  s[1].pairs, s[2].pairs, pairs, static_cast<double>(en) / n, static_cast<double>(other) / n);
+    out += line;
+  };
+  std::array<SplitStats, 3> total{};
+  for (const auto& [lang, splits] : c.split_stats) {
+    row(lang, splits);
+    for (size_t i = 0; i < 3; ++i) {
+      total[i].pairs += splits[i].pairs;
+      total[i].en_chars += splits[i].en_chars;
+      total[i].other_chars += splits[i].other_chars;
+    }
+  }
+  row("total", total);
+  size_t en = 0, other = 0;
+  for (const SplitStats& x : total) {
+    en += x.en_chars;
+    other += x.other_chars;
+  }
+  std::snprintf(line, sizeof line, "characters: %zu English, %zu other\n", en, other);
+  out += line;
   return out;
 }
 

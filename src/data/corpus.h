@@ -10,6 +10,7 @@
 // Thread safety: free functions without shared state; safe to call concurrently.
 #pragma once
 
+#include <array>
 #include <cstddef>
 #include <cstdint>
 #include <map>
@@ -32,7 +33,10 @@ struct SentencePair {
 
 // Turns a UI message into plain sentence text. Rules, applied in this order:
 //  1. control characters (\n, \t, \r, ...) and no-break spaces (U+00A0, U+202F)
-//     become spaces;
+//     become spaces; a leading argument name between bars, as GnuPG's option help has
+//     it, is removed ("|FD|write status info to this FD" -> "write status info to this FD",
+//     "||Please enter the PIN" -> "Please enter the PIN"; no spaces inside, at most 39
+//     bytes, text right after the second bar);
 //  2. markup tags are removed: '<' [/] letter [name chars] ( '>' | '/>' | space attrs '>' ),
 //     e.g. <b>, </a>, <br/>, <span weight="bold">, and also CLI placeholders like <file>;
 //     "a < b" and "<=" are kept;
@@ -52,7 +56,10 @@ struct SentencePair {
 //     () [] <> «» »« „“ “” ‘’ ‚‘ 「」 (spaces inside allowed only for `' () [] <> «» 「」,
 //     so the gap in "'a' 'b'" is kept), e.g. "cannot open '%s'" -> "cannot open";
 //  8. whitespace runs collapse to one space, and vanish where something was removed
-//     right before closing punctuation ("in %s." -> "in.", "file %s: x" -> "file: x");
+//     right before closing punctuation ("in %s." -> "in.", "file %s: x" -> "file: x")
+//     or right inside quotes ("the 'PROT %s' command" -> "the 'PROT' command",
+//     "Run '%s --help'" -> "Run '--help'"; a quote, ASCII or typographic, opens after the
+//     start, a space or '(' and closes before the end, a space or punctuation);
 //     the result is trimmed; then, repeatedly,
 //     a trailing "...", "…" or ":" and a leading ":", "," or ";" are removed and the
 //     result trimmed
@@ -69,11 +76,15 @@ struct CorpusOptions {
 };
 
 struct CorpusStats {
-  size_t files_read = 0;     // catalogs parsed
+  size_t files_read = 0;     // catalogs parsed (or the one TSV/text file read)
   size_t files_skipped = 0;  // unreadable or corrupt catalogs (each logged)
-  size_t entries_seen = 0;   // catalog entries with a non-empty msgid
-  size_t pairs_kept = 0;
+  std::vector<std::string> skipped_files;  // their paths, in the order they were tried
+  size_t entries_seen = 0;     // catalog entries with a non-empty msgid (TSV/text: lines read)
+  size_t entries_dropped = 0;  // untranslated, or a side empty/too short/too long after
+                               // clean-up, or the translation equal to the English text
   size_t duplicates_dropped = 0;
+  size_t pairs_over_cap = 0;  // deduplicated pairs left out by max_pairs_per_language
+  size_t pairs_kept = 0;
   std::map<std::string, size_t> pairs_per_language;
 };
 
@@ -92,6 +103,12 @@ std::vector<std::string> list_gettext_languages(const std::string& locale_dir);
 // a warning and counted in stats->files_skipped. A requested language without catalogs
 // throws DataError naming the language and the directory.
 std::vector<SentencePair> build_gettext_corpus(const CorpusOptions& options, CorpusStats* stats = nullptr);
+
+// One segment per line, empty lines kept (for files that must stay aligned line by line,
+// such as translations and their references: an empty hypothesis is still a segment).
+// A trailing '\r' is stripped; a final newline does not add an empty line. Unreadable ->
+// DataError naming the path.
+std::vector<std::string> read_lines(const std::string& path);
 
 // One sentence per line. A trailing '\r' is stripped; lines that are empty or only
 // spaces are skipped. Bytes are kept as they are (invalid UTF-8 is not checked here;
@@ -128,6 +145,59 @@ std::vector<SentencePair> select_languages(const std::vector<SentencePair>& pair
 // own data, independent of order and of the train/valid/test split); the union of the
 // slices 0..count-1 is `pairs`. Order is kept. Requires count > 0 and index < count.
 std::vector<SentencePair> take_slice(const std::vector<SentencePair>& pairs, size_t index, size_t count);
+
+// --- nebula corpus build: any source -> deduplicated, split, counted --------------------
+
+struct CorpusBuildOptions {
+  std::string source = "gettext";      // gettext | tsv | text
+  std::string path;                    // gettext: the locale directory ("" = /usr/share/locale);
+                                       // tsv, text: the file
+  std::vector<std::string> languages;  // empty = every language found; not allowed for text
+  size_t max_pairs_per_language = 0;   // 0 = all; else a hash-chosen subset per language
+  double valid_fraction = 0.05;        // each in [0, 1], their sum < 1 (the rest is train)
+  double test_fraction = 0.05;
+};
+
+// Size of one language's share of one split. Characters are Unicode code points (bytes
+// that do not continue a UTF-8 sequence), so "Öffnen" counts 6.
+struct SplitStats {
+  size_t pairs = 0;
+  size_t en_chars = 0;
+  size_t other_chars = 0;
+};
+
+struct Corpus {
+  // Disjoint (split_of on the whole pair), each sorted by (lang, en, other).
+  std::vector<SentencePair> train, valid, test;
+  CorpusStats stats;  // how the pairs were gathered
+  // Per language: [0] train, [1] valid, [2] test (the order of Split).
+  std::map<std::string, std::array<SplitStats, 3>> split_stats;
+};
+
+// Gathers the pairs of `options.source`, deduplicates them, keeps at most
+// max_pairs_per_language per language and splits them with split_of.
+//  * gettext: build_gettext_corpus (clean_message on both sides; corrupt catalogs skipped
+//    with a warning naming the file and listed in stats.skipped_files);
+//  * tsv: read_tsv_file, fields verbatim (a user's own text is not "cleaned"); 2-column
+//    lines get the language "xx", as in training; `languages` selects;
+//  * text: read_text_file, each line a pair {"text", line, ""} (monolingual, as in training).
+// For tsv and text, exact duplicates are dropped and the per-language subset is chosen as
+// for gettext. The same input always gives the same Corpus. Throws DataError for
+// unreadable input or a requested language without pairs, nebula::Error for bad options.
+Corpus build_corpus(const CorpusBuildOptions& options);
+
+// Writes dir/train.tsv, dir/valid.tsv, dir/test.tsv (write_tsv_file: "lang<TAB>en<TAB>other",
+// read back by read_tsv_file) and dir/stats.json (corpus_stats_json), creating dir.
+// Byte-identical for the same Corpus and options. Throws DataError naming the file.
+void write_corpus(const std::string& dir, const Corpus& corpus, const CorpusBuildOptions& options);
+
+// stats.json: the options, the gathering counts, and per language and split the pairs and
+// characters of each side. Keys sorted; no times or output paths, so reruns are identical.
+std::string corpus_stats_json(const Corpus& corpus, const CorpusBuildOptions& options);
+
+// The table `nebula corpus build` prints: a summary line, then per language the pairs in each
+// split and the average length of each side in characters, then the totals.
+std::string format_corpus_stats(const Corpus& corpus, const CorpusBuildOptions& options);
 
 // The stable hash used above: FNV-1a 64 over lang, '\0', en, '\0', other, '\0', salt,
 // followed by a 64-bit finalizer so that all bits are well mixed. Exposed for tests and

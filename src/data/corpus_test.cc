@@ -87,6 +87,28 @@ TEST(CleanMessage, TrailingEllipsisColonAndWhitespace) {
   EXPECT_EQ(clean_message(""), "");
 }
 
+TEST(CleanMessage, GnupgArgumentNames) {
+  EXPECT_EQ(clean_message("|FD|write status info to this FD"), "write status info to this FD");
+  EXPECT_EQ(clean_message("|N|Please enter a new PIN"), "Please enter a new PIN");
+  EXPECT_EQ(clean_message("||Please enter the PIN"), "Please enter the PIN");
+  EXPECT_EQ(clean_message("|| means or"), "|| means or");
+  EXPECT_EQ(clean_message("a|b|c"), "a|b|c");
+  EXPECT_EQ(clean_message("|not a name|x"), "|not a name|x");
+}
+
+TEST(CleanMessage, NoSpaceLeftInsideQuotes) {
+  EXPECT_EQ(clean_message("Server did not accept the 'PROT %s' command."), "Server did not accept the 'PROT' command.");
+  EXPECT_EQ(clean_message("Run '%s --help' to see more"), "Run '--help' to see more");
+  EXPECT_EQ(clean_message("Kommando \xc2\xbbPROT %s\xc2\xab nicht"), "Kommando \xc2\xbbPROT\xc2\xab nicht");
+  EXPECT_EQ(clean_message("Use \xe2\x80\x9c%s help COMMAND\xe2\x80\x9d now"),
+            "Use \xe2\x80\x9chelp COMMAND\xe2\x80\x9d now");
+  EXPECT_EQ(clean_message("failed to run command: \"%s -c %s\""), "failed to run command: \"-c\"");
+  // Quotes that neither open nor close next to the removed text keep their space.
+  EXPECT_EQ(clean_message("cannot open %s 'file'"), "cannot open 'file'");
+  EXPECT_EQ(clean_message("the students' %s files"), "the students' files");
+  EXPECT_EQ(clean_message("'a' %s 'b'"), "'a' 'b'");
+}
+
 // --- gettext corpus on a hand-built locale directory ----------------------------------
 
 struct FakeLocale {
@@ -225,6 +247,153 @@ TEST(GettextCorpus, RealSystemCatalogsGermanAndFrench) {
   }
 }
 
+TEST(GettextCorpus, CountsEveryEntryOnce) {
+  FakeLocale loc;
+  CorpusOptions opt;
+  opt.locale_dir = loc.dir.path();
+  CorpusStats stats;
+  build_gettext_corpus(opt, &stats);
+  EXPECT_EQ(stats.entries_dropped, 4u);  // OK (unchanged), Untranslated, X (short), a*300 (long)
+  EXPECT_EQ(stats.entries_seen,
+            stats.entries_dropped + stats.duplicates_dropped + stats.pairs_over_cap + stats.pairs_kept);
+  EXPECT_EQ(stats.skipped_files, (std::vector<std::string>{loc.dir.file("de/LC_MESSAGES/corrupt.mo")}));
+  opt.max_pairs_per_language = 2;
+  build_gettext_corpus(opt, &stats);
+  EXPECT_EQ(stats.pairs_over_cap, 2u);  // de: 4 -> 2
+  EXPECT_EQ(stats.pairs_kept, 3u);
+}
+
+// --- nebula corpus build ----------------------------------------------------------------
+
+std::vector<SentencePair> all_splits(const Corpus& c) {
+  std::vector<SentencePair> all = c.train;
+  all.insert(all.end(), c.valid.begin(), c.valid.end());
+  all.insert(all.end(), c.test.begin(), c.test.end());
+  std::sort(all.begin(), all.end());
+  return all;
+}
+
+TEST(BuildCorpus, GettextSplitsAreDisjointCompleteAndCounted) {
+  FakeLocale loc;
+  CorpusBuildOptions opt;
+  opt.path = loc.dir.path();
+  opt.valid_fraction = 0.3;
+  opt.test_fraction = 0.3;
+  const Corpus c = build_corpus(opt);
+  CorpusOptions g;
+  g.locale_dir = loc.dir.path();
+  EXPECT_EQ(all_splits(c), build_gettext_corpus(g));  // every pair in exactly one split
+  EXPECT_EQ(c.stats.files_skipped, 1u);
+  for (const auto* split : {&c.train, &c.valid, &c.test}) {
+    EXPECT_TRUE(std::is_sorted(split->begin(), split->end()));
+    for (const auto& p : *split) {
+      const Split expected = split == &c.train ? Split::kTrain : split == &c.valid ? Split::kValid : Split::kTest;
+      EXPECT_EQ(split_of(p, 0.3, 0.3), expected) << p.en;
+    }
+  }
+  // Per-language statistics add up; characters are code points ("Öffnen" is 6).
+  size_t pairs = 0;
+  for (const auto& [lang, splits] : c.split_stats)
+    for (const SplitStats& s : splits) pairs += s.pairs;
+  EXPECT_EQ(pairs, c.stats.pairs_kept);
+  const auto& fr = c.split_stats.at("fr")[static_cast<size_t>(split_of({"fr", "Close", "Fermer"}, 0.3, 0.3))];
+  EXPECT_EQ(fr.pairs, 1u);
+  EXPECT_EQ(fr.en_chars, 5u);
+  EXPECT_EQ(fr.other_chars, 6u);
+  size_t de_other = 0;
+  for (const SplitStats& s : c.split_stats.at("de")) de_other += s.other_chars;
+  EXPECT_EQ(de_other, 9u + 6u + 15u + 5u);  // Schließen, Öffnen, Datei speichern, Datei
+}
+
+TEST(BuildCorpus, WritesByteIdenticalFilesThatReadBack) {
+  FakeLocale loc;
+  CorpusBuildOptions opt;
+  opt.path = loc.dir.path();
+  opt.valid_fraction = 0.25;
+  opt.test_fraction = 0.25;
+  TempDir out("corpus_out");
+  const Corpus c = build_corpus(opt);
+  write_corpus(out.file("a"), c, opt);
+  write_corpus(out.file("b"), build_corpus(opt), opt);
+  for (const char* f : {"train.tsv", "valid.tsv", "test.tsv", "stats.json"}) {
+    EXPECT_EQ(testing::read_bytes(out.file(std::string("a/") + f)),
+              testing::read_bytes(out.file(std::string("b/") + f)))
+        << f;
+  }
+  EXPECT_EQ(read_tsv_file(out.file("a/train.tsv"), "unused"), c.train);
+  EXPECT_EQ(read_tsv_file(out.file("a/test.tsv"), "unused"), c.test);
+  const std::string json = testing::read_bytes(out.file("a/stats.json"));
+  EXPECT_NE(json.find("\"duplicates_removed\": 1"), std::string::npos) << json;
+  EXPECT_NE(json.find("corrupt.mo"), std::string::npos) << json;
+  const std::string table = format_corpus_stats(c, opt);
+  EXPECT_NE(table.find("1 skipped"), std::string::npos) << table;
+  EXPECT_NE(table.find("\nde "), std::string::npos) << table;
+  EXPECT_NE(table.find("\ntotal "), std::string::npos) << table;
+  EXPECT_THROW(write_corpus("/proc/no/such/dir", c, opt), DataError);
+}
+
+TEST(BuildCorpus, TsvIsDeduplicatedSelectedAndCappedPerLanguage) {
+  TempDir dir("corpus_tsv");
+  std::string text = "# lang, en, other\nHello\tHallo\nde\tOpen\tÖffnen\nde\tOpen\tÖffnen\n";
+  for (int i = 0; i < 100; ++i) text += "fr\tline " + std::to_string(i) + "\tligne " + std::to_string(i) + "\n";
+  write_bytes(dir.file("p.tsv"), text);
+  CorpusBuildOptions opt;
+  opt.source = "tsv";
+  opt.path = dir.file("p.tsv");
+  opt.valid_fraction = 0.1;
+  opt.test_fraction = 0.1;
+  opt.max_pairs_per_language = 30;
+  Corpus c = build_corpus(opt);
+  EXPECT_EQ(c.stats.entries_seen, 103u);
+  EXPECT_EQ(c.stats.duplicates_dropped, 1u);
+  EXPECT_EQ(c.stats.pairs_over_cap, 70u);
+  EXPECT_EQ(c.stats.pairs_per_language, (std::map<std::string, size_t>{{"de", 1}, {"fr", 30}, {"xx", 1}}));
+  EXPECT_EQ(all_splits(c).size(), 32u);
+  EXPECT_EQ(all_splits(build_corpus(opt)), all_splits(c));
+
+  opt.languages = {"de"};
+  c = build_corpus(opt);
+  EXPECT_EQ(all_splits(c), (std::vector<SentencePair>{{"de", "Open", "Öffnen"}}));
+  opt.languages = {"de", "es"};
+  try {
+    build_corpus(opt);
+    ADD_FAILURE() << "no DataError";
+  } catch (const DataError& e) {
+    EXPECT_NE(std::string(e.what()).find("'es'"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find(opt.path), std::string::npos) << e.what();
+  }
+}
+
+TEST(BuildCorpus, TextLinesAreMonolingualPairs) {
+  TempDir dir("corpus_text");
+  write_bytes(dir.file("t.txt"), "one line\nanother line\none line\n");
+  CorpusBuildOptions opt;
+  opt.source = "text";
+  opt.path = dir.file("t.txt");
+  opt.valid_fraction = 0;
+  opt.test_fraction = 0;
+  const Corpus c = build_corpus(opt);
+  EXPECT_EQ(c.train, (std::vector<SentencePair>{{"text", "another line", ""}, {"text", "one line", ""}}));
+  EXPECT_EQ(c.stats.duplicates_dropped, 1u);
+  opt.languages = {"de"};
+  EXPECT_THROW(build_corpus(opt), nebula::Error);
+}
+
+TEST(BuildCorpus, BadOptionsAreErrors) {
+  CorpusBuildOptions opt;
+  opt.valid_fraction = 0.5;
+  opt.test_fraction = 0.5;  // nothing left for train
+  EXPECT_THROW(build_corpus(opt), nebula::Error);
+  opt.valid_fraction = 2;
+  opt.test_fraction = 0;
+  EXPECT_THROW(build_corpus(opt), nebula::Error);
+  opt = CorpusBuildOptions{};
+  opt.source = "csv";
+  EXPECT_THROW(build_corpus(opt), nebula::Error);
+  opt.source = "tsv";  // no path
+  EXPECT_THROW(build_corpus(opt), nebula::Error);
+}
+
 // --- text and TSV files ----------------------------------------------------------------
 
 TEST(TextFiles, ReadTextFile) {
@@ -238,6 +407,17 @@ TEST(TextFiles, ReadTextFile) {
   } catch (const DataError& e) {
     EXPECT_NE(std::string(e.what()).find(dir.file("missing.txt")), std::string::npos) << e.what();
   }
+}
+
+TEST(TextFiles, ReadLinesKeepsEmptyLines) {
+  TempDir dir("lines");
+  write_bytes(dir.file("h.txt"), "first\r\n\n  \nlast\n");
+  EXPECT_EQ(read_lines(dir.file("h.txt")), (std::vector<std::string>{"first", "", "  ", "last"}));
+  write_bytes(dir.file("n.txt"), "no final newline");
+  EXPECT_EQ(read_lines(dir.file("n.txt")), (std::vector<std::string>{"no final newline"}));
+  write_bytes(dir.file("e.txt"), "");
+  EXPECT_TRUE(read_lines(dir.file("e.txt")).empty());
+  EXPECT_THROW(read_lines(dir.file("missing.txt")), DataError);
 }
 
 TEST(TextFiles, TsvRoundTrip) {
