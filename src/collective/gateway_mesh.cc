@@ -1,5 +1,6 @@
 #include "collective/gateway_mesh.h"
 
+#include <algorithm>
 #include <future>
 
 #include "nebula/error.h"
@@ -18,6 +19,19 @@ GatewayMesh::GatewayMesh(MeshOptions options, std::vector<std::unique_ptr<transp
 GatewayMesh::~GatewayMesh() { close(); }
 
 void GatewayMesh::close() {
+  // An orderly end: a link's close() may discard frames the peer has not acknowledged yet,
+  // so the last exchange's payload could be lost to a peer still receiving it. First every
+  // peer gets what was sent to it (bounded: a peer that is gone or stuck is not waited for
+  // long), then the links close.
+  const Deadline deadline = Deadline::after(std::min<std::chrono::milliseconds>(options_.timeout, std::chrono::seconds(5)));
+  for (auto& l : links_) {
+    if (!l) continue;
+    try {
+      l->flush(deadline);
+    } catch (const std::exception&) {
+      // Lost or stuck: nothing more to deliver.
+    }
+  }
   for (auto& l : links_)
     if (l) l->close();
 }

@@ -97,6 +97,11 @@ class Link {
 
   // Closes the link; idempotent. Blocked and later calls throw PeerLost.
   virtual void close() = 0;
+  // Waits until the peer has received everything sent so far, where the link can know it
+  // (ResilientLink: acknowledged); call it before close() for an orderly end. The default
+  // has nothing to wait for: a plain connection's close() lets the kernel deliver what it
+  // holds. Throws PeerLost / Timeout like send().
+  virtual void flush(Deadline deadline) {}
 
   // The peer's name as used in error messages and NetworkError::peer(), e.g. "site-b".
   virtual std::string peer() const = 0;

@@ -173,7 +173,7 @@ class ResilientLink : public Link {
   LinkEstimates estimates() const override;
 
   // Waits until every frame sent so far has been acknowledged. Timeout / PeerLost.
-  void flush(Deadline deadline);
+  void flush(Deadline deadline) override;
   ResilienceStats stats_ex() const;
   // This side's random session id (as sent in kResume).
   uint64_t session_id() const { return session_id_; }
