@@ -293,7 +293,8 @@ double payload_bytes(const std::string& codec, double m, const CodecParams& p) {
   if (codec == "sparseloco") {                                 // 2-bit values + in-chunk index bits,
     const double kept = std::ceil(p.sparseloco_density * m);   // 8 bytes of scale per chunk
     const double chunk = static_cast<double>(p.sparseloco_chunk);
-    return std::ceil(kept * (2 + std::log2(chunk)) / 8) + 8 * std::ceil(m / chunk);
+    const double index_bits = std::ceil(std::log2(chunk));     // whole bits per in-chunk index
+    return kept * (2 + index_bits) / 8 + 8 * std::ceil(m / chunk);
   }
   throw Error(str_cat("plan: unknown codec '", codec, "'"));
 }

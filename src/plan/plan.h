@@ -153,9 +153,11 @@ Topology parse_topology(const std::string& text, const std::string& name,
 //   topk        8·⌈density·m⌉  (u32 index + f32 value)   (1/(2·density)×: 50× at 1 %)
 //   powersgd    4m / powersgd_ratio                      (rank r factors; the ratio depends on
 //                                                         the matrix shapes, so it is a parameter)
-//   sparseloco  ⌈k·(2 + log2 chunk)/8⌉ + 8·⌈m/chunk⌉, k = ⌈density·m⌉ (2-bit values, in-chunk
+//   sparseloco  k·(2 + ⌈log2 chunk⌉)/8 + 8·⌈m/chunk⌉, k = ⌈density·m⌉ (2-bit values, in-chunk
 //               indices, 8 bytes of scale per chunk)    (≈137× at 64 of 4096)
-// Payload headers (a few dozen bytes) are left out. Throws nebula::Error for an unknown codec.
+// Payload headers (a few dozen bytes) and bit-stream padding are left out. The one table of
+// payload sizes: the adaptive controller (strategy/controller.h) uses it too. Throws
+// nebula::Error for an unknown codec.
 double payload_bytes(const std::string& codec, double values, const CodecParams& params);
 // Every codec payload_bytes() knows, least compressed first.
 const std::vector<std::string>& known_codecs();

@@ -4,6 +4,7 @@
 #include <cmath>
 
 #include "nebula/error.h"
+#include "plan/plan.h"
 
 namespace nebula::strategy {
 
@@ -18,20 +19,15 @@ const std::vector<int64_t>& controller_inner_steps() {
 }
 
 double codec_payload_bytes(const std::string& codec, int64_t params, const codec::CodecOptions& o) {
-  const double n = static_cast<double>(params);
-  const double blocks = std::ceil(n / static_cast<double>(std::max<int64_t>(o.block, 1)));
-  if (codec == "none") return 4 * n;
-  if (codec == "fp16" || codec == "bf16") return 2 * n;
-  if (codec == "int8") return n + 8 * blocks;                  // code + (min, scale) per block
-  if (codec == "int4") return n / 2 + 8 * blocks;
-  if (codec == "topk") return 8 * std::ceil(n * o.density);     // u32 index + f32 value
-  if (codec == "sparseloco") {
-    // Per chunk of `block` values: k kept, each a 2-bit code and a log2(chunk)-bit index,
-    // plus two float32 magnitude levels.
-    const double bits = 2 + std::ceil(std::log2(static_cast<double>(std::max<int64_t>(o.block, 2))));
-    return std::ceil(n * o.density) * bits / 8 + 8 * blocks;
-  }
-  throw ConfigError(str_cat("strategy.codec = \"", codec, "\": the adaptive controller has no cost model for it"));
+  // PowerSGD's size depends on the tensors' shapes, which the controller does not see.
+  if (codec == "powersgd")
+    throw ConfigError(str_cat("strategy.codec = \"", codec, "\": the adaptive controller has no cost model for it"));
+  plan::CodecParams p;
+  p.block = o.block;
+  p.density = o.density;
+  p.sparseloco_density = o.density;
+  p.sparseloco_chunk = o.block;
+  return plan::payload_bytes(codec, static_cast<double>(params), p);
 }
 
 ControllerChoice decide(const ControllerInput& in, const ControllerPins& pins) {

@@ -57,8 +57,9 @@ const std::vector<std::string>& controller_codecs();
 // The H values it tries, smallest first.
 const std::vector<int64_t>& controller_inner_steps();
 
-// Bytes one site puts on the WAN for `params` values with this codec (payload, headers of a
-// few dozen bytes ignored). Throws ConfigError for a codec it has no model for.
+// Bytes one site puts on the WAN for `params` values with this codec: plan::payload_bytes with
+// the [strategy] codec options. Throws ConfigError for a codec it has no model for (powersgd:
+// its size depends on the tensors' shapes).
 double codec_payload_bytes(const std::string& codec, int64_t params, const codec::CodecOptions& options);
 
 // Deterministic: the same input gives the same choice on every site.

@@ -117,23 +117,31 @@ void DilocoStrategy::sync_gradients(const std::vector<at::Tensor>& params, doubl
     site_weight_ += weight;
     return;
   }
-  std::vector<at::Tensor> grads;
-  for (const auto& p : params) grads.push_back(p.grad().defined() ? p.grad() : at::zeros_like(p));
-  at::Tensor flat = flatten(grads);
-  const int64_t n = flat.numel();
+  // Every step: the weighted gradients and the weight go straight into one buffer (no
+  // intermediate flat copy), one all-reduce, and straight back.
+  const int64_t n = total_numel_;
   at::Tensor buf = at::empty({n + 1}, at::kFloat);
-  buf.narrow(0, 0, n).copy_(flat).mul_(weight);
+  int64_t offset = 0;
+  for (const auto& p : params) {
+    at::Tensor slice = buf.narrow(0, offset, p.numel());
+    if (p.grad().defined())
+      slice.copy_(p.grad().reshape({-1})).mul_(weight);
+    else
+      slice.zero_();
+    offset += p.numel();
+  }
   buf[n] = static_cast<float>(weight);
   site.allreduce_sum(buf);
   const double total = buf[n].item<double>();
   NEBULA_CHECK(total > 0, "site ", site.site(), ": total weight ", total, " in a data parallel step");
   site_weight_ += total;
   buf.narrow(0, 0, n).div_(total);
-  for (auto& p : params_)
+  offset = 0;
+  for (auto& p : params_) {
     if (!p.grad().defined()) p.mutable_grad() = at::zeros_like(p);
-  std::vector<at::Tensor> out;
-  for (auto& p : params_) out.push_back(p.mutable_grad());
-  unflatten_into(buf.narrow(0, 0, n), out);
+    p.mutable_grad().copy_(buf.narrow(0, offset, p.numel()).view_as(p));
+    offset += p.numel();
+  }
 }
 
 bool DilocoStrategy::keep_training(int64_t /*step*/, int64_t steps) {
