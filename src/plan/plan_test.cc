@@ -7,6 +7,7 @@
 #include <nlohmann/json.hpp>
 
 #include "nebula/error.h"
+#include "util/config_testing.h"
 
 namespace nebula::plan {
 namespace {
@@ -43,19 +44,10 @@ Prediction run(const Topology& t, const std::string& strategy, const std::string
 
 void expect_error(const std::string& text, std::initializer_list<const char*> fragments,
                   const std::vector<std::string>& overrides = {}) {
-  try {
-    parse_topology(text, "topo.toml", overrides);
-    ADD_FAILURE() << "no error for:\n" << text;
-  } catch (const ConfigError& e) {
-    for (const char* f : fragments) EXPECT_NE(std::string(e.what()).find(f), std::string::npos) << e.what();
-  }
+  nebula::testing::expect_config_error([&] { parse_topology(text, "topo.toml", overrides); }, text, fragments);
 }
 
-std::string replace(std::string text, const std::string& from, const std::string& to) {
-  auto pos = text.find(from);
-  EXPECT_NE(pos, std::string::npos) << from;
-  return text.replace(pos, from.size(), to);
-}
+using nebula::testing::replace_once;
 
 TEST(Plan, OneSiteFreeCommunicationIsExactlyCompute) {
   // One site of 64 workers, infinite LAN bandwidth, zero latency: nothing to wait for.
@@ -269,20 +261,20 @@ TEST(Plan, Big8x512x70BIsFastAndFinite) {
 }
 
 TEST(Plan, BadInputNamesFileLineAndKey) {
-  expect_error(replace(kTwo, "parameters = 1000000\n", ""), {"topo.toml:2:1", "model.parameters", "missing"});
-  expect_error(replace(kTwo, "bandwidth = \"8Mbit\"", "bandwidth = \"-1Gbit\""),
+  expect_error(replace_once(kTwo, "parameters = 1000000\n", ""), {"topo.toml:2:1", "model.parameters", "missing"});
+  expect_error(replace_once(kTwo, "bandwidth = \"8Mbit\"", "bandwidth = \"-1Gbit\""),
                {"topo.toml:15:13", "wan.bandwidth", "non-negative"});
   expect_error(std::string(kTwo) + "[candidates]\ncodecs = [\"none\", \"int9\"]\n",
                {"topo.toml:21:", "candidates.codecs", "\"int9\" is not one of"});
-  expect_error(replace(kTwo, "rtt = \"100ms\"", "rtt = \"100\""), {"topo.toml:16:", "wan.rtt"});
-  expect_error(replace(kTwo, "[planner]", "[planner]\nspeed = 3"), {"topo.toml:19:", "planner.speed", "unknown key"});
-  expect_error(replace(kTwo, "name = \"b\"\ntokens_per_second_per_worker = 1000", "name = \"b\"\nworker_flops = \"1T\"\ntokens_per_second_per_worker = 1000"),
+  expect_error(replace_once(kTwo, "rtt = \"100ms\"", "rtt = \"100\""), {"topo.toml:16:", "wan.rtt"});
+  expect_error(replace_once(kTwo, "[planner]", "[planner]\nspeed = 3"), {"topo.toml:19:", "planner.speed", "unknown key"});
+  expect_error(replace_once(kTwo, "name = \"b\"\ntokens_per_second_per_worker = 1000", "name = \"b\"\nworker_flops = \"1T\"\ntokens_per_second_per_worker = 1000"),
                {"topo.toml:10:", "sites[1].worker_flops", "exactly one"});
-  expect_error(replace(kTwo, "name = \"b\"\ntokens_per_second_per_worker = 1000", "name = \"b\""),
+  expect_error(replace_once(kTwo, "name = \"b\"\ntokens_per_second_per_worker = 1000", "name = \"b\""),
                {"sites[1].worker_flops", "exactly one"});
-  expect_error(replace(kTwo, "name = \"b\"", "name = \"a\""), {"sites[1].name", "used twice"});
-  expect_error(replace(kTwo, "parameters = 1000000", "parameters = \"70Q\""), {"topo.toml:3:", "model.parameters", "70Q"});
-  expect_error(replace(kTwo, "parameters = 1000000", "parameters = -5"), {"model.parameters", "out of range"});
+  expect_error(replace_once(kTwo, "name = \"b\"", "name = \"a\""), {"sites[1].name", "used twice"});
+  expect_error(replace_once(kTwo, "parameters = 1000000", "parameters = \"70Q\""), {"topo.toml:3:", "model.parameters", "70Q"});
+  expect_error(replace_once(kTwo, "parameters = 1000000", "parameters = -5"), {"model.parameters", "out of range"});
   expect_error(kTwo, {"--set", "planner.overlap", "out of range"}, {"planner.overlap=2"});
   expect_error(std::string(kTwo) + "[[wan.pairs]]\nsites = [\"a\", \"zz\"]\n", {"wan.pairs[0].sites", "\"zz\""});
   expect_error("[model\n", {"topo.toml:1:"});

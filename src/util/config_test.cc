@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include "nebula/error.h"
+#include "util/config_testing.h"
 
 namespace nebula {
 namespace {
@@ -38,19 +39,10 @@ insecure = true
 // Expects parse_config(text) to throw a ConfigError whose message contains every fragment.
 void expect_error(const std::string& text, std::initializer_list<const char*> fragments,
                   const std::vector<std::string>& overrides = {}) {
-  try {
-    parse_config(text, "job.toml", overrides);
-    ADD_FAILURE() << "no error for:\n" << text;
-  } catch (const ConfigError& e) {
-    for (const char* f : fragments) EXPECT_NE(std::string(e.what()).find(f), std::string::npos) << e.what();
-  }
+  nebula::testing::expect_config_error([&] { parse_config(text, "job.toml", overrides); }, text, fragments);
 }
 
-std::string replace(std::string text, const std::string& from, const std::string& to) {
-  auto pos = text.find(from);
-  EXPECT_NE(pos, std::string::npos) << from;
-  return text.replace(pos, from.size(), to);
-}
+using nebula::testing::replace_once;
 
 TEST(Config, ValidLoads) {
   Config c = parse_config(kValid, "job.toml");
@@ -77,26 +69,26 @@ TEST(Config, ExamplesLoad) {
 }
 
 TEST(Config, UnknownKeyNamesFileLineAndKey) {
-  expect_error(replace(kValid, "steps = 7", "stepz = 7"), {"job.toml:4:", "job.stepz", "unknown key"});
+  expect_error(replace_once(kValid, "steps = 7", "stepz = 7"), {"job.toml:4:", "job.stepz", "unknown key"});
   expect_error(std::string(kValid) + "\n[extra]\nx = 1\n", {"'extra'", "unknown key"});
 }
 
 TEST(Config, WrongTypeNamesKey) {
-  expect_error(replace(kValid, "steps = 7", "steps = \"7\""), {"job.toml:4:9", "job.steps", "expected an integer"});
-  expect_error(replace(kValid, "languages = [\"de\"]", "languages = \"de\""), {"data.languages", "array of strings"});
-  expect_error(replace(kValid, "dim = 32", "dim = 33"), {"divisible by heads"});
-  expect_error(replace(kValid, "workers = 2", "workers = 0"), {"sites[0].workers", "out of range"});
+  expect_error(replace_once(kValid, "steps = 7", "steps = \"7\""), {"job.toml:4:9", "job.steps", "expected an integer"});
+  expect_error(replace_once(kValid, "languages = [\"de\"]", "languages = \"de\""), {"data.languages", "array of strings"});
+  expect_error(replace_once(kValid, "dim = 32", "dim = 33"), {"divisible by heads"});
+  expect_error(replace_once(kValid, "workers = 2", "workers = 0"), {"sites[0].workers", "out of range"});
 }
 
 TEST(Config, BadUnitsNameKeyAndText) {
-  expect_error(replace(kValid, "\"50Mbit\"", "\"50Mbits\""), {"job.toml:22:", "wan.bandwidth", "\"50Mbits\""});
-  expect_error(replace(kValid, "\"80ms\"", "\"80\""), {"wan.rtt", "\"80\""});
-  expect_error(replace(kValid, "\"5s\"", "5"), {"job.timeout", "expected a string with a unit"});
+  expect_error(replace_once(kValid, "\"50Mbit\"", "\"50Mbits\""), {"job.toml:22:", "wan.bandwidth", "\"50Mbits\""});
+  expect_error(replace_once(kValid, "\"80ms\"", "\"80\""), {"wan.rtt", "\"80\""});
+  expect_error(replace_once(kValid, "\"5s\"", "5"), {"job.timeout", "expected a string with a unit"});
 }
 
 TEST(Config, StructuralMistakes) {
   expect_error("[job]\nname = \"x\"\n[security]\ninsecure = true\n", {"no [[sites]]"});
-  expect_error(replace(kValid, "name = \"b\"", "name = \"a\""), {"'a' is used twice"});
+  expect_error(replace_once(kValid, "name = \"b\"", "name = \"a\""), {"'a' is used twice"});
   expect_error("[job\n", {"job.toml:1"});  // TOML syntax error
 }
 
