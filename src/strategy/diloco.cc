@@ -297,7 +297,6 @@ void DilocoStrategy::send(size_t f) {
 
 void DilocoStrategy::merge(size_t f) {
   Fragment& fr = fragments_[f];
-  const auto start = Clock::now();
   at::NoGradGuard no_grad;
   const int64_t info_len = static_cast<int64_t>(options_.num_sites * kInfo);
   at::Tensor buf = at::zeros({fr.numel + info_len}, at::kFloat);
@@ -341,7 +340,6 @@ void DilocoStrategy::merge(size_t f) {
   fr.in_flight = false;
   fr.sent_local = at::Tensor();
   ++outer_steps_;
-  blocked_seconds_ += std::chrono::duration<double>(Clock::now() - start).count();
 }
 
 void DilocoStrategy::finish() {

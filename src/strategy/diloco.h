@@ -131,9 +131,10 @@ class DilocoStrategy : public Strategy {
   // The per-site numbers of the last fragment's exchange, by round (float-rounded on every
   // worker alike, so that all workers decide alike).
   std::vector<std::vector<float>> info_of_round_;
-  // Timing of this worker's own inner steps, excluding time blocked on the WAN.
+  // Timing of this worker's own inner steps this round: from the end of one after_step() to the
+  // start of the next, so sends and merges (time blocked on the WAN) are left out.
   std::chrono::steady_clock::time_point last_step_end_;
-  double blocked_seconds_ = 0, compute_seconds_ = 0;
+  double compute_seconds_ = 0;
   int64_t timed_steps_ = 0;
   std::vector<std::string> decisions_;
   // Gateway: a lower bound of the WAN's bandwidth from the last exchange's own bytes and time
