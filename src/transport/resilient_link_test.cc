@@ -570,7 +570,10 @@ TEST(ResilientLinkTest, EstimatesRttAndBandwidthOfAnEmulatedWanPath) {
               "(%llu samples)\n",
               kFrames, kSize, elapsed, e.rtt_s * 1e3, e.rtt_smoothed_s * 1e3, (unsigned long long)e.rtt_samples,
               e.bandwidth_bits_per_s / 1e6, (unsigned long long)e.bandwidth_samples);
-  EXPECT_GE(e.rtt_s, 0.045);
+  // A sample runs from the moment a write returned to the ack's arrival. On a loaded machine
+  // the writer can be scheduled late after its write (a CI run saw 43.3 ms against the 50 ms
+  // path), so the floor is only "clearly a WAN round trip", not the path's exact RTT.
+  EXPECT_GE(e.rtt_s, 0.025);
   EXPECT_LE(e.rtt_s, 0.2);
   EXPECT_GE(e.rtt_smoothed_s, e.rtt_s);
   EXPECT_LE(e.rtt_smoothed_s, 1.0);
