@@ -21,8 +21,17 @@ struct JobConfig {
   std::chrono::nanoseconds timeout = std::chrono::seconds(120);  // deadline of every collective
 };
 
+// What a job measures besides its loss ([eval]).
+struct EvalConfig {
+  // mlm_encoder: steps between each site's cross-lingual evaluation on its own held-out pairs
+  // (MLM accuracy and parallel-sentence retrieval per language); 0 = at the start and the end only.
+  int64_t every = 0;
+  int64_t pairs = 200;               // held-out pairs per language used by each evaluation (0 = all)
+  int64_t beam = 4;                  // seq2seq: beam width of the BLEU evaluation (1 = greedy)
+};
+
 struct ModelConfig {
-  std::string kind = "mlm_encoder";  // the only kind so far
+  std::string kind = "mlm_encoder";  // mlm_encoder (pre-training) | seq2seq (English→X translation)
   int64_t dim = 64;
   int64_t layers = 2;
   int64_t heads = 4;
@@ -31,18 +40,28 @@ struct ModelConfig {
   double dropout = 0.0;
   double lr = 1e-3;                  // AdamW
   double weight_decay = 0.01;
+  int64_t decoder_layers = 2;        // seq2seq: decoder layers (`layers` is the encoder's)
+  // seq2seq: a pre-trained mlm_encoder's model.safetensors to initialise the encoder from
+  // (its dims must match); empty = random.
+  std::string init;
 };
 
 struct DataConfig {
-  std::string source = "gettext";    // gettext | tsv | text
-  std::string path = "/usr/share/locale";  // locale dir (gettext) or a file (tsv, text)
+  // gettext | tsv | text | corpus (a directory written by `nebula corpus build`: its own
+  // train/valid/test.tsv splits are used as they are)
+  std::string source = "gettext";
+  std::string path = "/usr/share/locale";  // locale dir (gettext), a file (tsv, text) or a directory (corpus)
   std::vector<std::string> languages;      // gettext: the languages of the whole job
   int64_t max_pairs_per_language = 2000;   // 0 = all
-  double valid_fraction = 0.05;
+  double valid_fraction = 0.05;      // gettext/tsv/text: hash-chosen held-out shares
+  double test_fraction = 0.05;
   int64_t vocab_size = 1000;
   std::string tokenizer;             // an existing SentencePiece .model; empty = train one
   int64_t batch_size = 16;           // sentences per worker per step
   double mask_prob = 0.15;
+  // mlm_encoder: "mlm" trains on single sentences; "mlm+tlm" adds every training pair as one
+  // translation-LM sequence "<s> en </s> other </s>" (XLM), masked the same way.
+  std::string objective = "mlm";
 };
 
 struct SiteConfig {
@@ -53,6 +72,22 @@ struct SiteConfig {
   std::string store = "127.0.0.1:0";    // intra-site rendezvous (c10d TCPStore on rank 0)
   std::vector<std::string> languages;   // this site's shard; empty = a slice of the whole corpus
   double slowdown = 1.0;                // emulated slower hardware: each step takes this many times longer
+  int64_t max_pairs_per_language = 0;   // this site holds at most this many training pairs per language (0 = data's)
+  // Whether this site's training pairs may leave it: required to send them to another
+  // site's teacher ([distill]). Everything else a site shares is model updates.
+  bool shareable = false;
+};
+
+// [distill]: cross-site knowledge distillation for seq2seq. The teacher serves on
+// `teacher_site`; every other site's student asks it for its top-k distribution per target token.
+struct DistillConfig {
+  std::string teacher_site;          // empty = no distillation
+  std::string teacher;               // the teacher's model.safetensors, on the teacher site
+  int64_t top_k = 8;                 // entries of the teacher distribution sent per token
+  double temperature = 1.0;
+  double alpha = 0.5;                // loss = (1 - alpha)·CE + alpha·KD
+  int64_t prefetch = 4;              // batches requested ahead of the one being trained on
+  bool enabled() const { return !teacher_site.empty(); }
 };
 
 // What the WAN between two sites looks like. In local mode nebula emulates it in process
@@ -137,12 +172,14 @@ struct MetricsConfig {
 struct Config {
   std::string source_path;           // the file it came from
   JobConfig job;
+  EvalConfig eval;
   ModelConfig model;
   DataConfig data;
   std::vector<SiteConfig> sites;
   WanConfig wan;
   StrategyConfig strategy;
   PeftConfig peft;
+  DistillConfig distill;
   SecurityConfig security;
   MetricsConfig metrics;
 

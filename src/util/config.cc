@@ -40,6 +40,32 @@ void read_pair_names(Section& s, const toml::table& t, const Config& c, std::str
   b = names[1];
 }
 
+// [distill] as built: two sites, the teacher's (serving, one worker) and the student's (one
+// worker, its pairs marked shareable because they go to the teacher).
+void check_distill(const Config& c, const toml::table& t, Section& s) {
+  if (c.model.kind != "seq2seq")
+    s.fail(t, "teacher_site", "distillation trains a translation student: set [model] kind = \"seq2seq\"");
+  bool known = false;
+  for (const auto& site : c.sites) known |= site.name == c.distill.teacher_site;
+  if (!known) s.fail(t, "teacher_site", str_cat("no site named '", c.distill.teacher_site, "' in [[sites]]"));
+  if (c.distill.teacher.empty())
+    s.fail(t, "teacher", "give the teacher's model.safetensors (a path on the teacher site)");
+  if (c.sites.size() != 2)
+    s.fail(t, "teacher_site", str_cat("distillation runs on exactly two sites (teacher, student); this job has ",
+                                      c.sites.size()));
+  for (const auto& site : c.sites) {
+    if (site.workers != 1)
+      s.fail(t, "teacher_site", str_cat("site '", site.name, "' has workers = ", site.workers,
+                                        ": with [distill] each site runs one worker (several are not built yet)"));
+    if (site.name != c.distill.teacher_site && !site.shareable)
+      s.fail(t, "teacher_site", str_cat("the student site '", site.name, "' would send its training pairs to '",
+                                        c.distill.teacher_site, "': set shareable = true in its [[sites]] if they "
+                                        "may leave it, or remove [distill]"));
+  }
+  if (c.distill.top_k > c.data.vocab_size)
+    s.fail(t, "top_k", str_cat(c.distill.top_k, " is more than data.vocab_size = ", c.data.vocab_size));
+}
+
 Config build(const toml::table& root, const std::string& file) {
   Config c;
   c.source_path = file;
@@ -58,9 +84,17 @@ Config build(const toml::table& root, const std::string& file) {
   }
   if (c.job.run_dir.empty()) c.job.run_dir = "runs/" + c.job.name;
 
+  if (auto* t = top.table("eval")) {
+    Section s(*t, "eval", file);
+    s.integer("every", c.eval.every, 0, 1'000'000'000);
+    s.integer("pairs", c.eval.pairs, 0, 1'000'000'000);
+    s.integer("beam", c.eval.beam, 1, 256);
+    s.finish();
+  }
+
   if (auto* t = top.table("model")) {
     Section s(*t, "model", file);
-    s.string("kind", c.model.kind, {"mlm_encoder"});
+    s.string("kind", c.model.kind, {"mlm_encoder", "seq2seq"});
     s.integer("dim", c.model.dim, 8, 65536);
     s.integer("layers", c.model.layers, 1, 1024);
     s.integer("heads", c.model.heads, 1, 1024);
@@ -69,7 +103,11 @@ Config build(const toml::table& root, const std::string& file) {
     s.number("dropout", c.model.dropout, 0.0, 0.99);
     s.number("lr", c.model.lr, 0.0, 10.0);
     s.number("weight_decay", c.model.weight_decay, 0.0, 10.0);
+    s.integer("decoder_layers", c.model.decoder_layers, 1, 1024);
+    s.string("init", c.model.init);
     s.finish();
+    if (!c.model.init.empty() && c.model.kind != "seq2seq")
+      s.fail(*t, "init", "only a seq2seq model starts from a pre-trained encoder: set kind = \"seq2seq\" or remove init");
     if (c.model.dim % c.model.heads != 0) {
       throw ConfigError(str_cat(where(*t, file), ": [model] dim (", c.model.dim, ") must be divisible by heads (",
                                 c.model.heads, ")"));
@@ -78,15 +116,17 @@ Config build(const toml::table& root, const std::string& file) {
 
   if (auto* t = top.table("data")) {
     Section s(*t, "data", file);
-    s.string("source", c.data.source, {"gettext", "tsv", "text"});
+    s.string("source", c.data.source, {"gettext", "tsv", "text", "corpus"});
     s.string("path", c.data.path);
     s.strings("languages", c.data.languages);
     s.integer("max_pairs_per_language", c.data.max_pairs_per_language, 0, INT64_MAX);
     s.number("valid_fraction", c.data.valid_fraction, 0.0, 0.5);
+    s.number("test_fraction", c.data.test_fraction, 0.0, 0.5);
     s.integer("vocab_size", c.data.vocab_size, 16, 1 << 20);
     s.string("tokenizer", c.data.tokenizer);
     s.integer("batch_size", c.data.batch_size, 1, 1 << 20);
     s.number("mask_prob", c.data.mask_prob, 0.01, 0.9);
+    s.string("objective", c.data.objective, {"mlm", "mlm+tlm"});
     s.finish();
   }
 
@@ -102,6 +142,8 @@ Config build(const toml::table& root, const std::string& file) {
     s.string("store", site.store);
     s.strings("languages", site.languages);
     s.number("slowdown", site.slowdown, 1.0, 1000.0);
+    s.integer("max_pairs_per_language", site.max_pairs_per_language, 0, INT64_MAX);
+    s.boolean("shareable", site.shareable);
     s.finish();  // unknown keys before the checks below
     if (site.name.empty()) throw ConfigError(str_cat(where(st, file), ": [[sites]] #", i + 1, " needs a name"));
     if (!names.insert(site.name).second)
@@ -109,6 +151,17 @@ Config build(const toml::table& root, const std::string& file) {
     c.sites.push_back(site);
   });
   if (c.sites.empty()) throw ConfigError(str_cat(file, ": no [[sites]]: a job needs at least one site"));
+  if (c.model.kind == "seq2seq") {
+    std::set<std::string> langs(c.data.languages.begin(), c.data.languages.end());
+    for (const auto& site : c.sites) langs.insert(site.languages.begin(), site.languages.end());
+    if (langs.size() > 1)
+      throw ConfigError(str_cat(file, ": a seq2seq model translates English into one language, but [data] and "
+                                "[[sites]] name ", langs.size(), " (", *langs.begin(), ", ", *std::next(langs.begin()),
+                                ", ...): keep one (several target languages need target tags, not built yet)"));
+  }
+  if (c.data.valid_fraction + c.data.test_fraction >= 1)
+    throw ConfigError(str_cat(file, ": data.valid_fraction + data.test_fraction = ",
+                              c.data.valid_fraction + c.data.test_fraction, " leaves nothing to train on"));
 
   if (auto* t = top.table("wan")) {
     Section s(*t, "wan", file);
@@ -185,6 +238,17 @@ Config build(const toml::table& root, const std::string& file) {
     s.number("alpha", c.peft.alpha, 1e-6, 1e6);
     s.integer("adapter_dim", c.peft.adapter_dim, 1, 1 << 16);
     s.finish();
+  }
+  if (auto* t = top.table("distill")) {
+    Section s(*t, "distill", file);
+    s.string("teacher_site", c.distill.teacher_site);
+    s.string("teacher", c.distill.teacher);
+    s.integer("top_k", c.distill.top_k, 1, 1 << 16);
+    s.number("temperature", c.distill.temperature, 0.05, 100.0);
+    s.number("alpha", c.distill.alpha, 0.0, 1.0);
+    s.integer("prefetch", c.distill.prefetch, 0, 1 << 16);
+    s.finish();
+    if (c.distill.enabled()) check_distill(c, *t, s);
   }
   if (auto* t = top.table("security")) {
     Section s(*t, "security", file);
@@ -271,6 +335,7 @@ std::string to_toml(const Config& c) {
                                  {"log_every", c.job.log_every},
                                  {"eval_batches", c.job.eval_batches},
                                  {"timeout", dur(c.job.timeout)}});
+  root.insert("eval", toml::table{{"every", c.eval.every}, {"pairs", c.eval.pairs}, {"beam", c.eval.beam}});
   root.insert("model", toml::table{{"kind", c.model.kind},
                                    {"dim", c.model.dim},
                                    {"layers", c.model.layers},
@@ -279,16 +344,20 @@ std::string to_toml(const Config& c) {
                                    {"max_len", c.model.max_len},
                                    {"dropout", c.model.dropout},
                                    {"lr", c.model.lr},
-                                   {"weight_decay", c.model.weight_decay}});
+                                   {"weight_decay", c.model.weight_decay},
+                                   {"decoder_layers", c.model.decoder_layers},
+                                   {"init", c.model.init}});
   root.insert("data", toml::table{{"source", c.data.source},
                                   {"path", c.data.path},
                                   {"languages", strs(c.data.languages)},
                                   {"max_pairs_per_language", c.data.max_pairs_per_language},
                                   {"valid_fraction", c.data.valid_fraction},
+                                  {"test_fraction", c.data.test_fraction},
                                   {"vocab_size", c.data.vocab_size},
                                   {"tokenizer", c.data.tokenizer},
                                   {"batch_size", c.data.batch_size},
-                                  {"mask_prob", c.data.mask_prob}});
+                                  {"mask_prob", c.data.mask_prob},
+                                  {"objective", c.data.objective}});
   toml::array sites;
   for (const auto& s : c.sites) {
     sites.push_back(toml::table{{"name", s.name},
@@ -297,7 +366,9 @@ std::string to_toml(const Config& c) {
                                 {"gateway", s.gateway},
                                 {"store", s.store},
                                 {"languages", strs(s.languages)},
-                                {"slowdown", s.slowdown}});
+                                {"slowdown", s.slowdown},
+                                {"max_pairs_per_language", s.max_pairs_per_language},
+                                {"shareable", s.shareable}});
   }
   root.insert("sites", std::move(sites));
   auto path = [&](toml::table t, const WanPathConfig& p) {
@@ -346,6 +417,13 @@ std::string to_toml(const Config& c) {
                                   {"rank", c.peft.rank},
                                   {"alpha", c.peft.alpha},
                                   {"adapter_dim", c.peft.adapter_dim}});
+  if (c.distill.enabled())
+    root.insert("distill", toml::table{{"teacher_site", c.distill.teacher_site},
+                                       {"teacher", c.distill.teacher},
+                                       {"top_k", c.distill.top_k},
+                                       {"temperature", c.distill.temperature},
+                                       {"alpha", c.distill.alpha},
+                                       {"prefetch", c.distill.prefetch}});
   root.insert("security", toml::table{{"insecure", c.security.insecure},
                                       {"certs", c.security.certs},
                                       {"ca", c.security.ca},

@@ -164,6 +164,40 @@ TEST(Config, StrategyAndPeftKeysAreValidated) {
   EXPECT_NE(error_of({"sites.0.slowdown=0.5"}).find("slowdown"), std::string::npos);
 }
 
+// Issue [5/7]: the translation model, distillation and evaluation keys.
+TEST(Config, TranslationAndDistillKeysAreValidated) {
+  const std::vector<std::string> mt = {"model.kind=seq2seq", "sites.0.workers=1", "sites.1.shareable=true",
+                                       "distill.teacher_site=a", "distill.teacher=t.safetensors"};
+  Config c = parse_config(kValid, "job.toml", mt);
+  EXPECT_TRUE(c.distill.enabled());
+  EXPECT_EQ(c.distill.top_k, 8);
+  EXPECT_TRUE(c.sites[1].shareable);
+  Config round = parse_config(to_toml(c), "resolved.toml");
+  EXPECT_EQ(round.distill.teacher, "t.safetensors");
+  EXPECT_TRUE(round.sites[1].shareable);
+  EXPECT_EQ(round.model.kind, "seq2seq");
+
+  auto with = [&](std::vector<std::string> extra) {
+    std::vector<std::string> all = mt;
+    all.insert(all.end(), extra.begin(), extra.end());
+    return all;
+  };
+  expect_error(kValid, {"student site 'b'", "shareable = true"},
+               with({"sites.1.shareable=false"}));
+  expect_error(kValid, {"'distill.teacher_site'", "no site named 'zeta'"}, with({"distill.teacher_site=zeta"}));
+  expect_error(kValid, {"'distill.teacher'", "safetensors"}, with({"distill.teacher=\"\""}));
+  expect_error(kValid, {"workers = 2", "one worker"}, with({"sites.0.workers=2"}));
+  expect_error(kValid, {"seq2seq"}, {"distill.teacher_site=a", "distill.teacher=t"});
+  expect_error(kValid, {"'distill.top_k'", "vocab_size"}, with({"distill.top_k=5000"}));
+  expect_error(kValid, {"'distill.alpha'"}, with({"distill.alpha=1.5"}));
+  // A translation model has one target language.
+  expect_error(kValid, {"one language", "de", "fr"}, {"model.kind=seq2seq", "sites.1.languages=[\"fr\"]"});
+  expect_error(kValid, {"'model.init'", "seq2seq"}, {"model.init=\"m.safetensors\""});
+  expect_error(kValid, {"'data.objective'"}, {"data.objective=\"clm\""});
+  expect_error(kValid, {"leaves nothing to train on"}, {"data.valid_fraction=0.5", "data.test_fraction=0.5"});
+  expect_error(kValid, {"'eval.beam'"}, {"eval.beam=0"});
+}
+
 TEST(Config, RoundTripsThroughToml) {
   Config a = parse_config(kValid, "job.toml");
   Config b = parse_config(to_toml(a), "resolved.toml");
@@ -174,6 +208,9 @@ TEST(Config, RoundTripsThroughToml) {
   EXPECT_EQ(b.sites.size(), a.sites.size());
   EXPECT_EQ(b.data.languages, a.data.languages);
   EXPECT_EQ(b.model.dim, a.model.dim);
+  EXPECT_EQ(b.data.test_fraction, a.data.test_fraction);
+  EXPECT_EQ(b.data.objective, a.data.objective);
+  EXPECT_EQ(b.eval.pairs, a.eval.pairs);
 }
 
 }  // namespace
