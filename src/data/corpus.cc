@@ -584,6 +584,24 @@ std::vector<SentencePair> build_gettext_corpus(const CorpusOptions& options, Cor
   return result;
 }
 
+size_t cap_per_language(std::vector<SentencePair>& pairs, size_t max) {
+  if (max == 0) return 0;
+  std::map<std::string, std::vector<std::pair<uint64_t, size_t>>> by_lang;  // (subset hash, index)
+  for (size_t i = 0; i < pairs.size(); ++i) by_lang[pairs[i].lang].emplace_back(pair_hash(pairs[i], kSubsetSalt), i);
+  std::vector<bool> keep(pairs.size(), true);
+  for (auto& [lang, keyed] : by_lang) {
+    if (keyed.size() <= max) continue;
+    std::nth_element(keyed.begin(), keyed.begin() + static_cast<std::ptrdiff_t>(max), keyed.end());
+    for (size_t j = max; j < keyed.size(); ++j) keep[keyed[j].second] = false;
+  }
+  std::vector<SentencePair> out;
+  for (size_t i = 0; i < pairs.size(); ++i)
+    if (keep[i]) out.push_back(std::move(pairs[i]));
+  const size_t dropped = pairs.size() - out.size();
+  pairs = std::move(out);
+  return dropped;
+}
+
 std::vector<std::string> read_lines(const std::string& path) { return split_lines(read_file_bytes(path)); }
 
 std::vector<std::string> read_text_file(const std::string& path) {

@@ -146,6 +146,11 @@ std::vector<SentencePair> select_languages(const std::vector<SentencePair>& pair
 // slices 0..count-1 is `pairs`. Order is kept. Requires count > 0 and index < count.
 std::vector<SentencePair> take_slice(const std::vector<SentencePair>& pairs, size_t index, size_t count);
 
+// Keeps at most `max` pairs of each language (the same hash-chosen subset as
+// max_pairs_per_language: the pairs with the smallest subset hash), in their original
+// order; 0 = all. Returns how many were left out.
+size_t cap_per_language(std::vector<SentencePair>& pairs, size_t max);
+
 // --- nebula corpus build: any source -> deduplicated, split, counted --------------------
 
 struct CorpusBuildOptions {

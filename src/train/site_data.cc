@@ -24,62 +24,90 @@ void add_sides(const std::vector<data::SentencePair>& pairs, std::vector<std::st
 
 }  // namespace
 
-std::vector<data::SentencePair> load_pairs(const Config& c, const SiteConfig* site, data::CorpusStats* stats) {
-  std::vector<data::SentencePair> pairs;
-  std::vector<std::string> langs = site_languages(c, site);
+namespace {
+
+std::vector<std::string> job_or_site_languages(const Config& c, const SiteConfig* site) {
+  if (site) return site_languages(c, site);
+  std::set<std::string> all(c.data.languages.begin(), c.data.languages.end());  // the whole job: every site's
+  for (const auto& s : c.sites) all.insert(s.languages.begin(), s.languages.end());
+  return {all.begin(), all.end()};
+}
+
+// What data.source holds for these languages: every pair (gettext, tsv, text), or the one
+// split file of a corpus directory.
+std::vector<data::SentencePair> read_source(const Config& c, const std::vector<std::string>& langs, data::Split which,
+                                            data::CorpusStats* stats) {
   if (c.data.source == "gettext") {
-    if (!site) {  // the whole job: every site's languages
-      std::set<std::string> all(c.data.languages.begin(), c.data.languages.end());
-      for (const auto& s : c.sites) all.insert(s.languages.begin(), s.languages.end());
-      langs.assign(all.begin(), all.end());
-    }
     data::CorpusOptions o;
     o.locale_dir = c.data.path;
     o.languages = langs;
     o.max_pairs_per_language = static_cast<size_t>(c.data.max_pairs_per_language);
-    pairs = data::build_gettext_corpus(o, stats);
-  } else if (c.data.source == "tsv") {
-    pairs = data::read_tsv_file(c.data.path, "xx");
-    if (site && !site->languages.empty()) pairs = data::select_languages(pairs, site->languages);
-  } else {  // text: monolingual lines, carried as pairs with an empty other side
-    for (auto& line : data::read_text_file(c.data.path)) pairs.push_back({"text", std::move(line), ""});
+    return data::build_gettext_corpus(o, stats);
   }
+  if (c.data.source == "tsv") return data::select_languages(data::read_tsv_file(c.data.path, "xx"), langs);
+  std::vector<data::SentencePair> pairs;
+  if (c.data.source == "text") {  // monolingual lines, carried as pairs with an empty other side
+    for (auto& line : data::read_text_file(c.data.path)) pairs.push_back({"text", std::move(line), ""});
+    return pairs;
+  }
+  static const char* kFiles[] = {"train.tsv", "valid.tsv", "test.tsv"};  // corpus: as `nebula corpus build` wrote it
+  pairs = data::select_languages(data::read_tsv_file(c.data.path + "/" + kFiles[static_cast<int>(which)], "xx"), langs);
+  data::cap_per_language(pairs, static_cast<size_t>(c.data.max_pairs_per_language));
+  return pairs;
+}
+
+// read_source's pairs → split `which` of the site (or the job).
+std::vector<data::SentencePair> narrow(const Config& c, const SiteConfig* site, data::Split which,
+                                       std::vector<data::SentencePair> pairs) {
+  if (c.data.source != "corpus") pairs = data::filter_split(pairs, which, c.data.valid_fraction, c.data.test_fraction);
   // A site without its own languages gets its own slice of the corpus.
   if (site && site->languages.empty() && c.sites.size() > 1) {
     size_t index = static_cast<size_t>(site - c.sites.data());
     pairs = data::take_slice(pairs, index, c.sites.size());
   }
-  if (pairs.empty())
+  if (site && which == data::Split::kTrain)
+    data::cap_per_language(pairs, static_cast<size_t>(site->max_pairs_per_language));
+  if (pairs.empty() && which == data::Split::kTrain)
     throw DataError(str_cat(c.source_path, ": ", site ? "site '" + site->name + "'" : std::string("the job"),
-                            " has no sentences from data.source = \"", c.data.source, "\", data.path = \"",
+                            " has no training sentences from data.source = \"", c.data.source, "\", data.path = \"",
                             c.data.path, "\"; check [data] and the site's languages"));
   return pairs;
 }
 
+}  // namespace
+
+std::vector<data::SentencePair> load_pairs(const Config& c, const SiteConfig* site, data::Split which,
+                                           data::CorpusStats* stats) {
+  return narrow(c, site, which, read_source(c, job_or_site_languages(c, site), which, stats));
+}
+
 SiteText load_site_text(const Config& c, size_t site_index, int rank, int workers) {
   SiteText out;
-  auto pairs = load_pairs(c, &c.sites[site_index], &out.stats);
-  std::vector<std::string> train, valid;
-  add_sides(data::filter_split(pairs, data::Split::kTrain, c.data.valid_fraction, 0.0), train);
-  add_sides(data::filter_split(pairs, data::Split::kValid, c.data.valid_fraction, 0.0), valid);
-  auto keep_share = [&](std::vector<std::string>& v) {
-    v.erase(std::remove(v.begin(), v.end(), std::string()), v.end());
-    std::vector<std::string> mine;
-    for (size_t i = static_cast<size_t>(rank); i < v.size(); i += static_cast<size_t>(workers)) mine.push_back(v[i]);
-    v = std::move(mine);
+  const SiteConfig* site = &c.sites[site_index];
+  auto share = [&](std::vector<data::SentencePair> v) {
+    std::vector<data::SentencePair> mine;
+    for (size_t i = static_cast<size_t>(rank); i < v.size(); i += static_cast<size_t>(workers))
+      mine.push_back(std::move(v[i]));
+    return mine;
   };
-  keep_share(train);
-  keep_share(valid);
-  if (train.empty())
+  const auto langs = job_or_site_languages(c, site);
+  auto all = read_source(c, langs, data::Split::kTrain, &out.stats);  // corpus: train.tsv only
+  out.valid_pairs = share(narrow(c, site, data::Split::kValid,
+                                 c.data.source == "corpus" ? read_source(c, langs, data::Split::kValid, nullptr) : all));
+  out.train_pairs = share(narrow(c, site, data::Split::kTrain, std::move(all)));
+  add_sides(out.train_pairs, out.train);
+  add_sides(out.valid_pairs, out.valid);
+  for (auto* v : {&out.train, &out.valid}) v->erase(std::remove(v->begin(), v->end(), std::string()), v->end());
+  if (out.train.empty())
     throw DataError(str_cat("site '", c.sites[site_index].name, "' worker ", rank, ": no training sentences"));
-  return {std::move(train), std::move(valid), out.stats};
+  return out;
 }
 
 void train_tokenizer(const Config& c, const std::string& model_prefix) {
   data::CorpusStats stats;
-  auto pairs = load_pairs(c, nullptr, &stats);
+  auto pairs = load_pairs(c, nullptr, data::Split::kTrain, &stats);
   std::vector<std::string> sentences;
-  add_sides(data::filter_split(pairs, data::Split::kTrain, c.data.valid_fraction, 0.0), sentences);
+  add_sides(pairs, sentences);
   sentences.erase(std::remove(sentences.begin(), sentences.end(), std::string()), sentences.end());
   spdlog::info("training a {}-piece SentencePiece vocabulary on {} sentences", c.data.vocab_size, sentences.size());
   data::Tokenizer::train(sentences, model_prefix, static_cast<int>(c.data.vocab_size));

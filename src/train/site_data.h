@@ -13,14 +13,24 @@
 namespace nebula::train {
 
 struct SiteText {
-  std::vector<std::string> train;  // sentences (both sides of every pair: MLM is monolingual)
+  std::vector<data::SentencePair> train_pairs;  // this worker's share of the site's pairs
+  std::vector<data::SentencePair> valid_pairs;
+  std::vector<std::string> train;  // the sentences of those pairs, both sides (MLM is monolingual)
   std::vector<std::string> valid;
   data::CorpusStats stats;
 };
 
-// The parallel pairs the whole job (site == nullopt) or one site trains on.
-std::vector<data::SentencePair> load_pairs(const Config& config, const SiteConfig* site, data::CorpusStats* stats);
-// The site's sentences split into train / valid; worker `rank` of `workers` keeps its share.
+// The pairs of split `which` that the whole job (site == nullptr: every site's languages) or
+// one site holds:
+//  * source gettext / tsv / text: everything read, then split by data.valid_fraction and
+//    data.test_fraction (data::split_of: by hash, the same on every machine);
+//  * source corpus: PATH/train.tsv, valid.tsv or test.tsv as `nebula corpus build` wrote them;
+// then the site's languages (or, for a site without languages, its hash slice of the corpus),
+// then the site's own cap (sites.N.max_pairs_per_language, training pairs only).
+std::vector<data::SentencePair> load_pairs(const Config& config, const SiteConfig* site, data::Split which,
+                                           data::CorpusStats* stats = nullptr);
+// The site's training and validation pairs and sentences; worker `rank` of `workers` keeps
+// every workers-th pair from its rank on.
 SiteText load_site_text(const Config& config, size_t site_index, int rank, int workers);
 // Trains the job's shared SentencePiece vocabulary into `model_prefix` (.model/.vocab).
 void train_tokenizer(const Config& config, const std::string& model_prefix);
