@@ -1,0 +1,85 @@
+#include "model/xlingual.h"
+
+#include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
+
+#include <algorithm>
+
+#include "nebula/error.h"
+
+namespace nebula::model {
+namespace {
+
+// Eval mode and no_grad for the scope; the module's previous mode afterwards.
+class EvalScope {
+ public:
+  explicit EvalScope(torch::nn::Module& m) : m_(m), was_training_(m.is_training()) { m_.eval(); }
+  ~EvalScope() { m_.train(was_training_); }
+
+ private:
+  torch::nn::Module& m_;
+  bool was_training_;
+  at::NoGradGuard no_grad_;
+};
+
+at::Tensor pad_batch(const std::vector<std::vector<int>>& seqs, size_t begin, size_t end, int64_t pad_id) {
+  size_t len = 0;
+  for (size_t i = begin; i < end; ++i) len = std::max(len, seqs[i].size());
+  at::Tensor ids = at::full({static_cast<int64_t>(end - begin), static_cast<int64_t>(len)}, pad_id, at::kLong);
+  auto a = ids.accessor<int64_t, 2>();
+  for (size_t i = begin; i < end; ++i)
+    for (size_t j = 0; j < seqs[i].size(); ++j) a[static_cast<int64_t>(i - begin)][static_cast<int64_t>(j)] = seqs[i][j];
+  return ids;
+}
+
+}  // namespace
+
+at::Tensor sentence_embeddings(MlmEncoderImpl& model, const std::vector<std::vector<int>>& sequences,
+                               int64_t pad_id, int64_t batch_size) {
+  EvalScope scope(model);
+  std::vector<at::Tensor> out;
+  for (size_t b = 0; b < sequences.size(); b += static_cast<size_t>(batch_size)) {
+    const size_t e = std::min(sequences.size(), b + static_cast<size_t>(batch_size));
+    at::Tensor ids = pad_batch(sequences, b, e, pad_id);
+    at::Tensor keep = ids.ne(pad_id).unsqueeze(-1).to(at::kFloat);          // [B, T, 1]
+    at::Tensor mean = (model.encode(ids) * keep).sum(1) / keep.sum(1).clamp_min(1);
+    out.push_back(mean / mean.norm(2, {1}, true).clamp_min(1e-12));
+  }
+  if (out.empty()) return at::empty({0, model.config().dim});
+  return at::cat(out);
+}
+
+Accuracy retrieval_accuracy(MlmEncoderImpl& model, const std::vector<std::vector<int>>& en,
+                            const std::vector<std::vector<int>>& other, int64_t pad_id) {
+  NEBULA_CHECK(en.size() == other.size(), "retrieval needs aligned pairs: ", en.size(), " English vs ", other.size());
+  Accuracy acc;
+  if (en.empty()) return acc;
+  at::Tensor similarity = at::matmul(sentence_embeddings(model, en, pad_id),
+                                     sentence_embeddings(model, other, pad_id).t());  // [n, n] cosines
+  at::Tensor truth = at::arange(static_cast<int64_t>(en.size()), at::kLong);
+  acc.correct = similarity.argmax(1).eq(truth).sum().item<int64_t>() +  // English → other
+                similarity.argmax(0).eq(truth).sum().item<int64_t>();   // other → English
+  acc.total = 2 * static_cast<int64_t>(en.size());
+  return acc;
+}
+
+Accuracy mlm_accuracy(MlmEncoderImpl& model, const std::vector<std::vector<int>>& sequences, const SpecialIds& ids,
+                      double mask_prob, uint64_t seed, int64_t batch_size) {
+  Accuracy acc;
+  if (sequences.empty()) return acc;
+  EvalScope scope(model);
+  MlmBatcher batcher(sequences, ids, mask_prob, batch_size, seed);
+  for (size_t b = 0; b < sequences.size(); b += static_cast<size_t>(batch_size)) {
+    std::vector<const std::vector<int>*> chunk;
+    for (size_t i = b; i < std::min(sequences.size(), b + static_cast<size_t>(batch_size)); ++i)
+      chunk.push_back(&sequences[i]);
+    MlmBatch batch = batcher.make(chunk);
+    at::Tensor predicted = model.forward(batch.ids).argmax(-1);
+    at::Tensor labelled = batch.labels.ne(kIgnoreIndex);
+    acc.correct += predicted.eq(batch.labels).logical_and(labelled).sum().item<int64_t>();
+    acc.total += labelled.sum().item<int64_t>();
+  }
+  return acc;
+}
+
+}  // namespace nebula::model
