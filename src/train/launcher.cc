@@ -92,7 +92,7 @@ class Progress {
       if (in.eof()) break;  // a line still being written: read it next time
       offset_ += line.size() + 1;
       auto j = nlohmann::json::parse(line, nullptr, false);
-      if (j.is_discarded() || !j.contains("site")) continue;
+      if (j.is_discarded() || !j.contains("site") || j.contains("eval")) continue;  // eval lines: see summary
       Site& s = sites_[j["site"].get<std::string>()];
       int rank = j.value("rank", 0);
       s.loss[rank] = j.value("loss", 0.0);

@@ -129,4 +129,23 @@ std::vector<std::vector<int>> encode_all(const data::Tokenizer& tok, const std::
   return out;
 }
 
+std::vector<std::vector<int>> encode_tlm(const data::Tokenizer& tok, const std::vector<data::SentencePair>& pairs,
+                                         int64_t max_len) {
+  const size_t side = static_cast<size_t>(std::max<int64_t>(1, (max_len - 3) / 2));
+  std::vector<std::vector<int>> out;
+  for (const auto& p : pairs) {
+    if (p.en.empty() || p.other.empty()) continue;
+    auto en = tok.encode(p.en), other = tok.encode(p.other);
+    if (en.size() > side) en.resize(side);
+    if (other.size() > side) other.resize(side);
+    std::vector<int> ids{tok.bos_id()};
+    ids.insert(ids.end(), en.begin(), en.end());
+    ids.push_back(tok.eos_id());
+    ids.insert(ids.end(), other.begin(), other.end());
+    ids.push_back(tok.eos_id());
+    out.push_back(std::move(ids));
+  }
+  return out;
+}
+
 }  // namespace nebula::train

@@ -37,5 +37,10 @@ void train_tokenizer(const Config& config, const std::string& model_prefix);
 // BOS + pieces (truncated) + EOS, at most max_len ids per sentence.
 std::vector<std::vector<int>> encode_all(const data::Tokenizer& tok, const std::vector<std::string>& sentences,
                                          int64_t max_len);
+// Translation-LM sequences (XLM): BOS + en + EOS + other + EOS per pair with both sides, each
+// side cut to (max_len - 3) / 2 pieces so that the pair fits in max_len. Pairs without an
+// other side (text sources) give none.
+std::vector<std::vector<int>> encode_tlm(const data::Tokenizer& tok, const std::vector<data::SentencePair>& pairs,
+                                         int64_t max_len);
 
 }  // namespace nebula::train

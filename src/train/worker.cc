@@ -8,6 +8,7 @@
 #include <dlfcn.h>
 
 #include <cmath>
+#include <filesystem>
 #include <thread>
 
 #include "collective/gateway_mesh.h"
@@ -17,9 +18,11 @@
 #include "model/mlm_batch.h"
 #include "model/mlm_encoder.h"
 #include "model/peft.h"
+#include "model/safetensors.h"
 #include "nebula/error.h"
 #include "nebula/log.h"
 #include "strategy/strategy.h"
+#include "train/evaluation.h"
 #include "train/metrics.h"
 #include "train/site_data.h"
 #include "train/gateway.h"
@@ -61,6 +64,23 @@ std::vector<double> sum_over_job(collective::Hierarchy& comm, const std::vector<
   return out;
 }
 
+// The pre-trained encoder, as RUN_DIR/model.safetensors with its shape in the metadata (what a
+// seq2seq job's model.init and other tools read). Site 0's copy: every site holds the same
+// weights after a synchronous step or a final outer step.
+void save_encoder(model::MlmEncoderImpl& model, const Config& c, const std::string& tokenizer, int64_t steps) {
+  model::save_module(model, c.job.run_dir + "/model.safetensors",
+                     {{"format", "nebula"},
+                      {"kind", "mlm_encoder"},
+                      {"dim", std::to_string(c.model.dim)},
+                      {"layers", std::to_string(c.model.layers)},
+                      {"heads", std::to_string(c.model.heads)},
+                      {"ffn", std::to_string(c.model.ffn)},
+                      {"max_len", std::to_string(c.model.max_len)},
+                      {"peft", c.peft.kind},
+                      {"tokenizer", std::filesystem::absolute(tokenizer).string()},
+                      {"steps", std::to_string(steps)}});
+}
+
 }  // namespace
 
 std::string default_tokenizer_path(const Config& c) { return c.job.run_dir + "/tokenizer.model"; }
@@ -86,13 +106,23 @@ void run_worker(const Config& c, const WorkerIdentity& who) {
   model::SpecialIds ids{tok.pad_id(), tok.unk_id(), tok.bos_id(), tok.eos_id(), tok.mask_id(), 5, tok.vocab_size()};
   NEBULA_CHECK(tok.mask_id() >= 0, tokenizer_path, " has no <mask> piece: train it with nebula");
   const uint64_t stream = c.job.seed * 1000003 + who.site * 1009 + static_cast<uint64_t>(who.local_rank);
-  model::MlmBatcher batches(encode_all(tok, text.train, c.model.max_len), ids, c.data.mask_prob,
-                            c.data.batch_size, stream);
+  auto sequences = encode_all(tok, text.train, c.model.max_len);
+  size_t tlm_sequences = 0;
+  if (c.data.objective == "mlm+tlm") {  // XLM's translation LM: the pair in one sequence
+    auto tlm = encode_tlm(tok, text.train_pairs, c.model.max_len);
+    tlm_sequences = tlm.size();
+    sequences.insert(sequences.end(), std::make_move_iterator(tlm.begin()), std::make_move_iterator(tlm.end()));
+  }
+  model::MlmBatcher batches(std::move(sequences), ids, c.data.mask_prob, c.data.batch_size, stream);
   std::unique_ptr<model::MlmBatcher> valid;
   if (!text.valid.empty())
     valid = std::make_unique<model::MlmBatcher>(encode_all(tok, text.valid, c.model.max_len), ids, c.data.mask_prob,
                                                 c.data.batch_size, c.job.seed);
-  spdlog::info("{} training / {} validation sentences on this worker", text.train.size(), text.valid.size());
+  spdlog::info("{} training sentences (+ {} translation-LM pairs) / {} validation sentences on this worker",
+               text.train.size(), tlm_sequences, text.valid.size());
+  // The gateway evaluates the site's own held-out pairs (cross-lingual accuracy, retrieval).
+  std::unique_ptr<XlingualProbe> probe;
+  if (who.local_rank == 0) probe = std::make_unique<XlingualProbe>(c, who.site, tok, ids);
 
   // Communication: the site's c10d group, and on the gateway the WAN mesh to the other sites.
   auto [store_host, store_port] = transport::parse_host_port(site.store);
@@ -162,6 +192,15 @@ void run_worker(const Config& c, const WorkerIdentity& who) {
     window_start = Clock::now();
   };
 
+  // Cross-lingual evaluation on the gateway: a metrics line {"site", "step", "eval"}.
+  auto probe_now = [&](int64_t steps_done) {
+    std::vector<double> counts = probe->run(*model);
+    metrics.write({{"time", unix_time()}, {"site", site.name}, {"rank", 0}, {"step", steps_done},
+                   {"eval", probe->to_json(counts)}});
+    return counts;
+  };
+  std::vector<double> eval_start = probe ? probe_now(0) : std::vector<double>{};
+
   int64_t step = 0;
   for (; strategy->keep_training(step, c.job.steps); ++step) {
     const auto step_start = Clock::now();
@@ -181,6 +220,7 @@ void run_worker(const Config& c, const WorkerIdentity& who) {
     window_loss += loss.item<double>() * static_cast<double>(batch.predicted);
     window_predicted += static_cast<double>(batch.predicted);
     if ((step + 1) % c.job.log_every == 0) write_metrics(step + 1);
+    if (probe && c.eval.every > 0 && (step + 1) % c.eval.every == 0) probe_now(step + 1);
   }
   strategy->finish();  // exchanges still in flight
   if (window_predicted > 0) write_metrics(step);
@@ -188,10 +228,21 @@ void run_worker(const Config& c, const WorkerIdentity& who) {
   // End of run: validation loss, and job-wide totals for the summary, in one collective.
   const auto wan = comm.stats();  // before the totals exchange itself
   auto [val_sum, val_predicted] = valid ? evaluate(model, *valid, c.job.eval_batches) : std::pair{0.0, 0.0};
-  std::vector<double> totals = sum_over_job(comm, {static_cast<double>(tokens), static_cast<double>(wan.wan_bytes_sent),
-                                                   static_cast<double>(wan.wan_bytes_received), last_loss,
-                                                   last_predicted, val_sum, val_predicted});
+  // Every worker adds the same number of counters; the gateway's hold its site's evaluation.
+  const size_t eval_size = XlingualProbe::size(c);
+  std::vector<double> eval_end = probe ? probe_now(step) : std::vector<double>(eval_size, 0.0);
+  if (!probe) eval_start.assign(eval_size, 0.0);
+  std::vector<double> counters = {static_cast<double>(tokens), static_cast<double>(wan.wan_bytes_sent),
+                                  static_cast<double>(wan.wan_bytes_received), last_loss,
+                                  last_predicted, val_sum, val_predicted};
+  counters.insert(counters.end(), eval_start.begin(), eval_start.end());
+  counters.insert(counters.end(), eval_end.begin(), eval_end.end());
+  std::vector<double> totals = sum_over_job(comm, counters);
   auto total = [&](int i) { return totals[static_cast<size_t>(i)]; };
+  auto eval_part = [&](size_t k) {
+    return std::vector<double>(totals.begin() + 7 + static_cast<std::ptrdiff_t>(k * eval_size),
+                               totals.begin() + 7 + static_cast<std::ptrdiff_t>((k + 1) * eval_size));
+  };
   if (mesh && who.site == 0) {
     nlohmann::json summary = {
         {"job", c.job.name},
@@ -207,6 +258,10 @@ void run_worker(const Config& c, const WorkerIdentity& who) {
         {"wall_seconds", std::chrono::duration<double>(Clock::now() - start).count()},
         {"final_train_loss", total(4) > 0 ? total(3) / total(4) : 0.0},
         {"final_val_loss", total(6) > 0 ? nlohmann::json(total(5) / total(6)) : nlohmann::json(nullptr)},
+        {"objective", c.data.objective},
+        {"eval_start", probe->to_json(eval_part(0))},
+        {"eval", probe->to_json(eval_part(1))},
+        {"model", c.job.run_dir + "/model.safetensors"},
         {"wan_bytes", total(1)},
         {"wan_bytes_sent", total(1)},
         {"wan_bytes_received", total(2)},
@@ -224,6 +279,7 @@ void run_worker(const Config& c, const WorkerIdentity& who) {
                            {"rtt_ms", std::chrono::duration<double, std::milli>(c.wan.path.rtt).count()}}}};
     write_json_atomically(c.job.run_dir + "/summary.json", summary);
   }
+  if (mesh && who.site == 0) save_encoder(*model, c, tokenizer_path, step);
   group.barrier();  // nobody closes its links while another still needs them
   spdlog::info("done: {} steps, {} tokens", step, tokens);
 }
