@@ -3,17 +3,24 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <future>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "distill/kd_loss.h"
+#include "distill/protocol.h"
+#include "distill/teacher_service.h"
 #include "distill/topk.h"
 #include "nebula/error.h"
+#include "transport/emulated_link.h"
+#include "transport/link_test_util.h"
 
 namespace nebula::distill {
 namespace {
 
 using namespace std::chrono_literals;
+using transport::testing::make_tcp_pair;
 
 // ---- helpers ---------------------------------------------------------------------------
 
@@ -253,6 +260,258 @@ TEST(KdLoss, OneHotTeacherIsCrossEntropy) {
   EXPECT_EQ(kd_loss(at::zeros({0, 12}), TopK{at::zeros({0, 3}, at::kLong), at::zeros({0, 3}), 12}, 1.0).item<double>(),
             0.0);
   EXPECT_THROW(kd_loss(at::zeros({5, 13}), t, 1.0), Error);
+}
+
+// ---- protocol and teacher service ------------------------------------------------------
+
+// A deterministic "teacher": row = table[tgt token] + 0.5 table[last src token].
+struct FakeTeacher {
+  int64_t vocab;
+  at::Tensor table;
+  explicit FakeTeacher(int64_t v) : vocab(v), table(pattern_logits(v, v, 0.9)) {}
+  at::Tensor operator()(const Sequences& src, const Sequences& tgt) const {
+    std::vector<int64_t> a, b;
+    for (size_t s = 0; s < tgt.size(); ++s)
+      for (int id : tgt[s]) {
+        if (id == 299) throw std::runtime_error("boom: token 299");
+        if (id == 298) return at::zeros({1, vocab + 1});  // a teacher bug: wrong shape
+        a.push_back(id);
+        b.push_back(src[s].empty() ? 0 : src[s].back());
+      }
+    return table.index_select(0, at::tensor(a, at::kLong)) + 0.5 * table.index_select(0, at::tensor(b, at::kLong));
+  }
+};
+
+Sequences seqs(std::initializer_list<std::vector<int>> l) { return Sequences(l); }
+
+// Deterministic (src, tgt_in) batch number i.
+std::pair<Sequences, Sequences> batch(int i, int64_t vocab) {
+  Sequences src, tgt;
+  for (int s = 0; s < 3 + i % 3; ++s) {
+    std::vector<int> a, b;
+    for (int j = 0; j < 4 + (i + s) % 5; ++j) a.push_back(static_cast<int>((i * 37 + s * 11 + j * 7) % 290));
+    for (int j = 0; j < 2 + (i * s) % 6; ++j) b.push_back(static_cast<int>((i * 13 + s * 5 + j * 3) % 290));
+    src.push_back(a);
+    tgt.push_back(b);
+  }
+  return {src, tgt};
+}
+
+std::string text(const wire::Frame& f) { return std::string(f.payload.begin(), f.payload.end()); }
+
+TEST(Protocol, RequestRoundTripAndLimits) {
+  const auto [src, tgt] = batch(4, 300);
+  const RequestLimits limits{300, 16, 16};
+  const Request r = decode_request(encode_request(src, tgt), limits, "req");
+  EXPECT_EQ(r.src, src);
+  EXPECT_EQ(r.tgt_in, tgt);
+  int64_t n = 0;
+  for (const auto& t : tgt) n += static_cast<int64_t>(t.size());
+  EXPECT_EQ(target_tokens(tgt), n);
+  EXPECT_THROW(encode_request(seqs({{1}}), seqs({})), Error);
+  EXPECT_THROW(encode_request(seqs({{-1}}), seqs({{1}})), Error);
+  std::vector<uint8_t> p = encode_request(src, tgt);
+  p.push_back(0);
+  EXPECT_THROW(decode_request(p, limits, "req"), FrameError);
+  EXPECT_EQ(message_kind_name(2), "response");
+  EXPECT_EQ(message_kind_name(9), "kind(9)");
+}
+
+// Sends one raw message and returns the answer.
+wire::Frame ask(transport::Link& link, uint16_t kind, uint64_t id, std::vector<uint8_t> payload) {
+  link.send(wire::make_frame(wire::FrameType::kData, id, 0, std::move(payload), kind), Deadline::after(10s));
+  return link.recv(Deadline::after(30s));
+}
+
+void expect_error(const wire::Frame& f, uint64_t id, const std::string& needle) {
+  EXPECT_EQ(f.header.flags, static_cast<uint16_t>(MessageKind::kError)) << text(f);
+  EXPECT_EQ(f.header.op_id, id);
+  const std::string msg = text(f);
+  EXPECT_NE(msg.find(str_cat("request ", id)), std::string::npos) << msg;
+  EXPECT_NE(msg.find(needle), std::string::npos) << msg;
+}
+
+TEST(TeacherService, AnswersAndSurvivesMalformedRequests) {
+  const FakeTeacher teacher(300);
+  ServeOptions opt;
+  opt.vocab = 300;
+  opt.max_sequences = 5;
+  opt.max_len = 16;
+  opt.k = 8;
+  opt.temperature = 2.0;
+  opt.idle_timeout = 30s;
+  auto pair = make_tcp_pair();
+  auto served = std::async(std::launch::async, [&] { return serve_teacher(*pair.server, std::ref(teacher), opt); });
+  transport::Link& c = *pair.client;
+  constexpr uint16_t kReq = 1;
+
+  auto expect_answer = [&](uint64_t id, const Sequences& src, const Sequences& tgt) {
+    const wire::Frame f = ask(c, kReq, id, encode_request(src, tgt));
+    ASSERT_EQ(f.header.flags, static_cast<uint16_t>(MessageKind::kResponse)) << text(f);
+    EXPECT_EQ(f.header.op_id, id);
+    EXPECT_EQ(f.payload, encode_topk(top_k(teacher(src, tgt), opt.k, opt.temperature)));
+    EXPECT_EQ(f.payload.size(), topk_bytes(target_tokens(tgt), opt.k, opt.vocab));
+  };
+  const auto [src1, tgt1] = batch(1, 300);
+  expect_answer(1, src1, tgt1);
+
+  expect_error(ask(c, kReq, 2, {1, 2, 3}), 2, "truncated");
+  expect_error(ask(c, 2, 3, encode_request(src1, tgt1)), 3, "unexpected message kind response");
+  expect_error(ask(c, kReq, 4, encode_request(seqs({{1, 2}}), seqs({{5, 300}}))), 4,
+               "sequence 0: tgt_in position 1: id 300 outside [0, 300)");
+  expect_error(ask(c, kReq, 5, encode_request(seqs({std::vector<int>(17, 1)}), seqs({{5}}))), 5,
+               "src length 17 > max_len 16");
+  expect_error(ask(c, kReq, 6, encode_request(seqs({}), seqs({}))), 6, "no sequences");
+  expect_error(ask(c, kReq, 7, encode_request(Sequences(6, {1}), Sequences(6, {2}))), 7, "6 sequences > max_sequences 5");
+  expect_error(ask(c, kReq, 8, encode_request(seqs({{1}}), seqs({{3, 299}}))), 8, "teacher failed: boom: token 299");
+  expect_error(ask(c, kReq, 9, {}), 9, "empty request");
+  expect_error(ask(c, kReq, 13, encode_request(seqs({{1}}), seqs({{298, 3}}))), 13,
+               "teacher returned logits [1, 301], expected [2, 300]");
+  c.send(wire::make_frame(wire::FrameType::kHeartbeat, 12, 0, {}), Deadline::after(10s));
+  expect_error(c.recv(Deadline::after(30s)), 12, "unexpected frame type heartbeat");
+
+  const auto [src2, tgt2] = batch(2, 300);
+  expect_answer(10, src2, tgt2);
+  expect_answer(11, seqs({{}, {4}}), seqs({{}, {}}));  // no target tokens: N = 0
+
+  const wire::Frame bye = ask(c, static_cast<uint16_t>(MessageKind::kBye), 0, {});
+  EXPECT_EQ(bye.header.flags, static_cast<uint16_t>(MessageKind::kBye));
+  ASSERT_EQ(served.wait_for(30s), std::future_status::ready);
+  const ServeStats st = served.get();
+  EXPECT_EQ(st.requests, 13u);
+  EXPECT_EQ(st.errors, 10u);
+  EXPECT_EQ(st.tokens, static_cast<uint64_t>(target_tokens(tgt1) + target_tokens(tgt2)));
+}
+
+TEST(TeacherService, ReturnsWhenTheStudentCloses) {
+  const FakeTeacher teacher(300);
+  ServeOptions opt;
+  opt.vocab = 300;
+  auto pair = make_tcp_pair();
+  auto served = std::async(std::launch::async, [&] { return serve_teacher(*pair.server, std::ref(teacher), opt); });
+  const auto [src, tgt] = batch(0, 300);
+  EXPECT_EQ(ask(*pair.client, 1, 1, encode_request(src, tgt)).header.flags,
+            static_cast<uint16_t>(MessageKind::kResponse));
+  pair.client->close();
+  ASSERT_EQ(served.wait_for(30s), std::future_status::ready);
+  EXPECT_EQ(served.get().requests, 1u);
+}
+
+TEST(TeacherService, IdleTimeout) {
+  const FakeTeacher teacher(300);
+  ServeOptions opt;
+  opt.vocab = 300;
+  opt.idle_timeout = 50ms;
+  auto pair = make_tcp_pair();  // the student never speaks
+  EXPECT_THROW(serve_teacher(*pair.server, std::ref(teacher), opt), Timeout);
+  opt.k = 301;
+  EXPECT_THROW(serve_teacher(*pair.server, std::ref(teacher), opt), Error);
+}
+
+// ---- client ----------------------------------------------------------------------------
+
+TEST(TeacherClient, PipelinesOverAnEmulatedWan) {
+  const FakeTeacher teacher(300);
+  ServeOptions opt;
+  opt.vocab = 300;
+  opt.idle_timeout = 30s;
+  auto pair = make_tcp_pair();
+  // 25 ms each way: 50 ms RTT. Both directions are emulated (EmulatedLink shapes sends).
+  transport::WanEmulation wan;
+  wan.one_way_delay = 25ms;
+  transport::EmulatedLink student_link(std::move(pair.client), wan);
+  transport::EmulatedLink teacher_link(std::move(pair.server), wan);
+  auto served = std::async(std::launch::async, [&] { return serve_teacher(teacher_link, std::ref(teacher), opt); });
+
+  TeacherClient client(student_link);
+  constexpr int kBatches = 8;
+  uint64_t request_bytes = 0, response_bytes = 0;
+  int64_t tokens = 0;
+  for (int i = 0; i < kBatches; ++i) {
+    auto [src, tgt] = batch(i, 300);
+    request_bytes += encode_request(src, tgt).size();
+    response_bytes += topk_bytes(target_tokens(tgt), opt.k, opt.vocab);
+    tokens += target_tokens(tgt);
+    client.submit(100 + i, std::move(src), std::move(tgt));
+  }
+  client.submit(200, seqs({{1}}), seqs({{2, 999}}));  // id >= vocab: an error reply
+  request_bytes += encode_request(seqs({{1}}), seqs({{2, 999}})).size();
+  tokens += 2;
+
+  for (int i = 0; i < kBatches; ++i) {
+    const auto [src, tgt] = batch(i, 300);
+    const TopK got = client.wait(100 + i, Deadline::after(30s));
+    const TopK want = decode_topk(encode_topk(top_k(teacher(src, tgt), opt.k, opt.temperature)), "want");
+    EXPECT_TRUE(at::equal(got.index, want.index)) << "batch " << i;
+    EXPECT_TRUE(at::equal(got.prob, want.prob)) << "batch " << i;
+    EXPECT_EQ(got.vocab, 300);
+  }
+  try {
+    client.wait(200, Deadline::after(30s));
+    ADD_FAILURE() << "no error";
+  } catch (const NetworkError& e) {
+    ADD_FAILURE() << "network error instead of the teacher's: " << e.what();
+  } catch (const Error& e) {
+    const std::string msg = e.what();
+    EXPECT_NE(msg.find("teacher error for request 200"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("id 999 outside [0, 300)"), std::string::npos) << msg;
+  }
+  EXPECT_THROW(client.wait(200, Deadline::after(1s)), Error);  // no longer outstanding
+
+  const ClientStats cs = client.stats();
+  EXPECT_EQ(cs.requests, kBatches + 1u);
+  EXPECT_EQ(cs.tokens, static_cast<uint64_t>(tokens));
+  EXPECT_EQ(cs.errors, 1u);
+  EXPECT_EQ(cs.bytes_sent, request_bytes);
+  EXPECT_GT(cs.bytes_received, response_bytes);  // + the error message
+  EXPECT_GE(cs.wait_seconds, 0.0);
+  client.close();
+  ASSERT_EQ(served.wait_for(30s), std::future_status::ready);
+  const ServeStats ss = served.get();
+  EXPECT_EQ(ss.requests, kBatches + 1u);
+  EXPECT_EQ(ss.errors, 1u);
+  EXPECT_EQ(ss.bytes_received, cs.bytes_sent);
+  EXPECT_EQ(ss.bytes_sent, cs.bytes_received);
+  EXPECT_THROW(client.submit(300, seqs({{1}}), seqs({{1}})), Error);  // closed
+}
+
+TEST(TeacherClient, DeadlinesAndLostPeers) {
+  auto pair = make_tcp_pair();
+  ClientOptions co;
+  co.close_timeout = 200ms;
+  {
+    TeacherClient client(*pair.client, co);  // nobody serves
+    client.submit(1, seqs({{1}}), seqs({{2}}));
+    EXPECT_THROW(client.wait(1, Deadline::after(0ms)), Timeout);
+    EXPECT_THROW(client.wait(7, Deadline::after(0ms)), Error);  // never submitted
+    EXPECT_THROW(client.submit(1, seqs({{1}}), seqs({{2}})), Error);  // still outstanding
+    client.close();  // no bye comes back: the link is closed after close_timeout
+    EXPECT_THROW(client.wait(1, Deadline::after(10s)), PeerLost);
+  }
+  {
+    // The sender fails (a request above the link's max_payload): every wait reports it.
+    auto small = make_tcp_pair(transport::LinkOptions{.max_payload = 64});
+    TeacherClient client(*small.client, co);
+    client.submit(1, seqs({std::vector<int>(100, 1)}), seqs({{2}}));
+    try {
+      client.wait(1, Deadline::after(30s));
+      ADD_FAILURE() << "no error";
+    } catch (const PeerLost& e) {
+      EXPECT_NE(std::string(e.what()).find("max_payload"), std::string::npos) << e.what();
+    }
+    client.submit(2, seqs({{1}}), seqs({{2}}));
+    EXPECT_THROW(client.wait(2, Deadline::after(30s)), PeerLost);
+  }
+  auto pair2 = make_tcp_pair();
+  TeacherClient client(*pair2.client, co);
+  client.submit(1, seqs({{1}}), seqs({{2}}));
+  pair2.server->close();  // the teacher's site goes away
+  try {
+    client.wait(1, Deadline::after(30s));
+    ADD_FAILURE() << "no error";
+  } catch (const PeerLost& e) {
+    EXPECT_NE(std::string(e.what()).find("teacher request 1"), std::string::npos) << e.what();
+  }
 }
 
 }  // namespace
