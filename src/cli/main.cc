@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
+#include <iostream>
 #include <string>
 
 #include "cli/demo_config.h"
@@ -16,7 +17,10 @@
 #include "nebula/error.h"
 #include "nebula/log.h"
 #include "plan/plan.h"
+#include "model/safetensors.h"
+#include "train/demo.h"
 #include "train/launcher.h"
+#include "train/translate.h"
 #include "train/worker.h"
 #include "transport/certs.h"
 
@@ -74,9 +78,14 @@ int main(int argc, char** argv) {
   worker->add_option("--set", overrides, "Override a config key (repeatable)")->allow_extra_args(false);
 
   std::string demo_dir = "runs/demo";
-  auto* demo = app.add_subcommand("demo", "Two emulated sites over an emulated WAN on this machine's gettext corpus");
-  demo->add_option("--run-dir", demo_dir, "Where the demo writes its run (default: runs/demo)");
-  demo->add_option("--set", overrides, "Override a key of the demo config (repeatable)")->allow_extra_args(false);
+  bool demo_quick = false;
+  auto* demo = app.add_subcommand(
+      "demo", "The whole story on this machine: corpus, two-site multilingual pre-training over an emulated WAN, "
+              "cross-site distilled translation, evaluation, summary and charts");
+  demo->add_option("--run-dir", demo_dir, "Where the demo writes its stages (default: runs/demo)");
+  demo->add_option("--set", overrides, "Override a key of the pre-training config, examples/demo.toml (repeatable)")
+      ->allow_extra_args(false);
+  demo->add_flag("--quick", demo_quick, "A tiny version of every stage (a minute or two; for tests)");
 
   std::string certs_dir;
   int days = 0;
@@ -147,6 +156,18 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"13a", "none"}))
       ->capture_default_str();
 
+  std::string model_path, tokenizer_override, input_path;
+  int64_t beam = 4;
+  auto* translate = app.add_subcommand(
+      "translate", "Translate English sentences (one per line, from --input or stdin) with a seq2seq model");
+  translate->add_option("model", model_path, "A seq2seq job's RUN_DIR/model.safetensors")
+      ->required()
+      ->check(CLI::ExistingFile);
+  translate->add_option("--tokenizer", tokenizer_override,
+                        "The SentencePiece model (default: the one recorded in the model file)");
+  translate->add_option("--beam", beam, "Beam width (1 = greedy)")->check(CLI::Range(1, 64))->capture_default_str();
+  translate->add_option("--input", input_path, "A file of sentences (default: stdin)")->check(CLI::ExistingFile);
+
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -162,11 +183,14 @@ int main(int argc, char** argv) {
       return nebula::train::run_local(c, {self_executable()});
     }
     if (*demo) {
-      overrides.insert(overrides.begin(), "job.run_dir=\"" + demo_dir + "\"");
-      nebula::Config c = nebula::parse_config(nebula::kDemoConfig, "examples/demo.toml", overrides);
-      std::printf("nebula demo: MLM pre-training on two sites (%s) over an emulated WAN; run dir %s\n",
-                  (c.sites[0].name + ", " + c.sites[1].name).c_str(), c.job.run_dir.c_str());
-      return nebula::train::run_local(c, {self_executable()});
+      nebula::train::DemoOptions o;
+      o.run_dir = demo_dir;
+      o.quick = demo_quick;
+      o.executable = self_executable();
+      o.pretrain_config = nebula::kDemoConfig;
+      o.translate_config = nebula::kDemoMtConfig;
+      o.overrides = overrides;
+      return nebula::train::run_demo(o);
     }
     if (*plan) {
       nebula::plan::Topology t = nebula::plan::load_topology(topology_path, overrides);
@@ -207,6 +231,25 @@ int main(int argc, char** argv) {
       std::fputs(nebula::data::format_corpus_stats(c, corpus_opt).c_str(), stdout);
       std::printf("wrote %s/{train,valid,test}.tsv (%zu, %zu, %zu pairs) and %s/stats.json\n", corpus_out.c_str(),
                   c.train.size(), c.valid.size(), c.test.size(), corpus_out.c_str());
+      return 0;
+    }
+    if (*translate) {
+      std::string tok_path = tokenizer_override;
+      if (tok_path.empty()) {
+        auto meta = nebula::model::load_safetensors(model_path).metadata;
+        if (!meta.count("tokenizer"))
+          throw nebula::ConfigError(model_path + " does not record its tokenizer: give --tokenizer PATH");
+        tok_path = meta["tokenizer"];
+      }
+      nebula::data::Tokenizer tok = nebula::data::Tokenizer::load(tok_path);
+      nebula::train::LoadedTranslator t = nebula::train::load_translator(model_path, tok);
+      std::vector<std::string> lines;
+      if (!input_path.empty()) {
+        lines = nebula::data::read_lines(input_path);
+      } else {
+        for (std::string line; std::getline(std::cin, line);) lines.push_back(line);
+      }
+      for (const std::string& out : nebula::train::translate(*t.model, tok, lines, beam)) std::printf("%s\n", out.c_str());
       return 0;
     }
     if (*bleu) {

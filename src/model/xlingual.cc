@@ -54,8 +54,14 @@ Accuracy retrieval_accuracy(MlmEncoderImpl& model, const std::vector<std::vector
   NEBULA_CHECK(en.size() == other.size(), "retrieval needs aligned pairs: ", en.size(), " English vs ", other.size());
   Accuracy acc;
   if (en.empty()) return acc;
-  at::Tensor similarity = at::matmul(sentence_embeddings(model, en, pad_id),
-                                     sentence_embeddings(model, other, pad_id).t());  // [n, n] cosines
+  // Each side is centred on its own mean before the cosine: MLM representations share a large
+  // common direction (they are anisotropic), which otherwise dominates every similarity.
+  auto centred = [&](const std::vector<std::vector<int>>& side) {
+    at::Tensor e = sentence_embeddings(model, side, pad_id);
+    e = e - e.mean(0, true);
+    return e / e.norm(2, {1}, true).clamp_min(1e-12);
+  };
+  at::Tensor similarity = at::matmul(centred(en), centred(other).t());  // [n, n] cosines
   at::Tensor truth = at::arange(static_cast<int64_t>(en.size()), at::kLong);
   acc.correct = similarity.argmax(1).eq(truth).sum().item<int64_t>() +  // English → other
                 similarity.argmax(0).eq(truth).sum().item<int64_t>();   // other → English

@@ -4,7 +4,9 @@
 //    prediction is the original token (masking as in training, with a fixed seed, so two
 //    evaluations of the same model give the same number);
 //  * parallel-sentence retrieval, Tatoeba style (XTREME): every sentence is embedded as the
-//    mean of the encoder's final hidden states over its non-pad tokens, L2-normalised; each
+//    mean of the encoder's final hidden states over its non-pad tokens, L2-normalised, then
+//    centred on the mean of its side (English, or the other language) and normalised again
+//    (MLM representations are anisotropic: a shared direction would dominate every cosine); each
 //    English sentence's nearest neighbour by cosine among the other side's sentences must be
 //    its own translation, and the same from the other side to English. Chance is 1/N for N
 //    pairs.

@@ -48,9 +48,10 @@ std::vector<double> XlingualProbe::run(model::MlmEncoderImpl& model) const {
   return counts;
 }
 
-nlohmann::json XlingualProbe::to_json(const std::vector<double>& counts) const {
+nlohmann::json XlingualProbe::to_json(const Config& config, const std::vector<double>& counts) {
   nlohmann::json out = nlohmann::json::object();
-  for (size_t i = 0; i < slots_.size(); ++i) {
+  const auto names = slot_names(config);
+  for (size_t i = 0; i < names.size(); ++i) {
     const double* c = &counts.at(4 * i);
     if (c[1] == 0 && c[3] == 0) continue;  // not held here
     nlohmann::json j = {{"mlm_accuracy", c[1] > 0 ? c[0] / c[1] : 0.0}};
@@ -58,7 +59,7 @@ nlohmann::json XlingualProbe::to_json(const std::vector<double>& counts) const {
       j["retrieval_accuracy"] = c[2] / c[3];
       j["pairs"] = c[3] / 2;
     }
-    out[slots_[i].name] = j;
+    out[names[i]] = j;
   }
   return out;
 }

@@ -29,7 +29,7 @@ class XlingualProbe {
   std::vector<double> run(model::MlmEncoderImpl& model) const;
   // A metrics-line / summary object from counts (this site's, or summed over the job):
   // {"de": {"mlm_accuracy", "retrieval_accuracy", "pairs"}, ..., "en": {"mlm_accuracy"}}.
-  nlohmann::json to_json(const std::vector<double>& counts) const;
+  static nlohmann::json to_json(const Config& config, const std::vector<double>& counts);
 
   // Counts per run() for a job of this config (the same on every worker).
   static size_t size(const Config& config) { return 4 * slot_names(config).size(); }

@@ -92,7 +92,7 @@ class Progress {
       if (in.eof()) break;  // a line still being written: read it next time
       offset_ += line.size() + 1;
       auto j = nlohmann::json::parse(line, nullptr, false);
-      if (j.is_discarded() || !j.contains("site") || j.contains("eval")) continue;  // eval lines: see summary
+      if (j.is_discarded() || !j.contains("site") || !j.contains("loss")) continue;  // eval, teacher lines: see summary
       Site& s = sites_[j["site"].get<std::string>()];
       int rank = j.value("rank", 0);
       s.loss[rank] = j.value("loss", 0.0);
@@ -265,6 +265,23 @@ bool print_summary(const std::string& run_dir) {
   if (j.contains("final_val_loss") && j["final_val_loss"].is_number())
     std::printf("  final val loss    %.4f\n", num("final_val_loss"));
   std::printf("  WAN bytes sent    %s (all gateways)\n", format_bytes(num("wan_bytes")).c_str());
+  if (j.contains("eval") && j["eval"].is_object() && !j["eval"].empty()) {
+    // Cross-lingual evaluation, start → end of the run, per language.
+    std::printf("  %-8s %-22s %s\n", "held-out", "MLM accuracy", "retrieval accuracy (chance)");
+    for (auto& [lang, e] : j["eval"].items()) {
+      const auto& s = j["eval_start"].contains(lang) ? j["eval_start"][lang] : e;
+      std::printf("  %-8s %5.1f%% -> %5.1f%%", lang.c_str(), 100 * s.value("mlm_accuracy", 0.0),
+                  100 * e.value("mlm_accuracy", 0.0));
+      if (e.contains("retrieval_accuracy"))
+        std::printf("        %5.1f%% -> %5.1f%% (%.1f%%, %.0f pairs)", 100 * s.value("retrieval_accuracy", 0.0),
+                    100 * e.value("retrieval_accuracy", 0.0), 100 / std::max(1.0, e.value("pairs", 1.0)),
+                    e.value("pairs", 0.0));
+      std::printf("\n");
+    }
+  }
+  if (j.contains("bleu") && j["bleu"].is_object())
+    std::printf("  BLEU              %.2f on %.0f test sentences (beam %d)\n", j["bleu"].value("score", 0.0),
+                j["bleu"].value("sentences", 0.0), j["bleu"].value("beam", 1));
   return true;
 }
 

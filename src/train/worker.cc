@@ -15,36 +15,18 @@
 #include "collective/hierarchical.h"
 #include "collective/site_group.h"
 #include "data/tokenizer.h"
-#include "model/mlm_batch.h"
-#include "model/mlm_encoder.h"
-#include "model/peft.h"
 #include "model/safetensors.h"
 #include "nebula/error.h"
 #include "nebula/log.h"
 #include "strategy/strategy.h"
-#include "train/evaluation.h"
-#include "train/metrics.h"
-#include "train/site_data.h"
 #include "train/gateway.h"
+#include "train/metrics.h"
+#include "train/task.h"
 #include "transport/tcp_link.h"
 
 namespace nebula::train {
 namespace {
 
-
-// Loss and predicted-token count, summed, over a fixed set of validation batches.
-std::pair<double, double> evaluate(model::MlmEncoder& model, model::MlmBatcher& batcher, int64_t batches) {
-  at::NoGradGuard no_grad;
-  model->eval();
-  double loss_sum = 0, predicted = 0;
-  for (int64_t i = 0; i < batches; ++i) {
-    model::MlmBatch b = batcher.next();
-    loss_sum += model->loss(b.ids, b.labels).item<double>() * static_cast<double>(b.predicted);
-    predicted += static_cast<double>(b.predicted);
-  }
-  model->train();
-  return {loss_sum, predicted};
-}
 
 // Sums counters over every worker of the job. The hierarchy reduces float32, exact only up to
 // 2^24, so each value travels as a high and a low part (exact for integers up to 2^44).
@@ -62,23 +44,6 @@ std::vector<double> sum_over_job(collective::Hierarchy& comm, const std::vector<
     out[i] = static_cast<double>(t[static_cast<int64_t>(2 * i)].item<float>()) * kSplit +
              static_cast<double>(t[static_cast<int64_t>(2 * i + 1)].item<float>());
   return out;
-}
-
-// The pre-trained encoder, as RUN_DIR/model.safetensors with its shape in the metadata (what a
-// seq2seq job's model.init and other tools read). Site 0's copy: every site holds the same
-// weights after a synchronous step or a final outer step.
-void save_encoder(model::MlmEncoderImpl& model, const Config& c, const std::string& tokenizer, int64_t steps) {
-  model::save_module(model, c.job.run_dir + "/model.safetensors",
-                     {{"format", "nebula"},
-                      {"kind", "mlm_encoder"},
-                      {"dim", std::to_string(c.model.dim)},
-                      {"layers", std::to_string(c.model.layers)},
-                      {"heads", std::to_string(c.model.heads)},
-                      {"ffn", std::to_string(c.model.ffn)},
-                      {"max_len", std::to_string(c.model.max_len)},
-                      {"peft", c.peft.kind},
-                      {"tokenizer", std::filesystem::absolute(tokenizer).string()},
-                      {"steps", std::to_string(steps)}});
 }
 
 }  // namespace
@@ -99,56 +64,43 @@ void run_worker(const Config& c, const WorkerIdentity& who) {
   const auto start = Clock::now();
   const Millis timeout = std::chrono::duration_cast<Millis>(c.job.timeout);
 
-  // Data: this site's own sentences, this worker's share of them.
   const std::string tokenizer_path = c.data.tokenizer.empty() ? default_tokenizer_path(c) : c.data.tokenizer;
   data::Tokenizer tok = data::Tokenizer::load(tokenizer_path);
-  SiteText text = load_site_text(c, who.site, who.local_rank, workers);
   model::SpecialIds ids{tok.pad_id(), tok.unk_id(), tok.bos_id(), tok.eos_id(), tok.mask_id(), 5, tok.vocab_size()};
-  NEBULA_CHECK(tok.mask_id() >= 0, tokenizer_path, " has no <mask> piece: train it with nebula");
-  const uint64_t stream = c.job.seed * 1000003 + who.site * 1009 + static_cast<uint64_t>(who.local_rank);
-  auto sequences = encode_all(tok, text.train, c.model.max_len);
-  size_t tlm_sequences = 0;
-  if (c.data.objective == "mlm+tlm") {  // XLM's translation LM: the pair in one sequence
-    auto tlm = encode_tlm(tok, text.train_pairs, c.model.max_len);
-    tlm_sequences = tlm.size();
-    sequences.insert(sequences.end(), std::make_move_iterator(tlm.begin()), std::make_move_iterator(tlm.end()));
-  }
-  model::MlmBatcher batches(std::move(sequences), ids, c.data.mask_prob, c.data.batch_size, stream);
-  std::unique_ptr<model::MlmBatcher> valid;
-  if (!text.valid.empty())
-    valid = std::make_unique<model::MlmBatcher>(encode_all(tok, text.valid, c.model.max_len), ids, c.data.mask_prob,
-                                                c.data.batch_size, c.job.seed);
-  spdlog::info("{} training sentences (+ {} translation-LM pairs) / {} validation sentences on this worker",
-               text.train.size(), tlm_sequences, text.valid.size());
-  // The gateway evaluates the site's own held-out pairs (cross-lingual accuracy, retrieval).
-  std::unique_ptr<XlingualProbe> probe;
-  if (who.local_rank == 0) probe = std::make_unique<XlingualProbe>(c, who.site, tok, ids);
+  const TaskContext ctx{c, who, tok, tokenizer_path, ids};
+  if (c.distill.enabled() && site.name == c.distill.teacher_site) return run_teacher(ctx);
 
-  // Communication: the site's c10d group, and on the gateway the WAN mesh to the other sites.
+  // Communication: the site's c10d group, and on the gateway the WAN mesh to the other
+  // training sites. With [distill] the one other site is the teacher: its link goes to the
+  // task, and the mesh holds this site alone.
   auto [store_host, store_port] = transport::parse_host_port(site.store);
   collective::SiteGroup group(site.name, store_host, store_port, who.local_rank, workers, timeout);
+  std::vector<std::string> training_names;  // the sites that train together, in mesh order
+  for (const auto& s : c.sites)
+    if (!c.distill.enabled() || s.name != c.distill.teacher_site) training_names.push_back(s.name);
+  const size_t training_index = c.distill.enabled() ? 0 : who.site;
   GatewayLinks gateway;
+  std::unique_ptr<transport::Link> teacher;
   std::unique_ptr<collective::GatewayMesh> mesh;
   if (who.local_rank == 0) {
     gateway = connect_gateway(c, who.site);
-    std::vector<std::string> names;
-    for (const auto& s : c.sites) names.push_back(s.name);
-    mesh = std::make_unique<collective::GatewayMesh>(collective::MeshOptions{who.site, names, timeout},
+    if (c.distill.enabled()) {
+      teacher = std::move(gateway.links[c.site_index(c.distill.teacher_site)]);
+      gateway.links.clear();
+      gateway.links.emplace_back();
+    }
+    mesh = std::make_unique<collective::GatewayMesh>(collective::MeshOptions{training_index, training_names, timeout},
                                                      std::move(gateway.links));
   }
   collective::Hierarchy comm(group, mesh.get());
+  const bool writer = mesh && mesh->site_index() == 0;  // writes summary.json and the model
 
-  at::manual_seed(c.job.seed);
-  model::MlmEncoder model(c.model, tok.vocab_size(), tok.pad_id());
-  // PEFT freezes the backbone (equal on every worker: same seed). Only the trainable
-  // parameters are optimized and synchronized, so they alone cross the WAN.
-  auto params = model::apply_peft(*model, c.peft);
-  spdlog::info("{} trainable of {} parameters (peft: {})", model::numel(params), model::numel(model->parameters()),
-               c.peft.kind);
-  auto strategy = strategy::make_strategy(c.strategy, comm, timeout, c.sites.size(), who.site);
+  std::unique_ptr<Task> task =
+      c.model.kind == "seq2seq" ? make_translation_task(ctx, teacher.get()) : make_mlm_task(ctx);
+  std::vector<at::Tensor> params = task->trainable();
+  auto strategy = strategy::make_strategy(c.strategy, comm, timeout, training_names.size(), training_index);
   strategy->init(params);
   torch::optim::AdamW optimizer(params, torch::optim::AdamWOptions(c.model.lr).weight_decay(c.model.weight_decay));
-
   MetricsWriter metrics(c.job.run_dir + "/metrics.jsonl");
   int64_t tokens = 0;
   double window_loss = 0, window_predicted = 0, last_loss = 0, last_predicted = 0;
@@ -162,8 +114,8 @@ void run_worker(const Config& c, const WorkerIdentity& who) {
     nlohmann::json links = nlohmann::json::object();
     for (size_t j = 0; j < stats.links.size(); ++j) {
       const auto& e = stats.links[j];
-      if (j == who.site || (e.rtt_samples == 0 && e.bandwidth_samples == 0)) continue;
-      links[c.sites[j].name] = {{"rtt_ms", e.rtt_s * 1e3},
+      if (j == training_index || (e.rtt_samples == 0 && e.bandwidth_samples == 0)) continue;
+      links[training_names[j]] = {{"rtt_ms", e.rtt_s * 1e3},
                                 {"rtt_smoothed_ms", e.rtt_smoothed_s * 1e3},
                                 {"bandwidth_bits_per_s", e.bandwidth_bits_per_s}};
     }
@@ -192,24 +144,25 @@ void run_worker(const Config& c, const WorkerIdentity& who) {
     window_start = Clock::now();
   };
 
-  // Cross-lingual evaluation on the gateway: a metrics line {"site", "step", "eval"}.
-  auto probe_now = [&](int64_t steps_done) {
-    std::vector<double> counts = probe->run(*model);
+  // Evaluation on the gateway: a metrics line {"site", "step", "eval"} with this site's values.
+  auto evaluate_now = [&](int64_t steps_done) {
+    if (who.local_rank != 0) return std::vector<double>(task->eval_size(), 0.0);
+    std::vector<double> counts = task->evaluate();
     metrics.write({{"time", unix_time()}, {"site", site.name}, {"rank", 0}, {"step", steps_done},
-                   {"eval", probe->to_json(counts)}});
+                   {"eval", task->eval_json(counts)}});
     return counts;
   };
-  std::vector<double> eval_start = probe ? probe_now(0) : std::vector<double>{};
+  std::vector<double> eval_start =
+      task->eval_at_start() ? evaluate_now(0) : std::vector<double>(task->eval_size(), 0.0);
 
   int64_t step = 0;
   for (; strategy->keep_training(step, c.job.steps); ++step) {
     const auto step_start = Clock::now();
-    model::MlmBatch batch = batches.next();
-    at::Tensor loss = model->loss(batch.ids, batch.labels);
+    Task::Step batch = task->forward(step);
     optimizer.zero_grad();
-    strategy->before_backward(static_cast<double>(batch.predicted));
-    loss.backward();  // gradient buckets start crossing the WAN while this runs
-    strategy->sync_gradients(params, static_cast<double>(batch.predicted));
+    strategy->before_backward(batch.weight);
+    batch.loss.backward();  // gradient buckets start crossing the WAN while this runs
+    strategy->sync_gradients(params, batch.weight);
     optimizer.step();
     strategy->after_step(step);
     if (site.slowdown > 1)  // emulated slower hardware: this step takes `slowdown` times as long
@@ -217,33 +170,32 @@ void run_worker(const Config& c, const WorkerIdentity& who) {
 
     tokens += batch.tokens;
     window_tokens += batch.tokens;
-    window_loss += loss.item<double>() * static_cast<double>(batch.predicted);
-    window_predicted += static_cast<double>(batch.predicted);
+    window_loss += batch.loss.item<double>() * batch.weight;
+    window_predicted += batch.weight;
     if ((step + 1) % c.job.log_every == 0) write_metrics(step + 1);
-    if (probe && c.eval.every > 0 && (step + 1) % c.eval.every == 0) probe_now(step + 1);
+    if (c.eval.every > 0 && (step + 1) % c.eval.every == 0) evaluate_now(step + 1);
   }
   strategy->finish();  // exchanges still in flight
+  task->finish();
   if (window_predicted > 0) write_metrics(step);
 
-  // End of run: validation loss, and job-wide totals for the summary, in one collective.
+  // End of run: validation loss, evaluation, and job-wide totals for the summary, in one collective.
   const auto wan = comm.stats();  // before the totals exchange itself
-  auto [val_sum, val_predicted] = valid ? evaluate(model, *valid, c.job.eval_batches) : std::pair{0.0, 0.0};
-  // Every worker adds the same number of counters; the gateway's hold its site's evaluation.
-  const size_t eval_size = XlingualProbe::size(c);
-  std::vector<double> eval_end = probe ? probe_now(step) : std::vector<double>(eval_size, 0.0);
-  if (!probe) eval_start.assign(eval_size, 0.0);
+  auto [val_sum, val_predicted] = task->validate(c.job.eval_batches);
+  std::vector<double> eval_end = evaluate_now(step);
   std::vector<double> counters = {static_cast<double>(tokens), static_cast<double>(wan.wan_bytes_sent),
                                   static_cast<double>(wan.wan_bytes_received), last_loss,
                                   last_predicted, val_sum, val_predicted};
+  constexpr size_t kFixed = 7;
   counters.insert(counters.end(), eval_start.begin(), eval_start.end());
   counters.insert(counters.end(), eval_end.begin(), eval_end.end());
   std::vector<double> totals = sum_over_job(comm, counters);
   auto total = [&](int i) { return totals[static_cast<size_t>(i)]; };
   auto eval_part = [&](size_t k) {
-    return std::vector<double>(totals.begin() + 7 + static_cast<std::ptrdiff_t>(k * eval_size),
-                               totals.begin() + 7 + static_cast<std::ptrdiff_t>((k + 1) * eval_size));
+    const auto begin = totals.begin() + static_cast<std::ptrdiff_t>(kFixed + k * task->eval_size());
+    return std::vector<double>(begin, begin + static_cast<std::ptrdiff_t>(task->eval_size()));
   };
-  if (mesh && who.site == 0) {
+  if (writer) {
     nlohmann::json summary = {
         {"job", c.job.name},
         {"strategy", strategy->name()},
@@ -258,9 +210,7 @@ void run_worker(const Config& c, const WorkerIdentity& who) {
         {"wall_seconds", std::chrono::duration<double>(Clock::now() - start).count()},
         {"final_train_loss", total(4) > 0 ? total(3) / total(4) : 0.0},
         {"final_val_loss", total(6) > 0 ? nlohmann::json(total(5) / total(6)) : nlohmann::json(nullptr)},
-        {"objective", c.data.objective},
-        {"eval_start", probe->to_json(eval_part(0))},
-        {"eval", probe->to_json(eval_part(1))},
+        {"model_kind", c.model.kind},
         {"model", c.job.run_dir + "/model.safetensors"},
         {"wan_bytes", total(1)},
         {"wan_bytes_sent", total(1)},
@@ -270,16 +220,21 @@ void run_worker(const Config& c, const WorkerIdentity& who) {
         {"wan_links_seen_from_" + site.name, [&] {
            nlohmann::json links = nlohmann::json::object();
            for (size_t j = 0; j < wan.links.size(); ++j)
-             if (j != who.site)
-               links[c.sites[j].name] = {{"rtt_ms", wan.links[j].rtt_s * 1e3},
+             if (j != training_index)
+               links[training_names[j]] = {{"rtt_ms", wan.links[j].rtt_s * 1e3},
                                          {"bandwidth_bits_per_s", wan.links[j].bandwidth_bits_per_s}};
            return links;
          }()},
         {"wan_emulation", {{"bandwidth_bits_per_s", c.wan.path.bandwidth_bits},
                            {"rtt_ms", std::chrono::duration<double, std::milli>(c.wan.path.rtt).count()}}}};
+    if (task->eval_at_start()) summary["eval_start"] = task->eval_json(eval_part(0));
+    summary["eval"] = task->eval_json(eval_part(1));
+    summary.update(task->summary());
     write_json_atomically(c.job.run_dir + "/summary.json", summary);
+    auto meta = task->model_metadata();
+    meta["steps"] = std::to_string(step);
+    model::save_module(task->module(), c.job.run_dir + "/model.safetensors", meta);
   }
-  if (mesh && who.site == 0) save_encoder(*model, c, tokenizer_path, step);
   group.barrier();  // nobody closes its links while another still needs them
   spdlog::info("done: {} steps, {} tokens", step, tokens);
 }

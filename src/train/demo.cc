@@ -1,0 +1,252 @@
+#include "train/demo.h"
+
+#include <nlohmann/json.hpp>
+#include <spdlog/spdlog.h>
+
+#include <chrono>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <map>
+
+#include "data/corpus.h"
+#include "eval/plot.h"
+#include "nebula/config.h"
+#include "nebula/error.h"
+#include "nebula/units.h"
+#include "train/launcher.h"
+#include "train/metrics.h"
+
+namespace nebula::train {
+namespace fs = std::filesystem;
+namespace {
+
+constexpr int kStages = 6;
+
+void banner(int stage, const std::string& what) {
+  std::printf("\n\033[1m[%d/%d] %s\033[0m\n", stage, kStages, what.c_str());
+  std::fflush(stdout);
+}
+
+nlohmann::json read_json(const std::string& path) {
+  std::ifstream in(path);
+  auto j = nlohmann::json::parse(in, nullptr, false);
+  if (!in || j.is_discarded()) throw DataError(str_cat(path, ": missing or unreadable (did the stage finish?)"));
+  return j;
+}
+
+std::vector<nlohmann::json> read_metrics(const std::string& run_dir) {
+  std::vector<nlohmann::json> out;
+  std::ifstream in(run_dir + "/metrics.jsonl");
+  for (std::string line; std::getline(in, line);) {
+    auto j = nlohmann::json::parse(line, nullptr, false);
+    if (!j.is_discarded()) out.push_back(std::move(j));
+  }
+  return out;
+}
+
+// Training loss per site (the gateways' lines), as chart series labelled "<prefix><site>".
+std::vector<eval::Series> loss_series(const std::string& run_dir, const std::string& prefix) {
+  std::map<std::string, eval::Series> by_site;
+  for (const auto& j : read_metrics(run_dir))
+    if (j.contains("loss") && j.value("rank", -1) == 0) {
+      auto& s = by_site[j["site"]];
+      s.label = prefix + j["site"].get<std::string>();
+      s.points.emplace_back(j.value("step", 0.0), j.value("loss", 0.0));
+    }
+  std::vector<eval::Series> out;
+  for (auto& [site, s] : by_site) out.push_back(std::move(s));
+  return out;
+}
+
+// Retrieval accuracy per language over the steps of the run (each site evaluates its own).
+std::vector<eval::Series> retrieval_series(const std::string& run_dir) {
+  std::map<std::string, eval::Series> by_lang;
+  for (const auto& j : read_metrics(run_dir)) {
+    if (!j.contains("eval")) continue;
+    for (auto& [lang, e] : j["eval"].items())
+      if (e.contains("retrieval_accuracy")) {
+        by_lang[lang].label = lang;
+        by_lang[lang].points.emplace_back(j.value("step", 0.0), 100 * e.value("retrieval_accuracy", 0.0));
+      }
+  }
+  std::vector<eval::Series> out;
+  for (auto& [lang, s] : by_lang) out.push_back(std::move(s));
+  return out;
+}
+
+int run_stage(const Config& c, const DemoOptions& o) {
+  const int rc = run_local(c, {o.executable});
+  if (rc != 0) spdlog::error("demo stage {} failed (exit code {}); its logs are in {}/logs", c.job.name, rc, c.job.run_dir);
+  return rc;
+}
+
+std::string pct(double v) {
+  char b[32];
+  std::snprintf(b, sizeof b, "%.1f%%", 100 * v);
+  return b;
+}
+std::string fixed(double v, int digits) {
+  char b[32];
+  std::snprintf(b, sizeof b, "%.*f", digits, v);
+  return b;
+}
+
+}  // namespace
+
+int run_demo(const DemoOptions& o) {
+  const auto t0 = std::chrono::steady_clock::now();
+  const std::string run = o.run_dir;
+  fs::create_directories(run);
+  const bool q = o.quick;
+
+  // 1. Corpus: this machine's gettext catalogs → deduplicated, split English↔X pairs.
+  banner(1, "corpus: English-X pairs from this machine's gettext catalogs");
+  data::CorpusBuildOptions co;
+  co.languages = {"de", "es", "fr", "it"};
+  co.max_pairs_per_language = q ? 300 : 3000;
+  data::Corpus corpus = data::build_corpus(co);
+  data::write_corpus(run + "/corpus", corpus, co);
+  std::fputs(data::format_corpus_stats(corpus, co).c_str(), stdout);
+
+  // 2. Multilingual pre-training on two sites (different languages each) over the emulated WAN.
+  std::vector<std::string> sets = {"job.run_dir=\"" + run + "/pretrain\"", "data.source=\"corpus\"",
+                                   "data.path=\"" + run + "/corpus\""};
+  if (q) sets.insert(sets.end(), {"job.steps=20", "job.log_every=5", "eval.every=10", "eval.pairs=30"});
+  sets.insert(sets.end(), o.overrides.begin(), o.overrides.end());
+  Config pre = parse_config(o.pretrain_config, "examples/demo.toml", sets);
+  banner(2, str_cat("pre-training: MLM + TLM on ", pre.sites[0].name, " (", pre.sites[0].languages.size(),
+                    " languages) and ", pre.sites[1].name, ", ", pre.job.steps, " steps, strategy ", pre.strategy.kind,
+                    " with codec ", pre.strategy.codec, ", over ", format_rate_bits(pre.wan.path.bandwidth_bits), " / ",
+                    std::chrono::duration_cast<std::chrono::milliseconds>(pre.wan.path.rtt).count(), " ms"));
+  if (int rc = run_stage(pre, o)) return rc;
+  const std::string tokenizer = pre.job.run_dir + "/tokenizer.model";
+
+  // 3. The synchronous baseline's bytes per step: a few steps of the same job with `sync`.
+  Config sync = pre;
+  sync.job.name = "demo-sync";
+  sync.job.run_dir = run + "/pretrain-sync";
+  sync.job.steps = q ? 4 : 20;
+  sync.job.log_every = sync.job.steps;
+  sync.eval = EvalConfig{0, 20, 1};
+  sync.strategy = StrategyConfig{};  // sync, no codec
+  sync.data.tokenizer = tokenizer;
+  banner(3, str_cat("baseline: ", sync.job.steps, " steps of synchronous data parallel, to measure its WAN bytes per step"));
+  if (int rc = run_stage(sync, o)) return rc;
+
+  // 4–6. Translation (examples/demo_mt.toml): the teacher on site A, then the student on site
+  // B with and without distillation from it.
+  Config mt = parse_config(o.translate_config, "examples/demo_mt.toml",
+                           {"data.path=\"" + run + "/corpus\"", "data.tokenizer=\"" + tokenizer + "\"",
+                            "model.init=\"" + pre.job.run_dir + "/model.safetensors\"",
+                            "distill.teacher=\"" + run + "/teacher/model.safetensors\""});
+  if (q) {
+    mt.job.steps = 20;
+    mt.job.log_every = 5;
+    mt.eval.pairs = 20;
+    mt.eval.beam = 2;
+    mt.sites[1].max_pairs_per_language = 100;
+  }
+  Config teacher = mt;
+  teacher.job.name = "demo-teacher";
+  teacher.job.run_dir = run + "/teacher";
+  teacher.job.steps = q ? 20 : 2 * mt.job.steps;
+  teacher.sites = {mt.sites[0]};
+  teacher.distill = DistillConfig{};
+  banner(4, str_cat("teacher: en->", mt.data.languages[0], " fine-tuned on ", teacher.sites[0].name, "'s pairs from the "
+                    "pre-trained encoder, ", teacher.job.steps, " steps"));
+  if (int rc = run_stage(teacher, o)) return rc;
+
+  Config kd = mt;
+  kd.job.name = "demo-student-kd";
+  kd.job.run_dir = run + "/student-kd";
+  banner(5, str_cat("student with distillation: trains on ", kd.sites[1].name, " (", kd.sites[1].max_pairs_per_language,
+                    " pairs at most), asks the teacher on ", kd.sites[0].name, " for its top-", kd.distill.top_k,
+                    " over the WAN"));
+  if (int rc = run_stage(kd, o)) return rc;
+
+  Config alone = mt;
+  alone.job.name = "demo-student";
+  alone.job.run_dir = run + "/student";
+  alone.sites = {mt.sites[1]};
+  alone.distill = DistillConfig{};
+  banner(6, "student without distillation (the baseline): the same site, data, steps and seed");
+  if (int rc = run_stage(alone, o)) return rc;
+
+  // The summary: one table and three charts.
+  const auto s_pre = read_json(pre.job.run_dir + "/summary.json"), s_sync = read_json(sync.job.run_dir + "/summary.json"),
+             s_teacher = read_json(teacher.job.run_dir + "/summary.json"),
+             s_kd = read_json(kd.job.run_dir + "/summary.json"), s_alone = read_json(alone.job.run_dir + "/summary.json");
+  const double sync_per_step = s_sync.value("wan_bytes", 0.0) / static_cast<double>(sync.job.steps);
+  const double sync_bytes = sync_per_step * static_cast<double>(pre.job.steps);
+  const double pre_bytes = s_pre.value("wan_bytes", 0.0);
+  auto bleu = [](const nlohmann::json& s) { return s["eval"].value("bleu", 0.0); };
+  auto val = [](const nlohmann::json& s) { return s["final_val_loss"].is_number() ? s["final_val_loss"].get<double>() : 0.0; };
+  const auto& d = s_kd["distill"];
+
+  std::string md = "# nebula demo summary\n\n";
+  md += str_cat("Corpus: ", corpus.train.size(), " / ", corpus.valid.size(), " / ", corpus.test.size(),
+                " train / valid / test pairs (de, es, fr, it; ", run, "/corpus).\n\n");
+  md += "| stage | result |\n|---|---|\n";
+  md += str_cat("| pre-training, ", s_pre.value("strategy", "?"), " (", pre.job.steps, " steps, 2 sites) | WAN ",
+                format_bytes(pre_bytes), " vs ", format_bytes(sync_bytes), " for sync (", fixed(sync_per_step / 1048576, 2),
+                " MiB/step measured over ", sync.job.steps, " sync steps): **", fixed(sync_bytes / std::max(1.0, pre_bytes), 0),
+                "× fewer bytes**; val loss ", fixed(val(s_pre), 3), "; ", fixed(s_pre.value("wall_seconds", 0.0), 1), " s |\n");
+  for (auto& [lang, e] : s_pre["eval"].items()) {
+    const auto& st = s_pre["eval_start"].contains(lang) ? s_pre["eval_start"][lang] : e;
+    md += str_cat("| held-out ", lang, " | MLM accuracy ", pct(st.value("mlm_accuracy", 0.0)), " → ",
+                  pct(e.value("mlm_accuracy", 0.0)));
+    if (e.contains("retrieval_accuracy"))
+      md += str_cat("; retrieval ", pct(st.value("retrieval_accuracy", 0.0)), " → ", pct(e.value("retrieval_accuracy", 0.0)),
+                    " (chance ", pct(1 / std::max(1.0, e.value("pairs", 1.0))), ")");
+    md += " |\n";
+  }
+  md += str_cat("| teacher (", teacher.sites[0].name, ", ", teacher.job.steps, " steps) | BLEU ", fixed(bleu(s_teacher), 2),
+                ", val loss ", fixed(val(s_teacher), 3), " |\n");
+  md += str_cat("| student without distillation (", alone.sites[0].name, ") | BLEU ", fixed(bleu(s_alone), 2),
+                ", val loss ", fixed(val(s_alone), 3), " |\n");
+  md += str_cat("| student with distillation | BLEU ", fixed(bleu(s_kd), 2), ", val loss ", fixed(val(s_kd), 3), "; ",
+                d.value("tokens", 0), " teacher tokens at ", fixed(d.value("bytes_per_token", 0.0), 1),
+                " bytes/token vs ", fixed(d.value("fp32_logits_bytes_per_token", 0.0), 0), " for fp32 logits (",
+                fixed(d.value("reduction_vs_fp32_logits", 0.0), 0), "× less); the student waited ",
+                fixed(d.value("wait_seconds", 0.0), 2), " s for the teacher in all |\n");
+  md += str_cat("\nBLEU: sacreBLEU-compatible corpus BLEU (13a), beam ", mt.eval.beam, ", on ",
+                s_kd["eval"].value("sentences", 0.0), " en→", mt.data.languages[0], " test pairs.\n");
+
+  eval::ChartOptions loss_chart{"Pre-training loss per site", "step", "training loss (MLM + TLM)"};
+  auto series = loss_series(pre.job.run_dir, "");
+  for (auto& s : loss_series(sync.job.run_dir, "sync: ")) series.push_back(std::move(s));
+  eval::write_line_chart(run + "/pretrain_loss.svg", series, loss_chart);
+  eval::ChartOptions retrieval_chart{"Parallel-sentence retrieval (held-out pairs)", "step", "accuracy (%)"};
+  retrieval_chart.y_from_zero = true;
+  eval::write_line_chart(run + "/retrieval.svg", retrieval_series(pre.job.run_dir), retrieval_chart);
+  auto mt_series = loss_series(teacher.job.run_dir, "teacher ");
+  for (auto& s : loss_series(alone.job.run_dir, "student ")) mt_series.push_back(std::move(s));
+  for (auto& s : loss_series(kd.job.run_dir, "student + KD ")) mt_series.push_back(std::move(s));
+  eval::write_line_chart(run + "/translation_loss.svg", mt_series,
+                         {"Translation training loss (with KD: (1-a)·CE + a·KD)", "step", "training loss"});
+  md += str_cat("\nCharts: ", run, "/pretrain_loss.svg, ", run, "/retrieval.svg, ", run, "/translation_loss.svg\n");
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  md += str_cat("\nThe whole demo took ", fixed(seconds, 0), " s.\n");
+
+  nlohmann::json summary = {{"quick", q},
+                            {"seconds", seconds},
+                            {"corpus_pairs", {corpus.train.size(), corpus.valid.size(), corpus.test.size()}},
+                            {"pretrain", s_pre},
+                            {"sync_bytes_per_step", sync_per_step},
+                            {"sync_bytes_extrapolated", sync_bytes},
+                            {"wan_reduction_vs_sync", sync_bytes / std::max(1.0, pre_bytes)},
+                            {"teacher_bleu", bleu(s_teacher)},
+                            {"student_bleu", bleu(s_alone)},
+                            {"student_kd_bleu", bleu(s_kd)},
+                            {"distill", d}};
+  write_json_atomically(run + "/summary.json", summary);
+  {
+    std::ofstream out(run + "/summary.md");
+    out << md;
+  }
+  std::printf("\n%s\nwritten: %s/summary.md, %s/summary.json\n", md.c_str(), run.c_str(), run.c_str());
+  return 0;
+}
+
+}  // namespace nebula::train

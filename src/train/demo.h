@@ -1,0 +1,33 @@
+// `nebula demo`: the whole story of issue [5/7] on one machine, stage by stage, each stage an
+// ordinary local-mode job (launcher.h) with its own run directory and files:
+//
+//   RUN/corpus          `nebula corpus build` of this machine's gettext catalogs (de, fr, es, it)
+//   RUN/pretrain        multilingual MLM + TLM pre-training on two sites that hold different
+//                       languages, over an emulated WAN, with the adaptive strategy ([4/7])
+//   RUN/pretrain-sync   a few steps of synchronous data parallel, to measure its bytes per step
+//   RUN/teacher         the en→de teacher, fine-tuned on site europe-west from the encoder
+//   RUN/student-kd      the student on europe-south, distilled from the teacher across the WAN
+//   RUN/student         the same student without distillation (the baseline)
+//   RUN/summary.json, RUN/summary.md, RUN/*.svg   the table and the charts
+//
+// quick = a tiny version of every stage (for tests): a minute or two instead of ten.
+#pragma once
+
+#include <string>
+#include <vector>
+
+namespace nebula::train {
+
+struct DemoOptions {
+  std::string run_dir = "runs/demo";
+  bool quick = false;
+  std::string executable;              // the nebula binary (workers are spawned with it)
+  std::string pretrain_config;         // examples/demo.toml's text
+  std::string translate_config;        // examples/demo_mt.toml's text
+  std::vector<std::string> overrides;  // --set: applied to the pre-training config
+};
+
+// Returns the exit code (0 when every stage finished).
+int run_demo(const DemoOptions& options);
+
+}  // namespace nebula::train

@@ -1,0 +1,111 @@
+// MlmTask: multilingual pre-training (task.h).
+#include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
+#include <spdlog/spdlog.h>
+
+#include <filesystem>
+
+#include "model/mlm_encoder.h"
+#include "model/peft.h"
+#include "nebula/error.h"
+#include "train/evaluation.h"
+#include "train/site_data.h"
+#include "train/task.h"
+
+namespace nebula::train {
+namespace {
+
+class MlmTask : public Task {
+ public:
+  explicit MlmTask(const TaskContext& ctx) : ctx_(ctx), c_(ctx.config) {
+    const SiteConfig& site = c_.sites[ctx.who.site];
+    NEBULA_CHECK(ctx.tokenizer.mask_id() >= 0, ctx.tokenizer_path, " has no <mask> piece: train it with nebula");
+    // Data: this site's own sentences, this worker's share of them.
+    SiteText text = load_site_text(c_, ctx.who.site, ctx.who.local_rank, static_cast<int>(site.workers));
+    auto sequences = encode_all(ctx.tokenizer, text.train, c_.model.max_len);
+    size_t tlm_sequences = 0;
+    if (c_.data.objective == "mlm+tlm") {  // XLM's translation LM: the pair in one sequence
+      auto tlm = encode_tlm(ctx.tokenizer, text.train_pairs, c_.model.max_len);
+      tlm_sequences = tlm.size();
+      sequences.insert(sequences.end(), std::make_move_iterator(tlm.begin()), std::make_move_iterator(tlm.end()));
+    }
+    const uint64_t stream = c_.job.seed * 1000003 + ctx.who.site * 1009 + static_cast<uint64_t>(ctx.who.local_rank);
+    batches_ = std::make_unique<model::MlmBatcher>(std::move(sequences), ctx.ids, c_.data.mask_prob,
+                                                   c_.data.batch_size, stream);
+    if (!text.valid.empty())
+      valid_ = std::make_unique<model::MlmBatcher>(encode_all(ctx.tokenizer, text.valid, c_.model.max_len), ctx.ids,
+                                                   c_.data.mask_prob, c_.data.batch_size, c_.job.seed);
+    spdlog::info("{} training sentences (+ {} translation-LM pairs) / {} validation sentences on this worker",
+                 text.train.size(), tlm_sequences, text.valid.size());
+    // The gateway evaluates the site's own held-out pairs (cross-lingual accuracy, retrieval).
+    if (ctx.who.local_rank == 0) probe_ = std::make_unique<XlingualProbe>(c_, ctx.who.site, ctx.tokenizer, ctx.ids);
+
+    at::manual_seed(c_.job.seed);  // the same initial weights on every worker
+    model_ = model::MlmEncoder(c_.model, ctx.tokenizer.vocab_size(), ctx.tokenizer.pad_id());
+    // PEFT freezes the backbone (equal on every worker: same seed). Only the trainable
+    // parameters are optimized and synchronized, so they alone cross the WAN.
+    params_ = model::apply_peft(*model_, c_.peft);
+    spdlog::info("{} trainable of {} parameters (peft: {})", model::numel(params_),
+                 model::numel(model_->parameters()), c_.peft.kind);
+  }
+
+  torch::nn::Module& module() override { return *model_; }
+  std::vector<at::Tensor> trainable() override { return params_; }
+
+  Step forward(int64_t) override {
+    model::MlmBatch b = batches_->next();
+    return {model_->loss(b.ids, b.labels), static_cast<double>(b.predicted), b.tokens};
+  }
+
+  std::pair<double, double> validate(int64_t batches) override {
+    if (!valid_) return {0.0, 0.0};
+    at::NoGradGuard no_grad;
+    model_->eval();
+    double loss_sum = 0, predicted = 0;
+    for (int64_t i = 0; i < batches; ++i) {
+      model::MlmBatch b = valid_->next();
+      loss_sum += model_->loss(b.ids, b.labels).item<double>() * static_cast<double>(b.predicted);
+      predicted += static_cast<double>(b.predicted);
+    }
+    model_->train();
+    return {loss_sum, predicted};
+  }
+
+  size_t eval_size() const override { return XlingualProbe::size(c_); }
+  bool eval_at_start() const override { return true; }
+  std::vector<double> evaluate() override {
+    return probe_ ? probe_->run(*model_) : std::vector<double>(eval_size(), 0.0);
+  }
+  nlohmann::json eval_json(const std::vector<double>& counts) const override {
+    return XlingualProbe::to_json(c_, counts);
+  }
+
+  nlohmann::json summary() const override { return {{"objective", c_.data.objective}, {"peft", c_.peft.kind}}; }
+
+  std::map<std::string, std::string> model_metadata() const override {
+    return {{"format", "nebula"},
+            {"kind", "mlm_encoder"},
+            {"dim", std::to_string(c_.model.dim)},
+            {"layers", std::to_string(c_.model.layers)},
+            {"heads", std::to_string(c_.model.heads)},
+            {"ffn", std::to_string(c_.model.ffn)},
+            {"max_len", std::to_string(c_.model.max_len)},
+            {"vocab", std::to_string(ctx_.tokenizer.vocab_size())},
+            {"peft", c_.peft.kind},
+            {"tokenizer", std::filesystem::absolute(ctx_.tokenizer_path).string()}};
+  }
+
+ private:
+  const TaskContext& ctx_;
+  const Config& c_;
+  std::unique_ptr<model::MlmBatcher> batches_, valid_;
+  std::unique_ptr<XlingualProbe> probe_;
+  model::MlmEncoder model_{nullptr};
+  std::vector<at::Tensor> params_;
+};
+
+}  // namespace
+
+std::unique_ptr<Task> make_mlm_task(const TaskContext& context) { return std::make_unique<MlmTask>(context); }
+
+}  // namespace nebula::train

@@ -1,0 +1,78 @@
+// What a worker trains: the model, its batches and loss, its evaluation. The training loop
+// (worker.cc) is the same for every task; a Task supplies the parts that differ.
+//
+//   mlm_encoder  MlmTask          masked (and translation) language modelling; cross-lingual
+//                                 evaluation (MLM accuracy, retrieval) per language
+//   seq2seq      TranslationTask  English→X translation, optionally distilled from a teacher on
+//                                 another site ([distill]); BLEU on the site's test pairs
+//
+// A task lives on one worker thread (not thread-safe). Evaluation counts are plain numbers
+// so that every site's gateway can evaluate its own held-out data and the job sums them.
+#pragma once
+
+#include <torch/nn/module.h>
+
+#include <map>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "data/tokenizer.h"
+#include "model/mlm_batch.h"
+#include "nebula/config.h"
+#include "train/worker.h"
+#include "transport/link.h"
+
+namespace nebula::train {
+
+struct TaskContext {
+  const Config& config;
+  WorkerIdentity who;
+  data::Tokenizer tokenizer;
+  std::string tokenizer_path;
+  model::SpecialIds ids;
+};
+
+class Task {
+ public:
+  virtual ~Task() = default;
+
+  virtual torch::nn::Module& module() = 0;
+  // What the optimizer and the strategy get (PEFT: the unfrozen part).
+  virtual std::vector<at::Tensor> trainable() = 0;
+
+  struct Step {
+    at::Tensor loss;      // to call backward() on
+    double weight = 0;    // loss terms (predicted tokens): the worker's weight in the global mean
+    int64_t tokens = 0;   // input tokens processed
+  };
+  // The forward pass of step `step` (0-based) on the next batch.
+  virtual Step forward(int64_t step) = 0;
+  // Loss sum and weight over `batches` fixed held-out batches of this worker's share.
+  virtual std::pair<double, double> validate(int64_t batches) = 0;
+
+  // Evaluation on the gateway (local rank 0) of each site: eval_size() counts, the same on
+  // every worker; the job sums them and eval_json() turns the sums into summary values.
+  virtual size_t eval_size() const { return 0; }
+  virtual bool eval_at_start() const { return false; }
+  virtual std::vector<double> evaluate() { return std::vector<double>(eval_size(), 0.0); }
+  virtual nlohmann::json eval_json(const std::vector<double>& counts) const { return nlohmann::json::object(); }
+
+  // After the last step (e.g. the distillation client says goodbye).
+  virtual void finish() {}
+  // Task-specific summary.json entries from this worker (the writer's) view.
+  virtual nlohmann::json summary() const { return nlohmann::json::object(); }
+  // The model file's metadata: its kind and shape, for whoever loads it.
+  virtual std::map<std::string, std::string> model_metadata() const = 0;
+};
+
+std::unique_ptr<Task> make_mlm_task(const TaskContext& context);
+// `teacher`: the link to the teacher site with [distill] (on the gateway; not owned), else null.
+std::unique_ptr<Task> make_translation_task(const TaskContext& context, transport::Link* teacher);
+
+// The teacher site of a [distill] job: loads config.distill.teacher and answers the student
+// site's requests (distill::serve_teacher) until it says goodbye.
+void run_teacher(const TaskContext& context);
+
+}  // namespace nebula::train

@@ -1,0 +1,81 @@
+#include "train/translate.h"
+
+#include <ATen/ATen.h>
+
+#include <algorithm>
+
+#include "model/safetensors.h"
+#include "nebula/error.h"
+#include "train/site_data.h"
+
+namespace nebula::train {
+
+model::SpecialIds special_ids(const data::Tokenizer& tok) {
+  return {tok.pad_id(), tok.unk_id(), tok.bos_id(), tok.eos_id(), tok.mask_id(), 5, tok.vocab_size()};
+}
+
+ModelConfig model_config_from(const std::map<std::string, std::string>& meta, const ModelConfig& base,
+                              const std::string& path) {
+  ModelConfig c = base;
+  auto read = [&](const char* key, int64_t& out) {
+    auto it = meta.find(key);
+    if (it == meta.end()) return;
+    try {
+      size_t used = 0;
+      const long long v = std::stoll(it->second, &used);
+      if (used == it->second.size() && v > 0) {
+        out = v;
+        return;
+      }
+    } catch (const std::exception&) {
+    }
+    throw DataError(str_cat(path, ": metadata '", key, "' = \"", it->second, "\" is not a positive integer"));
+  };
+  read("dim", c.dim);
+  read("layers", c.layers);
+  read("heads", c.heads);
+  read("ffn", c.ffn);
+  read("max_len", c.max_len);
+  read("decoder_layers", c.decoder_layers);
+  if (c.dim % c.heads != 0)
+    throw DataError(str_cat(path, ": metadata dim ", c.dim, " is not divisible by heads ", c.heads));
+  return c;
+}
+
+LoadedTranslator load_translator(const std::string& path, const data::Tokenizer& tok) {
+  LoadedTranslator out;
+  out.metadata = model::load_safetensors(path).metadata;  // small models: reading twice is fine
+  auto kind = out.metadata.find("kind");
+  if (kind == out.metadata.end() || kind->second != "seq2seq")
+    throw DataError(str_cat(path, ": not a translation model (metadata kind = \"",
+                            kind == out.metadata.end() ? "" : kind->second,
+                            "\"; a seq2seq job writes RUN_DIR/model.safetensors)"));
+  if (auto v = out.metadata.find("vocab"); v != out.metadata.end() && v->second != std::to_string(tok.vocab_size()))
+    throw DataError(str_cat(path, ": trained with a ", v->second, "-piece vocabulary, but ", tok.model_path(), " has ",
+                            tok.vocab_size(), ": use the tokenizer the model was trained with (metadata 'tokenizer')"));
+  out.config = model_config_from(out.metadata, ModelConfig{}, path);
+  out.model = model::Seq2Seq(out.config, out.config.decoder_layers, tok.vocab_size(), special_ids(tok));
+  model::load_module(*out.model, path);
+  out.model->eval();
+  return out;
+}
+
+std::vector<std::string> translate(model::Seq2SeqImpl& model, const data::Tokenizer& tok,
+                                   const std::vector<std::string>& sentences, int64_t beam, int64_t batch_size) {
+  const auto src = encode_all(tok, sentences, model.max_len());
+  std::vector<std::string> out;
+  out.reserve(sentences.size());
+  for (size_t b = 0; b < src.size(); b += static_cast<size_t>(batch_size)) {
+    const size_t e = std::min(src.size(), b + static_cast<size_t>(batch_size));
+    size_t len = 0;
+    for (size_t i = b; i < e; ++i) len = std::max(len, src[i].size());
+    at::Tensor ids = at::full({static_cast<int64_t>(e - b), static_cast<int64_t>(len)}, tok.pad_id(), at::kLong);
+    auto a = ids.accessor<int64_t, 2>();
+    for (size_t i = b; i < e; ++i)
+      for (size_t j = 0; j < src[i].size(); ++j) a[static_cast<int64_t>(i - b)][static_cast<int64_t>(j)] = src[i][j];
+    for (const auto& hyp : model.beam_search(ids, beam, model.max_len() - 1)) out.push_back(tok.decode(hyp));
+  }
+  return out;
+}
+
+}  // namespace nebula::train

@@ -1,0 +1,289 @@
+// TranslationTask (English→X, optionally distilled from a teacher on another site) and the
+// teacher site's service (task.h).
+#include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
+#include <spdlog/spdlog.h>
+
+#include <deque>
+#include <filesystem>
+#include <fstream>
+
+#include "distill/kd_loss.h"
+#include "distill/teacher_service.h"
+#include "eval/bleu.h"
+#include "model/mlm_encoder.h"
+#include "model/safetensors.h"
+#include "model/seq2seq.h"
+#include "model/seq2seq_batch.h"
+#include "nebula/error.h"
+#include "train/gateway.h"
+#include "train/metrics.h"
+#include "train/site_data.h"
+#include "train/task.h"
+#include "train/translate.h"
+
+namespace nebula::train {
+namespace {
+
+using Pairs = std::vector<model::Seq2SeqBatcher::Pair>;
+
+Pairs encode_pairs(const data::Tokenizer& tok, const std::vector<data::SentencePair>& pairs, int64_t max_len) {
+  Pairs out;
+  for (const auto& p : pairs) {
+    if (p.en.empty() || p.other.empty()) continue;
+    auto src = encode_all(tok, {p.en}, max_len), tgt = encode_all(tok, {p.other}, max_len);
+    out.emplace_back(std::move(src[0]), std::move(tgt[0]));
+  }
+  return out;
+}
+
+// The rows of a padded [batch, T] id tensor without their padding.
+distill::Sequences unpad(const at::Tensor& ids, int64_t pad) {
+  distill::Sequences out;
+  auto a = ids.accessor<int64_t, 2>();
+  for (int64_t i = 0; i < ids.size(0); ++i) {
+    std::vector<int> row;
+    for (int64_t j = 0; j < ids.size(1) && a[i][j] != pad; ++j) row.push_back(static_cast<int>(a[i][j]));
+    out.push_back(std::move(row));
+  }
+  return out;
+}
+
+// Sequences → [n, longest] int64 padded with pad.
+at::Tensor pad_rows(const distill::Sequences& rows, int64_t pad) {
+  size_t len = 1;
+  for (const auto& r : rows) len = std::max(len, r.size());
+  at::Tensor t = at::full({static_cast<int64_t>(rows.size()), static_cast<int64_t>(len)}, pad, at::kLong);
+  auto a = t.accessor<int64_t, 2>();
+  for (size_t i = 0; i < rows.size(); ++i)
+    for (size_t j = 0; j < rows[i].size(); ++j) a[static_cast<int64_t>(i)][static_cast<int64_t>(j)] = rows[i][j];
+  return t;
+}
+
+constexpr size_t kBleuCounts = 11;  // matches 1..4, totals 1..4, hypothesis length, reference length, sentences
+
+class TranslationTask : public Task {
+ public:
+  TranslationTask(const TaskContext& ctx, transport::Link* teacher) : ctx_(ctx), c_(ctx.config) {
+    const SiteConfig& site = c_.sites[ctx.who.site];
+    SiteText text = load_site_text(c_, ctx.who.site, ctx.who.local_rank, static_cast<int>(site.workers));
+    Pairs train = encode_pairs(ctx.tokenizer, text.train_pairs, c_.model.max_len);
+    if (train.empty())
+      throw DataError(str_cat("site '", site.name, "': no sentence pairs to train a translation model on (a text "
+                              "source has no translations: use gettext, tsv or corpus)"));
+    const uint64_t stream = c_.job.seed * 1000003 + ctx.who.site * 1009 + static_cast<uint64_t>(ctx.who.local_rank);
+    train_pairs_ = train.size();
+    batches_ = std::make_unique<model::Seq2SeqBatcher>(std::move(train), ctx.ids, c_.data.batch_size, stream);
+    Pairs valid = encode_pairs(ctx.tokenizer, text.valid_pairs, c_.model.max_len);
+    if (!valid.empty())
+      valid_ = std::make_unique<model::Seq2SeqBatcher>(std::move(valid), ctx.ids, c_.data.batch_size, c_.job.seed);
+    if (ctx.who.local_rank == 0) {  // the site's own test pairs, for BLEU
+      auto test = load_pairs(c_, &site, data::Split::kTest);
+      data::cap_per_language(test, static_cast<size_t>(c_.eval.pairs));
+      for (auto& p : test)
+        if (!p.en.empty() && !p.other.empty()) test_.push_back(std::move(p));
+    }
+    spdlog::info("{} training / {} validation / {} test pairs on this worker", train_pairs_,
+                 valid_ ? valid_->size() : 0, test_.size());
+
+    at::manual_seed(c_.job.seed);  // the same initial weights on every worker
+    model_ = model::Seq2Seq(c_.model, c_.model.decoder_layers, ctx.tokenizer.vocab_size(), ctx.ids);
+    if (!c_.model.init.empty()) {  // the pre-trained encoder (mlm_encoder job's model.safetensors)
+      auto meta = model::load_safetensors(c_.model.init).metadata;
+      if (meta.count("kind") && meta["kind"] != "mlm_encoder")
+        throw DataError(str_cat(c_.model.init, " (model.init): a ", meta["kind"],
+                                " model; the encoder starts from a pre-trained mlm_encoder"));
+      model::load_module(*model_->encoder(), c_.model.init);
+      spdlog::info("encoder initialised from {}", c_.model.init);
+    }
+    if (teacher) {
+      client_ = std::make_unique<distill::TeacherClient>(*teacher);
+      teacher_link_ = teacher;
+      spdlog::info("distilling from the teacher on site '{}' (top-{}, alpha {}, {} batches prefetched)",
+                   c_.distill.teacher_site, c_.distill.top_k, c_.distill.alpha, c_.distill.prefetch);
+    }
+  }
+
+  torch::nn::Module& module() override { return *model_; }
+  std::vector<at::Tensor> trainable() override { return model_->parameters(); }
+
+  Step forward(int64_t) override {
+    if (!client_) {
+      model::Seq2SeqBatch b = batches_->next();
+      return {model_->loss(b.src, b.tgt_in, b.tgt_out), static_cast<double>(b.target_tokens), b.src.numel()};
+    }
+    // Keep `prefetch` batches requested ahead of this one, so the teacher's answers (a WAN
+    // round trip plus its compute away) are already here when they are needed.
+    while (queue_.size() <= static_cast<size_t>(c_.distill.prefetch)) {
+      model::Seq2SeqBatch b = batches_->next();
+      client_->submit(next_id_, unpad(b.src, ctx_.ids.pad), unpad(b.tgt_in, ctx_.ids.pad));
+      queue_.push_back({next_id_++, std::move(b)});
+    }
+    auto [id, b] = std::move(queue_.front());
+    queue_.pop_front();
+    distill::TopK teacher = client_->wait(id, Deadline::after(c_.job.timeout));
+    at::Tensor logits = model_->forward(b.src, b.tgt_in);  // [B, T, V]
+    at::Tensor ce = at::cross_entropy_loss(logits.reshape({-1, logits.size(-1)}), b.tgt_out.reshape({-1}), {},
+                                           at::Reduction::Mean, model::kIgnoreIndex);
+    // The teacher's rows are the tgt_in positions without padding, sequence by sequence.
+    at::Tensor rows = logits.index({b.tgt_in.ne(ctx_.ids.pad)});
+    at::Tensor kd = distill::kd_loss(rows, teacher, c_.distill.temperature);
+    kd_sum_ += kd.item<double>() * static_cast<double>(b.target_tokens);
+    kd_tokens_ += static_cast<double>(b.target_tokens);
+    const double alpha = c_.distill.alpha;
+    return {ce * (1 - alpha) + kd * alpha, static_cast<double>(b.target_tokens), b.src.numel()};
+  }
+
+  std::pair<double, double> validate(int64_t batches) override {
+    if (!valid_) return {0.0, 0.0};
+    at::NoGradGuard no_grad;
+    model_->eval();
+    double loss_sum = 0, weight = 0;
+    for (int64_t i = 0; i < batches; ++i) {
+      model::Seq2SeqBatch b = valid_->next();
+      loss_sum += model_->loss(b.src, b.tgt_in, b.tgt_out).item<double>() * static_cast<double>(b.target_tokens);
+      weight += static_cast<double>(b.target_tokens);
+    }
+    model_->train();
+    return {loss_sum, weight};
+  }
+
+  // BLEU statistics of the site's test pairs (beam search), and the translations as a file.
+  size_t eval_size() const override { return kBleuCounts; }
+  std::vector<double> evaluate() override {
+    std::vector<double> out(kBleuCounts, 0.0);
+    if (test_.empty()) return out;
+    std::vector<std::string> sources, refs;
+    for (const auto& p : test_) {
+      sources.push_back(p.en);
+      refs.push_back(p.other);
+    }
+    const auto hyps = translate(*model_, ctx_.tokenizer, sources, c_.eval.beam);
+    const eval::BleuScore s = eval::corpus_bleu(hyps, refs);
+    for (int n = 0; n < 4; ++n) {
+      out[static_cast<size_t>(n)] = static_cast<double>(s.counts[static_cast<size_t>(n)]);
+      out[4 + static_cast<size_t>(n)] = static_cast<double>(s.totals[static_cast<size_t>(n)]);
+    }
+    out[8] = static_cast<double>(s.sys_len);
+    out[9] = static_cast<double>(s.ref_len);
+    out[10] = static_cast<double>(hyps.size());
+    std::ofstream tsv(str_cat(c_.job.run_dir, "/translations-", c_.sites[ctx_.who.site].name, ".tsv"));
+    tsv << "# source\treference\ttranslation\n";
+    for (size_t i = 0; i < hyps.size(); ++i) tsv << sources[i] << '\t' << refs[i] << '\t' << hyps[i] << '\n';
+    return out;
+  }
+  nlohmann::json eval_json(const std::vector<double>& c) const override {
+    if (c.size() < kBleuCounts || c[10] == 0) return nlohmann::json::object();
+    std::array<size_t, 4> counts{}, totals{};
+    for (size_t n = 0; n < 4; ++n) {
+      counts[n] = static_cast<size_t>(c[n]);
+      totals[n] = static_cast<size_t>(c[4 + n]);
+    }
+    const eval::BleuScore s = eval::compute_bleu(counts, totals, static_cast<size_t>(c[8]), static_cast<size_t>(c[9]));
+    return {{"bleu", s.score}, {"sentences", c[10]}, {"beam", c_.eval.beam}, {"bleu_line", s.format()}};
+  }
+
+  void finish() override {
+    if (client_) client_->close();  // bye: the teacher's service ends
+  }
+
+  nlohmann::json summary() const override {
+    nlohmann::json s = {{"train_pairs_site0_worker0", train_pairs_}};
+    if (!client_) return s;
+    const auto st = client_->stats();
+    const auto link = teacher_link_->stats();
+    const double tokens = static_cast<double>(std::max<uint64_t>(1, st.tokens));
+    const double logits_bytes = 4.0 * static_cast<double>(ctx_.tokenizer.vocab_size());
+    s["distill"] = {{"teacher_site", c_.distill.teacher_site},
+                    {"top_k", c_.distill.top_k},
+                    {"alpha", c_.distill.alpha},
+                    {"temperature", c_.distill.temperature},
+                    {"prefetch", c_.distill.prefetch},
+                    {"requests", st.requests},
+                    {"tokens", st.tokens},
+                    {"response_bytes", st.bytes_received},
+                    {"request_bytes", st.bytes_sent},
+                    {"link_bytes_received", link.bytes_received},
+                    {"link_bytes_sent", link.bytes_sent},
+                    {"bytes_per_token", static_cast<double>(st.bytes_received) / tokens},
+                    {"fp32_logits_bytes_per_token", logits_bytes},
+                    {"reduction_vs_fp32_logits", logits_bytes / (static_cast<double>(st.bytes_received) / tokens)},
+                    {"wait_seconds", st.wait_seconds},
+                    {"final_kd_loss", kd_tokens_ > 0 ? kd_sum_ / kd_tokens_ : 0.0}};
+    return s;
+  }
+
+  std::map<std::string, std::string> model_metadata() const override {
+    return {{"format", "nebula"},
+            {"kind", "seq2seq"},
+            {"dim", std::to_string(c_.model.dim)},
+            {"layers", std::to_string(c_.model.layers)},
+            {"decoder_layers", std::to_string(c_.model.decoder_layers)},
+            {"heads", std::to_string(c_.model.heads)},
+            {"ffn", std::to_string(c_.model.ffn)},
+            {"max_len", std::to_string(c_.model.max_len)},
+            {"vocab", std::to_string(ctx_.tokenizer.vocab_size())},
+            {"tokenizer", std::filesystem::absolute(ctx_.tokenizer_path).string()}};
+  }
+
+ private:
+  struct Pending {
+    uint64_t id;
+    model::Seq2SeqBatch batch;
+  };
+  const TaskContext& ctx_;
+  const Config& c_;
+  size_t train_pairs_ = 0;
+  std::unique_ptr<model::Seq2SeqBatcher> batches_, valid_;
+  std::vector<data::SentencePair> test_;
+  model::Seq2Seq model_{nullptr};
+  std::unique_ptr<distill::TeacherClient> client_;
+  transport::Link* teacher_link_ = nullptr;
+  std::deque<Pending> queue_;
+  uint64_t next_id_ = 0;
+  double kd_sum_ = 0, kd_tokens_ = 0;
+};
+
+}  // namespace
+
+std::unique_ptr<Task> make_translation_task(const TaskContext& context, transport::Link* teacher) {
+  return std::make_unique<TranslationTask>(context, teacher);
+}
+
+void run_teacher(const TaskContext& ctx) {
+  const Config& c = ctx.config;
+  LoadedTranslator teacher = load_translator(c.distill.teacher, ctx.tokenizer);
+  spdlog::info("teacher {}: dim {}, {}+{} layers; serving top-{} at temperature {}", c.distill.teacher,
+               teacher.config.dim, teacher.config.layers, teacher.config.decoder_layers, c.distill.top_k,
+               c.distill.temperature);
+  GatewayLinks gateway = connect_gateway(c, ctx.who.site);
+  transport::Link* student = nullptr;
+  for (auto& l : gateway.links)
+    if (l) student = l.get();  // [distill] jobs have exactly two sites
+  NEBULA_CHECK(student, "the teacher site has no link to a student site");
+
+  const int64_t pad = ctx.ids.pad;
+  auto fn = [&](const distill::Sequences& src, const distill::Sequences& tgt_in) {
+    at::NoGradGuard no_grad;
+    at::Tensor tgt = pad_rows(tgt_in, pad);
+    at::Tensor logits = teacher.model->forward(pad_rows(src, pad), tgt);
+    return logits.index({tgt.ne(pad)});  // [Σ len(tgt_in), V], sequence by sequence
+  };
+  distill::ServeOptions o;
+  o.vocab = ctx.tokenizer.vocab_size();
+  o.max_len = teacher.config.max_len;
+  o.k = c.distill.top_k;
+  o.temperature = c.distill.temperature;
+  o.idle_timeout = std::chrono::duration_cast<std::chrono::milliseconds>(c.job.timeout);
+  const distill::ServeStats s = distill::serve_teacher(*student, fn, o);
+  spdlog::info("teacher done: {} requests ({} errors), {} tokens, {} bytes answered", s.requests, s.errors, s.tokens,
+               s.bytes_sent);
+  MetricsWriter(c.job.run_dir + "/metrics.jsonl")
+      .write({{"time", unix_time()},
+              {"site", c.sites[ctx.who.site].name},
+              {"rank", 0},
+              {"teacher", {{"requests", s.requests}, {"errors", s.errors}, {"tokens", s.tokens},
+                           {"bytes_received", s.bytes_received}, {"bytes_sent", s.bytes_sent}}}});
+}
+
+}  // namespace nebula::train
