@@ -35,6 +35,9 @@ class MlmEncoderImpl : public torch::nn::Module {
   const ModelConfig& config() const { return config_; }
   // The encoder layers, first to last (PEFT injects LoRA / adapters into them).
   const std::vector<EncoderLayer>& layers() const { return layers_; }
+  // The token embedding [vocab, dim] (registered as "tokens"). A Seq2Seq ties its decoder input
+  // and output projection to it; copying the holder shares the module, not the weights.
+  const torch::nn::Embedding& token_embedding() const { return tokens_; }
   // The parameters with requires_grad, in parameters() order (deterministic: registration
   // order). Without PEFT that is all of them.
   std::vector<at::Tensor> trainable_parameters() const;

@@ -2,10 +2,12 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
+#include <ATen/core/grad_mode.h>
 #include <torch/nn/init.h>
 
 #include <cmath>
 #include <limits>
+#include <string>
 
 #include "nebula/error.h"
 
@@ -23,13 +25,60 @@ at::Scalar most_negative(at::ScalarType type) {
   return out;
 }
 
+// torch's MultiheadAttention: xavier_uniform_ on the fused [3·dim, dim] in_proj_weight (so the
+// bound is sqrt(6 / (dim + 3·dim))), zero in_proj_bias and out_proj.bias. Matching it keeps
+// training behaviour (and the demo's loss curve) as it was with torch's layer.
+void init_attention_like_torch(const torch::nn::Linear& q, const torch::nn::Linear& k, const torch::nn::Linear& v,
+                               const torch::nn::Linear& out, int64_t dim) {
+  at::NoGradGuard no_grad;
+  const double bound = std::sqrt(6.0 / static_cast<double>(4 * dim));
+  for (const torch::nn::Linear* p : {&q, &k, &v}) {
+    (*p)->weight.uniform_(-bound, bound);
+    (*p)->bias.zero_();
+  }
+  out->bias.zero_();
+}
+
+void check_layer_shape(const char* what, int64_t dim, int64_t heads, int64_t ffn, double dropout) {
+  NEBULA_CHECK(dim > 0 && heads > 0 && dim % heads == 0 && ffn > 0, what, " dim ", dim, " heads ", heads, " ffn ",
+               ffn, ": dim must be a positive multiple of heads");
+  NEBULA_CHECK(dropout >= 0 && dropout < 1, "dropout ", dropout);
+}
+
 }  // namespace
 
+at::Tensor multi_head_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t heads,
+                                const at::Tensor& key_padding_mask, bool causal, double dropout) {
+  NEBULA_CHECK(q.dim() == 3 && k.dim() == 3 && k.sizes() == v.sizes() && q.size(0) == k.size(0) &&
+                   q.size(2) == k.size(2) && heads > 0 && q.size(2) % heads == 0,
+               "attention on q ", q.sizes(), ", k ", k.sizes(), ", v ", v.sizes(), " with ", heads, " heads");
+  const int64_t batch = q.size(0), tq = q.size(1), tk = k.size(1), dim = q.size(2), head_dim = dim / heads;
+  NEBULA_CHECK(!causal || tq == tk, "causal attention with ", tq, " queries and ", tk, " keys");
+  // [batch, t, dim] → [batch, heads, t, head_dim]
+  auto split_heads = [&](const at::Tensor& t) { return t.view({batch, t.size(1), heads, head_dim}).transpose(1, 2); };
+  // Scaling q before the product (as torch does) is cheaper than scaling the scores.
+  at::Tensor scores = at::matmul(split_heads(q * (1.0 / std::sqrt(static_cast<double>(head_dim)))),
+                                 split_heads(k).transpose(-2, -1));  // [batch, heads, tq, tk]
+  const at::Scalar lowest = most_negative(scores.scalar_type());
+  if (key_padding_mask.defined()) {
+    NEBULA_CHECK(key_padding_mask.scalar_type() == at::kBool && key_padding_mask.dim() == 2 &&
+                     key_padding_mask.size(0) == batch && key_padding_mask.size(1) == tk,
+                 "key_padding_mask of shape ", key_padding_mask.sizes(), " and type ",
+                 key_padding_mask.scalar_type(), " for keys ", k.sizes(), ": expected bool [batch, keys]");
+    scores = scores.masked_fill(key_padding_mask.view({batch, 1, 1, tk}), lowest);
+  }
+  if (causal) {
+    at::Tensor future = at::ones({tq, tk}, q.options().dtype(at::kBool)).triu(1);  // key j > query i
+    scores = scores.masked_fill(future, lowest);
+  }
+  at::Tensor weights = at::softmax(scores, -1);
+  if (dropout > 0) weights = at::dropout(weights, dropout, /*train=*/true);
+  return at::matmul(weights, split_heads(v)).transpose(1, 2).reshape({batch, tq, dim});
+}
+
 EncoderLayerImpl::EncoderLayerImpl(int64_t dim, int64_t heads, int64_t ffn, double dropout)
-    : dim_(dim), heads_(heads), head_dim_(heads > 0 ? dim / heads : 0), dropout_(dropout) {
-  NEBULA_CHECK(dim > 0 && heads > 0 && dim % heads == 0 && ffn > 0, "encoder layer dim ", dim, " heads ", heads,
-               " ffn ", ffn, ": dim must be a positive multiple of heads");
-  NEBULA_CHECK(dropout >= 0 && dropout < 1, "dropout ", dropout);
+    : dim_(dim), heads_(heads), dropout_(dropout) {
+  check_layer_shape("encoder layer", dim, heads, ffn, dropout);
   const std::array<std::pair<int64_t, int64_t>, kNumProjections> shapes = {
       {{dim, dim}, {dim, dim}, {dim, dim}, {dim, dim}, {dim, ffn}, {ffn, dim}}};
   for (size_t p = 0; p < kNumProjections; ++p) {
@@ -38,17 +87,7 @@ EncoderLayerImpl::EncoderLayerImpl(int64_t dim, int64_t heads, int64_t ffn, doub
   }
   norm1_ = register_module("norm1", torch::nn::LayerNorm(torch::nn::LayerNormOptions({dim})));
   norm2_ = register_module("norm2", torch::nn::LayerNorm(torch::nn::LayerNormOptions({dim})));
-
-  // torch's MultiheadAttention: xavier_uniform_ on the fused [3·dim, dim] in_proj_weight (so the
-  // bound is sqrt(6 / (dim + 3·dim))), zero in_proj_bias and out_proj.bias. Matching it keeps
-  // training behaviour (and the demo's loss curve) as it was with torch's layer.
-  torch::NoGradGuard no_grad;
-  const double bound = std::sqrt(6.0 / static_cast<double>(4 * dim));
-  for (Projection p : {kQuery, kKey, kValue}) {
-    linears_[p]->weight.uniform_(-bound, bound);
-    linears_[p]->bias.zero_();
-  }
-  linears_[kOut]->bias.zero_();
+  init_attention_like_torch(linears_[kQuery], linears_[kKey], linears_[kValue], linears_[kOut], dim);
 }
 
 at::Tensor EncoderLayerImpl::drop(const at::Tensor& x, double p) const {
@@ -57,24 +96,8 @@ at::Tensor EncoderLayerImpl::drop(const at::Tensor& x, double p) const {
 
 at::Tensor EncoderLayerImpl::attention(const at::Tensor& x, const at::Tensor& key_padding_mask) {
   NEBULA_CHECK(x.dim() == 3 && x.size(2) == dim_, "encoder layer input of shape ", x.sizes(), ", dim ", dim_);
-  const int64_t batch = x.size(0), seq = x.size(1);
-  // [batch, seq, dim] → [batch, heads, seq, head_dim]
-  auto split_heads = [&](const at::Tensor& t) { return t.view({batch, seq, heads_, head_dim_}).transpose(1, 2); };
-  // Scaling q before the product (as torch does) is cheaper than scaling the scores.
-  at::Tensor q = split_heads(project(kQuery, x) * (1.0 / std::sqrt(static_cast<double>(head_dim_))));
-  at::Tensor k = split_heads(project(kKey, x));
-  at::Tensor v = split_heads(project(kValue, x));
-  at::Tensor scores = at::matmul(q, k.transpose(-2, -1));  // [batch, heads, seq(query), seq(key)]
-  if (key_padding_mask.defined()) {
-    NEBULA_CHECK(key_padding_mask.scalar_type() == at::kBool && key_padding_mask.dim() == 2 &&
-                     key_padding_mask.size(0) == batch && key_padding_mask.size(1) == seq,
-                 "key_padding_mask of shape ", key_padding_mask.sizes(), " and type ",
-                 key_padding_mask.scalar_type(), " for input ", x.sizes(), ": expected bool [batch, seq]");
-    scores = scores.masked_fill(key_padding_mask.view({batch, 1, 1, seq}), most_negative(scores.scalar_type()));
-  }
-  at::Tensor weights = drop(at::softmax(scores, -1), dropout_);
-  at::Tensor heads = at::matmul(weights, v).transpose(1, 2).reshape({batch, seq, dim_});
-  return project(kOut, heads);
+  return project(kOut, multi_head_attention(project(kQuery, x), project(kKey, x), project(kValue, x), heads_,
+                                            key_padding_mask, /*causal=*/false, is_training() ? dropout_ : 0.0));
 }
 
 at::Tensor EncoderLayerImpl::forward(const at::Tensor& x, const at::Tensor& key_padding_mask) {
@@ -99,6 +122,48 @@ void EncoderLayerImpl::set_adapters(torch::nn::AnyModule after_attention, torch:
   register_module("adapter1", after_attention.ptr());
   register_module("adapter2", after_ffn.ptr());
   adapters_ = {std::move(after_attention), std::move(after_ffn)};
+}
+
+DecoderLayerImpl::DecoderLayerImpl(int64_t dim, int64_t heads, int64_t ffn, double dropout)
+    : dim_(dim), heads_(heads), dropout_(dropout) {
+  check_layer_shape("decoder layer", dim, heads, ffn, dropout);
+  for (size_t p = 0; p < kNumProjections; ++p) {
+    const int64_t in = p == kFfnOut ? ffn : dim, out = p == kFfnIn ? ffn : dim;
+    linears_[p] = register_module(kProjectionNames[p], torch::nn::Linear(in, out));
+    projections_[p] = torch::nn::AnyModule(linears_[p]);
+  }
+  for (size_t i = 0; i < norms_.size(); ++i)
+    norms_[i] =
+        register_module("norm" + std::to_string(i + 1), torch::nn::LayerNorm(torch::nn::LayerNormOptions({dim})));
+  init_attention_like_torch(linears_[kSelfQuery], linears_[kSelfKey], linears_[kSelfValue], linears_[kSelfOut], dim);
+  init_attention_like_torch(linears_[kCrossQuery], linears_[kCrossKey], linears_[kCrossValue], linears_[kCrossOut],
+                            dim);
+}
+
+at::Tensor DecoderLayerImpl::drop(const at::Tensor& x) const {
+  return dropout_ > 0 && is_training() ? at::dropout(x, dropout_, /*train=*/true) : x;
+}
+
+at::Tensor DecoderLayerImpl::forward(const at::Tensor& x, const at::Tensor& memory, const at::Tensor& tgt_padding_mask,
+                                     const at::Tensor& memory_padding_mask) {
+  NEBULA_CHECK(x.dim() == 3 && x.size(2) == dim_ && memory.dim() == 3 && memory.size(2) == dim_ &&
+                   memory.size(0) == x.size(0),
+               "decoder layer input of shape ", x.sizes(), " and memory ", memory.sizes(), ", dim ", dim_);
+  const double attention_dropout = is_training() ? dropout_ : 0.0;
+  at::Tensor h = multi_head_attention(project(kSelfQuery, x), project(kSelfKey, x), project(kSelfValue, x), heads_,
+                                      tgt_padding_mask, /*causal=*/true, attention_dropout);
+  at::Tensor y = norms_[0](x + drop(project(kSelfOut, h)));
+  h = multi_head_attention(project(kCrossQuery, y), project(kCrossKey, memory), project(kCrossValue, memory), heads_,
+                           memory_padding_mask, /*causal=*/false, attention_dropout);
+  y = norms_[1](y + drop(project(kCrossOut, h)));
+  h = drop(project(kFfnOut, drop(at::gelu(project(kFfnIn, y)))));
+  return norms_[2](y + h);
+}
+
+void DecoderLayerImpl::set_projection(Projection p, torch::nn::AnyModule module) {
+  NEBULA_CHECK(p < kNumProjections && !module.is_empty(), "set_projection(", static_cast<size_t>(p), ")");
+  replace_module(kProjectionNames[p], module.ptr());
+  projections_[p] = std::move(module);
 }
 
 }  // namespace nebula::model

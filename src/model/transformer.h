@@ -1,4 +1,4 @@
-// One post-LN Transformer encoder layer, written out with explicit projections.
+// Post-LN Transformer encoder and decoder layers, written out with explicit projections.
 //
 // The math is PyTorch's TransformerEncoderLayer(norm_first=false, activation=gelu):
 //   x = norm1(x + adapter1(dropout(attention(x))))
@@ -9,6 +9,13 @@
 // in_proj_weight tensor: here each of the six Linear maps (q, k, v, out, linear1, linear2) is a
 // module of its own that PEFT can wrap (LoRA). transformer_test.cc checks the equality with
 // torch's layer numerically.
+//
+// DecoderLayer is PyTorch's TransformerDecoderLayer(norm_first=false, activation=gelu) the same
+// way, with ten Linear maps (self-attention q/k/v/out, cross-attention q/k/v/out, linear1/2):
+//   x = norm1(x + dropout(self_attention(x, causal mask, target key padding mask)))
+//   x = norm2(x + dropout(attention(q = x, k = v = memory, memory key padding mask)))
+//   x = norm3(x + dropout(linear2(dropout(gelu(linear1(x))))))
+// Both layers compute attention with multi_head_attention() below (one implementation).
 //
 // Not thread-safe (like any torch::nn::Module); forward may run on any one thread at a time.
 #pragma once
@@ -22,6 +29,17 @@
 #include <cstdint>
 
 namespace nebula::model {
+
+// Multi-head scaled dot-product attention on already projected inputs: per head h,
+// softmax(q_h k_hᵀ / √head_dim + mask) v_h, the heads concatenated again (what goes into the
+// output projection). q: [batch, tq, dim]; k, v: [batch, tk, dim]; dim divisible by heads.
+// key_padding_mask: [batch, tk] bool, true = never attended to; may be undefined. causal: query
+// i attends to keys j ≤ i only (needs tq == tk). dropout: the probability applied to the
+// attention weights (pass 0 in eval mode). Masked scores are the lowest finite value, not -inf,
+// so a query with every key masked gets finite (meaningless) output and gradients, not NaN; for
+// any other query a masked key's weight is exactly 0. Returns [batch, tq, dim].
+at::Tensor multi_head_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t heads,
+                                const at::Tensor& key_padding_mask, bool causal, double dropout);
 
 class EncoderLayerImpl : public torch::nn::Module {
  public:
@@ -62,7 +80,7 @@ class EncoderLayerImpl : public torch::nn::Module {
   at::Tensor project(Projection p, const at::Tensor& x) { return projections_[p].forward(x); }
   at::Tensor drop(const at::Tensor& x, double p) const;
 
-  int64_t dim_, heads_, head_dim_;
+  int64_t dim_, heads_;
   double dropout_;
   std::array<torch::nn::Linear, kNumProjections> linears_{nullptr, nullptr, nullptr, nullptr, nullptr, nullptr};
   std::array<torch::nn::AnyModule, kNumProjections> projections_;  // what forward calls: linears_ or wrappers
@@ -70,5 +88,49 @@ class EncoderLayerImpl : public torch::nn::Module {
   std::array<torch::nn::AnyModule, 2> adapters_;  // empty = identity
 };
 TORCH_MODULE(EncoderLayer);
+
+class DecoderLayerImpl : public torch::nn::Module {
+ public:
+  // The ten Linear maps, in registration (and so parameter) order.
+  enum Projection : size_t {
+    kSelfQuery, kSelfKey, kSelfValue, kSelfOut,
+    kCrossQuery, kCrossKey, kCrossValue, kCrossOut,
+    kFfnIn, kFfnOut, kNumProjections
+  };
+  static constexpr std::array<const char*, kNumProjections> kProjectionNames = {
+      "self_q", "self_k", "self_v", "self_out", "cross_q", "cross_k", "cross_v", "cross_out", "linear1", "linear2"};
+
+  // dim must be divisible by heads. Both attentions are initialised like EncoderLayer's (and
+  // torch's MultiheadAttention); linear1/2 are torch::nn::Linear's default.
+  DecoderLayerImpl(int64_t dim, int64_t heads, int64_t ffn, double dropout);
+
+  // x: [batch, tgt, dim], memory: [batch, src, dim] (the encoder's output), batch first.
+  // tgt_padding_mask: [batch, tgt] bool, memory_padding_mask: [batch, src] bool, true where a
+  // position is padding; either may be undefined. The causal mask is always applied: output
+  // position t depends on x[:, ≤ t] and the memory only. Returns [batch, tgt, dim].
+  at::Tensor forward(const at::Tensor& x, const at::Tensor& memory, const at::Tensor& tgt_padding_mask = {},
+                     const at::Tensor& memory_padding_mask = {});
+
+  // The plain Linear behind `p`; still the same module (and weights) after set_projection.
+  const torch::nn::Linear& linear(Projection p) const { return linears_[p]; }
+  torch::nn::LayerNorm& norm1() { return norms_[0]; }
+  torch::nn::LayerNorm& norm2() { return norms_[1]; }
+  torch::nn::LayerNorm& norm3() { return norms_[2]; }
+
+  // As EncoderLayerImpl::set_projection (a PEFT hook): replaces what computes projection `p`.
+  void set_projection(Projection p, torch::nn::AnyModule module);
+
+ private:
+  at::Tensor project(Projection p, const at::Tensor& x) { return projections_[p].forward(x); }
+  at::Tensor drop(const at::Tensor& x) const;
+
+  int64_t dim_, heads_;
+  double dropout_;
+  std::array<torch::nn::Linear, kNumProjections> linears_{nullptr, nullptr, nullptr, nullptr, nullptr,
+                                                          nullptr, nullptr, nullptr, nullptr, nullptr};
+  std::array<torch::nn::AnyModule, kNumProjections> projections_;  // what forward calls: linears_ or wrappers
+  std::array<torch::nn::LayerNorm, 3> norms_{nullptr, nullptr, nullptr};
+};
+TORCH_MODULE(DecoderLayer);
 
 }  // namespace nebula::model

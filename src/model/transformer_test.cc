@@ -1,9 +1,10 @@
-// The own encoder layer against PyTorch's (llm.c style: the same computation two ways, within a
-// stated tolerance). Weights are copied from ours into torch's modules, so any difference is in
+// The own encoder and decoder layers against PyTorch's (llm.c style: the same computation two
+// ways, within a stated tolerance). Weights are copied from ours into torch's modules, so any difference is in
 // the math: projections, head split, scaling, masking, softmax, residuals, GELU, LayerNorms.
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 #include <torch/nn/modules/activation.h>
+#include <torch/nn/modules/transformer.h>
 #include <torch/nn/modules/transformerlayer.h>
 
 #include "model/transformer.h"
@@ -125,6 +126,73 @@ TEST(EncoderLayer, RejectsBadShapes) {
   EncoderLayer layer(kDim, kHeads, kFfn, 0.0);
   EXPECT_THROW(layer->forward(at::randn({2, 3, kDim + 1})), Error);
   EXPECT_THROW(layer->forward(at::randn({2, 3, kDim}), at::zeros({2, 3})), Error);  // float mask
+}
+
+using D = DecoderLayerImpl::Projection;
+
+void copy_attention(torch::nn::MultiheadAttention& mha, DecoderLayer& ours, D first) {
+  auto lin = [&](int i) { return ours->linear(static_cast<D>(first + i)); };
+  mha->in_proj_weight.copy_(at::cat({lin(0)->weight, lin(1)->weight, lin(2)->weight}));
+  mha->in_proj_bias.copy_(at::cat({lin(0)->bias, lin(1)->bias, lin(2)->bias}));
+  mha->out_proj->weight.copy_(lin(3)->weight);
+  mha->out_proj->bias.copy_(lin(3)->bias);
+}
+
+TEST(DecoderLayer, ForwardAndGradientsEqualTorchTransformerDecoderLayer) {
+  at::manual_seed(5);
+  DecoderLayer ours(kDim, kHeads, kFfn, 0.0);
+  torch::nn::TransformerDecoderLayer theirs(
+      torch::nn::TransformerDecoderLayerOptions(kDim, kHeads).dim_feedforward(kFfn).dropout(0.0).activation(
+          torch::kGELU));
+  {
+    torch::NoGradGuard no_grad;
+    for (auto& p : ours->parameters()) p.add_(at::randn_like(p) * 0.2);
+    copy_attention(theirs->self_attn, ours, D::kSelfQuery);
+    copy_attention(theirs->multihead_attn, ours, D::kCrossQuery);
+    theirs->linear1->weight.copy_(ours->linear(D::kFfnIn)->weight);
+    theirs->linear1->bias.copy_(ours->linear(D::kFfnIn)->bias);
+    theirs->linear2->weight.copy_(ours->linear(D::kFfnOut)->weight);
+    theirs->linear2->bias.copy_(ours->linear(D::kFfnOut)->bias);
+    for (auto [t, o] : {std::pair{theirs->norm1, ours->norm1()}, {theirs->norm2, ours->norm2()},
+                        {theirs->norm3, ours->norm3()}}) {
+      t->weight.copy_(o->weight);
+      t->bias.copy_(o->bias);
+    }
+  }
+  constexpr int64_t kTgt = 5;
+  at::Tensor memory_mask = padding_mask(), tgt_mask = at::zeros({kBatch, kTgt}, at::kBool);
+  tgt_mask[1].narrow(0, 3, 2).fill_(true);  // padding at the end, as in a batch of targets
+  at::Tensor memory = at::randn({kBatch, kSeq, kDim}), probe = at::randn({kBatch, kTgt, kDim});
+  at::Tensor x1 = at::randn({kBatch, kTgt, kDim}).requires_grad_(), x2 = x1.detach().clone().requires_grad_();
+
+  at::Tensor a = ours->forward(x1, memory, tgt_mask, memory_mask);
+  at::Tensor causal = torch::nn::TransformerImpl::generate_square_subsequent_mask(kTgt);  // -inf above the diagonal
+  at::Tensor b = theirs->forward(x2.transpose(0, 1), memory.transpose(0, 1), causal, /*memory_mask=*/{}, tgt_mask,
+                                 memory_mask)
+                     .transpose(0, 1);
+  EXPECT_LT(max_diff(a, b), kTol);
+  (a * probe).sum().backward();
+  (b * probe).sum().backward();
+  EXPECT_LT(max_diff(x1.grad(), x2.grad()), kTol);
+  EXPECT_LT(max_diff(at::cat({ours->linear(D::kCrossQuery)->weight.grad(), ours->linear(D::kCrossKey)->weight.grad(),
+                              ours->linear(D::kCrossValue)->weight.grad()}),
+                     theirs->multihead_attn->in_proj_weight.grad()),
+            kTol);
+  EXPECT_LT(max_diff(ours->linear(D::kSelfOut)->weight.grad(), theirs->self_attn->out_proj->weight.grad()), kTol);
+  EXPECT_LT(max_diff(ours->norm3()->weight.grad(), theirs->norm3->weight.grad()), kTol);
+}
+
+TEST(MultiHeadAttention, CausalQueryIgnoresLaterKeys) {
+  at::manual_seed(6);
+  at::Tensor q = at::randn({2, 4, kDim}), k = at::randn({2, 4, kDim}), v = at::randn({2, 4, kDim});
+  at::Tensor a = multi_head_attention(q, k, v, kHeads, {}, /*causal=*/true, 0.0);
+  k[0][2].add_(1.0);  // a later key and value of row 0 change: queries 0 and 1 of row 0 must not see it
+  v[0][3].add_(1.0);
+  at::Tensor b = multi_head_attention(q, k, v, kHeads, {}, /*causal=*/true, 0.0);
+  EXPECT_TRUE(at::equal(a[0].narrow(0, 0, 2), b[0].narrow(0, 0, 2)));
+  EXPECT_GT(max_diff(a[0].narrow(0, 2, 2), b[0].narrow(0, 2, 2)), 1e-3);
+  EXPECT_TRUE(at::equal(a[1], b[1]));
+  EXPECT_THROW(multi_head_attention(q, k.narrow(1, 0, 3), v.narrow(1, 0, 3), kHeads, {}, true, 0.0), Error);
 }
 
 }  // namespace
