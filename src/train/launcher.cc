@@ -265,7 +265,10 @@ bool print_summary(const std::string& run_dir) {
   if (j.contains("final_val_loss") && j["final_val_loss"].is_number())
     std::printf("  final val loss    %.4f\n", num("final_val_loss"));
   std::printf("  WAN bytes sent    %s (all gateways)\n", format_bytes(num("wan_bytes")).c_str());
-  if (j.contains("eval") && j["eval"].is_object() && !j["eval"].empty()) {
+  if (j.contains("eval") && j["eval"].contains("bleu")) {
+    std::printf("  BLEU              %.2f on %.0f test pairs (beam %d)\n", j["eval"].value("bleu", 0.0),
+                j["eval"].value("sentences", 0.0), j["eval"].value("beam", 1));
+  } else if (j.contains("eval") && j["eval"].is_object() && !j["eval"].empty()) {
     // Cross-lingual evaluation, start → end of the run, per language.
     std::printf("  %-8s %-22s %s\n", "held-out", "MLM accuracy", "retrieval accuracy (chance)");
     for (auto& [lang, e] : j["eval"].items()) {
@@ -279,9 +282,14 @@ bool print_summary(const std::string& run_dir) {
       std::printf("\n");
     }
   }
-  if (j.contains("bleu") && j["bleu"].is_object())
-    std::printf("  BLEU              %.2f on %.0f test sentences (beam %d)\n", j["bleu"].value("score", 0.0),
-                j["bleu"].value("sentences", 0.0), j["bleu"].value("beam", 1));
+  if (j.contains("distill")) {
+    const auto& d = j["distill"];
+    std::printf("  distillation      %.0f teacher tokens from %s, %.1f bytes/token (fp32 logits: %.0f, %.0fx more); "
+                "waited %.2f s\n",
+                d.value("tokens", 0.0), d.value("teacher_site", "?").c_str(), d.value("bytes_per_token", 0.0),
+                d.value("fp32_logits_bytes_per_token", 0.0), d.value("reduction_vs_fp32_logits", 0.0),
+                d.value("wait_seconds", 0.0));
+  }
   return true;
 }
 
