@@ -2,6 +2,7 @@
 #include <gtest/gtest.h>
 #include <sys/wait.h>
 
+#include <algorithm>
 #include <array>
 #include <cstdio>
 #include <filesystem>
@@ -315,7 +316,7 @@ TEST(EndToEnd, BadConfigGivesOneLineNamingTheKey) {
 
 TEST(EndToEnd, HelpWorksForEverySubcommand) {
   for (const char* sub : {"", "run ", "worker ", "demo ", "plan ", "certs ", "certs init ", "certs issue ", "corpus ",
-                          "corpus build ", "bleu "}) {
+                          "corpus build ", "bleu ", "translate "}) {
     Result r = run(std::string(sub) + "--help", 30);
     EXPECT_EQ(r.exit_code, 0) << sub << r.output;
     EXPECT_NE(r.output.find("Usage"), std::string::npos) << sub << r.output;
@@ -469,6 +470,72 @@ TEST(EndToEnd, BleuPrintsTheScoreLine) {
   EXPECT_NE(r.output.find("ref.txt has 1 lines but " + dir + "/h.txt has 3"), std::string::npos) << r.output;
   EXPECT_EQ(run("bleu " + dir + "/nonexistent.txt " + dir + "/ref.txt", 30).exit_code, 2);
   EXPECT_EQ(run("bleu " + dir + "/hyp.txt " + dir + "/ref.txt --smooth add-k", 30).exit_code, 2);
+  fs::remove_all(dir);
+}
+
+// Issue [5/7]'s story, tiny: corpus → two-site MLM+TLM pre-training → sync baseline → teacher →
+// student distilled across the WAN → student alone → summary and charts; then `nebula
+// translate` with the teacher it made.
+TEST(EndToEnd, DemoQuickRunsEveryStageAndTranslateUsesItsModel) {
+  const std::string dir = temp_run_dir("demo");
+  Result r = run("demo --quick --run-dir " + dir + " --set 'metrics.progress=\"off\"'", 600);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  for (const char* stage : {"[1/6]", "[2/6]", "[3/6]", "[4/6]", "[5/6]", "[6/6]"})
+    EXPECT_NE(r.output.find(stage), std::string::npos) << stage;
+  const nlohmann::json s = nlohmann::json::parse(read_file(dir + "/summary.json"));
+  EXPECT_TRUE(s["quick"].get<bool>());
+  // Pre-training: far fewer WAN bytes than the synchronous baseline's measured bytes per step.
+  EXPECT_GT(s["wan_reduction_vs_sync"].get<double>(), 10) << s.dump();
+  EXPECT_EQ(s["pretrain"]["objective"], "mlm+tlm");
+  for (const char* lang : {"de", "es", "fr", "it"}) {
+    ASSERT_TRUE(s["pretrain"]["eval"].contains(lang)) << lang;
+    const auto& e = s["pretrain"]["eval"][lang];
+    EXPECT_GE(e["retrieval_accuracy"].get<double>(), 0) << lang;
+    EXPECT_LE(e["retrieval_accuracy"].get<double>(), 1) << lang;
+    EXPECT_GT(e["pairs"].get<double>(), 0) << lang;
+    EXPECT_TRUE(s["pretrain"]["eval_start"].contains(lang)) << lang;
+  }
+  EXPECT_TRUE(s["pretrain"]["eval"].contains("en"));
+  // Distillation happened over the link, compressed: top-8 of a 1000-piece vocabulary is
+  // 8 × (2 + 1) bytes + 1 per token against 4000 for float32 logits.
+  const auto& d = s["distill"];
+  EXPECT_GT(d["tokens"].get<double>(), 0);
+  EXPECT_LT(d["bytes_per_token"].get<double>(), 30);
+  EXPECT_EQ(d["fp32_logits_bytes_per_token"].get<double>(), 4000);
+  EXPECT_GT(d["link_bytes_received"].get<double>(), d["response_bytes"].get<double>());  // framing, TLS records
+  for (const char* k : {"teacher_bleu", "student_bleu", "student_kd_bleu"}) {
+    EXPECT_GE(s[k].get<double>(), 0) << k;
+    EXPECT_LE(s[k].get<double>(), 100) << k;
+  }
+  // The teacher answered every request without an error.
+  bool served = false;
+  for (const auto& line : lines_of(dir + "/student-kd/metrics.jsonl")) {
+    auto j = nlohmann::json::parse(line);
+    if (!j.contains("teacher")) continue;
+    served = true;
+    EXPECT_EQ(j["teacher"]["errors"], 0);
+    EXPECT_EQ(j["teacher"]["requests"].get<double>(), d["requests"].get<double>());
+  }
+  EXPECT_TRUE(served);
+  for (const char* f : {"/summary.md", "/pretrain_loss.svg", "/retrieval.svg", "/translation_loss.svg",
+                        "/pretrain/model.safetensors", "/teacher/model.safetensors", "/student/model.safetensors",
+                        "/student-kd/translations-europe-south.tsv", "/corpus/test.tsv"})
+    EXPECT_TRUE(fs::exists(dir + f)) << f;
+  EXPECT_NE(read_file(dir + "/retrieval.svg").find("<polyline"), std::string::npos);
+
+  // nebula translate: one line out per line in, with the tokenizer the model file records.
+  std::ofstream(dir + "/in.txt") << "Open file\nSave\n\nQuit the program\n";
+  Result t = run("translate " + dir + "/teacher/model.safetensors --beam 2 --input " + dir + "/in.txt", 120);
+  ASSERT_EQ(t.exit_code, 0) << t.output;
+  EXPECT_EQ(std::count(t.output.begin(), t.output.end(), '\n'), 4) << t.output;
+  // The pre-trained encoder is not a translation model: one line saying so.
+  t = run("translate " + dir + "/pretrain/model.safetensors --input " + dir + "/in.txt", 60);
+  EXPECT_EQ(t.exit_code, 1) << t.output;
+  EXPECT_NE(t.output.find("not a translation model"), std::string::npos) << t.output;
+  // A student site whose pairs may not leave it cannot be distilled: the config says how to allow it.
+  t = run("run examples/demo_mt.toml --set sites.1.shareable=false", 60);
+  EXPECT_EQ(t.exit_code, 2) << t.output;
+  EXPECT_NE(t.output.find("shareable = true"), std::string::npos) << t.output;
   fs::remove_all(dir);
 }
 

@@ -150,7 +150,7 @@ int run_demo(const DemoOptions& o) {
   Config teacher = mt;
   teacher.job.name = "demo-teacher";
   teacher.job.run_dir = run + "/teacher";
-  teacher.job.steps = q ? 20 : 2 * mt.job.steps;
+  teacher.job.steps = q ? 20 : 3 * mt.job.steps;
   teacher.sites = {mt.sites[0]};
   teacher.distill = DistillConfig{};
   banner(4, str_cat("teacher: en->", mt.data.languages[0], " fine-tuned on ", teacher.sites[0].name, "'s pairs from the "
@@ -210,7 +210,7 @@ int run_demo(const DemoOptions& o) {
                 " bytes/token vs ", fixed(d.value("fp32_logits_bytes_per_token", 0.0), 0), " for fp32 logits (",
                 fixed(d.value("reduction_vs_fp32_logits", 0.0), 0), "× less); the student waited ",
                 fixed(d.value("wait_seconds", 0.0), 2), " s for the teacher in all |\n");
-  md += str_cat("\nBLEU: sacreBLEU-compatible corpus BLEU (13a), beam ", mt.eval.beam, ", on ",
+  md += str_cat("\nBLEU: sacreBLEU-compatible corpus BLEU (13a tokenization, exp smoothing), beam ", mt.eval.beam, ", on ",
                 s_kd["eval"].value("sentences", 0.0), " en→", mt.data.languages[0], " test pairs.\n");
 
   eval::ChartOptions loss_chart{"Pre-training loss per site", "step", "training loss (MLM + TLM)"};

@@ -8,6 +8,7 @@
 #include <nlohmann/json.hpp>
 #include <spdlog/spdlog.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstring>
 #include <filesystem>
@@ -121,9 +122,15 @@ class Progress {
     double loss = 0, rate = 0;
     for (auto& [r, l] : s.loss) loss += l / static_cast<double>(s.loss.size());
     for (auto& [r, t] : s.rate) rate += t;
-    char buf[256];
-    std::snprintf(buf, sizeof buf, "%-14s step %5d/%-5d loss %7.4f  %8.0f tok/s  WAN sent %s, received %s",
-                  name.c_str(), s.step, s.steps, loss, rate, format_bytes(s.sent).c_str(),
+    // A bar of the job's steps (a fast site under heterogeneous diloco runs more local steps:
+    // its bar is full early and the count goes on).
+    constexpr int kWidth = 20;
+    const int filled = s.steps > 0 ? std::min(kWidth, s.step * kWidth / s.steps) : 0;
+    const std::string bar = "[" + std::string(static_cast<size_t>(filled), '#') +
+                            std::string(static_cast<size_t>(kWidth - filled), '.') + "]";
+    char buf[320];
+    std::snprintf(buf, sizeof buf, "%-14s %s step %5d/%-5d loss %7.4f  %8.0f tok/s  WAN sent %s, received %s",
+                  name.c_str(), bar.c_str(), s.step, s.steps, loss, rate, format_bytes(s.sent).c_str(),
                   format_bytes(s.received).c_str());
     return buf;
   }

@@ -179,7 +179,12 @@ class TranslationTask : public Task {
       counts[n] = static_cast<size_t>(c[n]);
       totals[n] = static_cast<size_t>(c[4 + n]);
     }
-    const eval::BleuScore s = eval::compute_bleu(counts, totals, static_cast<size_t>(c[8]), static_cast<size_t>(c[9]));
+    // sacreBLEU's default smoothing (exp): a short or weak system's missing 4-gram matches do
+    // not zero the whole score.
+    eval::BleuOptions o;
+    o.smoothing = eval::BleuSmoothing::kExp;
+    const eval::BleuScore s =
+        eval::compute_bleu(counts, totals, static_cast<size_t>(c[8]), static_cast<size_t>(c[9]), o);
     return {{"bleu", s.score}, {"sentences", c[10]}, {"beam", c_.eval.beam}, {"bleu_line", s.format()}};
   }
 
