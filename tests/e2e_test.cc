@@ -519,7 +519,7 @@ TEST(EndToEnd, DemoQuickRunsEveryStageAndTranslateUsesItsModel) {
   EXPECT_TRUE(served);
   for (const char* f : {"/summary.md", "/pretrain_loss.svg", "/retrieval.svg", "/translation_loss.svg",
                         "/pretrain/model.safetensors", "/teacher/model.safetensors", "/student/model.safetensors",
-                        "/student-kd/translations-europe-south.tsv", "/corpus/test.tsv"})
+                        "/student-kd/translations-europe-south.tsv", "/corpus/test.tsv", "/corpus-de/test.tsv"})
     EXPECT_TRUE(fs::exists(dir + f)) << f;
   EXPECT_NE(read_file(dir + "/retrieval.svg").find("<polyline"), std::string::npos);
 

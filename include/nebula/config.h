@@ -52,7 +52,7 @@ struct DataConfig {
   std::string source = "gettext";
   std::string path = "/usr/share/locale";  // locale dir (gettext), a file (tsv, text) or a directory (corpus)
   std::vector<std::string> languages;      // gettext: the languages of the whole job
-  int64_t max_pairs_per_language = 2000;   // 0 = all
+  int64_t max_pairs_per_language = 2000;   // gettext: pairs read per language; 0 = all
   double valid_fraction = 0.05;      // gettext/tsv/text: hash-chosen held-out shares
   double test_fraction = 0.05;
   int64_t vocab_size = 1000;

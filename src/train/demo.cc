@@ -101,13 +101,20 @@ int run_demo(const DemoOptions& o) {
   const bool q = o.quick;
 
   // 1. Corpus: this machine's gettext catalogs → deduplicated, split English↔X pairs.
-  banner(1, "corpus: English-X pairs from this machine's gettext catalogs");
+  banner(1, "corpora: English-X pairs from this machine's gettext catalogs (pre-training; translation)");
   data::CorpusBuildOptions co;
   co.languages = {"de", "es", "fr", "it"};
   co.max_pairs_per_language = q ? 300 : 3000;
   data::Corpus corpus = data::build_corpus(co);
   data::write_corpus(run + "/corpus", corpus, co);
   std::fputs(data::format_corpus_stats(corpus, co).c_str(), stdout);
+  // Translation (en→de) gets its own, larger corpus: the teacher's site holds all of it.
+  data::CorpusBuildOptions mo = co;
+  mo.languages = {"de"};
+  mo.max_pairs_per_language = q ? 600 : 40000;
+  data::Corpus mt_corpus = data::build_corpus(mo);
+  data::write_corpus(run + "/corpus-de", mt_corpus, mo);
+  std::fputs(data::format_corpus_stats(mt_corpus, mo).c_str(), stdout);
 
   // 2. Multilingual pre-training on two sites (different languages each) over the emulated WAN.
   std::vector<std::string> sets = {"job.run_dir=\"" + run + "/pretrain\"", "data.source=\"corpus\"",
@@ -137,7 +144,7 @@ int run_demo(const DemoOptions& o) {
   // 4–6. Translation (examples/demo_mt.toml): the teacher on site A, then the student on site
   // B with and without distillation from it.
   Config mt = parse_config(o.translate_config, "examples/demo_mt.toml",
-                           {"data.path=\"" + run + "/corpus\"", "data.tokenizer=\"" + tokenizer + "\"",
+                           {"data.path=\"" + run + "/corpus-de\"", "data.tokenizer=\"" + tokenizer + "\"",
                             "model.init=\"" + pre.job.run_dir + "/model.safetensors\"",
                             "distill.teacher=\"" + run + "/teacher/model.safetensors\""});
   if (q) {
@@ -145,16 +152,16 @@ int run_demo(const DemoOptions& o) {
     mt.job.log_every = 5;
     mt.eval.pairs = 20;
     mt.eval.beam = 2;
-    mt.sites[1].max_pairs_per_language = 100;
+    mt.sites[1].max_pairs_per_language = 150;
   }
   Config teacher = mt;
   teacher.job.name = "demo-teacher";
   teacher.job.run_dir = run + "/teacher";
-  teacher.job.steps = q ? 20 : 3 * mt.job.steps;
+  teacher.job.steps = q ? 20 : 3 * mt.job.steps;  // three times the student's: the fine-tuned model
   teacher.sites = {mt.sites[0]};
   teacher.distill = DistillConfig{};
-  banner(4, str_cat("teacher: en->", mt.data.languages[0], " fine-tuned on ", teacher.sites[0].name, "'s pairs from the "
-                    "pre-trained encoder, ", teacher.job.steps, " steps"));
+  banner(4, str_cat("teacher: en->", mt.data.languages[0], " fine-tuned on all of ", teacher.sites[0].name,
+                    "'s pairs from the pre-trained encoder, ", teacher.job.steps, " steps"));
   if (int rc = run_stage(teacher, o)) return rc;
 
   Config kd = mt;
@@ -185,8 +192,9 @@ int run_demo(const DemoOptions& o) {
   const auto& d = s_kd["distill"];
 
   std::string md = "# nebula demo summary\n\n";
-  md += str_cat("Corpus: ", corpus.train.size(), " / ", corpus.valid.size(), " / ", corpus.test.size(),
-                " train / valid / test pairs (de, es, fr, it; ", run, "/corpus).\n\n");
+  md += str_cat("Corpora: pre-training ", corpus.train.size(), " / ", corpus.valid.size(), " / ", corpus.test.size(),
+                " train / valid / test pairs (de, es, fr, it; ", run, "/corpus); translation ", mt_corpus.train.size(),
+                " / ", mt_corpus.valid.size(), " / ", mt_corpus.test.size(), " (en→de; ", run, "/corpus-de).\n\n");
   md += "| stage | result |\n|---|---|\n";
   md += str_cat("| pre-training, ", s_pre.value("strategy", "?"), " (", pre.job.steps, " steps, 2 sites) | WAN ",
                 format_bytes(pre_bytes), " vs ", format_bytes(sync_bytes), " for sync (", fixed(sync_per_step / 1048576, 2),
@@ -232,6 +240,7 @@ int run_demo(const DemoOptions& o) {
   nlohmann::json summary = {{"quick", q},
                             {"seconds", seconds},
                             {"corpus_pairs", {corpus.train.size(), corpus.valid.size(), corpus.test.size()}},
+                            {"translation_corpus_pairs", {mt_corpus.train.size(), mt_corpus.valid.size(), mt_corpus.test.size()}},
                             {"pretrain", s_pre},
                             {"sync_bytes_per_step", sync_per_step},
                             {"sync_bytes_extrapolated", sync_bytes},

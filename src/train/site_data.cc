@@ -51,9 +51,8 @@ std::vector<data::SentencePair> read_source(const Config& c, const std::vector<s
     return pairs;
   }
   static const char* kFiles[] = {"train.tsv", "valid.tsv", "test.tsv"};  // corpus: as `nebula corpus build` wrote it
-  pairs = data::select_languages(data::read_tsv_file(c.data.path + "/" + kFiles[static_cast<int>(which)], "xx"), langs);
-  data::cap_per_language(pairs, static_cast<size_t>(c.data.max_pairs_per_language));
-  return pairs;
+  // (corpus build already chose its pairs: data.max_pairs_per_language is for gettext)
+  return data::select_languages(data::read_tsv_file(c.data.path + "/" + kFiles[static_cast<int>(which)], "xx"), langs);
 }
 
 // read_source's pairs → split `which` of the site (or the job).
