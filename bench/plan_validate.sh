@@ -3,7 +3,7 @@
 #   bench/plan_validate.sh [STRATEGY ...]          (default: sync)
 #   STEPS=40 CODECS="none int8" bench/plan_validate.sh sync diloco
 #
-# 1. Calibrates compute speed: runs examples/demo.toml with an unlimited WAN
+# 1. Calibrates compute speed: runs examples/mlm.toml with an unlimited WAN
 #    (wan.bandwidth=0, wan.rtt=0) and takes the steady-state step time, tokens per
 #    worker-step and the parameter count (floats sent per step) from its metrics.jsonl.
 # 2. For each STRATEGY and CODEC: runs the demo over its emulated WAN (50 Mbit/s, 80 ms),
@@ -27,7 +27,7 @@ trap 'rm -rf "$out"' EXIT
 run() {  # run NAME --set ...: one demo run into $out/NAME
   local name="$1"
   shift
-  build/nebula run examples/demo.toml --set job.steps="$steps" --set metrics.progress='"off"' \
+  build/nebula run examples/mlm.toml --set job.steps="$steps" --set metrics.progress='"off"' \
     --set job.run_dir="\"$out/$name\"" "${extra[@]}" "$@" > "$out/$name.log" 2>&1 \
     || { echo "$name failed: see $out/$name.log"; trap - EXIT; exit 1; }
 }
@@ -67,7 +67,7 @@ print(json.dumps({
 PY
 }
 
-echo "calibrating compute with an unlimited WAN ($steps steps of examples/demo.toml) ..."
+echo "calibrating compute with an unlimited WAN ($steps steps of examples/mlm.toml) ..."
 run free --set wan.bandwidth=0 --set wan.rtt=0
 measure free > "$out/free.json"
 python3 - "$out/free.json" <<'PY'

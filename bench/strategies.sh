@@ -33,7 +33,7 @@ run() {  # name, wan (emulated|unlimited)
   for kv in ${runs[$1]}; do sets+=(--set "$kv"); done
   if [ "$wan" = unlimited ]; then sets+=(--set 'wan.bandwidth="0bit"' --set 'wan.rtt="0s"'); fi
   [ -n "$tokenizer" ] && sets+=(--set "data.tokenizer=\"$tokenizer\"")
-  build/nebula run examples/demo.toml --set job.steps="$steps" --set job.log_every=10 --set strategy.heterogeneous=false \
+  build/nebula run examples/mlm.toml --set job.steps="$steps" --set job.log_every=10 --set strategy.heterogeneous=false \
     --set 'wan.bandwidth="20Mbit"' --set 'wan.rtt="100ms"' "${sets[@]}" \
     --set metrics.progress='"off"' --set job.run_dir="\"$dir\"" > "$dir.log" 2>&1 \
     || { echo "$name ($wan) failed: see $dir.log"; exit 1; }

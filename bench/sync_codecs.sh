@@ -8,7 +8,7 @@ steps="${1:-60}"
 out="$(mktemp -d)"
 printf "%-9s %14s %12s %10s %12s\n" codec "WAN B/step" "vs none" "s/step" "val loss"
 for codec in none fp16 bf16 int8 int4 topk powersgd; do
-  build/nebula run examples/demo.toml --set job.steps="$steps" --set strategy.codec="$codec" \
+  build/nebula run examples/mlm.toml --set job.steps="$steps" --set strategy.codec="$codec" \
     --set metrics.progress='"off"' --set job.run_dir="\"$out/$codec\"" > "$out/$codec.log" 2>&1 \
     || { echo "$codec failed: see $out/$codec.log"; exit 1; }
   python3 - "$out" "$codec" "$steps" <<'PY'

@@ -4,6 +4,8 @@
 
 #include <algorithm>
 #include <chrono>
+#include <condition_variable>
+#include <mutex>
 
 namespace nebula {
 
@@ -37,5 +39,15 @@ class Deadline {
  private:
   Clock::time_point at_;
 };
+
+// Waits on `cv` (with `lock` held) until `pred` holds or `deadline` passes; returns pred().
+template <typename Pred>
+bool wait_until(std::condition_variable& cv, std::unique_lock<std::mutex>& lock, Deadline deadline, Pred pred) {
+  if (deadline.is_never()) {
+    cv.wait(lock, pred);
+    return true;
+  }
+  return cv.wait_until(lock, deadline.at(), pred);
+}
 
 }  // namespace nebula

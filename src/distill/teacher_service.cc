@@ -13,16 +13,6 @@ namespace {
 
 constexpr size_t kMaxErrorMessage = 4096;  // bytes of an error reply; the rest is cut
 
-// Waits on `cv` until `pred` holds or `deadline` passes; returns pred().
-template <typename Pred>
-bool wait_until(std::condition_variable& cv, std::unique_lock<std::mutex>& lock, Deadline deadline, Pred pred) {
-  if (deadline.is_never()) {
-    cv.wait(lock, pred);
-    return true;
-  }
-  return cv.wait_until(lock, deadline.at(), pred);
-}
-
 // c10::Error's what() carries a C++ backtrace; the student wants the message only.
 std::string message_of(const std::exception& e) {
   if (const auto* c = dynamic_cast<const c10::Error*>(&e)) return c->what_without_backtrace();

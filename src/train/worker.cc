@@ -145,9 +145,14 @@ void run_worker(const Config& c, const WorkerIdentity& who) {
   };
 
   // Evaluation on the gateway: a metrics line {"site", "step", "eval"} with this site's values.
+  int64_t last_eval_step = -1;
+  std::vector<double> last_eval;
   auto evaluate_now = [&](int64_t steps_done) {
     if (who.local_rank != 0) return std::vector<double>(task->eval_size(), 0.0);
+    if (steps_done == last_eval_step) return last_eval;  // the end of the run fell on an eval.every step
     std::vector<double> counts = task->evaluate();
+    last_eval_step = steps_done;
+    last_eval = counts;
     metrics.write({{"time", unix_time()}, {"site", site.name}, {"rank", 0}, {"step", steps_done},
                    {"eval", task->eval_json(counts)}});
     return counts;

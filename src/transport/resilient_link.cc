@@ -31,16 +31,6 @@ std::string duration_text(std::chrono::milliseconds d) {
   return str_cat(d.count(), " ms");
 }
 
-// Waits on `cv` until `pred` holds or `deadline` passes; returns pred().
-template <typename Pred>
-bool wait_until(std::condition_variable& cv, std::unique_lock<std::mutex>& lock, Deadline deadline, Pred pred) {
-  if (deadline.is_never()) {
-    cv.wait(lock, pred);
-    return true;
-  }
-  return cv.wait_until(lock, deadline.at(), pred);
-}
-
 wire::Frame u64_frame(FrameType type, std::initializer_list<uint64_t> values) {
   wire::ByteWriter w;
   for (uint64_t v : values) w.put_u64(v);
