@@ -193,7 +193,7 @@ class TranslationTask : public Task {
   }
 
   nlohmann::json summary() const override {
-    nlohmann::json s = {{"train_pairs_site0_worker0", train_pairs_}};
+    nlohmann::json s = {{"train_pairs", train_pairs_}};  // the writer's (the first site's gateway's) share
     if (!client_) return s;
     const auto st = client_->stats();
     const auto link = teacher_link_->stats();

@@ -1,0 +1,115 @@
+// What each site reads (data never crosses sites), the translation-LM sequences, and the
+// cross-lingual probe's slots.
+#include "train/site_data.h"
+
+#include <gtest/gtest.h>
+
+#include <set>
+
+#include "data/corpus.h"
+#include "nebula/error.h"
+#include "train/evaluation.h"
+#include "util/temp_dir.h"
+
+namespace nebula::train {
+namespace {
+
+std::vector<data::SentencePair> make_pairs(const std::string& lang, int n) {
+  std::vector<data::SentencePair> out;
+  for (int i = 0; i < n; ++i)
+    out.push_back({lang, "open file number " + std::to_string(i), lang + " datei nummer " + std::to_string(i)});
+  return out;
+}
+
+// A `nebula corpus build` directory with de and fr pairs, and a config of two sites reading it.
+struct CorpusJob {
+  nebula::testing::TempDir dir{"site_data"};
+  Config config;
+  CorpusJob() {
+    data::Corpus c;
+    for (const auto* lang : {"de", "fr"})
+      for (auto& p : make_pairs(lang, 40)) c.train.push_back(p);
+    c.valid = make_pairs("de", 5);
+    c.test = make_pairs("fr", 3);
+    data::write_corpus(dir.path(), c, {});
+    config = parse_config(str_cat("[data]\nsource = \"corpus\"\npath = \"", dir.path(),
+                                  "\"\n[[sites]]\nname = \"a\"\nlanguages = [\"de\"]\n"
+                                  "[[sites]]\nname = \"b\"\nlanguages = [\"fr\"]\nmax_pairs_per_language = 7\n"),
+                          "job.toml");
+  }
+};
+
+TEST(SiteData, CorpusDirectorySplitsAreReadAsWrittenAndSitesKeepTheirLanguages) {
+  CorpusJob job;
+  const auto a = load_pairs(job.config, &job.config.sites[0], data::Split::kTrain);
+  const auto b = load_pairs(job.config, &job.config.sites[1], data::Split::kTrain);
+  ASSERT_EQ(a.size(), 40u);  // data.max_pairs_per_language (2000 by default) is gettext's, not applied here
+  EXPECT_EQ(b.size(), 7u);   // the site's own cap
+  for (const auto& p : a) EXPECT_EQ(p.lang, "de");
+  for (const auto& p : b) EXPECT_EQ(p.lang, "fr");
+  EXPECT_EQ(load_pairs(job.config, &job.config.sites[0], data::Split::kValid).size(), 5u);
+  EXPECT_EQ(load_pairs(job.config, &job.config.sites[1], data::Split::kTest).size(), 3u);
+  EXPECT_TRUE(load_pairs(job.config, &job.config.sites[1], data::Split::kValid).empty());  // fr has none
+  // The cap keeps a fixed subset: the same 7 on every call.
+  EXPECT_EQ(load_pairs(job.config, &job.config.sites[1], data::Split::kTrain), b);
+
+  // Workers split their site's pairs: disjoint, complete.
+  std::set<std::string> seen;
+  for (int rank = 0; rank < 3; ++rank) {
+    SiteText t = load_site_text(job.config, 0, rank, 3);
+    EXPECT_EQ(t.train.size(), 2 * t.train_pairs.size());  // both sides of each pair
+    for (const auto& p : t.train_pairs) EXPECT_TRUE(seen.insert(p.en).second) << p.en;
+  }
+  EXPECT_EQ(seen.size(), 40u);
+
+  job.config.data.path = job.dir.file("missing");
+  try {
+    load_pairs(job.config, &job.config.sites[0], data::Split::kTrain);
+    ADD_FAILURE() << "no error for a missing corpus directory";
+  } catch (const DataError& e) {
+    EXPECT_NE(std::string(e.what()).find("missing/train.tsv"), std::string::npos) << e.what();
+  }
+}
+
+// XLM's TLM sequence: <s> en </s> other </s>, each side cut to (max_len - 3) / 2 pieces.
+TEST(SiteData, TranslationLmSequencesHoldBothSidesWithinMaxLen) {
+  CorpusJob job;
+  std::vector<std::string> text;
+  for (const auto& p : make_pairs("de", 40)) text.insert(text.end(), {p.en, p.other});
+  data::Tokenizer::train(text, job.dir.file("spm"), 30);
+  const auto tok = data::Tokenizer::load(job.dir.file("spm.model"));
+  const std::vector<data::SentencePair> pairs = {{"de", "open file", "datei"}, {"text", "no translation", ""}};
+  auto seqs = encode_tlm(tok, pairs, 64);
+  ASSERT_EQ(seqs.size(), 1u);  // a pair without its other side gives none
+  std::vector<int> expected{tok.bos_id()};
+  for (int id : tok.encode("open file")) expected.push_back(id);
+  expected.push_back(tok.eos_id());
+  for (int id : tok.encode("datei")) expected.push_back(id);
+  expected.push_back(tok.eos_id());
+  EXPECT_EQ(seqs[0], expected);
+  // Long sides are cut so that the pair fits: (12 - 3) / 2 = 4 pieces each.
+  const std::string long_text = "open file number 1 open file number 2 open file number 3";
+  seqs = encode_tlm(tok, {{"de", long_text, long_text}}, 12);
+  ASSERT_EQ(seqs.size(), 1u);
+  EXPECT_EQ(seqs[0].size(), 11u);
+  EXPECT_EQ(seqs[0][5], tok.eos_id());
+  EXPECT_EQ(seqs[0].back(), tok.eos_id());
+}
+
+TEST(SiteData, ProbeSlotsAreTheNamedLanguagesThenEnglish) {
+  CorpusJob job;
+  EXPECT_EQ(XlingualProbe::slot_names(job.config), (std::vector<std::string>{"de", "fr", "en"}));
+  EXPECT_EQ(XlingualProbe::size(job.config), 12u);
+  // Counts → values; a language nobody holds is left out.
+  std::vector<double> counts = {3, 10, 8, 10, /*fr*/ 0, 0, 0, 0, /*en*/ 5, 20, 0, 0};
+  const auto j = XlingualProbe::to_json(job.config, counts);
+  EXPECT_DOUBLE_EQ(j["de"]["mlm_accuracy"].get<double>(), 0.3);
+  EXPECT_DOUBLE_EQ(j["de"]["retrieval_accuracy"].get<double>(), 0.8);
+  EXPECT_DOUBLE_EQ(j["de"]["pairs"].get<double>(), 5);
+  EXPECT_FALSE(j.contains("fr"));
+  EXPECT_DOUBLE_EQ(j["en"]["mlm_accuracy"].get<double>(), 0.25);
+  EXPECT_FALSE(j["en"].contains("retrieval_accuracy"));
+}
+
+}  // namespace
+}  // namespace nebula::train
