@@ -8,7 +8,6 @@
 #include <dlfcn.h>
 
 #include <cmath>
-#include <filesystem>
 #include <thread>
 
 #include "collective/gateway_mesh.h"
