@@ -8,6 +8,21 @@
 #include "wire/frame.h"
 
 namespace nebula::collective {
+namespace {
+
+// Why the update guard rejects a site's contribution, or "" if it passes.
+std::string guard_verdict(const at::Tensor& x, double max_norm) {
+  const int64_t nans = at::isnan(x).sum().item<int64_t>(), infs = at::isinf(x).sum().item<int64_t>();
+  if (nans + infs > 0) return str_cat("non-finite values (", nans, " NaN, ", infs, " infinite)");
+  if (max_norm > 0) {
+    const double norm = x.norm().item<double>();
+    if (norm > max_norm) return str_cat("L2 norm ", norm, " above the bound ", max_norm, " (strategy.max_update_norm)");
+  }
+  return {};
+}
+
+}  // namespace
+
 
 Hierarchy::Hierarchy(SiteGroup& site, GatewayMesh* mesh) : site_(site), mesh_(mesh) {
   NEBULA_CHECK((site.rank() == 0) == (mesh != nullptr), "site ", site.site(), " rank ", site.rank(),
@@ -103,7 +118,8 @@ std::shared_ptr<Work> Hierarchy::exchange_async(std::vector<at::Tensor> bucket, 
                      offset += t.numel();
                    }
                    ++allreduces_;
-                   work.site_info_ = cross_site(values, bucket, options.weight, /*presummed=*/false, options);
+                   work.site_info_ =
+                       cross_site(values, bucket, options.weight, /*presummed=*/false, options, &work.rejected_);
                    offset = 0;
                    for (const auto& t : bucket) {
                      t.view({-1}).copy_(values.narrow(0, offset, t.numel()));
@@ -157,7 +173,8 @@ void Hierarchy::run_allreduce(const std::vector<at::Tensor>& bucket, const Allre
 
 std::vector<std::vector<double>> Hierarchy::cross_site(at::Tensor values, const std::vector<at::Tensor>& bucket,
                                                         double site_weight, bool presummed,
-                                                        const AllreduceOptions& options) {
+                                                        const AllreduceOptions& options,
+                                                        std::vector<Rejection>* rejected) {
   const int64_t n = values.numel();
   const bool weighted = options.op == ReduceOp::kWeightedMean;
   // What this site contributes: its values, encoded once, its weight and its site_info.
@@ -202,6 +219,7 @@ std::vector<std::vector<double>> Hierarchy::cross_site(at::Tensor values, const 
   // all sites compute exactly the same floats.
   at::Tensor sum = at::zeros({n}, at::kFloat);
   double total_weight = 0;
+  size_t left_out = 0;  // contributions the update guard rejected
   std::vector<std::vector<double>> info(all.size());
   for (size_t s = 0; s < all.size(); ++s) {
     wire::ByteReader r(all[s], "allreduce payload from site " + std::to_string(s));
@@ -210,7 +228,6 @@ std::vector<std::vector<double>> Hierarchy::cross_site(at::Tensor values, const 
       throw Error(str_cat("allreduce: site ", s, " sent ", count, " elements, this site has ", n,
                           ": the sites' models differ"));
     const double weight = r.f64();
-    total_weight += weight;
     if ((r.u8() != 0) != presummed)
       throw Error(str_cat("allreduce: site ", s, " ran another kind of collective (all-reduce vs exchange)",
                           ": the sites' strategies differ"));
@@ -223,13 +240,16 @@ std::vector<std::vector<double>> Hierarchy::cross_site(at::Tensor values, const 
       throw Error(str_cat("allreduce: site ", s, " sent ", nparts, (coded ? " encoded" : " raw"), " part(s), this site ",
                           parts.size(), (options.codec ? " encoded" : " raw"),
                           ": the sites' [strategy] codec settings differ"));
-    // An exchange weights each site's values here; a presummed all-reduce already did.
+    // An exchange weights each site's values here; a presummed all-reduce already did. It
+    // decodes a site's contribution whole first, for the update guard.
     const double scale = (!presummed && weighted) ? weight : 1.0;
+    const bool guard = !presummed;
+    at::Tensor contribution = guard ? at::empty({n}, at::kFloat) : at::Tensor();
     int64_t at = 0;
     for (uint32_t i = 0; i < nparts; ++i) {
       const int64_t numel = parts[i].numel();
       auto bytes = r.bytes(static_cast<size_t>(r.u64()));
-      at::Tensor target = sum.narrow(0, at, numel);
+      at::Tensor target = guard ? contribution.narrow(0, at, numel) : sum.narrow(0, at, numel);
       at::Tensor part;
       if (coded) {
         auto start = Clock::now();
@@ -241,17 +261,33 @@ std::vector<std::vector<double>> Hierarchy::cross_site(at::Tensor values, const 
         part = at::empty({numel}, at::kFloat);
         if (numel) std::memcpy(part.data_ptr<float>(), bytes.data(), bytes.size());
       }
-      if (scale == 1.0)
+      if (guard)
+        target.copy_(part);
+      else if (scale == 1.0)
         target.add_(part);
       else
         target.add_(part, scale);
       at += numel;
     }
     r.expect_done();
+    if (guard) {
+      std::string why = guard_verdict(contribution, options.max_norm);
+      if (!why.empty()) {
+        if (rejected) rejected->push_back({s, why});
+        ++left_out;
+        continue;  // left out: as if the site had weight 0
+      }
+      if (scale == 1.0)
+        sum.add_(contribution);
+      else
+        sum.add_(contribution, scale);
+    }
+    total_weight += weight;
   }
   if (weighted) {
-    NEBULA_CHECK(total_weight > 0, "weighted allreduce with total weight ", total_weight);
-    sum.div_(total_weight);
+    // Nothing left after the guard: zero, no update. Otherwise a zero total is a caller's bug.
+    NEBULA_CHECK(total_weight > 0 || left_out > 0, "weighted allreduce with total weight ", total_weight);
+    if (total_weight > 0) sum.div_(total_weight);
   }
   values.copy_(sum);
   return info;

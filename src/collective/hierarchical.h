@@ -44,6 +44,18 @@ struct AllreduceOptions {
   // A few numbers about this site that travel with the exchange (exchange_async only; e.g.
   // its measured step time and link estimates); every gateway receives every site's.
   std::vector<double> site_info;
+  // exchange_async only: the update guard. A site's decoded contribution that holds a NaN or
+  // an infinity, or whose L2 norm exceeds max_norm (> 0), is left out of the mean, as if that
+  // site had weight 0. Every gateway decodes the same bytes, so every site (the sender too)
+  // rejects the same contributions and the results stay bit-identical; Work::rejected() says
+  // which and why. If every contribution is rejected the result is zero (no update).
+  double max_norm = 0;
+};
+
+// A site's contribution that the update guard left out.
+struct Rejection {
+  size_t site = 0;
+  std::string reason;  // e.g. "non-finite values (3 NaN, 0 infinite)", "L2 norm 1e+09 above the bound 100"
 };
 
 struct CommStats {
@@ -70,6 +82,8 @@ class Work {
   bool done() const;
   // After wait(): every site's AllreduceOptions::site_info, by site index (exchange_async).
   const std::vector<std::vector<double>>& site_info() const { return site_info_; }
+  // After wait(): the contributions the update guard left out (exchange_async).
+  const std::vector<Rejection>& rejected() const { return rejected_; }
   // After wait(): how long the operation ran on the communication thread (queueing not
   // included), and the WAN bytes this gateway sent for it (0 off-gateway).
   double seconds() const { return seconds_; }
@@ -80,6 +94,7 @@ class Work {
   void finish(std::exception_ptr error);
   std::string what_;
   std::vector<std::vector<double>> site_info_;  // written by the comm thread before finish()
+  std::vector<Rejection> rejected_;              // likewise
   double seconds_ = 0;                           // likewise
   uint64_t wan_bytes_sent_ = 0;                  // likewise
   mutable std::mutex mu_;
@@ -129,9 +144,11 @@ class Hierarchy {
   // The gateway's WAN leg on `values` (n floats: the bucket, flattened). `presummed`: values
   // are Σ_i w_i x_i over the site and site_weight = Σ_i w_i (run_allreduce); otherwise they
   // are the site's x and are weighted by site_weight here. Writes Σ_s (..) / Σ_s W_s (or the
-  // plain sum for kSum) back into `values`; returns every site's site_info.
+  // plain sum for kSum) back into `values`; returns every site's site_info. Exchanges
+  // (!presummed) apply the update guard and list what it left out in `rejected`.
   std::vector<std::vector<double>> cross_site(at::Tensor values, const std::vector<at::Tensor>& bucket,
-                                              double site_weight, bool presummed, const AllreduceOptions& options);
+                                              double site_weight, bool presummed, const AllreduceOptions& options,
+                                              std::vector<Rejection>* rejected = nullptr);
   void comm_main();
 
   SiteGroup& site_;

@@ -3,6 +3,9 @@
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
+#include <cmath>
+#include <mutex>
+
 #include "collective/testing.h"
 #include "nebula/error.h"
 
@@ -120,6 +123,41 @@ TEST(Hierarchical, BroadcastFromFirstCopiesGlobalRankZero) {
       EXPECT_EQ(s.wan_bytes_sent, 0u);
     }
   });
+}
+
+// The update guard ([6/7]): three sites exchange; one sends a NaN, one an oversize update.
+// Every gateway leaves both out, the same way, and says which and why; the mean is the
+// remaining site's values alone. Then a round where every contribution is bad: zero.
+TEST(Hierarchical, UpdateGuardLeavesOutNonFiniteAndOversizeContributionsOnEverySite) {
+  std::mutex mu;
+  std::vector<at::Tensor> results(3);
+  std::vector<std::vector<Rejection>> rejected(3);
+  testing::run_cluster({1, 1, 1}, [&](testing::Rank& r) {
+    at::Tensor x = at::full({8}, static_cast<float>(r.site + 1));  // norms 2.8, 5.7, 8.5
+    if (r.site == 1) x[3] = NAN;
+    if (r.site == 2) x.mul_(100);  // norm 849
+    AllreduceOptions o;
+    o.weight = 1.0 + static_cast<double>(r.site);
+    o.max_norm = 10;
+    auto work = r.hierarchy->exchange_async({x}, o);
+    work->wait(Deadline::after(std::chrono::seconds(30)));
+    at::Tensor all_bad = at::full({4}, INFINITY);
+    auto zero = r.hierarchy->exchange_async({all_bad}, o);
+    zero->wait(Deadline::after(std::chrono::seconds(30)));
+    std::lock_guard<std::mutex> lock(mu);
+    results[r.site] = x.clone();
+    rejected[r.site] = work->rejected();
+    EXPECT_TRUE(at::equal(all_bad, at::zeros({4}))) << all_bad;
+    EXPECT_EQ(zero->rejected().size(), 3u);
+  });
+  for (size_t s = 0; s < 3; ++s) {
+    EXPECT_TRUE(at::equal(results[s], at::ones({8}))) << "site " << s << ": " << results[s];
+    ASSERT_EQ(rejected[s].size(), 2u) << "site " << s;
+    EXPECT_EQ(rejected[s][0].site, 1u);
+    EXPECT_NE(rejected[s][0].reason.find("1 NaN"), std::string::npos) << rejected[s][0].reason;
+    EXPECT_EQ(rejected[s][1].site, 2u);
+    EXPECT_NE(rejected[s][1].reason.find("above the bound 10"), std::string::npos) << rejected[s][1].reason;
+  }
 }
 
 TEST(Hierarchical, MismatchedSizesAreAnErrorNotAHang) {

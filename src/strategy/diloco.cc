@@ -36,6 +36,7 @@ DilocoOptions DilocoOptions::from(const StrategyConfig& c, std::chrono::millisec
   o.codec = c.codec;
   o.codec_options = wan_codec_options(c);
   o.timeout = timeout;
+  o.max_update_norm = c.max_update_norm;
   return o;
 }
 
@@ -289,6 +290,7 @@ void DilocoStrategy::send(size_t f) {
     o.tag = kTagBase + f;
     o.per_tensor = per_tensor;
     o.site_info = site_info();
+    o.max_norm = options_.max_update_norm;
     fr.work = comm_.exchange_async(std::move(bucket), std::move(o));
   }
   fr.in_flight = true;
@@ -306,6 +308,15 @@ void DilocoStrategy::merge(size_t f) {
       exchange_bits_per_s_ = static_cast<double>(fr.work->wan_bytes_sent()) * 8 / fr.work->seconds() /
                              static_cast<double>(std::max<size_t>(options_.num_sites - 1, 1));  // per path
     buf.narrow(0, 0, fr.numel).copy_(fr.delta);
+    // The update guard left these out, the same on every site (the sender's own included).
+    for (const auto& r : fr.work->rejected()) {
+      ++rejected_updates_;
+      std::string what = str_cat("round ", fr.round, options_.fragments > 1 ? str_cat(", fragment ", f) : "",
+                                 ": the update of site #", r.site, " was rejected on every site: ", r.reason);
+      if (r.site == options_.site_index) what += " (this site's own update: applied nowhere)";
+      spdlog::warn("{}", what);
+      decisions_.push_back(what);
+    }
     const auto& info = fr.work->site_info();
     NEBULA_CHECK(info.size() == options_.num_sites, "exchange returned ", info.size(), " sites' info, the job has ",
                  options_.num_sites);
@@ -332,8 +343,11 @@ void DilocoStrategy::merge(size_t f) {
     update = avg;
   }
   fr.global.sub_(update, options_.outer_lr);
-  // Keep the inner progress made while the fragment was in flight (0 with delay 0).
-  at::Tensor local = fr.global + (flat_params(fr.begin, fr.end) - fr.sent_local);
+  // Keep the inner progress made while the fragment was in flight (0 with delay 0), unless
+  // it is not finite (a diverged site restarts from the global weights).
+  at::Tensor progress = flat_params(fr.begin, fr.end) - fr.sent_local;
+  if (!at::isfinite(progress).all().item<bool>()) progress.zero_();
+  at::Tensor local = fr.global + progress;
   std::vector<at::Tensor> part(params_.begin() + static_cast<std::ptrdiff_t>(fr.begin),
                                params_.begin() + static_cast<std::ptrdiff_t>(fr.end));
   unflatten_into(local, part);

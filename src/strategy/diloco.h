@@ -58,6 +58,7 @@ struct DilocoOptions {
   size_t num_sites = 1;           // of the job
   size_t site_index = 0;          // this worker's site
   double assumed_step_seconds = 0;  // tests: report this compute time per step instead of measuring
+  double max_update_norm = 0;     // the update guard's bound (non-finite updates are always rejected)
 
   static DilocoOptions from(const StrategyConfig& config, std::chrono::milliseconds timeout, size_t num_sites,
                             size_t site_index);
@@ -78,6 +79,7 @@ class DilocoStrategy : public Strategy {
 
   // For tests and metrics.
   int64_t outer_steps() const { return outer_steps_; }  // merges so far (fragments count each)
+  int64_t rejected_updates() const { return rejected_updates_; }  // gateway: site updates the guard left out
   int64_t rounds() const { return rounds_; }
   int64_t round_inner_steps() const { return round_steps_; }  // this site's H_s this round
   const std::string& codec_kind() const { return codec_kind_; }
@@ -126,6 +128,7 @@ class DilocoStrategy : public Strategy {
   size_t next_fragment_ = 0;       // the next fragment to send this round
   int64_t local_step_ = 0;
   int64_t rounds_ = 0, outer_steps_ = 0;
+  int64_t rejected_updates_ = 0;   // gateway: contributions the update guard left out
   int64_t nominal_done_ = 0;       // Σ nominal H over finished rounds: the job's step count
   double site_weight_ = 0;         // tokens (weights) the site processed so far
   // The per-site numbers of the last fragment's exchange, by round (float-rounded on every

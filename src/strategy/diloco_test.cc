@@ -195,6 +195,43 @@ TEST(Streaming, DelayedMergesKeepInnerProgressAndCountEveryFragment) {
 
 // Heterogeneous sites: a site three times faster runs three times the inner steps per round
 // once the sites have exchanged their step times; both run the same number of rounds.
+// The update guard ([6/7]): site 1's weights blow up (×1e6) just before a round ends. Its
+// pseudo-gradient is far above strategy.max_update_norm, so both gateways leave it out; the
+// round's outer step uses site 0 alone, every worker still holds identical weights after every
+// merge, and the run goes on to the end.
+TEST(Diloco, OversizeUpdateIsRejectedEverywhereAndTrainingGoesOn) {
+  const std::vector<int> sites{1, 1};
+  const int64_t h = 3, steps = 9;
+  std::mutex mu;
+  std::map<int, std::vector<at::Tensor>> final_params;
+  std::map<int, int64_t> rejected;
+  collective::testing::run_cluster(sites, [&](collective::testing::Rank& r) {
+    model::MlmEncoder m = make_model(100 + r.global_rank);
+    model::MlmBatcher data = batches_for(10 + r.global_rank);
+    DilocoOptions o = options(h, sites.size(), r.site);
+    o.max_update_norm = 1000;
+    DilocoStrategy s(*r.hierarchy, o);
+    train(s, m, data, steps, [&](int64_t step) {
+      if (r.site == 1 && step == 3) {  // round 2 ends after step 5
+        at::NoGradGuard no_grad;
+        for (auto& p : m->parameters()) p.mul_(1e6);
+      }
+    });
+    EXPECT_EQ(s.rounds(), steps / h);
+    std::lock_guard<std::mutex> lock(mu);
+    rejected[r.global_rank] = s.rejected_updates();
+    for (auto& p : m->parameters()) final_params[r.global_rank].push_back(p.detach().clone());
+    EXPECT_NE(s.decisions().back().find("rejected on every site"), std::string::npos) << s.decisions().back();
+  });
+  EXPECT_EQ(rejected[0], 1);
+  EXPECT_EQ(rejected[1], 1);
+  for (size_t i = 0; i < final_params[0].size(); ++i) {
+    EXPECT_TRUE(at::isfinite(final_params[0][i]).all().item<bool>());
+    EXPECT_TRUE(at::equal(final_params[0][i], final_params[1][i])) << "param " << i;
+    EXPECT_LT(final_params[0][i].abs().max().item<float>(), 100.0f) << "param " << i;
+  }
+}
+
 TEST(Diloco, FasterSiteRunsMoreInnerStepsPerRound) {
   const std::vector<int> sites{1, 1};
   std::mutex mu;

@@ -222,6 +222,7 @@ Config build(const toml::table& root, const std::string& file) {
     s.integer("delay", c.strategy.delay, 0, 1 << 20);
     s.boolean("adaptive", c.strategy.adaptive);
     s.boolean("heterogeneous", c.strategy.heterogeneous);
+    s.number("max_update_norm", c.strategy.max_update_norm, 0.0, 1e30);
     if (c.strategy.kind == "sync" && (c.strategy.codec == "auto" || c.strategy.codec == "sparseloco"))
       s.fail(*t, "codec", str_cat("codec = \"", c.strategy.codec,
                                   "\" needs kind = \"diloco\" or \"streaming\" (sync sends every gradient)"));
@@ -412,7 +413,8 @@ std::string to_toml(const Config& c) {
                                       {"fragments", c.strategy.fragments},
                                       {"delay", c.strategy.delay},
                                       {"adaptive", c.strategy.adaptive},
-                                      {"heterogeneous", c.strategy.heterogeneous}});
+                                      {"heterogeneous", c.strategy.heterogeneous},
+                                      {"max_update_norm", c.strategy.max_update_norm}});
   root.insert("peft", toml::table{{"kind", c.peft.kind},
                                   {"rank", c.peft.rank},
                                   {"alpha", c.peft.alpha},

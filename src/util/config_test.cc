@@ -162,6 +162,10 @@ TEST(Config, StrategyAndPeftKeysAreValidated) {
   EXPECT_NE(rank.find("job.toml"), std::string::npos) << rank;
   EXPECT_NE(rank.find("'peft.rank'"), std::string::npos) << rank;
   EXPECT_NE(error_of({"sites.0.slowdown=0.5"}).find("slowdown"), std::string::npos);
+  EXPECT_NE(error_of({"strategy.max_update_norm=-1"}).find("'strategy.max_update_norm'"), std::string::npos);
+  EXPECT_EQ(parse_config(to_toml(parse_config(kValid, "job.toml", {"strategy.max_update_norm=50"})), "r.toml")
+                .strategy.max_update_norm,
+            50);
 }
 
 // Issue [5/7]: the translation model, distillation and evaluation keys.
