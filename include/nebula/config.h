@@ -153,6 +153,17 @@ struct StrategyConfig {
   double max_update_norm = 0;
 };
 
+// [privacy]: differential privacy of what leaves a site (diloco/streaming). Each site clips
+// its pseudo-gradient to L2 norm `clip` and adds Gaussian noise of standard deviation
+// noise_multiplier · clip to every value before it is encoded and sent; an RDP accountant
+// reports the ε spent at `delta`. The unit protected is the site's whole update (site-level DP).
+struct PrivacyConfig {
+  double clip = 0;                   // C; 0 = off
+  double noise_multiplier = 0;       // σ; 0 = clipping only (no privacy guarantee: ε is infinite)
+  double delta = 1e-5;
+  bool enabled() const { return clip > 0; }
+};
+
 struct PeftConfig {
   std::string kind = "none";         // none | lora | adapter: freeze the backbone, train only these
   int64_t rank = 8;                  // lora: rank r of B·A
@@ -183,6 +194,7 @@ struct Config {
   StrategyConfig strategy;
   PeftConfig peft;
   DistillConfig distill;
+  PrivacyConfig privacy;
   SecurityConfig security;
   MetricsConfig metrics;
 

@@ -41,7 +41,7 @@ DilocoOptions DilocoOptions::from(const StrategyConfig& c, std::chrono::millisec
 }
 
 DilocoStrategy::DilocoStrategy(collective::Hierarchy& comm, DilocoOptions options)
-    : comm_(comm), options_(std::move(options)) {
+    : comm_(comm), options_(std::move(options)), dp_rng_(std::random_device{}()) {
   NEBULA_CHECK(options_.num_sites >= 1 && options_.site_index < options_.num_sites, "site ", options_.site_index,
                " of ", options_.num_sites);
   NEBULA_CHECK(options_.inner_steps >= 0 && options_.fragments >= 1 && options_.delay >= 0, "inner_steps ",
@@ -272,6 +272,7 @@ void DilocoStrategy::send(size_t f) {
   fr.weight_at_send = site_weight_;
   if (comm_.is_gateway()) {
     fr.delta = fr.global - fr.sent_local;  // the pseudo-gradient
+    if (options_.dp_clip > 0) privatize(fr.delta);
     std::vector<at::Tensor> bucket;
     const bool per_tensor = codec_ && codec_->id() == codec::CodecId::kPowerSgd;
     if (per_tensor) {
@@ -354,6 +355,35 @@ void DilocoStrategy::merge(size_t f) {
   fr.in_flight = false;
   fr.sent_local = at::Tensor();
   ++outer_steps_;
+}
+
+void DilocoStrategy::privatize(at::Tensor& delta) {
+  const double norm = delta.norm().item<double>();
+  if (norm > options_.dp_clip) {
+    delta.mul_(options_.dp_clip / norm);
+    ++dp_clipped_;
+  }
+  if (options_.dp_noise_multiplier > 0) {
+    std::normal_distribution<float> noise(0.0f, static_cast<float>(options_.dp_noise_multiplier * options_.dp_clip));
+    float* d = delta.data_ptr<float>();
+    for (int64_t i = 0; i < delta.numel(); ++i) d[i] += noise(dp_rng_);
+    // Each release (a fragment's counts as one: together they compose) is one Gaussian
+    // mechanism of sensitivity dp_clip on the site's update.
+    accountant_.add(1.0, options_.dp_noise_multiplier, 1);
+  }
+  ++dp_releases_;
+}
+
+std::map<std::string, double> DilocoStrategy::metrics() const {
+  std::map<std::string, double> m{{"rejected_updates", static_cast<double>(rejected_updates_)}};
+  if (options_.dp_clip > 0 && comm_.is_gateway()) {
+    m["dp_releases"] = static_cast<double>(dp_releases_);
+    m["dp_clipped"] = static_cast<double>(dp_clipped_);
+    m["dp_delta"] = options_.dp_delta;
+    if (options_.dp_noise_multiplier > 0 && dp_releases_ > 0)
+      m["dp_epsilon"] = accountant_.spent(options_.dp_delta).epsilon;
+  }
+  return m;
 }
 
 void DilocoStrategy::finish() {

@@ -33,10 +33,13 @@
 #pragma once
 
 #include <chrono>
+#include <map>
 #include <memory>
+#include <random>
 #include <string>
 #include <vector>
 
+#include "privacy/rdp.h"
 #include "strategy/controller.h"
 #include "strategy/strategy.h"
 
@@ -59,6 +62,12 @@ struct DilocoOptions {
   size_t site_index = 0;          // this worker's site
   double assumed_step_seconds = 0;  // tests: report this compute time per step instead of measuring
   double max_update_norm = 0;     // the update guard's bound (non-finite updates are always rejected)
+  // Differential privacy ([privacy]): the gateway clips each pseudo-gradient it sends to L2
+  // norm dp_clip and adds N(0, (dp_noise_multiplier · dp_clip)²) to every value (noise drawn
+  // from a generator seeded by std::random_device: it must not be reproducible elsewhere).
+  double dp_clip = 0;             // 0 = off
+  double dp_noise_multiplier = 0;
+  double dp_delta = 1e-5;
 
   static DilocoOptions from(const StrategyConfig& config, std::chrono::milliseconds timeout, size_t num_sites,
                             size_t site_index);
@@ -76,6 +85,8 @@ class DilocoStrategy : public Strategy {
   bool keep_training(int64_t step, int64_t steps) override;
   void finish() override;
   std::vector<std::string> decisions() const override { return decisions_; }
+  // rejected_updates; with [privacy]: dp_releases, dp_clipped, dp_delta and dp_epsilon (with noise).
+  std::map<std::string, double> metrics() const override;
 
   // For tests and metrics.
   int64_t outer_steps() const { return outer_steps_; }  // merges so far (fragments count each)
@@ -129,6 +140,11 @@ class DilocoStrategy : public Strategy {
   int64_t local_step_ = 0;
   int64_t rounds_ = 0, outer_steps_ = 0;
   int64_t rejected_updates_ = 0;   // gateway: contributions the update guard left out
+  // Differential privacy (gateway).
+  void privatize(at::Tensor& delta);
+  std::mt19937_64 dp_rng_;
+  privacy::RdpAccountant accountant_;
+  int64_t dp_releases_ = 0, dp_clipped_ = 0;
   int64_t nominal_done_ = 0;       // Σ nominal H over finished rounds: the job's step count
   double site_weight_ = 0;         // tokens (weights) the site processed so far
   // The per-site numbers of the last fragment's exchange, by round (float-rounded on every

@@ -17,6 +17,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -48,6 +49,8 @@ class Strategy {
   // The decisions made while running (adaptive controller, per-site inner steps), one line
   // each, for the log and summary.json.
   virtual std::vector<std::string> decisions() const { return {}; }
+  // Counters for metrics lines and summary.json (e.g. rejected updates, privacy spent).
+  virtual std::map<std::string, double> metrics() const { return {}; }
 };
 
 class SyncStrategy : public Strategy {
@@ -91,9 +94,11 @@ class SyncStrategy : public Strategy {
 std::vector<std::pair<size_t, size_t>> make_buckets(const std::vector<at::Tensor>& tensors, uint64_t bucket_bytes);
 
 // `num_sites` and `site_index` describe the job (diloco/streaming exchange per-site numbers).
+// `privacy` ([privacy]) applies to diloco/streaming.
 std::unique_ptr<Strategy> make_strategy(const StrategyConfig& config, collective::Hierarchy& comm,
                                         std::chrono::milliseconds timeout = std::chrono::minutes(10),
-                                        size_t num_sites = 1, size_t site_index = 0);
+                                        size_t num_sites = 1, size_t site_index = 0,
+                                        const PrivacyConfig& privacy = {});
 // The codec [strategy] asks for; null for "none". `kind` overrides config.codec (e.g. the
 // controller's choice).
 std::unique_ptr<codec::Codec> make_wan_codec(const StrategyConfig& config, const std::string& kind = "");

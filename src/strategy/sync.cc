@@ -158,11 +158,19 @@ std::unique_ptr<codec::Codec> make_wan_codec(const StrategyConfig& config, const
 }
 
 std::unique_ptr<Strategy> make_strategy(const StrategyConfig& config, collective::Hierarchy& comm,
-                                        std::chrono::milliseconds timeout, size_t num_sites, size_t site_index) {
-  if (config.kind == "sync")
+                                        std::chrono::milliseconds timeout, size_t num_sites, size_t site_index,
+                                        const PrivacyConfig& privacy) {
+  if (config.kind == "sync") {
+    NEBULA_CHECK(!privacy.enabled(), "[privacy] needs strategy.kind diloco or streaming");
     return std::make_unique<SyncStrategy>(comm, make_wan_codec(config), config.bucket_bytes, timeout);
-  if (config.kind == "diloco" || config.kind == "streaming")
-    return std::make_unique<DilocoStrategy>(comm, DilocoOptions::from(config, timeout, num_sites, site_index));
+  }
+  if (config.kind == "diloco" || config.kind == "streaming") {
+    DilocoOptions o = DilocoOptions::from(config, timeout, num_sites, site_index);
+    o.dp_clip = privacy.clip;
+    o.dp_noise_multiplier = privacy.noise_multiplier;
+    o.dp_delta = privacy.delta;
+    return std::make_unique<DilocoStrategy>(comm, o);
+  }
   throw ConfigError(str_cat("strategy.kind = \"", config.kind, "\" is not one of sync, diloco, streaming"));
 }
 

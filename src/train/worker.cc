@@ -97,7 +97,8 @@ void run_worker(const Config& c, const WorkerIdentity& who) {
   std::unique_ptr<Task> task =
       c.model.kind == "seq2seq" ? make_translation_task(ctx, teacher.get()) : make_mlm_task(ctx);
   std::vector<at::Tensor> params = task->trainable();
-  auto strategy = strategy::make_strategy(c.strategy, comm, timeout, training_names.size(), training_index);
+  auto strategy =
+      strategy::make_strategy(c.strategy, comm, timeout, training_names.size(), training_index, c.privacy);
   strategy->init(params);
   torch::optim::AdamW optimizer(params, torch::optim::AdamWOptions(c.model.lr).weight_decay(c.model.weight_decay));
   MetricsWriter metrics(c.job.run_dir + "/metrics.jsonl");
@@ -135,7 +136,8 @@ void run_worker(const Config& c, const WorkerIdentity& who) {
                    {"compression_ratio",
                     stats.codec_bytes_out ? double(stats.codec_bytes_in) / double(stats.codec_bytes_out) : 1.0},
                    {"encode_seconds", stats.encode_seconds},
-                   {"decode_seconds", stats.decode_seconds}});
+                   {"decode_seconds", stats.decode_seconds},
+                   {"strategy", strategy->metrics()}});
     last_loss = window_loss;
     last_predicted = window_predicted;
     window_loss = window_predicted = 0;
@@ -233,6 +235,7 @@ void run_worker(const Config& c, const WorkerIdentity& who) {
                            {"rtt_ms", std::chrono::duration<double, std::milli>(c.wan.path.rtt).count()}}}};
     if (task->eval_at_start()) summary["eval_start"] = task->eval_json(eval_part(0));
     summary["eval"] = task->eval_json(eval_part(1));
+    summary["strategy_metrics"] = strategy->metrics();  // rejected updates; privacy spent
     summary.update(task->summary());
     write_json_atomically(c.job.run_dir + "/summary.json", summary);
     auto meta = task->model_metadata();

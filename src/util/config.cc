@@ -251,6 +251,18 @@ Config build(const toml::table& root, const std::string& file) {
     s.finish();
     if (c.distill.enabled()) check_distill(c, *t, s);
   }
+  if (auto* t = top.table("privacy")) {
+    Section s(*t, "privacy", file);
+    s.number("clip", c.privacy.clip, 0.0, 1e30);
+    s.number("noise_multiplier", c.privacy.noise_multiplier, 0.0, 1e6);
+    s.number("delta", c.privacy.delta, 1e-30, 0.999999);
+    s.finish();
+    if (c.privacy.enabled() && c.strategy.kind == "sync")
+      s.fail(*t, "clip", "differential privacy protects the updates diloco and streaming send: set [strategy] kind "
+                         "= \"diloco\" or \"streaming\" (sync sends every gradient)");
+    if (!c.privacy.enabled() && c.privacy.noise_multiplier > 0)
+      s.fail(*t, "noise_multiplier", "noise is calibrated to the clipping norm: set clip > 0 too");
+  }
   if (auto* t = top.table("security")) {
     Section s(*t, "security", file);
     s.boolean("insecure", c.security.insecure);
@@ -426,6 +438,9 @@ std::string to_toml(const Config& c) {
                                        {"temperature", c.distill.temperature},
                                        {"alpha", c.distill.alpha},
                                        {"prefetch", c.distill.prefetch}});
+  root.insert("privacy", toml::table{{"clip", c.privacy.clip},
+                                     {"noise_multiplier", c.privacy.noise_multiplier},
+                                     {"delta", c.privacy.delta}});
   root.insert("security", toml::table{{"insecure", c.security.insecure},
                                       {"certs", c.security.certs},
                                       {"ca", c.security.ca},

@@ -202,6 +202,20 @@ TEST(Config, TranslationAndDistillKeysAreValidated) {
   expect_error(kValid, {"'eval.beam'"}, {"eval.beam=0"});
 }
 
+// [6/7]: differential privacy of the diloco/streaming updates.
+TEST(Config, PrivacyKeysAreValidated) {
+  Config c = parse_config(kValid, "job.toml",
+                          {"strategy.kind=diloco", "privacy.clip=1.5", "privacy.noise_multiplier=0.8"});
+  EXPECT_TRUE(c.privacy.enabled());
+  Config round = parse_config(to_toml(c), "resolved.toml");
+  EXPECT_DOUBLE_EQ(round.privacy.clip, 1.5);
+  EXPECT_DOUBLE_EQ(round.privacy.noise_multiplier, 0.8);
+  EXPECT_DOUBLE_EQ(round.privacy.delta, 1e-5);
+  expect_error(kValid, {"'privacy.clip'", "diloco"}, {"privacy.clip=1"});
+  expect_error(kValid, {"'privacy.noise_multiplier'", "clip > 0"}, {"strategy.kind=diloco", "privacy.noise_multiplier=1"});
+  expect_error(kValid, {"'privacy.delta'"}, {"strategy.kind=diloco", "privacy.clip=1", "privacy.delta=1"});
+}
+
 TEST(Config, RoundTripsThroughToml) {
   Config a = parse_config(kValid, "job.toml");
   Config b = parse_config(to_toml(a), "resolved.toml");
