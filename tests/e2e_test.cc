@@ -230,6 +230,10 @@ TEST(EndToEnd, DilocoStreamingPeftAndControllerTrainWithFarFewerWanBytes) {
                "--set peft.kind=lora --set peft.rank=4"},
       {"auto", "--set strategy.kind=diloco --set strategy.inner_steps=0 --set strategy.codec=auto "
                "--set strategy.adaptive=true --set job.steps=150"},  // rounds of 50: decides at step 100
+      // [6/7]: differential privacy of the site updates, and the update guard (a bound no
+      // honest update here comes near).
+      {"private", "--set strategy.kind=diloco --set strategy.inner_steps=10 --set strategy.codec=int4 "
+                  "--set strategy.max_update_norm=1000 --set privacy.clip=10 --set privacy.noise_multiplier=0.001"},
   };
   std::map<std::string, nlohmann::json> summaries;
   for (const auto& [name, sets] : runs) {
@@ -244,6 +248,12 @@ TEST(EndToEnd, DilocoStreamingPeftAndControllerTrainWithFarFewerWanBytes) {
     EXPECT_LT(summaries[name]["final_val_loss"].get<double>(), bound * std::log(300.0)) << name;
   }
   EXPECT_EQ(summaries["streaming"]["strategy"], "streaming");
+  // Privacy: 6 releases per site, ε reported (tiny noise: a huge ε, but finite), nothing rejected.
+  const auto& dp = summaries["private"]["strategy_metrics"];
+  EXPECT_EQ(dp["dp_releases"].get<double>(), 6) << dp.dump();
+  EXPECT_GT(dp["dp_epsilon"].get<double>(), 0) << dp.dump();
+  EXPECT_EQ(dp["dp_delta"].get<double>(), 1e-5) << dp.dump();
+  EXPECT_EQ(dp["rejected_updates"].get<double>(), 0) << dp.dump();
   const double sync_bytes = summaries["sync"]["wan_bytes"];
   // 6 rounds instead of 60 steps; int4 ~7x, sparseloco ~100x smaller than float32.
   EXPECT_LT(summaries["diloco"]["wan_bytes"].get<double>(), sync_bytes / 30);
