@@ -1,0 +1,152 @@
+#include "train/checkpoint.h"
+
+#include <fcntl.h>
+#include <spdlog/spdlog.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <vector>
+
+#include "model/safetensors.h"
+#include "nebula/error.h"
+#include "wire/frame.h"
+
+namespace nebula::train {
+namespace fs = std::filesystem;
+namespace {
+
+constexpr const char* kTensors = "tensors.safetensors";
+constexpr const char* kManifest = "manifest.json";
+
+std::string step_name(int64_t step) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "step-%012lld", static_cast<long long>(step));
+  return buf;
+}
+
+std::string read_all(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw DataError(str_cat(path, ": cannot open"));
+  return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+}
+
+uint32_t crc_of(const std::string& bytes) {
+  return wire::crc32(0, {reinterpret_cast<const uint8_t*>(bytes.data()), bytes.size()});
+}
+
+void fsync_path(const std::string& path, bool directory) {
+  int fd = ::open(path.c_str(), (directory ? O_RDONLY | O_DIRECTORY : O_RDONLY) | O_CLOEXEC);
+  if (fd < 0) throw DataError(str_cat(path, ": cannot open to sync: ", std::strerror(errno)));
+  const int rc = ::fsync(fd);
+  const int err = errno;
+  ::close(fd);
+  if (rc != 0) throw DataError(str_cat(path, ": fsync failed: ", std::strerror(err)));
+}
+
+void write_file(const std::string& path, const std::string& bytes) {
+  std::ofstream out(path, std::ios::binary | std::ios::trunc);
+  out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+  if (!out.flush()) throw DataError(str_cat(path, ": cannot write (disk full?)"));
+  out.close();
+  fsync_path(path, false);
+}
+
+// The checkpoint directories in dir (not *.tmp), newest first.
+std::vector<std::pair<int64_t, fs::path>> checkpoints_in(const std::string& dir) {
+  std::vector<std::pair<int64_t, fs::path>> out;
+  std::error_code ec;
+  for (const auto& e : fs::directory_iterator(dir, ec)) {
+    const std::string name = e.path().filename().string();
+    if (!e.is_directory() || name.rfind("step-", 0) != 0 || name.size() != 17) continue;
+    try {
+      out.emplace_back(std::stoll(name.substr(5)), e.path());
+    } catch (const std::exception&) {
+    }
+  }
+  std::sort(out.begin(), out.end(), [](const auto& a, const auto& b) { return a.first > b.first; });
+  return out;
+}
+
+// Reads one checkpoint, checking every file against the manifest. DataError saying what is wrong.
+Checkpoint read_checkpoint(const fs::path& dir, const std::string& config_hash) {
+  const std::string manifest_path = (dir / kManifest).string();
+  auto m = nlohmann::json::parse(read_all(manifest_path), nullptr, false);
+  if (m.is_discarded() || !m.is_object() || m.value("format", "") != "nebula-checkpoint" || !m.contains("files") ||
+      !m.contains("step"))
+    throw DataError(str_cat(manifest_path, ": not a nebula checkpoint manifest (unreadable or incomplete)"));
+  if (m.value("config_hash", "") != config_hash)
+    throw ConfigError(str_cat(manifest_path, ": written by a job with config hash ", m.value("config_hash", "?"),
+                              ", this job's is ", config_hash, ": resume with the config that wrote it, or start "
+                              "without --resume"));
+  for (auto& [file, expected] : m["files"].items()) {
+    const std::string path = (dir / file).string();
+    const std::string bytes = read_all(path);
+    if (bytes.size() != expected.value("bytes", uint64_t{0}) || crc_of(bytes) != expected.value("crc32", uint32_t{0}))
+      throw DataError(str_cat(path, ": ", bytes.size(), " bytes with CRC-32 ", crc_of(bytes), ", the manifest says ",
+                              expected.value("bytes", uint64_t{0}), " bytes with CRC-32 ",
+                              expected.value("crc32", uint32_t{0}), ": damaged"));
+  }
+  Checkpoint c;
+  c.step = m["step"].get<int64_t>();
+  c.state = m.value("state", nlohmann::json::object());
+  c.tensors = model::load_safetensors((dir / kTensors).string()).tensors;
+  return c;
+}
+
+}  // namespace
+
+void save_checkpoint(const std::string& dir, const Checkpoint& c, const std::string& config_hash, int keep) {
+  std::error_code made;
+  fs::create_directories(dir, made);
+  if (made || !fs::is_directory(dir))
+    throw DataError(str_cat(dir, ": cannot create the checkpoint directory: ",
+                            made ? made.message() : std::string("a file is in the way")));
+  const fs::path final_dir = fs::path(dir) / step_name(c.step);
+  const fs::path tmp = fs::path(dir) / (step_name(c.step) + ".tmp");
+  std::error_code ec;
+  fs::remove_all(tmp, ec);  // a crash's leftover
+  if (!fs::create_directory(tmp, ec)) throw DataError(str_cat(tmp.string(), ": cannot create: ", ec.message()));
+  try {
+    model::TensorFile f;
+    f.tensors = c.tensors;
+    model::save_safetensors((tmp / kTensors).string(), f);  // fsync'ed and renamed into place inside tmp
+    const std::string tensors = read_all((tmp / kTensors).string());
+    nlohmann::json manifest = {{"format", "nebula-checkpoint"},
+                               {"version", 1},
+                               {"step", c.step},
+                               {"config_hash", config_hash},
+                               {"state", c.state},
+                               {"files", {{kTensors, {{"bytes", tensors.size()}, {"crc32", crc_of(tensors)}}}}}};
+    write_file((tmp / kManifest).string(), manifest.dump(2));
+    fsync_path(tmp.string(), true);
+    fs::remove_all(final_dir, ec);  // the same step written again (e.g. after a resume)
+    fs::rename(tmp, final_dir);
+    fsync_path(dir, true);
+  } catch (const fs::filesystem_error& e) {
+    fs::remove_all(tmp, ec);
+    throw DataError(str_cat(final_dir.string(), ": cannot write the checkpoint: ", e.what()));
+  } catch (...) {
+    fs::remove_all(tmp, ec);
+    throw;
+  }
+  const auto all = checkpoints_in(dir);
+  for (size_t i = static_cast<size_t>(std::max(keep, 1)); i < all.size(); ++i) fs::remove_all(all[i].second, ec);
+}
+
+std::optional<Checkpoint> load_latest_checkpoint(const std::string& dir, const std::string& config_hash) {
+  for (const auto& [step, path] : checkpoints_in(dir)) {
+    try {
+      return read_checkpoint(path, config_hash);
+    } catch (const DataError& e) {
+      spdlog::warn("checkpoint {} is damaged, trying the one before it: {}", path.string(), e.what());
+    }
+  }
+  return std::nullopt;
+}
+
+}  // namespace nebula::train

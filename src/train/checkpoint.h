@@ -1,0 +1,45 @@
+// Checkpoints on disk ([6/7], the storage half; the worker does not write or resume them yet).
+//
+// A checkpoint is a directory DIR/step-<12 digits>/ holding
+//   tensors.safetensors   every tensor (model weights, optimizer moments, strategy state),
+//                         readable by any safetensors reader (model/safetensors.h)
+//   manifest.json         {"format": "nebula-checkpoint", "version": 1, "step", "config_hash",
+//                          "state": {...} (anything else: outer step, RNG, data position ...),
+//                          "files": {"tensors.safetensors": {"bytes", "crc32"}}}
+//
+// Writing is atomic: everything goes into step-N.tmp/, each file is fsync'ed, the directory is
+// renamed to step-N and the parent fsync'ed. A crash leaves either a complete checkpoint or a
+// *.tmp directory that readers ignore (and the next save removes). Loading takes the newest
+// checkpoint whose files match their manifest (size and CRC-32); a damaged one is reported
+// (spdlog::warn naming the file and what is wrong) and the one before it is tried.
+//
+// Thread safety: free functions; one writer per directory.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <map>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <string>
+
+namespace nebula::train {
+
+struct Checkpoint {
+  int64_t step = 0;
+  std::map<std::string, at::Tensor> tensors;
+  nlohmann::json state = nlohmann::json::object();
+};
+
+// Writes `checkpoint` into dir (created) and keeps only the newest `keep` checkpoints there.
+// DataError naming the path when something cannot be written (e.g. a full disk): the
+// checkpoints written before are left as they were.
+void save_checkpoint(const std::string& dir, const Checkpoint& checkpoint, const std::string& config_hash,
+                     int keep = 2);
+
+// The newest intact checkpoint in dir, or nullopt if there is none. A checkpoint written with
+// another config_hash is a ConfigError naming both hashes (resuming under a changed config
+// would silently train something else).
+std::optional<Checkpoint> load_latest_checkpoint(const std::string& dir, const std::string& config_hash);
+
+}  // namespace nebula::train
