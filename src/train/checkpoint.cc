@@ -144,6 +144,8 @@ std::optional<Checkpoint> load_latest_checkpoint(const std::string& dir, const s
       return read_checkpoint(path, config_hash);
     } catch (const DataError& e) {
       spdlog::warn("checkpoint {} is damaged, trying the one before it: {}", path.string(), e.what());
+    } catch (const nlohmann::json::exception& e) {  // a manifest with fields of the wrong type
+      spdlog::warn("checkpoint {} has a malformed manifest, trying the one before it: {}", path.string(), e.what());
     }
   }
   return std::nullopt;

@@ -62,6 +62,11 @@ TEST(Checkpoint, DamagedNewestFallsBackToThePreviousOne) {
   fs::resize_file(dir.file("step-000000000030/manifest.json"), 20);
   EXPECT_EQ(load_latest_checkpoint(dir.path(), "h")->step, 10);
 
+  save_checkpoint(dir.path(), make(35), "h", 4);  // a manifest whose fields have the wrong types
+  std::ofstream(dir.file("step-000000000035/manifest.json"))
+      << R"({"format": "nebula-checkpoint", "step": "x", "config_hash": "h", "files": {"a": 7}})";
+  EXPECT_EQ(load_latest_checkpoint(dir.path(), "h")->step, 10);
+
   fs::create_directory(dir.file("step-000000000040.tmp"));  // killed while writing
   std::ofstream(dir.file("step-000000000040.tmp/tensors.safetensors")) << "partial";
   EXPECT_EQ(load_latest_checkpoint(dir.path(), "h")->step, 10);
