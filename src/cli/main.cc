@@ -234,15 +234,16 @@ int main(int argc, char** argv) {
       return 0;
     }
     if (*translate) {
+      const nebula::model::TensorFile file = nebula::model::load_safetensors(model_path);
       std::string tok_path = tokenizer_override;
       if (tok_path.empty()) {
-        auto meta = nebula::model::load_safetensors(model_path).metadata;
-        if (!meta.count("tokenizer"))
+        auto recorded = file.metadata.find("tokenizer");
+        if (recorded == file.metadata.end())
           throw nebula::ConfigError(model_path + " does not record its tokenizer: give --tokenizer PATH");
-        tok_path = meta["tokenizer"];
+        tok_path = recorded->second;
       }
       nebula::data::Tokenizer tok = nebula::data::Tokenizer::load(tok_path);
-      nebula::train::LoadedTranslator t = nebula::train::load_translator(model_path, tok);
+      nebula::train::LoadedTranslator t = nebula::train::load_translator(file, model_path, tok);
       std::vector<std::string> lines;
       if (!input_path.empty()) {
         lines = nebula::data::read_lines(input_path);

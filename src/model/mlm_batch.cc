@@ -10,6 +10,18 @@
 
 namespace nebula::model {
 
+at::Tensor pad_sequences(const std::vector<std::vector<int>>& sequences, int64_t pad, size_t begin, size_t end) {
+  end = std::min(end, sequences.size());
+  NEBULA_CHECK(begin <= end, "rows [", begin, ", ", end, ") of ", sequences.size());
+  size_t len = 1;
+  for (size_t i = begin; i < end; ++i) len = std::max(len, sequences[i].size());
+  at::Tensor ids = at::full({static_cast<int64_t>(end - begin), static_cast<int64_t>(len)}, pad, at::kLong);
+  auto a = ids.accessor<int64_t, 2>();
+  for (size_t i = begin; i < end; ++i)
+    for (size_t j = 0; j < sequences[i].size(); ++j) a[static_cast<int64_t>(i - begin)][static_cast<int64_t>(j)] = sequences[i][j];
+  return ids;
+}
+
 MlmBatcher::MlmBatcher(std::vector<std::vector<int>> sequences, SpecialIds ids, double mask_prob,
                        int64_t batch_size, uint64_t seed)
     : sequences_(std::move(sequences)), ids_(ids), mask_prob_(mask_prob), batch_size_(batch_size), rng_(seed) {

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <torch/nn/module.h>
 
 #include <cstdint>
 #include <random>
@@ -16,6 +17,24 @@ struct SpecialIds {
   int64_t pad = 0, unk = 1, bos = 2, eos = 3, mask = 4;
   int64_t first_ordinary = 5;  // ids below this are never chosen as random replacements
   int64_t vocab_size = 0;
+};
+
+// Rows [begin, end) of `sequences` as one [end - begin, longest] int64 tensor padded with
+// `pad` (end = npos: to the last row). At least one column, so that empty rows stay valid ids.
+at::Tensor pad_sequences(const std::vector<std::vector<int>>& sequences, int64_t pad, size_t begin = 0,
+                         size_t end = static_cast<size_t>(-1));
+
+// Eval mode for the guard's lifetime, then the mode the module had before (also on exceptions).
+class EvalModeGuard {
+ public:
+  explicit EvalModeGuard(torch::nn::Module& m) : module_(m), was_training_(m.is_training()) { module_.eval(); }
+  ~EvalModeGuard() { module_.train(was_training_); }
+  EvalModeGuard(const EvalModeGuard&) = delete;
+  EvalModeGuard& operator=(const EvalModeGuard&) = delete;
+
+ private:
+  torch::nn::Module& module_;
+  bool was_training_;
 };
 
 struct MlmBatch {

@@ -176,6 +176,11 @@ void save_module(const torch::nn::Module& module, const std::string& path,
 
 std::map<std::string, std::string> load_module(torch::nn::Module& module, const std::string& path, bool allow_extra) {
   TensorFile f = load_safetensors(path);
+  load_module(module, f, path, allow_extra);
+  return f.metadata;
+}
+
+void load_module(torch::nn::Module& module, const TensorFile& f, const std::string& path, bool allow_extra) {
   at::NoGradGuard no_grad;
   std::set<std::string> used;
   auto fill = [&](const std::string& name, at::Tensor& target) {
@@ -195,7 +200,6 @@ std::map<std::string, std::string> load_module(torch::nn::Module& module, const 
     for (const auto& [name, t] : f.tensors)
       if (!used.count(name))
         throw DataError(str_cat(path, ": tensor '", name, "' has no place in the model: is it a model of this kind?"));
-  return f.metadata;
 }
 
 }  // namespace nebula::model

@@ -45,5 +45,7 @@ void save_module(const torch::nn::Module& module, const std::string& path,
 // `allow_extra` (e.g. loading an encoder out of a bigger model). Returns the metadata.
 std::map<std::string, std::string> load_module(torch::nn::Module& module, const std::string& path,
                                                bool allow_extra = false);
+// The same from a file already read (e.g. for its metadata first); `path` names it in errors.
+void load_module(torch::nn::Module& module, const TensorFile& file, const std::string& path, bool allow_extra = false);
 
 }  // namespace nebula::model

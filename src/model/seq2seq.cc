@@ -14,19 +14,6 @@
 namespace nebula::model {
 namespace {
 
-// Eval mode for the guard's lifetime, then the mode the module had before (also on exceptions).
-class EvalModeGuard {
- public:
-  explicit EvalModeGuard(torch::nn::Module& m) : module_(m), was_training_(m.is_training()) { module_.eval(); }
-  ~EvalModeGuard() { module_.train(was_training_); }
-  EvalModeGuard(const EvalModeGuard&) = delete;
-  EvalModeGuard& operator=(const EvalModeGuard&) = delete;
-
- private:
-  torch::nn::Module& module_;
-  bool was_training_;
-};
-
 // GNMT (Wu et al. 2016): lp(n) = ((5 + n) / 6)^α.
 double length_penalty(int64_t n, double alpha) { return std::pow((5.0 + static_cast<double>(n)) / 6.0, alpha); }
 

@@ -1,6 +1,7 @@
 // Seq2Seq: masks (causal, padding), loading a pre-trained encoder, the decoders (beam 1 is
 // greedy; beam search never scores below greedy on these models), and learning a toy task.
 #include "model/seq2seq.h"
+#include "model/testing.h"
 
 #include <ATen/ATen.h>
 #include <ATen/core/grad_mode.h>
@@ -26,16 +27,7 @@ SpecialIds special_ids(int64_t vocab = kVocab) {
   return ids;
 }
 
-ModelConfig small_config() {
-  ModelConfig c;
-  c.dim = 16;
-  c.layers = 1;
-  c.heads = 2;
-  c.ffn = 32;
-  c.max_len = 12;
-  c.dropout = 0;
-  return c;
-}
+using testing::tiny_model_config;  // dim 16, 1 layer, 2 heads, ffn 32, max_len 12
 
 // Every parameter moved well off its initial value (embeddings start at 0.02 scale, which would
 // make every output distribution nearly uniform and every test below weak).
@@ -83,7 +75,7 @@ double hypothesis_score(Seq2Seq& model, const std::vector<int>& src, const std::
 TEST(Seq2Seq, DecoderPositionSeesNoLaterTarget) {
   at::manual_seed(1);
   SpecialIds ids = special_ids();
-  Seq2Seq model(small_config(), /*decoder_layers=*/2, kVocab, ids);
+  Seq2Seq model(tiny_model_config(), /*decoder_layers=*/2, kVocab, ids);
   randomize(*model, 0.3);
   std::mt19937 rng(1);
   at::Tensor src = padded({random_sentence(rng, 5, ids), random_sentence(rng, 3, ids)}, ids.pad);
@@ -104,7 +96,7 @@ TEST(Seq2Seq, DecoderPositionSeesNoLaterTarget) {
 TEST(Seq2Seq, PaddedBatchGivesTheLogitsOfEachSentenceAlone) {
   at::manual_seed(2);
   SpecialIds ids = special_ids();
-  Seq2Seq model(small_config(), 2, kVocab, ids);
+  Seq2Seq model(tiny_model_config(), 2, kVocab, ids);
   randomize(*model, 0.3);
   std::mt19937 rng(2);
   // Short and long on both sides, in both combinations, so that src and tgt padding both occur.
@@ -130,7 +122,7 @@ TEST(Seq2Seq, PaddedBatchGivesTheLogitsOfEachSentenceAlone) {
 TEST(Seq2Seq, LossIsMeanCrossEntropyOverLabels) {
   at::manual_seed(3);
   SpecialIds ids = special_ids();
-  Seq2Seq model(small_config(), 1, kVocab, ids);
+  Seq2Seq model(tiny_model_config(), 1, kVocab, ids);
   randomize(*model, 0.3);
   std::mt19937 rng(3);
   std::vector<std::vector<int>> src{random_sentence(rng, 3, ids), random_sentence(rng, 6, ids)};
@@ -153,7 +145,7 @@ TEST(Seq2Seq, LossIsMeanCrossEntropyOverLabels) {
 }
 
 TEST(Seq2Seq, InitEncoderFromCopiesAPretrainedEncoder) {
-  const ModelConfig c = small_config();
+  const ModelConfig c = tiny_model_config();
   SpecialIds ids = special_ids();
   at::manual_seed(4);
   MlmEncoder pretrained(c, kVocab, ids.pad);
@@ -177,7 +169,7 @@ TEST(Seq2Seq, InitEncoderFromCopiesAPretrainedEncoder) {
 }
 
 TEST(Seq2Seq, InitEncoderFromRejectsOtherDimsNamingTheParameter) {
-  const ModelConfig c = small_config();
+  const ModelConfig c = tiny_model_config();
   SpecialIds ids = special_ids();
   Seq2Seq model(c, 1, kVocab, ids);
   const at::Tensor tokens_before = model->encoder()->token_embedding()->weight.clone();
@@ -204,7 +196,7 @@ TEST(Seq2Seq, InitEncoderFromRejectsOtherDimsNamingTheParameter) {
 }
 
 TEST(Seq2Seq, BeamSearchScoresAsDefinedBeamOfOneIsGreedyWiderBeamsNotWorse) {
-  const ModelConfig c = small_config();
+  const ModelConfig c = tiny_model_config();
   SpecialIds ids = special_ids();
   constexpr int64_t kMaxLen = 8;
   int improved = 0, stopped_at_eos = 0, sentences = 0;
@@ -259,7 +251,7 @@ TEST(Seq2Seq, BeamSearchScoresAsDefinedBeamOfOneIsGreedyWiderBeamsNotWorse) {
 TEST(Seq2Seq, DecodingRestoresTrainModeAndChecksMaxLen) {
   at::manual_seed(5);
   SpecialIds ids = special_ids();
-  Seq2Seq model(small_config(), 1, kVocab, ids);
+  Seq2Seq model(tiny_model_config(), 1, kVocab, ids);
   std::mt19937 rng(5);
   const at::Tensor src = padded({random_sentence(rng, 3, ids)}, ids.pad);
   model->train();

@@ -11,26 +11,11 @@ namespace nebula::model {
 namespace {
 
 // Eval mode and no_grad for the scope; the module's previous mode afterwards.
-class EvalScope {
- public:
-  explicit EvalScope(torch::nn::Module& m) : m_(m), was_training_(m.is_training()) { m_.eval(); }
-  ~EvalScope() { m_.train(was_training_); }
-
- private:
-  torch::nn::Module& m_;
-  bool was_training_;
-  at::NoGradGuard no_grad_;
+struct EvalScope {
+  explicit EvalScope(torch::nn::Module& m) : eval_mode(m) {}
+  EvalModeGuard eval_mode;
+  at::NoGradGuard no_grad;
 };
-
-at::Tensor pad_batch(const std::vector<std::vector<int>>& seqs, size_t begin, size_t end, int64_t pad_id) {
-  size_t len = 0;
-  for (size_t i = begin; i < end; ++i) len = std::max(len, seqs[i].size());
-  at::Tensor ids = at::full({static_cast<int64_t>(end - begin), static_cast<int64_t>(len)}, pad_id, at::kLong);
-  auto a = ids.accessor<int64_t, 2>();
-  for (size_t i = begin; i < end; ++i)
-    for (size_t j = 0; j < seqs[i].size(); ++j) a[static_cast<int64_t>(i - begin)][static_cast<int64_t>(j)] = seqs[i][j];
-  return ids;
-}
 
 }  // namespace
 
@@ -40,7 +25,7 @@ at::Tensor sentence_embeddings(MlmEncoderImpl& model, const std::vector<std::vec
   std::vector<at::Tensor> out;
   for (size_t b = 0; b < sequences.size(); b += static_cast<size_t>(batch_size)) {
     const size_t e = std::min(sequences.size(), b + static_cast<size_t>(batch_size));
-    at::Tensor ids = pad_batch(sequences, b, e, pad_id);
+    at::Tensor ids = pad_sequences(sequences, pad_id, b, e);
     at::Tensor keep = ids.ne(pad_id).unsqueeze(-1).to(at::kFloat);          // [B, T, 1]
     at::Tensor mean = (model.encode(ids) * keep).sum(1) / keep.sum(1).clamp_min(1);
     out.push_back(mean / mean.norm(2, {1}, true).clamp_min(1e-12));

@@ -43,8 +43,12 @@ ModelConfig model_config_from(const std::map<std::string, std::string>& meta, co
 }
 
 LoadedTranslator load_translator(const std::string& path, const data::Tokenizer& tok) {
+  return load_translator(model::load_safetensors(path), path, tok);
+}
+
+LoadedTranslator load_translator(const model::TensorFile& file, const std::string& path, const data::Tokenizer& tok) {
   LoadedTranslator out;
-  out.metadata = model::load_safetensors(path).metadata;  // small models: reading twice is fine
+  out.metadata = file.metadata;
   auto kind = out.metadata.find("kind");
   if (kind == out.metadata.end() || kind->second != "seq2seq")
     throw DataError(str_cat(path, ": not a translation model (metadata kind = \"",
@@ -55,7 +59,7 @@ LoadedTranslator load_translator(const std::string& path, const data::Tokenizer&
                             tok.vocab_size(), ": use the tokenizer the model was trained with (metadata 'tokenizer')"));
   out.config = model_config_from(out.metadata, ModelConfig{}, path);
   out.model = model::Seq2Seq(out.config, out.config.decoder_layers, tok.vocab_size(), special_ids(tok));
-  model::load_module(*out.model, path);
+  model::load_module(*out.model, file, path);
   out.model->eval();
   return out;
 }
@@ -66,13 +70,7 @@ std::vector<std::string> translate(model::Seq2SeqImpl& model, const data::Tokeni
   std::vector<std::string> out;
   out.reserve(sentences.size());
   for (size_t b = 0; b < src.size(); b += static_cast<size_t>(batch_size)) {
-    const size_t e = std::min(src.size(), b + static_cast<size_t>(batch_size));
-    size_t len = 0;
-    for (size_t i = b; i < e; ++i) len = std::max(len, src[i].size());
-    at::Tensor ids = at::full({static_cast<int64_t>(e - b), static_cast<int64_t>(len)}, tok.pad_id(), at::kLong);
-    auto a = ids.accessor<int64_t, 2>();
-    for (size_t i = b; i < e; ++i)
-      for (size_t j = 0; j < src[i].size(); ++j) a[static_cast<int64_t>(i - b)][static_cast<int64_t>(j)] = src[i][j];
+    at::Tensor ids = model::pad_sequences(src, tok.pad_id(), b, b + static_cast<size_t>(batch_size));
     for (const auto& hyp : model.beam_search(ids, beam, model.max_len() - 1)) out.push_back(tok.decode(hyp));
   }
   return out;

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "data/tokenizer.h"
+#include "model/safetensors.h"
 #include "model/seq2seq.h"
 #include "nebula/config.h"
 
@@ -30,6 +31,8 @@ struct LoadedTranslator {
 // Loads a seq2seq model.safetensors written by nebula. DataError naming the file if it is not a
 // seq2seq model or its vocabulary differs from `tok`'s.
 LoadedTranslator load_translator(const std::string& path, const data::Tokenizer& tok);
+// The same from a file already read (e.g. for the tokenizer path in its metadata).
+LoadedTranslator load_translator(const model::TensorFile& file, const std::string& path, const data::Tokenizer& tok);
 
 // Translates each sentence (beam search; beam 1 = greedy), batched. Sentences longer than the
 // model's max_len are cut, as in training.

@@ -49,17 +49,6 @@ distill::Sequences unpad(const at::Tensor& ids, int64_t pad) {
   return out;
 }
 
-// Sequences → [n, longest] int64 padded with pad.
-at::Tensor pad_rows(const distill::Sequences& rows, int64_t pad) {
-  size_t len = 1;
-  for (const auto& r : rows) len = std::max(len, r.size());
-  at::Tensor t = at::full({static_cast<int64_t>(rows.size()), static_cast<int64_t>(len)}, pad, at::kLong);
-  auto a = t.accessor<int64_t, 2>();
-  for (size_t i = 0; i < rows.size(); ++i)
-    for (size_t j = 0; j < rows[i].size(); ++j) a[static_cast<int64_t>(i)][static_cast<int64_t>(j)] = rows[i][j];
-  return t;
-}
-
 constexpr size_t kBleuCounts = 11;  // matches 1..4, totals 1..4, hypothesis length, reference length, sentences
 
 class TranslationTask : public Task {
@@ -89,11 +78,11 @@ class TranslationTask : public Task {
     at::manual_seed(c_.job.seed);  // the same initial weights on every worker
     model_ = model::Seq2Seq(c_.model, c_.model.decoder_layers, ctx.tokenizer.vocab_size(), ctx.ids);
     if (!c_.model.init.empty()) {  // the pre-trained encoder (mlm_encoder job's model.safetensors)
-      auto meta = model::load_safetensors(c_.model.init).metadata;
-      if (meta.count("kind") && meta["kind"] != "mlm_encoder")
-        throw DataError(str_cat(c_.model.init, " (model.init): a ", meta["kind"],
+      const model::TensorFile init = model::load_safetensors(c_.model.init);
+      if (auto kind = init.metadata.find("kind"); kind != init.metadata.end() && kind->second != "mlm_encoder")
+        throw DataError(str_cat(c_.model.init, " (model.init): a ", kind->second,
                                 " model; the encoder starts from a pre-trained mlm_encoder"));
-      model::load_module(*model_->encoder(), c_.model.init);
+      model::load_module(*model_->encoder(), init, c_.model.init);
       spdlog::info("encoder initialised from {}", c_.model.init);
     }
     if (teacher) {
@@ -270,8 +259,8 @@ void run_teacher(const TaskContext& ctx) {
   const int64_t pad = ctx.ids.pad;
   auto fn = [&](const distill::Sequences& src, const distill::Sequences& tgt_in) {
     at::NoGradGuard no_grad;
-    at::Tensor tgt = pad_rows(tgt_in, pad);
-    at::Tensor logits = teacher.model->forward(pad_rows(src, pad), tgt);
+    at::Tensor tgt = model::pad_sequences(tgt_in, pad);
+    at::Tensor logits = teacher.model->forward(model::pad_sequences(src, pad), tgt);
     return logits.index({tgt.ne(pad)});  // [Σ len(tgt_in), V], sequence by sequence
   };
   distill::ServeOptions o;
