@@ -183,6 +183,15 @@ struct MetricsConfig {
   std::string progress = "auto";     // auto (in place on a terminal) | plain | off
 };
 
+// [checkpoint]: every worker writes its state (weights, optimizer moments, strategy and codec
+// state, data position, RNG) into DIR/SITE/rank-R/step-N every `every` steps (0 = only when
+// stopped by SIGINT/SIGTERM); `nebula run --resume` continues from the newest intact one.
+struct CheckpointConfig {
+  int64_t every = 0;
+  int64_t keep = 2;                  // newest checkpoints kept per worker (>= 2: one may be torn)
+  std::string dir;                   // default RUN_DIR/checkpoints
+};
+
 struct Config {
   std::string source_path;           // the file it came from
   JobConfig job;
@@ -197,6 +206,7 @@ struct Config {
   PrivacyConfig privacy;
   SecurityConfig security;
   MetricsConfig metrics;
+  CheckpointConfig checkpoint;
 
   int64_t total_workers() const;
   // Index of the site named `name`; ConfigError listing the known names if absent.
@@ -216,5 +226,11 @@ Config parse_config(const std::string& text, const std::string& name,
 // Serialises back to TOML (what `nebula run` hands to its workers), so that
 // parse_config(to_toml(c)) == c.
 std::string to_toml(const Config& config);
+
+// A fingerprint (hex) of everything that shapes the training math: model, data, strategy,
+// PEFT, distillation, privacy, the seed and the sites' names, workers and data. Not job.steps
+// (a run may be extended), timeouts, addresses, WAN emulation, security, metrics or eval.
+// Checkpoints carry it; resuming under another one is refused.
+std::string training_fingerprint(const Config& config);
 
 }  // namespace nebula

@@ -68,6 +68,8 @@ int main(int argc, char** argv) {
   run->add_option("config", config_path, "Job config (TOML)")->required()->check(CLI::ExistingFile);
   run->add_option("--set", overrides, "Override a config key, e.g. --set job.steps=20 (repeatable)")
       ->allow_extra_args(false);
+  bool resume = false;
+  run->add_flag("--resume", resume, "Continue from the newest checkpoints in [checkpoint] dir (the same config)");
 
   std::string site_name;
   std::string rank_text;
@@ -76,6 +78,7 @@ int main(int argc, char** argv) {
   worker->add_option("--site", site_name, "This worker's site (default: $NEBULA_SITE)");
   worker->add_option("--rank", rank_text, "Rank inside the site; 0 is the gateway (default: $LOCAL_RANK)");
   worker->add_option("--set", overrides, "Override a config key (repeatable)")->allow_extra_args(false);
+  worker->add_flag("--resume", resume, "Continue from this worker's newest checkpoint (every worker of the job must)");
 
   std::string demo_dir = "runs/demo";
   bool demo_quick = false;
@@ -180,7 +183,7 @@ int main(int argc, char** argv) {
   try {
     if (*run) {
       nebula::Config c = nebula::load_config(config_path, overrides);
-      return nebula::train::run_local(c, {self_executable()});
+      return nebula::train::run_local(c, {self_executable(), resume});
     }
     if (*demo) {
       nebula::train::DemoOptions o;
@@ -299,8 +302,8 @@ int main(int argc, char** argv) {
       if (const char* world = first_env({"WORLD_SIZE"}); world && std::to_string(site.workers) != world)
         throw nebula::ConfigError(nebula::str_cat("$WORLD_SIZE = ", world, " but site '", site_name, "' has workers = ",
                                                   site.workers, " in ", config_path, ": make them agree"));
-      nebula::train::run_worker(c, {c.site_index(site_name), rank});
-      return 0;
+      // 0, or 128 + the signal after a clean stop on SIGINT/SIGTERM (with a checkpoint).
+      return nebula::train::run_worker(c, {c.site_index(site_name), rank}, resume);
     }
   } catch (const nebula::ConfigError& e) {
     spdlog::error("config: {}", e.what());

@@ -136,6 +136,12 @@ class Hierarchy {
 
   CommStats stats() const;
   bool is_gateway() const { return mesh_ != nullptr; }
+  // The codec states (error feedback, PowerSGD's Q, RNG counters) by (tag, tensor), for
+  // checkpoints. Only while no collective is queued or running (the communication thread
+  // owns them otherwise); gateway only (empty elsewhere).
+  using CodecStates = std::map<std::pair<uint64_t, size_t>, codec::CodecState>;
+  const CodecStates& codec_states() const { return codec_state_; }
+  void set_codec_states(CodecStates states) { codec_state_ = std::move(states); }
   SiteGroup& site() { return site_; }
 
  private:
@@ -160,7 +166,7 @@ class Hierarchy {
   bool stopping_ = false;                     // GUARDED_BY(queue_mu_)
   std::thread comm_thread_;
   uint64_t allreduces_ = 0;
-  std::map<std::pair<uint64_t, size_t>, codec::CodecState> codec_state_;  // by (tag, tensor); gateway only
+  CodecStates codec_state_;  // by (tag, tensor); gateway only
   uint64_t codec_bytes_in_ = 0, codec_bytes_out_ = 0;
   double encode_seconds_ = 0, decode_seconds_ = 0;
 };

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <numeric>
+#include <sstream>
 
 #include "model/mlm_encoder.h"
 #include "nebula/error.h"
@@ -24,24 +25,56 @@ at::Tensor pad_sequences(const std::vector<std::vector<int>>& sequences, int64_t
 
 MlmBatcher::MlmBatcher(std::vector<std::vector<int>> sequences, SpecialIds ids, double mask_prob,
                        int64_t batch_size, uint64_t seed)
-    : sequences_(std::move(sequences)), ids_(ids), mask_prob_(mask_prob), batch_size_(batch_size), rng_(seed) {
+    : sequences_(std::move(sequences)),
+      ids_(ids),
+      mask_prob_(mask_prob),
+      batch_size_(batch_size),
+      passes_(sequences_.size(), seed) {
   NEBULA_CHECK(!sequences_.empty(), "no sequences to make batches from");
   NEBULA_CHECK(batch_size_ > 0 && ids_.vocab_size > ids_.first_ordinary, "batch ", batch_size_, " vocab ",
                ids_.vocab_size);
-  order_.resize(sequences_.size());
-  std::iota(order_.begin(), order_.end(), 0);
-  std::shuffle(order_.begin(), order_.end(), rng_);
+}
+
+ShuffledPasses::ShuffledPasses(size_t n, uint64_t seed) : rng(seed), order(n) {
+  std::iota(order.begin(), order.end(), 0);
+  std::shuffle(order.begin(), order.end(), rng);
+}
+
+size_t ShuffledPasses::next() {
+  if (cursor == order.size()) {
+    std::shuffle(order.begin(), order.end(), rng);
+    cursor = 0;
+  }
+  return order[cursor++];
+}
+
+BatcherState ShuffledPasses::state() const {
+  std::ostringstream text;
+  text << rng;
+  return {text.str(), std::vector<int64_t>(order.begin(), order.end()), static_cast<int64_t>(cursor)};
+}
+
+void ShuffledPasses::restore(const BatcherState& s) {
+  if (s.order.size() != order.size() || s.cursor < 0 || static_cast<size_t>(s.cursor) > order.size())
+    throw DataError(str_cat("the saved data position is a pass over ", s.order.size(), " examples (cursor ", s.cursor,
+                            "); this worker has ", order.size(), ": the data changed since the checkpoint"));
+  std::vector<bool> seen(order.size(), false);
+  for (int64_t i : s.order) {
+    if (i < 0 || static_cast<size_t>(i) >= order.size() || seen[static_cast<size_t>(i)])
+      throw DataError(str_cat("the saved data order is not a permutation (example ", i, ")"));
+    seen[static_cast<size_t>(i)] = true;
+  }
+  std::istringstream text(s.rng);
+  std::mt19937_64 r;
+  if (!(text >> r)) throw DataError("the saved random generator state is unreadable");
+  rng = r;
+  order.assign(s.order.begin(), s.order.end());
+  cursor = static_cast<size_t>(s.cursor);
 }
 
 MlmBatch MlmBatcher::next() {
   std::vector<const std::vector<int>*> batch;
-  for (int64_t i = 0; i < batch_size_; ++i) {
-    if (cursor_ == order_.size()) {
-      std::shuffle(order_.begin(), order_.end(), rng_);
-      cursor_ = 0;
-    }
-    batch.push_back(&sequences_[order_[cursor_++]]);
-  }
+  for (int64_t i = 0; i < batch_size_; ++i) batch.push_back(&sequences_[passes_.next()]);
   return make(batch);
 }
 
@@ -66,14 +99,14 @@ MlmBatch MlmBatcher::make(const std::vector<const std::vector<int>*>& batch) {
     out.tokens += static_cast<int64_t>(s.size());
     std::vector<int64_t> chosen;
     for (int64_t j : candidates)
-      if (u(rng_) < mask_prob_) chosen.push_back(j);
+      if (u(passes_.rng) < mask_prob_) chosen.push_back(j);
     if (chosen.empty() && !candidates.empty())
-      chosen.push_back(candidates[std::uniform_int_distribution<size_t>(0, candidates.size() - 1)(rng_)]);
+      chosen.push_back(candidates[std::uniform_int_distribution<size_t>(0, candidates.size() - 1)(passes_.rng)]);
     for (int64_t j : chosen) {
       label[i][j] = s[j];
-      double r = u(rng_);
+      double r = u(passes_.rng);
       if (r < 0.8) id[i][j] = ids_.mask;
-      else if (r < 0.9) id[i][j] = random_token(rng_);
+      else if (r < 0.9) id[i][j] = random_token(passes_.rng);
       ++out.predicted;
     }
   }

@@ -9,6 +9,7 @@
 
 #include <cstdint>
 #include <random>
+#include <string>
 #include <vector>
 
 namespace nebula::model {
@@ -37,6 +38,26 @@ class EvalModeGuard {
   bool was_training_;
 };
 
+// Where a batcher is in its data, enough to continue exactly where it was (checkpoints).
+struct BatcherState {
+  std::string rng;               // the generator (std::mt19937_64's text form)
+  std::vector<int64_t> order;    // this pass's order of the examples
+  int64_t cursor = 0;            // the next position in `order`
+};
+
+// The shuffled passes both batchers make over their examples, and their state.
+struct ShuffledPasses {
+  ShuffledPasses(size_t n, uint64_t seed);
+  size_t next();  // the next example's index; reshuffles at the end of a pass
+  BatcherState state() const;
+  // DataError if `s` does not describe a pass over the same number of examples.
+  void restore(const BatcherState& s);
+
+  std::mt19937_64 rng;
+  std::vector<size_t> order;
+  size_t cursor = 0;
+};
+
 struct MlmBatch {
   at::Tensor ids;        // [batch, seq] int64, padded with pad
   at::Tensor labels;     // [batch, seq] int64, kIgnoreIndex where no loss
@@ -56,15 +77,16 @@ class MlmBatcher {
   MlmBatch make(const std::vector<const std::vector<int>*>& batch);
 
   size_t size() const { return sequences_.size(); }
+  // The position in the data and the masking generator (one generator: it shuffles and masks).
+  BatcherState state() const { return passes_.state(); }
+  void restore(const BatcherState& s) { passes_.restore(s); }
 
  private:
   std::vector<std::vector<int>> sequences_;
   SpecialIds ids_;
   double mask_prob_;
   int64_t batch_size_;
-  std::mt19937_64 rng_;
-  std::vector<size_t> order_;
-  size_t cursor_ = 0;
+  ShuffledPasses passes_;
 };
 
 }  // namespace nebula::model

@@ -50,29 +50,22 @@ Seq2SeqBatch make_seq2seq_batch(const std::vector<const std::vector<int>*>& src,
 }
 
 Seq2SeqBatcher::Seq2SeqBatcher(std::vector<Pair> pairs, SpecialIds ids, int64_t batch_size, uint64_t seed)
-    : pairs_(std::move(pairs)), ids_(ids), batch_size_(batch_size), rng_(seed) {
+    : pairs_(std::move(pairs)), ids_(ids), batch_size_(batch_size), passes_(pairs_.size(), seed) {
   NEBULA_CHECK(!pairs_.empty(), "no sentence pairs to make batches from");
   NEBULA_CHECK(batch_size_ > 0, "batch ", batch_size_);
   for (size_t i = 0; i < pairs_.size(); ++i) {  // fail here, not at some later batch
     check_sequence(&pairs_[i].first, ids_, "source", i, 2);
     check_sequence(&pairs_[i].second, ids_, "target", i, 2);
   }
-  order_.resize(pairs_.size());
-  std::iota(order_.begin(), order_.end(), 0);
-  std::shuffle(order_.begin(), order_.end(), rng_);
 }
 
-Seq2SeqBatch Seq2SeqBatcher::next() {
+std::vector<size_t> Seq2SeqBatcher::next_indices() {
   std::vector<size_t> batch;
-  for (int64_t i = 0; i < batch_size_; ++i) {
-    if (cursor_ == order_.size()) {
-      std::shuffle(order_.begin(), order_.end(), rng_);
-      cursor_ = 0;
-    }
-    batch.push_back(order_[cursor_++]);
-  }
-  return make(batch);
+  for (int64_t i = 0; i < batch_size_; ++i) batch.push_back(passes_.next());
+  return batch;
 }
+
+Seq2SeqBatch Seq2SeqBatcher::next() { return make(next_indices()); }
 
 Seq2SeqBatch Seq2SeqBatcher::make(const std::vector<size_t>& indices) const {
   std::vector<const std::vector<int>*> src, tgt;

@@ -40,19 +40,21 @@ class Seq2SeqBatcher {
 
   // The next batch_size pairs of a shuffled pass; reshuffles at each new pass.
   Seq2SeqBatch next();
+  // The pairs next() would batch (and moves past them).
+  std::vector<size_t> next_indices();
   // The batch of exactly these pairs (indices into the constructor's vector).
   Seq2SeqBatch make(const std::vector<size_t>& indices) const;
 
   size_t size() const { return pairs_.size(); }
   const Pair& pair(size_t i) const { return pairs_.at(i); }
+  BatcherState state() const { return passes_.state(); }
+  void restore(const BatcherState& s) { passes_.restore(s); }
 
  private:
   std::vector<Pair> pairs_;
   SpecialIds ids_;
   int64_t batch_size_;
-  std::mt19937_64 rng_;
-  std::vector<size_t> order_;
-  size_t cursor_ = 0;
+  ShuffledPasses passes_;
 };
 
 }  // namespace nebula::model

@@ -6,8 +6,11 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
+
 
 #include "nebula/error.h"
+#include "wire/frame.h"
 
 namespace nebula::strategy {
 
@@ -291,6 +294,10 @@ void DilocoStrategy::send(size_t f) {
     o.tag = kTagBase + f;
     o.per_tensor = per_tensor;
     o.site_info = site_info();
+    // The outer step's id and the hash of the global weights it starts from: every site must
+    // send the same (checked at the merge).
+    o.site_info.push_back(static_cast<double>(fr.seq));
+    o.site_info.push_back(global_hash(f));
     o.max_norm = options_.max_update_norm;
     fr.work = comm_.exchange_async(std::move(bucket), std::move(o));
   }
@@ -305,6 +312,8 @@ void DilocoStrategy::merge(size_t f) {
   at::Tensor buf = at::zeros({fr.numel + info_len}, at::kFloat);
   if (comm_.is_gateway()) {
     fr.work->wait(Deadline::after(options_.timeout));
+    check_agreement(fr.work->site_info(), static_cast<double>(fr.seq), global_hash(f),
+                    str_cat("outer step ", fr.seq, " (round ", fr.round, ", fragment ", f, ")"));
     if (fr.work->seconds() > 0 && fr.work->wan_bytes_sent() > 0)
       exchange_bits_per_s_ = static_cast<double>(fr.work->wan_bytes_sent()) * 8 / fr.work->seconds() /
                              static_cast<double>(std::max<size_t>(options_.num_sites - 1, 1));  // per path
@@ -375,7 +384,9 @@ void DilocoStrategy::privatize(at::Tensor& delta) {
 }
 
 std::map<std::string, double> DilocoStrategy::metrics() const {
-  std::map<std::string, double> m{{"rejected_updates", static_cast<double>(rejected_updates_)}};
+  std::map<std::string, double> m{{"rejected_updates", static_cast<double>(rejected_updates_)},
+                                  {"outer_steps", static_cast<double>(outer_steps_)}};
+  if (comm_.is_gateway()) m["hash_checks"] = static_cast<double>(hash_checks_);
   if (options_.dp_clip > 0 && comm_.is_gateway()) {
     m["dp_releases"] = static_cast<double>(dp_releases_);
     m["dp_clipped"] = static_cast<double>(dp_clipped_);
@@ -386,7 +397,7 @@ std::map<std::string, double> DilocoStrategy::metrics() const {
   return m;
 }
 
-void DilocoStrategy::finish() {
+void DilocoStrategy::drain() {
   for (;;) {
     Fragment* next = nullptr;
     for (auto& fr : fragments_)
@@ -394,6 +405,269 @@ void DilocoStrategy::finish() {
     if (!next) break;
     merge(static_cast<size_t>(next - fragments_.data()));
   }
+}
+
+void DilocoStrategy::finish() {
+  drain();
+  // The last merges are checked too: one small exchange of ids and hashes.
+  if (comm_.is_gateway()) {
+    collective::AllreduceOptions o;
+    o.site_info = {static_cast<double>(next_seq_), global_hash(fragments_.size())};
+    auto work = comm_.exchange_async({at::empty({0}, at::kFloat)}, std::move(o));
+    work->wait(Deadline::after(options_.timeout));
+    check_agreement(work->site_info(), static_cast<double>(next_seq_), global_hash(fragments_.size()),
+                    str_cat("the end of training (after outer step ", static_cast<int64_t>(next_seq_) - 1, ")"));
+  }
+}
+
+double DilocoStrategy::global_hash(size_t f) const {
+  const bool all = f == fragments_.size();
+  uint32_t crc = 0;
+  for (size_t j = all ? 0 : f; j < (all ? fragments_.size() : f + 1); ++j) {
+    const at::Tensor g = fragments_[j].global.contiguous();
+    crc = wire::crc32(crc, {static_cast<const uint8_t*>(g.data_ptr()), static_cast<size_t>(g.numel()) * sizeof(float)});
+  }
+  return static_cast<double>(crc);
+}
+
+void DilocoStrategy::check_agreement(const std::vector<std::vector<double>>& info, double seq, double hash,
+                                     const std::string& what) {
+  for (size_t s = 0; s < info.size(); ++s) {
+    const auto& i = info[s];
+    if (i.size() < 2) throw Error(str_cat(what, ": site #", s, " sent no outer step id and hash"));
+    const double their_seq = i[i.size() - 2], their_hash = i[i.size() - 1];
+    if (their_seq != seq)
+      throw Error(str_cat(what, ": site #", s, " contributed its outer step ", static_cast<int64_t>(their_seq),
+                          " to this site's outer step ", static_cast<int64_t>(seq),
+                          ": the sites are out of step; restart them with nebula run --resume"));
+    if (their_hash != hash)
+      throw Error(str_cat(what, ": site #", s, " holds other global weights than this site (CRC-32 ",
+                          static_cast<uint32_t>(their_hash), " there, ", static_cast<uint32_t>(hash),
+                          " here): the sites diverged; restart them with nebula run --resume"));
+  }
+  ++hash_checks_;
+}
+
+bool DilocoStrategy::can_save() const {
+  for (const auto& fr : fragments_)
+    if (fr.in_flight) return false;
+  return true;
+}
+
+namespace {
+constexpr const char* kCodecKinds[] = {"", "none", "fp16", "bf16", "int8", "int4", "topk", "powersgd", "sparseloco"};
+double codec_index(const std::string& kind) {
+  for (size_t i = 0; i < std::size(kCodecKinds); ++i)
+    if (kind == kCodecKinds[i]) return static_cast<double>(i);
+  throw Error(str_cat("codec '", kind, "' has no index for checkpoints"));
+}
+}  // namespace
+
+void DilocoStrategy::save_state(StrategyState& out) const {
+  NEBULA_CHECK(can_save(), "save_state while a fragment is on the WAN");
+  save_codec_states(comm_, out);
+  auto& n = out.numbers;
+  n["fragments"] = static_cast<double>(fragments_.size());
+  for (size_t j = 0; j < fragments_.size(); ++j) {
+    const Fragment& fr = fragments_[j];
+    out.tensors[str_cat("f", j, "/global")] = fr.global;
+    out.tensors[str_cat("f", j, "/momentum")] = fr.momentum;
+    n[str_cat("f", j, "/weight_at_send")] = fr.weight_at_send;
+    n[str_cat("f", j, "/round")] = static_cast<double>(fr.round);
+  }
+  n["rounds"] = static_cast<double>(rounds_);
+  n["outer_steps"] = static_cast<double>(outer_steps_);
+  n["nominal_done"] = static_cast<double>(nominal_done_);
+  n["next_seq"] = static_cast<double>(next_seq_);
+  n["local_step"] = static_cast<double>(local_step_);
+  n["site_weight"] = site_weight_;
+  n["round_open"] = round_open_ ? 1 : 0;
+  n["nominal_h"] = static_cast<double>(nominal_h_);
+  n["round_steps"] = static_cast<double>(round_steps_);
+  n["in_round"] = static_cast<double>(in_round_);
+  n["next_fragment"] = static_cast<double>(next_fragment_);
+  n["controller_h"] = static_cast<double>(controller_h_);
+  n["decided"] = decided_ ? 1 : 0;
+  n["decided_measured"] = decided_measured_ ? 1 : 0;
+  n["rejected_updates"] = static_cast<double>(rejected_updates_);
+  n["hash_checks"] = static_cast<double>(hash_checks_);
+  n["dp_releases"] = static_cast<double>(dp_releases_);
+  n["dp_clipped"] = static_cast<double>(dp_clipped_);
+  n["exchange_bits_per_s"] = exchange_bits_per_s_;
+  // What the next rounds' decisions rest on (known_info looks at most two rounds back).
+  for (int64_t r = std::max<int64_t>(0, rounds_ - 2); r < static_cast<int64_t>(info_of_round_.size()); ++r)
+    for (size_t k = 0; k < info_of_round_[static_cast<size_t>(r)].size(); ++k)
+      n[str_cat("info/", r, "/", k)] = info_of_round_[static_cast<size_t>(r)][k];
+  out.strings["codec"] = codec_kind_;
+  out.decisions = decisions_;
+}
+
+void DilocoStrategy::load_state(const StrategyState& in) {
+  auto number = [&](const std::string& name) {
+    auto it = in.numbers.find(name);
+    if (it == in.numbers.end()) throw DataError(str_cat("the checkpoint's strategy state has no '", name, "'"));
+    return it->second;
+  };
+  auto integer = [&](const std::string& name) { return static_cast<int64_t>(number(name)); };
+  if (static_cast<size_t>(integer("fragments")) != fragments_.size())
+    throw DataError(str_cat("the checkpoint has ", integer("fragments"), " fragments, this job ", fragments_.size()));
+  at::NoGradGuard no_grad;
+  for (size_t j = 0; j < fragments_.size(); ++j) {
+    Fragment& fr = fragments_[j];
+    for (auto [name, target] : {std::pair{"global", &fr.global}, std::pair{"momentum", &fr.momentum}}) {
+      auto it = in.tensors.find(str_cat("f", j, "/", name));
+      if (it == in.tensors.end() || it->second.numel() != fr.numel || it->second.scalar_type() != at::kFloat)
+        throw DataError(str_cat("the checkpoint's strategy state has no ", name, " of fragment ", j, " with ",
+                                fr.numel, " float32 values"));
+      *target = it->second.reshape({-1}).clone();
+    }
+    fr.weight_at_send = number(str_cat("f", j, "/weight_at_send"));
+    fr.round = integer(str_cat("f", j, "/round"));
+    fr.in_flight = false;
+  }
+  rounds_ = integer("rounds");
+  outer_steps_ = integer("outer_steps");
+  nominal_done_ = integer("nominal_done");
+  next_seq_ = static_cast<uint64_t>(integer("next_seq"));
+  local_step_ = integer("local_step");
+  site_weight_ = number("site_weight");
+  round_open_ = integer("round_open") != 0;
+  nominal_h_ = integer("nominal_h");
+  round_steps_ = integer("round_steps");
+  in_round_ = integer("in_round");
+  next_fragment_ = static_cast<size_t>(integer("next_fragment"));
+  controller_h_ = integer("controller_h");
+  decided_ = integer("decided") != 0;
+  decided_measured_ = integer("decided_measured") != 0;
+  rejected_updates_ = integer("rejected_updates");
+  hash_checks_ = integer("hash_checks");
+  dp_releases_ = integer("dp_releases");
+  dp_clipped_ = integer("dp_clipped");
+  exchange_bits_per_s_ = number("exchange_bits_per_s");
+  if (options_.dp_clip > 0 && options_.dp_noise_multiplier > 0 && dp_releases_ > 0)
+    accountant_.add(1.0, options_.dp_noise_multiplier, dp_releases_);  // the privacy already spent
+  info_of_round_.assign(static_cast<size_t>(rounds_), {});
+  for (const auto& [name, value] : in.numbers) {
+    long long r = 0, k = 0;
+    if (std::sscanf(name.c_str(), "info/%lld/%lld", &r, &k) != 2 || r < 0 || r >= rounds_) continue;
+    auto& row = info_of_round_[static_cast<size_t>(r)];
+    if (row.size() <= static_cast<size_t>(k)) row.resize(static_cast<size_t>(k) + 1);
+    row[static_cast<size_t>(k)] = static_cast<float>(value);
+  }
+  auto codec = in.strings.find("codec");
+  if (codec != in.strings.end() && !codec->second.empty() && codec->second != codec_kind_) set_codec(codec->second);
+  decisions_ = in.decisions;
+  load_codec_states(comm_, in);
+  // θ_local at the checkpoint is in the parameters (the worker loads them).
+  last_step_end_ = Clock::now();
+}
+
+void DilocoStrategy::reconcile() {
+  at::NoGradGuard no_grad;
+  const size_t me = options_.site_index;
+  // Gateways: every site's position. Then, inside the site: [leader, any site differs, this one does].
+  at::Tensor verdict = at::zeros({3}, at::kFloat);
+  if (comm_.is_gateway()) {
+    collective::AllreduceOptions o;
+    o.site_info = {static_cast<double>(next_seq_), global_hash(fragments_.size())};
+    auto work = comm_.exchange_async({at::empty({0}, at::kFloat)}, std::move(o));
+    work->wait(Deadline::after(options_.timeout));
+    const auto& info = work->site_info();
+    size_t leader = 0;
+    for (size_t s = 1; s < info.size(); ++s)
+      if (info[s].at(0) > info[leader].at(0)) leader = s;
+    bool any = false;
+    for (size_t s = 0; s < info.size(); ++s) any = any || info[s] != info[leader];
+    verdict[0] = static_cast<float>(leader);
+    verdict[1] = any ? 1.0f : 0.0f;
+    verdict[2] = info[me] != info[leader] ? 1.0f : 0.0f;
+    if (any)
+      spdlog::info("resume: site #{} is furthest ahead (outer step {}); {}", leader, info[leader].at(0),
+                   verdict[2].item<float>() > 0 ? str_cat("this site (at outer step ", next_seq_, ") takes its global state")
+                                                : "this site keeps its own");
+  }
+  if (comm_.site().size() > 1) comm_.site().broadcast_from_root(verdict);
+  if (verdict[1].item<float>() == 0) return;
+  const size_t leader = static_cast<size_t>(verdict[0].item<float>());
+  const bool adopt = verdict[2].item<float>() > 0;
+
+  // The leader's global weights and momentum, exactly (weight 1 there, 0 elsewhere), and its
+  // position: counters (double on the WAN and inside the site), and the info decisions rest on.
+  std::vector<at::Tensor> parts;
+  for (const auto& fr : fragments_) parts.push_back(fr.global);
+  for (const auto& fr : fragments_) parts.push_back(fr.momentum);
+  at::Tensor values = at::cat(parts);
+  std::vector<double> position = {static_cast<double>(next_seq_), static_cast<double>(rounds_),
+                                  static_cast<double>(outer_steps_), static_cast<double>(nominal_done_),
+                                  round_open_ ? 1.0 : 0.0, static_cast<double>(nominal_h_),
+                                  static_cast<double>(in_round_), static_cast<double>(next_fragment_),
+                                  static_cast<double>(controller_h_), decided_ ? 1.0 : 0.0,
+                                  decided_measured_ ? 1.0 : 0.0, codec_index(codec_kind_)};
+  for (const auto& fr : fragments_) position.push_back(static_cast<double>(fr.round));
+  const size_t fixed = position.size();
+  for (int64_t r = std::max<int64_t>(0, rounds_ - 2); r < rounds_; ++r) {
+    const auto& row = static_cast<size_t>(r) < info_of_round_.size() ? info_of_round_[static_cast<size_t>(r)]
+                                                                     : std::vector<float>{};
+    position.push_back(static_cast<double>(row.size()));
+    position.insert(position.end(), row.begin(), row.end());
+  }
+  at::Tensor pos = at::zeros({1024}, at::kDouble);
+  if (comm_.is_gateway()) {
+    collective::AllreduceOptions o;
+    o.weight = me == leader ? 1.0 : 0.0;
+    o.site_info = position;
+    auto work = comm_.exchange_async({values}, std::move(o));
+    work->wait(Deadline::after(options_.timeout));
+    const auto& theirs = work->site_info().at(leader);
+    NEBULA_CHECK(theirs.size() <= 1024, "position of ", theirs.size(), " values");
+    std::copy(theirs.begin(), theirs.end(), pos.data_ptr<double>());
+  }
+  if (comm_.site().size() > 1) {
+    comm_.site().broadcast_from_root(values);
+    comm_.site().broadcast_from_root(pos);
+  }
+  if (!adopt) return;
+  const double* p = pos.data_ptr<double>();
+  int64_t at = 0;
+  for (auto& fr : fragments_) {
+    fr.global.copy_(values.narrow(0, at, fr.numel));
+    at += fr.numel;
+  }
+  for (auto& fr : fragments_) {
+    fr.momentum.copy_(values.narrow(0, at, fr.numel));
+    at += fr.numel;
+  }
+  next_seq_ = static_cast<uint64_t>(p[0]);
+  rounds_ = static_cast<int64_t>(p[1]);
+  outer_steps_ = static_cast<int64_t>(p[2]);
+  nominal_done_ = static_cast<int64_t>(p[3]);
+  round_open_ = p[4] != 0;
+  nominal_h_ = static_cast<int64_t>(p[5]);
+  round_steps_ = nominal_h_;  // this round without the heterogeneous scaling
+  in_round_ = static_cast<int64_t>(p[6]);
+  next_fragment_ = static_cast<size_t>(p[7]);
+  controller_h_ = static_cast<int64_t>(p[8]);
+  decided_ = p[9] != 0;
+  decided_measured_ = p[10] != 0;
+  const std::string kind = kCodecKinds[static_cast<size_t>(p[11])];
+  if (!kind.empty() && kind != codec_kind_) set_codec(kind);
+  for (size_t j = 0; j < fragments_.size(); ++j) fragments_[j].round = static_cast<int64_t>(p[12 + j]);
+  size_t k = fixed;
+  info_of_round_.assign(static_cast<size_t>(rounds_), {});
+  for (int64_t r = std::max<int64_t>(0, rounds_ - 2); r < rounds_; ++r) {
+    const auto len = static_cast<size_t>(p[k++]);
+    info_of_round_[static_cast<size_t>(r)].assign(p + k, p + k + len);
+    k += len;
+  }
+  // The local weights start again from the global ones; the tokens count from here.
+  for (size_t j = 0; j < fragments_.size(); ++j) {
+    Fragment& fr = fragments_[j];
+    std::vector<at::Tensor> part(params_.begin() + static_cast<std::ptrdiff_t>(fr.begin),
+                                 params_.begin() + static_cast<std::ptrdiff_t>(fr.end));
+    unflatten_into(fr.global, part);
+    fr.weight_at_send = site_weight_;
+  }
+  decisions_.push_back(str_cat("resume: took the global state of site #", leader, " at outer step ", next_seq_));
 }
 
 }  // namespace nebula::strategy

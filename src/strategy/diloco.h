@@ -85,12 +85,26 @@ class DilocoStrategy : public Strategy {
   bool keep_training(int64_t step, int64_t steps) override;
   void finish() override;
   std::vector<std::string> decisions() const override { return decisions_; }
-  // rejected_updates; with [privacy]: dp_releases, dp_clipped, dp_delta and dp_epsilon (with noise).
+  // outer_steps, hash_checks, rejected_updates; with [privacy]: dp_releases, dp_clipped,
+  // dp_delta and dp_epsilon (with noise).
   std::map<std::string, double> metrics() const override;
+
+  // Checkpoints happen between steps when no fragment is on the WAN (diloco: always).
+  bool can_save() const override;
+  void drain() override;
+  void save_state(StrategyState& out) const override;
+  void load_state(const StrategyState& in) override;
+  // The sites compare how many outer steps they have taken; a site behind (its newest
+  // checkpoint is older) takes the global weights, momentum and round position from the
+  // site furthest ahead (the lowest-numbered one among equals), in one exchange.
+  void reconcile() override;
 
   // For tests and metrics.
   int64_t outer_steps() const { return outer_steps_; }  // merges so far (fragments count each)
   int64_t rejected_updates() const { return rejected_updates_; }  // gateway: site updates the guard left out
+  // Gateway: exchanges at which every site reported the same outer step id and the same hash
+  // of the global weights it held before it (plus one final check in finish()).
+  int64_t hash_checks() const { return hash_checks_; }
   int64_t rounds() const { return rounds_; }
   int64_t round_inner_steps() const { return round_steps_; }  // this site's H_s this round
   const std::string& codec_kind() const { return codec_kind_; }
@@ -140,6 +154,11 @@ class DilocoStrategy : public Strategy {
   int64_t local_step_ = 0;
   int64_t rounds_ = 0, outer_steps_ = 0;
   int64_t rejected_updates_ = 0;   // gateway: contributions the update guard left out
+  int64_t hash_checks_ = 0;        // gateway: exchanges whose ids and global-weight hashes agreed
+  // Gateway: every site's outer step id and global hash (site_info after kInfo) must equal
+  // this site's; Error naming the site and outer step otherwise.
+  void check_agreement(const std::vector<std::vector<double>>& info, double seq, double hash, const std::string& what);
+  double global_hash(size_t f) const;  // CRC-32 of fragment f's θ_global
   // Differential privacy (gateway).
   void privatize(at::Tensor& delta);
   std::mt19937_64 dp_rng_;

@@ -28,6 +28,15 @@
 
 namespace nebula::strategy {
 
+// What a strategy needs to continue after a restart (checkpoints): tensors and numbers by
+// name (counters travel as doubles: exact below 2^53), a few strings and its decision log.
+struct StrategyState {
+  std::map<std::string, at::Tensor> tensors;
+  std::map<std::string, double> numbers;
+  std::map<std::string, std::string> strings;
+  std::vector<std::string> decisions;
+};
+
 class Strategy {
  public:
   virtual ~Strategy() = default;
@@ -51,7 +60,24 @@ class Strategy {
   virtual std::vector<std::string> decisions() const { return {}; }
   // Counters for metrics lines and summary.json (e.g. rejected updates, privacy spent).
   virtual std::map<std::string, double> metrics() const { return {}; }
+
+  // Checkpoints. can_save(): whether the state is complete between steps now (nothing on
+  // the WAN); the same answer on every worker of a site. save_state/load_state: after init(),
+  // between steps. load_state throws DataError naming what is missing or does not fit.
+  virtual bool can_save() const { return true; }
+  // Completes what is on the WAN now, early (streaming with delay >= H/F is never idle
+  // between steps: a checkpoint or stop that waited `delay` steps drains it instead).
+  virtual void drain() {}
+  virtual void save_state(StrategyState& out) const = 0;
+  virtual void load_state(const StrategyState& in) = 0;
+  // After a resume, on every worker of every site: brings the sites to one global state if
+  // their checkpoints differ (e.g. one site's newest checkpoint is a round behind).
+  virtual void reconcile() {}
 };
+
+// The gateway's codec states (error feedback ...) as "codec/TAG/I/..." entries, and back.
+void save_codec_states(const collective::Hierarchy& comm, StrategyState& out);
+void load_codec_states(collective::Hierarchy& comm, const StrategyState& in);
 
 class SyncStrategy : public Strategy {
  public:
@@ -66,6 +92,9 @@ class SyncStrategy : public Strategy {
   void before_backward(double weight) override;
   // Waits for every bucket (queuing any not yet sent) and writes the averages into .grad.
   void sync_gradients(const std::vector<at::Tensor>& params, double weight) override;
+  // Only the gradient buckets' codec states (error feedback) carry over from step to step.
+  void save_state(StrategyState& out) const override { save_codec_states(comm_, out); }
+  void load_state(const StrategyState& in) override { load_codec_states(comm_, in); }
 
  private:
   void on_gradient(size_t index, const at::Tensor& grad);  // autograd's thread

@@ -1,6 +1,8 @@
 #include <ATen/ATen.h>
 #include <ATen/core/grad_mode.h>  // at::NoGradGuard: ATen.h no longer brings it in LibTorch 2.x
 
+#include <cstdio>
+
 #include "nebula/error.h"
 #include "wire/frame.h"
 #include "strategy/diloco.h"
@@ -23,6 +25,32 @@ void unflatten_into(const at::Tensor& flat, const std::vector<at::Tensor>& tenso
     offset += n;
   }
   NEBULA_CHECK(offset == flat.numel(), "flat buffer has ", flat.numel(), " elements, tensors ", offset);
+}
+
+void save_codec_states(const collective::Hierarchy& comm, StrategyState& out) {
+  for (const auto& [key, state] : comm.codec_states()) {
+    const std::string name = str_cat("codec/", key.first, "/", key.second, "/");
+    if (state.residual.defined()) out.tensors[name + "residual"] = state.residual;
+    if (state.q.defined()) out.tensors[name + "q"] = state.q;
+    out.numbers[name + "rng_counter"] = static_cast<double>(state.rng_counter);
+    out.numbers[name + "steps"] = static_cast<double>(state.steps);
+  }
+}
+
+void load_codec_states(collective::Hierarchy& comm, const StrategyState& in) {
+  collective::Hierarchy::CodecStates states;
+  for (const auto& [name, value] : in.numbers) {
+    unsigned long long tag = 0, index = 0;
+    char field[32] = {};
+    if (std::sscanf(name.c_str(), "codec/%llu/%llu/%31s", &tag, &index, field) != 3) continue;
+    codec::CodecState& st = states[{tag, static_cast<size_t>(index)}];
+    const std::string prefix = str_cat("codec/", tag, "/", index, "/");
+    if (std::string(field) == "rng_counter") st.rng_counter = static_cast<uint64_t>(value);
+    if (std::string(field) == "steps") st.steps = static_cast<uint64_t>(value);
+    if (auto r = in.tensors.find(prefix + "residual"); r != in.tensors.end()) st.residual = r->second.clone();
+    if (auto q = in.tensors.find(prefix + "q"); q != in.tensors.end()) st.q = q->second.clone();
+  }
+  if (comm.is_gateway()) comm.set_codec_states(std::move(states));
 }
 
 void make_replicas_equal(collective::Hierarchy& comm, const std::vector<at::Tensor>& params) {

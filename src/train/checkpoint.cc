@@ -8,9 +8,12 @@
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <vector>
+
+#include <ATen/ATen.h>
 
 #include "model/safetensors.h"
 #include "nebula/error.h"
@@ -116,6 +119,9 @@ void save_checkpoint(const std::string& dir, const Checkpoint& c, const std::str
     f.tensors = c.tensors;
     model::save_safetensors((tmp / kTensors).string(), f);  // fsync'ed and renamed into place inside tmp
     const std::string tensors = read_all((tmp / kTensors).string());
+    // Tests: a crash in the middle of writing checkpoint N (tensors written, no manifest yet).
+    if (const char* crash = std::getenv("NEBULA_TEST_CRASH_IN_CHECKPOINT"); crash && std::atoll(crash) == c.step)
+      ::_exit(137);
     nlohmann::json manifest = {{"format", "nebula-checkpoint"},
                                {"version", 1},
                                {"step", c.step},
@@ -138,8 +144,10 @@ void save_checkpoint(const std::string& dir, const Checkpoint& c, const std::str
   for (size_t i = static_cast<size_t>(std::max(keep, 1)); i < all.size(); ++i) fs::remove_all(all[i].second, ec);
 }
 
-std::optional<Checkpoint> load_latest_checkpoint(const std::string& dir, const std::string& config_hash) {
+std::optional<Checkpoint> load_latest_checkpoint(const std::string& dir, const std::string& config_hash,
+                                                 int64_t max_step) {
   for (const auto& [step, path] : checkpoints_in(dir)) {
+    if (step > max_step) continue;
     try {
       return read_checkpoint(path, config_hash);
     } catch (const DataError& e) {
@@ -149,6 +157,29 @@ std::optional<Checkpoint> load_latest_checkpoint(const std::string& dir, const s
     }
   }
   return std::nullopt;
+}
+
+void put_batcher(Checkpoint& c, const std::string& name, const model::BatcherState& s) {
+  c.state["data"][name] = {{"rng", s.rng}, {"cursor", s.cursor}};
+  c.tensors["data/" + name + "/order"] =
+      at::tensor(at::ArrayRef<int64_t>(s.order), at::TensorOptions().dtype(at::kLong)).clone();
+}
+
+model::BatcherState get_batcher(const Checkpoint& c, const std::string& name) {
+  const auto order = c.tensors.find("data/" + name + "/order");
+  const nlohmann::json* entry = nullptr;
+  if (c.state.contains("data") && c.state["data"].is_object() && c.state["data"].contains(name))
+    entry = &c.state["data"][name];
+  if (order == c.tensors.end() || !entry || !entry->is_object() || !(*entry)["rng"].is_string() ||
+      !(*entry)["cursor"].is_number_integer() || order->second.scalar_type() != at::kLong || order->second.dim() != 1)
+    throw DataError(str_cat("checkpoint of step ", c.step, ": the data position '", name,
+                            "' is missing or malformed"));
+  model::BatcherState s;
+  s.rng = (*entry)["rng"].get<std::string>();
+  s.cursor = (*entry)["cursor"].get<int64_t>();
+  const at::Tensor o = order->second.contiguous();
+  s.order.assign(o.data_ptr<int64_t>(), o.data_ptr<int64_t>() + o.numel());
+  return s;
 }
 
 }  // namespace nebula::train

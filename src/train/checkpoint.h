@@ -1,4 +1,4 @@
-// Checkpoints on disk ([6/7], the storage half; the worker does not write or resume them yet).
+// Checkpoints on disk. The worker (worker.cc) decides what goes in them and when.
 //
 // A checkpoint is a directory DIR/step-<12 digits>/ holding
 //   tensors.safetensors   every tensor (model weights, optimizer moments, strategy state),
@@ -18,10 +18,13 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <cstdint>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
+
+#include "model/mlm_batch.h"
 
 namespace nebula::train {
 
@@ -40,6 +43,13 @@ void save_checkpoint(const std::string& dir, const Checkpoint& checkpoint, const
 // The newest intact checkpoint in dir, or nullopt if there is none. A checkpoint written with
 // another config_hash is a ConfigError naming both hashes (resuming under a changed config
 // would silently train something else).
-std::optional<Checkpoint> load_latest_checkpoint(const std::string& dir, const std::string& config_hash);
+// With `max_step`, the newest intact one at or before that step.
+std::optional<Checkpoint> load_latest_checkpoint(const std::string& dir, const std::string& config_hash,
+                                                 int64_t max_step = INT64_MAX);
+
+// A batcher's position as state["data"][name] (generator, cursor) and tensor "data/NAME/order".
+void put_batcher(Checkpoint& c, const std::string& name, const model::BatcherState& s);
+// DataError naming the entry if it is missing or malformed.
+model::BatcherState get_batcher(const Checkpoint& c, const std::string& name);
 
 }  // namespace nebula::train

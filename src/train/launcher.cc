@@ -39,8 +39,8 @@ struct Child {
   int status = 0;
 };
 
-pid_t spawn(const std::string& exe, const std::vector<std::string>& args, const std::string& log) {
-  int fd = ::open(log.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+pid_t spawn(const std::string& exe, const std::vector<std::string>& args, const std::string& log, bool append) {
+  int fd = ::open(log.c_str(), O_WRONLY | O_CREAT | (append ? O_APPEND : O_TRUNC) | O_CLOEXEC, 0644);
   if (fd < 0) throw Error(str_cat(log, ": cannot create worker log: ", std::strerror(errno)));
   pid_t pid = ::fork();
   if (pid < 0) throw Error(str_cat("fork failed: ", std::strerror(errno)));
@@ -169,7 +169,10 @@ void stop_all(std::vector<Child>& children, int sig) {
 
 int run_local(Config c, const LaunchOptions& options) {
   fs::create_directories(c.job.run_dir + "/logs");
-  for (const char* stale : {"/metrics.jsonl", "/summary.json", "/audit.jsonl"}) fs::remove(c.job.run_dir + stale);
+  // A resumed job appends to its metrics and audit log; a new one starts them afresh.
+  fs::remove(c.job.run_dir + "/summary.json");
+  if (!options.resume)
+    for (const char* stale : {"/metrics.jsonl", "/audit.jsonl"}) fs::remove(c.job.run_dir + stale);
   if (c.security.insecure) spdlog::warn("security.insecure = true: links between sites will be PLAINTEXT");
   ensure_local_certificates(c);
 
@@ -177,7 +180,7 @@ int run_local(Config c, const LaunchOptions& options) {
   // (data.tokenizer); in local mode we train it here before the workers start.
   if (c.data.tokenizer.empty()) {
     std::string prefix = c.job.run_dir + "/tokenizer";
-    train_tokenizer(c, prefix);
+    if (!options.resume || !fs::exists(prefix + ".model")) train_tokenizer(c, prefix);
     c.data.tokenizer = prefix + ".model";
   }
   for (auto& s : c.sites) {
@@ -200,7 +203,9 @@ int run_local(Config c, const LaunchOptions& options) {
   for (const auto& s : c.sites) {
     for (int r = 0; r < s.workers; ++r) {
       std::string log = str_cat(c.job.run_dir, "/logs/", s.name, "-", r, ".log");
-      pid_t pid = spawn(options.executable, {"worker", job_file, "--site", s.name, "--rank", std::to_string(r)}, log);
+      std::vector<std::string> args = {"worker", job_file, "--site", s.name, "--rank", std::to_string(r)};
+      if (options.resume) args.push_back("--resume");
+      pid_t pid = spawn(options.executable, args, log, options.resume);
       children.push_back({pid, s.name, r, log});
     }
   }
@@ -219,6 +224,11 @@ int run_local(Config c, const LaunchOptions& options) {
       ch.running = false;
       --running;
       bool ok = WIFEXITED(ch.status) && WEXITSTATUS(ch.status) == 0;
+      // A worker that stopped on a signal after writing its checkpoint (128 + SIGINT/SIGTERM):
+      // the job stops as if this launcher had been interrupted.
+      const bool stopped = WIFEXITED(ch.status) && (WEXITSTATUS(ch.status) == 128 + SIGINT ||
+                                                    WEXITSTATUS(ch.status) == 128 + SIGTERM);
+      if (stopped && !g_signal && !failed) g_signal = WEXITSTATUS(ch.status) - 128;
       if (!ok && !failed && !g_signal) {
         failed = &ch;
         exit_code = 1;
@@ -231,10 +241,13 @@ int run_local(Config c, const LaunchOptions& options) {
     }
     progress.poll();
     std::this_thread::sleep_for(std::chrono::milliseconds(100));
-    // Workers that ignore SIGTERM for long are killed; stop_all only reaches our own pids.
+    // Workers that ignore SIGTERM for long are killed (a stopping worker first finishes its
+    // step and writes a checkpoint); stop_all only reaches our own pids.
     if (exit_code != 0) {
       if (stop_started == Clock::time_point{}) stop_started = Clock::now();
-      if (Clock::now() - stop_started > std::chrono::seconds(10)) stop_all(children, SIGKILL);
+      // After a failure the others are usually blocked on the lost worker: do not wait long.
+      const auto grace = failed ? std::chrono::seconds(10) : std::chrono::seconds(30);
+      if (Clock::now() - stop_started > grace) stop_all(children, SIGKILL);
     }
   }
   progress.poll();
@@ -246,7 +259,8 @@ int run_local(Config c, const LaunchOptions& options) {
     return exit_code;
   }
   if (exit_code) {
-    spdlog::error("interrupted; stopped all workers");
+    spdlog::error("interrupted; stopped all workers (they checkpoint into {}): continue with nebula run {} --resume (and the same --set options)",
+                  c.checkpoint.dir, c.source_path);
     return exit_code;
   }
   if (!print_summary(c.job.run_dir)) {

@@ -11,6 +11,7 @@ namespace nebula::train {
 
 struct LaunchOptions {
   std::string executable;  // the nebula binary to run workers with (normally /proc/self/exe)
+  bool resume = false;     // workers continue from their checkpoints (nebula run --resume)
 };
 
 // Returns the process exit code: 0 when every worker finished, non-zero otherwise.

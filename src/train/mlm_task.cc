@@ -82,6 +82,9 @@ class MlmTask : public Task {
 
   nlohmann::json summary() const override { return {{"objective", c_.data.objective}, {"peft", c_.peft.kind}}; }
 
+  void save_state(Checkpoint& checkpoint) const override { put_batcher(checkpoint, "train", batches_->state()); }
+  void load_state(const Checkpoint& checkpoint) override { batches_->restore(get_batcher(checkpoint, "train")); }
+
   std::map<std::string, std::string> model_metadata() const override {
     return {{"format", "nebula"},
             {"kind", "mlm_encoder"},

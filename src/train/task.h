@@ -21,6 +21,7 @@
 #include "data/tokenizer.h"
 #include "model/mlm_batch.h"
 #include "nebula/config.h"
+#include "train/checkpoint.h"
 #include "train/worker.h"
 #include "transport/link.h"
 
@@ -58,6 +59,11 @@ class Task {
   virtual bool eval_at_start() const { return false; }
   virtual std::vector<double> evaluate() { return std::vector<double>(eval_size(), 0.0); }
   virtual nlohmann::json eval_json(const std::vector<double>& counts) const { return nlohmann::json::object(); }
+
+  // Checkpoints: what the task needs besides the weights to continue exactly where it was
+  // (data position, generators). The worker saves module() and the optimizer itself.
+  virtual void save_state(Checkpoint& checkpoint) const = 0;
+  virtual void load_state(const Checkpoint& checkpoint) = 0;
 
   // After the last step (e.g. the distillation client says goodbye).
   virtual void finish() {}

@@ -103,12 +103,8 @@ class TranslationTask : public Task {
     }
     // Keep `prefetch` batches requested ahead of this one, so the teacher's answers (a WAN
     // round trip plus its compute away) are already here when they are needed.
-    while (queue_.size() <= static_cast<size_t>(c_.distill.prefetch)) {
-      model::Seq2SeqBatch b = batches_->next();
-      client_->submit(next_id_, unpad(b.src, ctx_.ids.pad), unpad(b.tgt_in, ctx_.ids.pad));
-      queue_.push_back({next_id_++, std::move(b)});
-    }
-    auto [id, b] = std::move(queue_.front());
+    while (queue_.size() <= static_cast<size_t>(c_.distill.prefetch)) request(batches_->next_indices());
+    auto [id, indices, b] = std::move(queue_.front());
     queue_.pop_front();
     distill::TopK teacher = client_->wait(id, Deadline::after(c_.job.timeout));
     at::Tensor logits = model_->forward(b.src, b.tgt_in);  // [B, T, V]
@@ -135,6 +131,30 @@ class TranslationTask : public Task {
     }
     model_->train();
     return {loss_sum, weight};
+  }
+
+  // The batcher has already drawn the batches requested ahead: they are saved as their pairs
+  // and requested again after a resume, in the same order.
+  void save_state(Checkpoint& checkpoint) const override {
+    put_batcher(checkpoint, "train", batches_->state());
+    nlohmann::json queued = nlohmann::json::array();
+    for (const auto& p : queue_) queued.push_back(p.indices);
+    checkpoint.state["data"]["queued"] = queued;
+  }
+  void load_state(const Checkpoint& checkpoint) override {
+    batches_->restore(get_batcher(checkpoint, "train"));
+    const auto& data = checkpoint.state["data"];
+    if (!client_) return;
+    NEBULA_CHECK(queue_.empty(), "load_state after training started");
+    if (data.contains("queued") && data["queued"].is_array())
+      for (const auto& q : data["queued"]) {
+        std::vector<size_t> indices = q.get<std::vector<size_t>>();
+        for (size_t i : indices)
+          if (i >= batches_->size())
+            throw DataError(str_cat("checkpoint of step ", checkpoint.step, ": a queued batch names pair ", i,
+                                    " of ", batches_->size(), ": the data changed since the checkpoint"));
+        request(std::move(indices));
+      }
   }
 
   // BLEU statistics of the site's test pairs (beam search), and the translations as a file.
@@ -221,8 +241,16 @@ class TranslationTask : public Task {
   }
 
  private:
+  // Asks the teacher for its distribution on the batch of these pairs; queued for forward().
+  void request(std::vector<size_t> indices) {
+    model::Seq2SeqBatch b = batches_->make(indices);
+    client_->submit(next_id_, unpad(b.src, ctx_.ids.pad), unpad(b.tgt_in, ctx_.ids.pad));
+    queue_.push_back({next_id_++, std::move(indices), std::move(b)});
+  }
+
   struct Pending {
     uint64_t id;
+    std::vector<size_t> indices;  // the batch's pairs (checkpoints save these, not the batch)
     model::Seq2SeqBatch batch;
   };
   const TaskContext& ctx_;

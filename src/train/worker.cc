@@ -6,8 +6,13 @@
 #include <torch/optim/adamw.h>
 
 #include <dlfcn.h>
+#include <signal.h>
 
+#include <algorithm>
+#include <atomic>
 #include <cmath>
+#include <cstdlib>
+#include <optional>
 #include <thread>
 
 #include "collective/gateway_mesh.h"
@@ -19,7 +24,9 @@
 #include "nebula/log.h"
 #include "strategy/strategy.h"
 #include "train/gateway.h"
+#include "train/checkpoint.h"
 #include "train/metrics.h"
+#include "train/optimizer_state.h"
 #include "train/task.h"
 #include "transport/tcp_link.h"
 
@@ -45,11 +52,66 @@ std::vector<double> sum_over_job(collective::Hierarchy& comm, const std::vector<
   return out;
 }
 
+// SIGINT/SIGTERM: the training loop checkpoints and stops at the end of the step.
+std::atomic<int> g_stop_signal{0};
+extern "C" void on_stop_signal(int sig) { g_stop_signal = sig; }
+
+// Tests: NEBULA_TEST_STOP_AT_STEP=N stops after step N as if SIGTERM had come then (a
+// deterministic moment for resume tests).
+int64_t test_stop_step() {
+  const char* v = std::getenv("NEBULA_TEST_STOP_AT_STEP");
+  return v ? std::atoll(v) : -1;
+}
+
+// Everything a worker needs to continue: the model (all of it: PEFT's frozen part too), the
+// optimizer, LibTorch's generator, the task's data position, the strategy and its codecs.
+Checkpoint capture(int64_t step, Task& task, const torch::optim::AdamW& optimizer,
+                   const std::vector<at::Tensor>& params, const strategy::Strategy& strategy) {
+  Checkpoint k;
+  k.step = step;
+  for (const auto& item : task.module().named_parameters()) k.tensors["model/" + item.key()] = item.value().detach();
+  for (const auto& item : task.module().named_buffers()) k.tensors["model/" + item.key()] = item.value();
+  save_optimizer(optimizer, params, k);
+  save_torch_rng(k);
+  task.save_state(k);
+  strategy::StrategyState st;
+  strategy.save_state(st);
+  for (const auto& [name, t] : st.tensors) k.tensors["strategy/" + name] = t;
+  k.state["strategy"] = {{"numbers", st.numbers}, {"strings", st.strings}, {"decisions", st.decisions}};
+  return k;
+}
+
+void restore(const Checkpoint& k, Task& task, torch::optim::AdamW& optimizer, const std::vector<at::Tensor>& params,
+             strategy::Strategy& strategy) {
+  at::NoGradGuard no_grad;
+  auto load = [&](const std::string& name, at::Tensor t) {
+    auto it = k.tensors.find("model/" + name);
+    if (it == k.tensors.end() || !it->second.sizes().equals(t.sizes()))
+      throw DataError(str_cat("checkpoint of step ", k.step, ": model tensor '", name, "' is ",
+                              it == k.tensors.end() ? "missing" : "of another shape",
+                              ": the model changed since the checkpoint"));
+    t.copy_(it->second);
+  };
+  for (const auto& item : task.module().named_parameters()) load(item.key(), item.value());
+  for (const auto& item : task.module().named_buffers()) load(item.key(), item.value());
+  load_optimizer(optimizer, params, k);
+  load_torch_rng(k);
+  task.load_state(k);
+  strategy::StrategyState st;
+  for (const auto& [name, t] : k.tensors)
+    if (name.rfind("strategy/", 0) == 0) st.tensors[name.substr(9)] = t;
+  const nlohmann::json& js = k.state.contains("strategy") ? k.state["strategy"] : nlohmann::json::object();
+  if (js.contains("numbers")) st.numbers = js["numbers"].get<std::map<std::string, double>>();
+  if (js.contains("strings")) st.strings = js["strings"].get<std::map<std::string, std::string>>();
+  if (js.contains("decisions")) st.decisions = js["decisions"].get<std::vector<std::string>>();
+  strategy.load_state(st);
+}
+
 }  // namespace
 
 std::string default_tokenizer_path(const Config& c) { return c.job.run_dir + "/tokenizer.model"; }
 
-void run_worker(const Config& c, const WorkerIdentity& who) {
+int run_worker(const Config& c, const WorkerIdentity& who, bool resume) {
   const SiteConfig& site = c.sites.at(who.site);
   const int workers = static_cast<int>(site.workers);
   NEBULA_CHECK(who.local_rank >= 0 && who.local_rank < workers, "site '", site.name, "' has ", workers,
@@ -67,7 +129,10 @@ void run_worker(const Config& c, const WorkerIdentity& who) {
   data::Tokenizer tok = data::Tokenizer::load(tokenizer_path);
   model::SpecialIds ids{tok.pad_id(), tok.unk_id(), tok.bos_id(), tok.eos_id(), tok.mask_id(), 5, tok.vocab_size()};
   const TaskContext ctx{c, who, tok, tokenizer_path, ids};
-  if (c.distill.enabled() && site.name == c.distill.teacher_site) return run_teacher(ctx);
+  if (c.distill.enabled() && site.name == c.distill.teacher_site) {
+    run_teacher(ctx);  // stateless: a resumed job's teacher simply starts again
+    return 0;
+  }
 
   // Communication: the site's c10d group, and on the gateway the WAN mesh to the other
   // training sites. With [distill] the one other site is the teacher: its link goes to the
@@ -158,10 +223,64 @@ void run_worker(const Config& c, const WorkerIdentity& who) {
                    {"eval", task->eval_json(counts)}});
     return counts;
   };
-  std::vector<double> eval_start =
-      task->eval_at_start() ? evaluate_now(0) : std::vector<double>(task->eval_size(), 0.0);
-
+  // Checkpoints: this worker's own directory. With --resume, every worker of the site (diloco,
+  // streaming: sites then reconcile) or of the job (sync: one step for all) takes the newest
+  // step all of them hold.
+  const std::string checkpoint_dir = str_cat(c.checkpoint.dir, "/", site.name, "/rank-", who.local_rank);
+  const std::string fingerprint = training_fingerprint(c);
+  std::vector<double> eval_start(task->eval_size(), 0.0);
   int64_t step = 0;
+  bool resumed = false;
+  if (resume) {
+    std::optional<Checkpoint> newest = load_latest_checkpoint(checkpoint_dir, fingerprint);
+    size_t first = 0;  // this worker's global index, and the range that must agree
+    for (size_t s = 0; s < who.site; ++s) first += static_cast<size_t>(c.sites[s].workers);
+    std::vector<double> mine(static_cast<size_t>(c.total_workers()), 0.0);
+    mine[first + static_cast<size_t>(who.local_rank)] = newest ? static_cast<double>(newest->step + 1) : 0.0;
+    const std::vector<double> all = sum_over_job(comm, mine);  // step + 1 per worker, 0 = none
+    const bool per_site = c.strategy.kind != "sync";
+    const size_t begin = per_site ? first : 0, end = per_site ? first + static_cast<size_t>(workers) : all.size();
+    const double common = *std::min_element(all.begin() + static_cast<std::ptrdiff_t>(begin),
+                                            all.begin() + static_cast<std::ptrdiff_t>(end)) - 1;
+    if (common < 0) {
+      spdlog::warn("--resume: {} has no checkpoint every worker of the {} holds: starting from step 0",
+                   checkpoint_dir, per_site ? "site" : "job");
+    } else {
+      const auto target = static_cast<int64_t>(common);
+      if (newest && newest->step != target) newest = load_latest_checkpoint(checkpoint_dir, fingerprint, target);
+      if (!newest || newest->step != target)
+        throw DataError(str_cat(checkpoint_dir, ": no intact checkpoint of step ", target,
+                                ", the newest every other worker holds: resume is impossible from these "
+                                "checkpoints; start without --resume"));
+      restore(*newest, *task, optimizer, params, *strategy);
+      step = newest->step;
+      const auto& w = newest->state.value("worker", nlohmann::json::object());
+      tokens = w.value("tokens", int64_t{0});
+      if (w.contains("eval_start")) eval_start = w["eval_start"].get<std::vector<double>>();
+      resumed = true;
+      spdlog::info("resumed from {}/step-{} ({} tokens so far)", checkpoint_dir, step, tokens);
+    }
+    strategy->reconcile();
+  }
+  if (!resumed && task->eval_at_start()) eval_start = evaluate_now(0);
+  auto checkpoint_now = [&](int64_t steps_done) {
+    Checkpoint k = capture(steps_done, *task, optimizer, params, *strategy);
+    k.state["worker"] = {{"tokens", tokens}, {"eval_start", eval_start}, {"site", site.name}, {"rank", who.local_rank}};
+    save_checkpoint(checkpoint_dir, k, fingerprint, static_cast<int>(c.checkpoint.keep));
+    spdlog::info("checkpoint of step {} written to {}", steps_done, checkpoint_dir);
+  };
+
+  // SIGINT/SIGTERM end the step, then checkpoint and stop (every worker of the site agrees
+  // on the step through a one-value all-reduce per step).
+  struct sigaction sa {};
+  sa.sa_handler = on_stop_signal;
+  ::sigaction(SIGINT, &sa, nullptr);
+  ::sigaction(SIGTERM, &sa, nullptr);
+  const int64_t stop_at = test_stop_step();
+  bool checkpoint_due = false;  // since step due_since: at the first step with nothing on the WAN
+  int64_t due_since = 0;
+  int stop_signal = 0;
+
   for (; strategy->keep_training(step, c.job.steps); ++step) {
     const auto step_start = Clock::now();
     Task::Step batch = task->forward(step);
@@ -180,6 +299,37 @@ void run_worker(const Config& c, const WorkerIdentity& who) {
     window_predicted += batch.weight;
     if ((step + 1) % c.job.log_every == 0) write_metrics(step + 1);
     if (c.eval.every > 0 && (step + 1) % c.eval.every == 0) evaluate_now(step + 1);
+
+    float stop = g_stop_signal.load() != 0 ? static_cast<float>(g_stop_signal.load()) : 0.0f;
+    if (step + 1 == stop_at) stop = SIGTERM;
+    if (workers > 1) {  // the site stops together (the largest signal number wins)
+      at::Tensor flag = at::full({1}, stop, at::kFloat);
+      group.allreduce_sum(flag);
+      if (flag.item<float>() > 0 && stop == 0) stop = SIGTERM;  // another worker of the site was told
+    }
+    if (stop > 0 && !stop_signal) {
+      stop_signal = static_cast<int>(stop);
+      spdlog::warn("stopping (signal {}): checkpoint at the first step with nothing on the WAN", stop_signal);
+    }
+    if (c.checkpoint.every > 0 && (step + 1) % c.checkpoint.every == 0 && !checkpoint_due) {
+      checkpoint_due = true;
+      due_since = step + 1;
+    }
+    if (stop_signal && !checkpoint_due) {
+      checkpoint_due = true;
+      due_since = step + 1;
+    }
+    if (checkpoint_due && !strategy->can_save() && step + 1 - due_since >= c.strategy.delay) strategy->drain();
+    if (checkpoint_due && strategy->can_save()) {
+      checkpoint_now(step + 1);
+      checkpoint_due = false;
+      if (stop_signal) {
+        if (window_predicted > 0) write_metrics(step + 1);
+        group.barrier();
+        spdlog::warn("stopped after step {}: continue with --resume", step + 1);
+        return 128 + stop_signal;
+      }
+    }
   }
   strategy->finish();  // exchanges still in flight
   task->finish();
@@ -244,6 +394,7 @@ void run_worker(const Config& c, const WorkerIdentity& who) {
   }
   group.barrier();  // nobody closes its links while another still needs them
   spdlog::info("done: {} steps, {} tokens", step, tokens);
+  return 0;
 }
 
 }  // namespace nebula::train

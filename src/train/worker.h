@@ -13,8 +13,11 @@ struct WorkerIdentity {
   int local_rank = 0;  // rank inside the site; 0 is the site's gateway
 };
 
-// Trains to the end. Throws on any failure (the CLI turns it into a message and exit code).
-void run_worker(const Config& config, const WorkerIdentity& who);
+// Trains to the end and returns 0; or, on SIGINT/SIGTERM, writes a checkpoint at the end of
+// the step (every worker of the site at the same one) and returns 128 + the signal. With
+// `resume`, starts from the newest checkpoint every worker of the site (diloco, streaming) or
+// of the job (sync) holds. Throws on any failure (the CLI turns it into a message and exit code).
+int run_worker(const Config& config, const WorkerIdentity& who, bool resume = false);
 
 // Where run_worker looks for the tokenizer when config.data.tokenizer is empty.
 std::string default_tokenizer_path(const Config& config);

@@ -1,6 +1,7 @@
 #include "nebula/config.h"
 
 #include <algorithm>
+#include <cstdio>
 #include <fstream>
 #include <map>
 #include <set>
@@ -278,7 +279,15 @@ Config build(const toml::table& root, const std::string& file) {
     s.string("progress", c.metrics.progress, {"auto", "plain", "off"});
     s.finish();
   }
+  if (auto* t = top.table("checkpoint")) {
+    Section s(*t, "checkpoint", file);
+    s.integer("every", c.checkpoint.every, 0, INT64_MAX);
+    s.integer("keep", c.checkpoint.keep, 2, 1000);
+    s.string("dir", c.checkpoint.dir);
+    s.finish();
+  }
   top.finish();
+  if (c.checkpoint.dir.empty()) c.checkpoint.dir = c.job.run_dir + "/checkpoints";
   try {
     check_peft(c.model, c.peft);
   } catch (const ConfigError& e) {
@@ -448,6 +457,8 @@ std::string to_toml(const Config& c) {
                                       {"key", c.security.key},
                                       {"audit_log", c.security.audit_log}});
   root.insert("metrics", toml::table{{"progress", c.metrics.progress}});
+  root.insert("checkpoint",
+              toml::table{{"every", c.checkpoint.every}, {"keep", c.checkpoint.keep}, {"dir", c.checkpoint.dir}});
   std::ostringstream out;
   out << "# written by nebula from " << c.source_path << "\n" << root << "\n";
   return out.str();
@@ -477,6 +488,27 @@ void check_peft(const ModelConfig& model, const PeftConfig& peft) {
     peft_error("peft.adapter_dim", str_cat(peft.adapter_dim, " is out of range [1, ", model.dim,
                                              "]: a bottleneck is at most model.dim wide"));
   }
+}
+
+std::string training_fingerprint(const Config& c) {
+  toml::table t = toml_reader::parse(to_toml(c), "the resolved config");
+  for (const char* section : {"eval", "wan", "security", "metrics", "checkpoint"}) t.erase(section);
+  if (auto* job = t["job"].as_table()) {
+    const int64_t seed = static_cast<int64_t>(c.job.seed);
+    job->clear();
+    job->insert("seed", seed);
+  }
+  if (auto* sites = t["sites"].as_array())
+    for (auto& s : *sites)
+      if (auto* site = s.as_table())
+        for (const char* key : {"gateway", "store", "slowdown", "device"}) site->erase(key);
+  std::ostringstream out;
+  out << t;
+  uint64_t h = 1469598103934665603ull;  // FNV-1a, 64 bits
+  for (unsigned char ch : out.str()) h = (h ^ ch) * 1099511628211ull;
+  char hex[17];
+  std::snprintf(hex, sizeof hex, "%016llx", static_cast<unsigned long long>(h));
+  return hex;
 }
 
 }  // namespace nebula
