@@ -61,6 +61,34 @@ TEST(Config, ValidLoads) {
   EXPECT_THROW(c.site_index("zeta"), ConfigError);
 }
 
+TEST(Config, CheckpointKeys) {
+  Config c = parse_config(kValid, "job.toml");
+  EXPECT_EQ(c.checkpoint.every, 0);
+  EXPECT_EQ(c.checkpoint.keep, 2);
+  EXPECT_EQ(c.checkpoint.dir, "runs/t/checkpoints");
+  Config d = parse_config(std::string(kValid) + "\n[checkpoint]\nevery = 50\nkeep = 3\ndir = \"/ck\"\n", "job.toml");
+  EXPECT_EQ(d.checkpoint.every, 50);
+  EXPECT_EQ(d.checkpoint.keep, 3);
+  EXPECT_EQ(d.checkpoint.dir, "/ck");
+  EXPECT_EQ(parse_config(to_toml(d), "again").checkpoint.dir, "/ck");
+  expect_error(std::string(kValid) + "\n[checkpoint]\nkeep = 1\n", {"job.toml", "checkpoint.keep"});
+  expect_error(std::string(kValid) + "\n[checkpoint]\nevery = -5\n", {"checkpoint.every"});
+  expect_error(std::string(kValid) + "\n[checkpoint]\nevry = 5\n", {"evry"});
+}
+
+// The fingerprint checkpoints carry changes with what shapes training, not with where or how long it runs.
+TEST(Config, TrainingFingerprintIgnoresAddressesStepsAndEmulation) {
+  const Config c = parse_config(kValid, "job.toml");
+  const std::string h = training_fingerprint(c);
+  EXPECT_EQ(h.size(), 16u);
+  for (const char* same : {"sites.0.gateway=\"127.0.0.1:4000\"", "job.steps=70", "wan.rtt=\"5ms\"",
+                           "job.timeout=\"9s\"", "checkpoint.every=5", "eval.every=3"})
+    EXPECT_EQ(training_fingerprint(parse_config(kValid, "job.toml", {same})), h) << same;
+  for (const char* other : {"model.dim=64", "job.seed=2", "strategy.kind=\"diloco\"", "sites.0.workers=3",
+                            "data.batch_size=8"})
+    EXPECT_NE(training_fingerprint(parse_config(kValid, "job.toml", {other})), h) << other;
+}
+
 TEST(Config, ExamplesLoad) {
   for (const char* name : {"smoke.toml", "demo.toml"}) {
     Config c = load_config(std::string(NEBULA_SOURCE_DIR) + "/examples/" + name);
