@@ -109,6 +109,9 @@ struct WanFaultConfig {                 // [[wan.faults]]: scheduled faults (emu
   std::optional<std::chrono::nanoseconds> at;  // since the link was set up
   std::optional<uint64_t> after_bytes;         // or once this many bytes were sent
   std::chrono::nanoseconds duration{0};        // stall length
+  // cut only: fire again `every` after each reconnection (at/after then only place the
+  // first cut; without them it comes `every` after the link is set up)
+  std::optional<std::chrono::nanoseconds> every;
 };
 
 struct WanConfig {

@@ -55,7 +55,7 @@ GatewayLinks connect_gateway(const Config& c, size_t site) {
   }
   if (c.wan.emulated()) {
     // One bottleneck per site pair, shared by its streams. Faults fire on the first
-    // connection only; a reconnected link is a clean one.
+    // connection only, except a cut with `every`, which fires on each one.
     auto bottlenecks = std::make_shared<std::map<size_t, std::shared_ptr<transport::Bottleneck>>>();
     o.shaper = [&c, site, bottlenecks](size_t peer, std::vector<std::unique_ptr<transport::Link>> streams,
                                        int generation) {
@@ -72,9 +72,17 @@ GatewayLinks connect_gateway(const Config& c, size_t site) {
         e.jitter = path.jitter;
         e.window_bytes = c.wan.window_bytes;
         e.seed = c.job.seed * 7919 + site * 104729 + peer * 31 + k;
-        if (generation == 0 && k == 0) {
+        if (k == 0) {
           for (const auto& f : c.wan.faults) {
             if (!f.a.empty() && !((f.a == me && f.b == other) || (f.a == other && f.b == me))) continue;
+            if (generation > 0 && !f.every) continue;  // a reconnected link is a clean one
+            if (generation > 0) {  // a repeating cut: again `every` after this reconnection
+              transport::WanFault again;
+              again.kind = transport::WanFault::Kind::kCut;
+              again.at = *f.every;
+              e.faults.push_back(again);
+              continue;
+            }
             transport::WanFault wf;
             wf.kind = f.kind == "cut" ? transport::WanFault::Kind::kCut
                       : f.kind == "stall" ? transport::WanFault::Kind::kStall

@@ -194,6 +194,14 @@ Config build(const toml::table& root, const std::string& file) {
         fault.after_bytes = after;
       }
       f.unit("duration", fault.duration, parse_duration);
+      if (f.has("every")) {
+        std::chrono::nanoseconds every{0};
+        f.unit("every", every, parse_duration);
+        if (every.count() <= 0) f.fail(ft, "every", "must be a positive duration, e.g. \"3s\"");
+        if (fault.kind != "cut") f.fail(ft, "every", "only a cut repeats (kind = \"cut\")");
+        fault.every = every;
+        if (!fault.at && !fault.after_bytes) fault.at = every;
+      }
       if (fault.kind.empty()) f.fail(ft, "kind", "each [[wan.faults]] needs kind = \"cut\" | \"stall\" | \"corrupt\"");
       if (fault.at.has_value() == fault.after_bytes.has_value())
         f.fail(ft, "at", "give exactly one of at = \"5s\" (time) or after = \"10MiB\" (bytes sent)");
@@ -414,6 +422,7 @@ std::string to_toml(const Config& c) {
     if (!f.a.empty()) t.insert("sites", strs({f.a, f.b}));
     if (f.at) t.insert("at", dur(*f.at));
     if (f.after_bytes) t.insert("after", bytes(*f.after_bytes));
+    if (f.every) t.insert("every", dur(*f.every));
     faults.push_back(std::move(t));
   }
   if (!pairs.empty()) wan.insert("pairs", std::move(pairs));

@@ -153,6 +153,15 @@ duration = "500ms"
   expect_error(std::string(kValid) + "[[wan.faults]]\nkind = \"cut\"\n", {"exactly one of at"});
   expect_error(std::string(kValid) + "[[wan.faults]]\nkind = \"melt\"\nat = \"1s\"\n", {"wan.faults[0].kind", "melt"});
   expect_error(std::string(kValid) + "[[wan.faults]]\nkind = \"stall\"\nat = \"1s\"\n", {"needs duration"});
+  // A repeating cut: `every` alone places the first one too.
+  Config rep = parse_config(std::string(kValid) + "[[wan.faults]]\nkind = \"cut\"\nevery = \"2s\"\n", "job.toml");
+  ASSERT_EQ(rep.wan.faults.size(), 1u);
+  EXPECT_EQ(*rep.wan.faults[0].every, std::chrono::seconds(2));
+  EXPECT_EQ(*rep.wan.faults[0].at, std::chrono::seconds(2));
+  EXPECT_EQ(*parse_config(to_toml(rep), "again").wan.faults[0].every, std::chrono::seconds(2));
+  expect_error(std::string(kValid) + "[[wan.faults]]\nkind = \"stall\"\nevery = \"2s\"\nduration = \"1s\"\n",
+               {"wan.faults[0].every", "only a cut repeats"});
+  expect_error(std::string(kValid) + "[[wan.faults]]\nkind = \"cut\"\nevery = \"0s\"\n", {"every", "positive"});
 }
 
 TEST(Config, OverridesApplyAndAreValidated) {
