@@ -19,6 +19,9 @@ struct JobConfig {
   int64_t log_every = 10;           // steps between metrics lines
   int64_t eval_batches = 8;         // validation batches per worker at the end
   std::chrono::nanoseconds timeout = std::chrono::seconds(120);  // deadline of every collective
+  // A site lost for good (its link down past wan.reconnect_timeout, or no answer within
+  // `timeout`) is left out and the others go on; local mode then stops only that site.
+  bool elastic = false;
 };
 
 // What a job measures besides its loss ([eval]).

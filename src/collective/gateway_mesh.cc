@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <future>
 
+#include <spdlog/spdlog.h>
+
 #include "nebula/error.h"
 #include "wire/frame.h"
 
@@ -14,6 +16,23 @@ GatewayMesh::GatewayMesh(MeshOptions options, std::vector<std::unique_ptr<transp
   for (size_t j = 0; j < n; ++j)
     NEBULA_CHECK((j == me) == (links_[j] == nullptr), "link to site ", options_.site_names[j], " is ",
                  links_[j] ? "set" : "missing");
+  live_.assign(n, true);
+}
+
+size_t GatewayMesh::first_live() const {
+  for (size_t j = 0; j < live_.size(); ++j)
+    if (live_[j]) return j;
+  return options_.site_index;
+}
+
+void GatewayMesh::lose(size_t j, const std::string& why) {
+  live_[j] = false;
+  lost_.emplace_back(j, why);
+  links_[j]->close();  // whatever it still delivers belongs to exchanges we no longer wait for
+  size_t left = 0;
+  for (bool l : live_) left += l;
+  spdlog::warn("site {} is lost ({}): going on with {} of {} sites", options_.site_names[j], why, left,
+               live_.size());
 }
 
 GatewayMesh::~GatewayMesh() { close(); }
@@ -24,8 +43,9 @@ void GatewayMesh::close() {
   // peer gets what was sent to it (bounded: a peer that is gone or stuck is not waited for
   // long), then the links close.
   const Deadline deadline = Deadline::after(std::min<std::chrono::milliseconds>(options_.timeout, std::chrono::seconds(5)));
-  for (auto& l : links_) {
-    if (!l) continue;
+  for (size_t j = 0; j < links_.size(); ++j) {
+    auto& l = links_[j];
+    if (!l || !live_[j]) continue;
     try {
       l->flush(deadline);
     } catch (const std::exception&) {
@@ -48,12 +68,27 @@ std::vector<std::vector<uint8_t>> GatewayMesh::all_gather(std::vector<uint8_t> p
   wire::Frame frame = wire::make_frame(wire::FrameType::kData, op, 0, std::move(payload));
   // Sends run in parallel (an emulated or real WAN send blocks for the serialisation time);
   // receives run on this thread meanwhile, so two gateways sending big frames never deadlock.
-  std::vector<std::future<void>> sends;
+  std::vector<std::pair<size_t, std::future<void>>> sends;
   for (size_t j = 0; j < n; ++j)
-    if (j != me) sends.push_back(std::async(std::launch::async, [&, j] { links_[j]->send(frame, deadline); }));
+    if (j != me && live_[j])
+      sends.emplace_back(j, std::async(std::launch::async, [&, j] { links_[j]->send(frame, deadline); }));
+  // Elastic: a peer that is gone (PeerLost) or silent past the deadline (Timeout) is lost.
+  auto lost_peer = [&](size_t j, std::exception_ptr e) {
+    if (!options_.elastic || !live_[j]) return false;
+    try {
+      std::rethrow_exception(e);
+    } catch (const PeerLost& x) {
+      lose(j, x.what());
+    } catch (const Timeout& x) {
+      lose(j, x.what());
+    } catch (...) {
+      return false;
+    }
+    return true;
+  };
   std::exception_ptr error;
   for (size_t j = 0; j < n && !error; ++j) {
-    if (j == me) continue;
+    if (j == me || !live_[j]) continue;
     try {
       wire::Frame f = links_[j]->recv(deadline);
       if (f.header.type != wire::FrameType::kData || f.header.op_id != op)
@@ -62,17 +97,19 @@ std::vector<std::vector<uint8_t>> GatewayMesh::all_gather(std::vector<uint8_t> p
                             ": the gateways ran different collectives"));
       out[j] = std::move(f.payload);
     } catch (...) {
-      error = std::current_exception();
+      if (!lost_peer(j, std::current_exception())) error = std::current_exception();
     }
   }
-  for (auto& s : sends) {
+  for (auto& [j, s] : sends) {
     try {
       s.get();
     } catch (...) {
-      if (!error) error = std::current_exception();
+      if (!lost_peer(j, std::current_exception()) && !error && live_[j]) error = std::current_exception();
     }
   }
   if (error) std::rethrow_exception(error);
+  for (size_t j = 0; j < n; ++j)
+    if (!live_[j]) out[j].clear();  // lost during this exchange: nothing of it counts
   out[me] = std::move(frame.payload);
   return out;
 }

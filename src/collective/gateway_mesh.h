@@ -21,6 +21,9 @@ struct MeshOptions {
   size_t site_index = 0;                // this gateway's site
   std::vector<std::string> site_names;  // every site, in config order
   std::chrono::milliseconds timeout{60000};  // for every exchange
+  // A peer lost for good (PeerLost, or no frame by the deadline) is dropped from this and
+  // every later exchange instead of failing it: its slot comes back empty.
+  bool elastic = false;
 };
 
 class GatewayMesh {
@@ -32,11 +35,19 @@ class GatewayMesh {
   size_t num_sites() const { return options_.site_names.size(); }
   size_t site_index() const { return options_.site_index; }
 
-  // Sends `payload` to every other site and returns every site's payload, indexed by site
-  // (this site's own is moved into its slot). All gateways must call it in the same order;
-  // a frame with another operation id is a protocol error naming both ids and the peer.
-  // Throws PeerLost / Timeout naming the peer.
+  // Sends `payload` to every other live site and returns every site's payload, indexed by site
+  // (this site's own is moved into its slot; a lost site's slot is empty). All gateways must
+  // call it in the same order; a frame with another operation id is a protocol error naming
+  // both ids and the peer. Throws PeerLost / Timeout naming the peer, unless elastic.
   std::vector<std::vector<uint8_t>> all_gather(std::vector<uint8_t> payload);
+
+  // Elastic: whether site j is still in the mesh (this site always is), and the lost ones
+  // with why. With two sites each side of a partition goes on alone; with more, a site lost
+  // in the middle of an exchange may have reached some gateways and not others, which the
+  // strategies' hash check then reports.
+  bool live(size_t j) const { return live_.at(j); }
+  size_t first_live() const;
+  std::vector<std::pair<size_t, std::string>> lost() const { return lost_; }
 
   // The link estimates (RTT, bandwidth) to each site, by site index (empty for this site).
   std::vector<transport::LinkEstimates> estimates() const;
@@ -49,8 +60,11 @@ class GatewayMesh {
 
  private:
   MeshOptions options_;
+  void lose(size_t j, const std::string& why);
   std::vector<std::unique_ptr<transport::Link>> links_;  // indexed by site; null for self
   uint64_t next_op_ = 1;  // owned by the single thread that calls all_gather
+  std::vector<bool> live_;                           // likewise (read by others only between exchanges)
+  std::vector<std::pair<size_t, std::string>> lost_;  // likewise
 };
 
 }  // namespace nebula::collective

@@ -222,6 +222,7 @@ std::vector<std::vector<double>> Hierarchy::cross_site(at::Tensor values, const 
   size_t left_out = 0;  // contributions the update guard rejected
   std::vector<std::vector<double>> info(all.size());
   for (size_t s = 0; s < all.size(); ++s) {
+    if (all[s].empty()) continue;  // a lost site (elastic): not part of this exchange
     wire::ByteReader r(all[s], "allreduce payload from site " + std::to_string(s));
     uint64_t count = r.u64();
     if (count != static_cast<uint64_t>(n))

@@ -434,6 +434,7 @@ void DilocoStrategy::check_agreement(const std::vector<std::vector<double>>& inf
                                      const std::string& what) {
   for (size_t s = 0; s < info.size(); ++s) {
     const auto& i = info[s];
+    if (i.empty()) continue;  // a lost site (elastic)
     if (i.size() < 2) throw Error(str_cat(what, ": site #", s, " sent no outer step id and hash"));
     const double their_seq = i[i.size() - 2], their_hash = i[i.size() - 1];
     if (their_seq != seq)
@@ -573,11 +574,12 @@ void DilocoStrategy::reconcile() {
     auto work = comm_.exchange_async({at::empty({0}, at::kFloat)}, std::move(o));
     work->wait(Deadline::after(options_.timeout));
     const auto& info = work->site_info();
-    size_t leader = 0;
-    for (size_t s = 1; s < info.size(); ++s)
-      if (info[s].at(0) > info[leader].at(0)) leader = s;
+    size_t leader = me;
+    for (size_t s = 0; s < info.size(); ++s)  // lost sites (elastic) sent nothing
+      if (!info[s].empty() && (info[s][0] > info[leader].at(0) || (info[s][0] == info[leader][0] && s < leader)))
+        leader = s;
     bool any = false;
-    for (size_t s = 0; s < info.size(); ++s) any = any || info[s] != info[leader];
+    for (size_t s = 0; s < info.size(); ++s) any = any || (!info[s].empty() && info[s] != info[leader]);
     verdict[0] = static_cast<float>(leader);
     verdict[1] = any ? 1.0f : 0.0f;
     verdict[2] = info[me] != info[leader] ? 1.0f : 0.0f;

@@ -14,11 +14,13 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <set>
 #include <thread>
 
 #include "nebula/error.h"
 #include "nebula/units.h"
 #include "train/gateway.h"
+#include "train/metrics.h"
 #include "train/site_data.h"
 #include "train/worker.h"
 #include "transport/tcp_link.h"
@@ -210,6 +212,12 @@ int run_local(Config c, const LaunchOptions& options) {
     }
   }
   spdlog::info("started {} workers on {} sites; logs in {}/logs", children.size(), c.sites.size(), c.job.run_dir);
+  {  // who is who, for operators (and tests that stop one site)
+    nlohmann::json workers = nlohmann::json::array();
+    for (const auto& ch : children) workers.push_back({{"site", ch.site}, {"rank", ch.rank}, {"pid", ch.pid}});
+    write_json_atomically(c.job.run_dir + "/workers.json", workers);
+  }
+  std::set<std::string> lost_sites;  // elastic: sites whose workers failed; the others go on
 
   Progress progress(c, c.job.run_dir + "/metrics.jsonl");
   int exit_code = 0;
@@ -229,7 +237,20 @@ int run_local(Config c, const LaunchOptions& options) {
       const bool stopped = WIFEXITED(ch.status) && (WEXITSTATUS(ch.status) == 128 + SIGINT ||
                                                     WEXITSTATUS(ch.status) == 128 + SIGTERM);
       if (stopped && !g_signal && !failed) g_signal = WEXITSTATUS(ch.status) - 128;
-      if (!ok && !failed && !g_signal) {
+      if (!ok && !failed && !g_signal && c.job.elastic && !lost_sites.count(ch.site)) {
+        // The site is lost (its other workers cannot go on without this one); the other
+        // sites leave it out once its link stays down past wan.reconnect_timeout.
+        lost_sites.insert(ch.site);
+        for (auto& other : children)
+          if (other.running && other.site == ch.site) ::kill(other.pid, SIGKILL);
+        spdlog::warn("site {} lost (worker {}/{}: {}); the other sites go on (job.elastic). Last lines of {}:\n{}",
+                     ch.site, ch.site, ch.rank,
+                     WIFEXITED(ch.status) ? str_cat("exit code ", WEXITSTATUS(ch.status))
+                                          : str_cat("signal ", WTERMSIG(ch.status)),
+                     ch.log, tail_of(ch.log, 5));
+        if (lost_sites.size() < c.sites.size()) continue;
+      }
+      if (!ok && !failed && !g_signal && !lost_sites.count(ch.site)) {
         failed = &ch;
         exit_code = 1;
         stop_all(children, SIGTERM);
@@ -262,6 +283,11 @@ int run_local(Config c, const LaunchOptions& options) {
     spdlog::error("interrupted; stopped all workers (they checkpoint into {}): continue with nebula run {} --resume (and the same --set options)",
                   c.checkpoint.dir, c.source_path);
     return exit_code;
+  }
+  if (!lost_sites.empty()) {
+    std::string names;
+    for (const auto& s : lost_sites) names += (names.empty() ? "" : ", ") + s;
+    spdlog::warn("finished without site(s) {} (job.elastic); summary.json lists when each was lost", names);
   }
   if (!print_summary(c.job.run_dir)) {
     spdlog::error("workers finished but {}/summary.json is missing", c.job.run_dir);

@@ -153,11 +153,11 @@ int run_worker(const Config& c, const WorkerIdentity& who, bool resume) {
       gateway.links.clear();
       gateway.links.emplace_back();
     }
-    mesh = std::make_unique<collective::GatewayMesh>(collective::MeshOptions{training_index, training_names, timeout},
+    mesh = std::make_unique<collective::GatewayMesh>(
+        collective::MeshOptions{training_index, training_names, timeout, c.job.elastic},
                                                      std::move(gateway.links));
   }
   collective::Hierarchy comm(group, mesh.get());
-  const bool writer = mesh && mesh->site_index() == 0;  // writes summary.json and the model
 
   std::unique_ptr<Task> task =
       c.model.kind == "seq2seq" ? make_translation_task(ctx, teacher.get()) : make_mlm_task(ctx);
@@ -351,6 +351,8 @@ int run_worker(const Config& c, const WorkerIdentity& who, bool resume) {
     const auto begin = totals.begin() + static_cast<std::ptrdiff_t>(kFixed + k * task->eval_size());
     return std::vector<double>(begin, begin + static_cast<std::ptrdiff_t>(task->eval_size()));
   };
+  // The first site still in the job (elastic: site 0 may be lost) writes the summary and model.
+  const bool writer = mesh && mesh->site_index() == mesh->first_live();
   if (writer) {
     nlohmann::json summary = {
         {"job", c.job.name},
@@ -386,6 +388,9 @@ int run_worker(const Config& c, const WorkerIdentity& who, bool resume) {
     if (task->eval_at_start()) summary["eval_start"] = task->eval_json(eval_part(0));
     summary["eval"] = task->eval_json(eval_part(1));
     summary["strategy_metrics"] = strategy->metrics();  // rejected updates; privacy spent
+    nlohmann::json lost = nlohmann::json::array();
+    for (const auto& [j, why] : mesh->lost()) lost.push_back({{"site", training_names[j]}, {"reason", why}});
+    summary["sites_lost"] = lost;
     summary.update(task->summary());
     write_json_atomically(c.job.run_dir + "/summary.json", summary);
     auto meta = task->model_metadata();

@@ -81,6 +81,7 @@ Config build(const toml::table& root, const std::string& file) {
     s.integer("log_every", c.job.log_every, 1, 1'000'000'000);
     s.integer("eval_batches", c.job.eval_batches, 0, 1'000'000);
     s.unit("timeout", c.job.timeout, parse_duration);
+    s.boolean("elastic", c.job.elastic);
     s.finish();
   }
   if (c.job.run_dir.empty()) c.job.run_dir = "runs/" + c.job.name;
@@ -364,7 +365,8 @@ std::string to_toml(const Config& c) {
                                  {"steps", c.job.steps},
                                  {"log_every", c.job.log_every},
                                  {"eval_batches", c.job.eval_batches},
-                                 {"timeout", dur(c.job.timeout)}});
+                                 {"timeout", dur(c.job.timeout)},
+                                 {"elastic", c.job.elastic}});
   root.insert("eval", toml::table{{"every", c.eval.every}, {"pairs", c.eval.pairs}, {"beam", c.eval.beam}});
   root.insert("model", toml::table{{"kind", c.model.kind},
                                    {"dim", c.model.dim},
