@@ -37,7 +37,9 @@ void SiteConnector::close() {
 
 void SiteConnector::audit(const std::string& peer_site, const std::string& address, const std::string& fingerprint,
                           const std::string& outcome, const std::string& reason) {
-  if (outcome != "accepted") spdlog::warn("connection {} {}: {} ({})", outcome, address, reason, peer_site);
+  if (outcome != "accepted")
+    spdlog::warn("connection {} {}{}: {}", outcome, address,
+                 peer_site.empty() ? std::string() : " (site '" + peer_site + "')", reason);
   if (!options_.audit) return;
   AuditEntry e;
   e.local_site = options_.sites[options_.self].name;
