@@ -13,6 +13,7 @@
 #include <future>
 #include <nlohmann/json.hpp>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "nebula/error.h"
@@ -166,6 +167,63 @@ TEST(SiteConnector, HostileConnectionsAreRefusedAndAuditedAndTheRealPeerStillCon
     if (l) l->close();
   a.close();
   b.close();
+}
+
+// A flood of idle connections takes at most kMaxConcurrentHandshakes handshake threads; the
+// next connection is refused at once and audited, and once the flood is gone the real peer
+// connects. (Without the bound each connection took a thread until handshake_timeout, and a
+// failed thread start ended the process.)
+TEST(SiteConnector, AFloodOfIdleConnectionsIsBoundedAndTheRealPeerStillConnects) {
+  nebula::testing::TempDir dir("flood");
+  const std::string audit_path = dir.file("audit.jsonl");
+  auto audit = std::make_shared<AuditLog>(audit_path);
+  auto listener_a = std::make_unique<TcpListener>("127.0.0.1", 0, options_for(0, {}, nullptr).link);
+  auto listener_b = std::make_unique<TcpListener>("127.0.0.1", 0, options_for(1, {}, nullptr).link);
+  const uint16_t port = listener_a->port();
+  const std::vector<SiteAddress> sites = {{"a", "127.0.0.1:" + std::to_string(port)},
+                                          {"b", "127.0.0.1:" + std::to_string(listener_b->port())}};
+  SiteConnector a(options_for(0, sites, audit), std::move(listener_a));
+
+  // Each idle connection holds a handshake: the gateway's greeting shows it has started.
+  std::vector<int> idle;
+  for (size_t i = 0; i < SiteConnector::kMaxConcurrentHandshakes; ++i) {
+    const int fd = raw_connect(port);
+    ASSERT_GE(fd, 0);
+    pollfd p{fd, POLLIN, 0};
+    ASSERT_EQ(::poll(&p, 1, 20000), 1) << "no greeting on connection " << i;
+    idle.push_back(fd);
+  }
+  // One more: refused at once, without a greeting.
+  const int extra = raw_connect(port);
+  ASSERT_GE(extra, 0);
+  char byte;
+  pollfd p{extra, POLLIN, 0};
+  ASSERT_EQ(::poll(&p, 1, 20000), 1);
+  EXPECT_LE(::recv(extra, &byte, 1, 0), 0) << "the connection over the bound got a greeting";
+  ::close(extra);
+  for (int fd : idle) ::close(fd);
+  // Every flood connection has been given up (audited) before the real peer dials.
+  for (int i = 0; i < 400 && audit_lines(audit_path).size() < idle.size() + 1; ++i)
+    std::this_thread::sleep_for(50ms);
+  ASSERT_EQ(audit_lines(audit_path).size(), idle.size() + 1);
+
+  SiteConnector b(options_for(1, sites, audit), std::move(listener_b));
+  auto b_links = std::async(std::launch::async, [&] { return b.connect_all(Deadline::after(60s)); });
+  auto a_links = a.connect_all(Deadline::after(60s));
+  auto links_of_b = b_links.get();
+  EXPECT_TRUE(a_links[1] && links_of_b[0]);
+
+  size_t too_many = 0, refused = 0;
+  for (const auto& j : audit_lines(audit_path)) {
+    refused += j["outcome"] == "refused";
+    too_many += j["reason"].get<std::string>().starts_with("too many connections in handshake");
+  }
+  EXPECT_EQ(too_many, 1u);
+  EXPECT_EQ(refused, idle.size() + 1);
+  for (auto& l : a_links)
+    if (l) l->close();
+  for (auto& l : links_of_b)
+    if (l) l->close();
 }
 
 }  // namespace
