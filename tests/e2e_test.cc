@@ -762,6 +762,13 @@ TEST(EndToEnd, BadDataFilesGiveOneLineNamingTheFileAndTheKey) {
   EXPECT_EQ(cb.exit_code, 1) << cb.output;
   EXPECT_NE(cb.output.find(dir + "/latin1.tsv:1:9: not valid UTF-8 (byte 0xD6)"), std::string::npos) << cb.output;
   EXPECT_FALSE(fs::exists(dir + "/corpus")) << cb.output;
+  // job.run_dir where a file is: one line naming it and the key.
+  Result rd = run("run examples/smoke.toml --set 'job.run_dir=\"" + dir + "/latin1.tsv\"'", 60);
+  EXPECT_EQ(rd.exit_code, 1) << rd.output;
+  EXPECT_NE(rd.output.find(dir + "/latin1.tsv/logs: cannot create the run directory: Not a directory (job.run_dir in "
+                           "examples/smoke.toml"),
+            std::string::npos)
+      << rd.output;
   // A tokenizer file that is not one: the workers say which file.
   std::ofstream(dir + "/garbage.model", std::ios::binary) << std::string(3000, '\x07');
   Result r = run("run examples/smoke.toml --set job.steps=2 --set 'data.tokenizer=\"" + dir +
