@@ -1,6 +1,14 @@
 // Runs build/nebula as a user would and checks what it leaves behind.
+#include <arpa/inet.h>
 #include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
+#include <unistd.h>
+
+#include <csignal>
+#include <thread>
 
 #include <algorithm>
 #include <array>
@@ -570,6 +578,204 @@ TEST(EndToEnd, DemoQuickRunsEveryStageAndTranslateUsesItsModel) {
   t = run("run examples/demo_mt.toml --set sites.1.shareable=false", 60);
   EXPECT_EQ(t.exit_code, 2) << t.output;
   EXPECT_NE(t.output.find("shareable = true"), std::string::npos) << t.output;
+  fs::remove_all(dir);
+}
+
+// --- [6/7] hostile input --------------------------------------------------------------
+
+// A `nebula` process started in the background with its output in `log`. Stopped (SIGTERM to
+// the `timeout` wrapper, which passes it on) if the test ends before it does; only this pid.
+class Background {
+ public:
+  Background(const std::string& args, const std::string& log, int timeout_s) {
+    const std::string cmd = "cd " NEBULA_SOURCE_DIR " && exec timeout -k 10 " + std::to_string(timeout_s) + " " +
+                            NEBULA_BINARY_DIR "/nebula " + args + " > " + log + " 2>&1";
+    pid_ = ::fork();
+    if (pid_ == 0) {
+      ::execl("/bin/sh", "sh", "-c", cmd.c_str(), static_cast<char*>(nullptr));
+      ::_exit(127);
+    }
+  }
+  ~Background() {
+    if (pid_ > 0) {
+      ::kill(pid_, SIGTERM);
+      ::waitpid(pid_, nullptr, 0);
+    }
+  }
+  // The exit code (bounded by the `timeout` wrapper).
+  int wait() {
+    int status = 0;
+    ::waitpid(pid_, &status, 0);
+    pid_ = -1;
+    return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  }
+
+ private:
+  pid_t pid_ = -1;
+};
+
+// `n` distinct free loopback ports (held until all are chosen, so none repeats).
+std::vector<uint16_t> free_ports(int n) {
+  std::vector<int> fds;
+  std::vector<uint16_t> ports;
+  for (int i = 0; i < n; ++i) {
+    int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    socklen_t len = sizeof a;
+    if (::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0 &&
+        ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) == 0)
+      ports.push_back(ntohs(a.sin_port));
+    fds.push_back(fd);
+  }
+  for (int fd : fds) ::close(fd);
+  return ports;
+}
+
+// Connects to 127.0.0.1:port, retrying while nothing listens there yet (at most 180 s).
+int connect_when_listening(uint16_t port) {
+  for (int attempt = 0; attempt < 1800; ++attempt) {
+    int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_port = htons(port);
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    if (::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0) return fd;
+    ::close(fd);
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  return -1;
+}
+
+// Sends `bytes` to the gateway at `port`, closes our sending side, and reads until the gateway
+// hangs up: true if it did within 60 s. The gateway audits a refusal before it closes.
+bool gateway_hangs_up_on(uint16_t port, const std::string& bytes) {
+  const int fd = connect_when_listening(port);
+  if (fd < 0) return false;
+  ::send(fd, bytes.data(), bytes.size(), MSG_NOSIGNAL);
+  ::shutdown(fd, SHUT_WR);
+  bool closed = false;
+  for (char buf[4096];;) {
+    pollfd p{fd, POLLIN, 0};
+    if (::poll(&p, 1, 60000) <= 0) break;
+    if (::recv(fd, buf, sizeof buf, 0) <= 0) {
+      closed = true;
+      break;
+    }
+  }
+  ::close(fd);
+  return closed;
+}
+
+// A nebula frame header (docs/architecture.md, "Wire protocol"), written out byte by byte:
+// a hello announcing a payload of `payload_len` bytes.
+std::string frame_header(uint64_t payload_len) {
+  std::string h(40, '\0');
+  const uint32_t magic = 0x4E42554C;
+  for (int i = 0; i < 4; ++i) h[i] = static_cast<char>(magic >> (8 * i));
+  h[4] = 1;  // version
+  h[5] = 1;  // hello
+  for (int i = 0; i < 8; ++i) h[28 + i] = static_cast<char>(payload_len >> (8 * i));
+  return h;  // the checksum is not looked at: the length is refused first
+}
+
+// A two-site job run as deployed workers would be (each started by hand), so that hostile
+// connections reach site alpha's gateway while it waits for beta: garbage bytes and a frame
+// header announcing 1 TiB. Both are refused and audited with their reason, and the job then
+// trains and ends normally. With mutual TLS (the default) both are refused before TLS; with
+// security.insecure the frame checks refuse them.
+void run_job_with_hostile_connections(bool insecure, const std::vector<std::string>& reasons) {
+  const std::string dir = temp_run_dir(insecure ? "hostile-plain" : "hostile-tls");
+  // A short local run leaves what deployed workers need: tokenizer, certificates, job.toml.
+  Result prep = run("run examples/smoke.toml --set job.steps=1 --set 'job.run_dir=\"" + dir + "/prep\"'", 300);
+  ASSERT_EQ(prep.exit_code, 0) << prep.output;
+  const std::string run_dir = dir + "/run";
+  fs::create_directories(run_dir);
+  const auto ports = free_ports(4);
+  ASSERT_EQ(ports.size(), 4u);
+  std::string sets = " --set job.steps=20 --set 'job.timeout=\"300s\"' --set 'job.run_dir=\"" + run_dir + "\"'";
+  if (insecure) sets += " --set security.insecure=true";
+  const char* keys[] = {"sites.0.gateway", "sites.0.store", "sites.1.gateway", "sites.1.store"};
+  for (int i = 0; i < 4; ++i) sets += std::string(" --set '") + keys[i] + "=\"127.0.0.1:" + std::to_string(ports[i]) + "\"'";
+  const std::string job = dir + "/prep/job.toml";
+
+  Background alpha("worker " + job + " --site alpha --rank 0" + sets, run_dir + "/alpha.log", 600);
+  EXPECT_TRUE(gateway_hangs_up_on(ports[0], std::string(64, 'G'))) << read_file(run_dir + "/alpha.log");
+  EXPECT_TRUE(gateway_hangs_up_on(ports[0], frame_header(uint64_t{1} << 40))) << read_file(run_dir + "/alpha.log");
+  Background beta("worker " + job + " --site beta --rank 0" + sets, run_dir + "/beta.log", 600);
+  EXPECT_EQ(alpha.wait(), 0) << read_file(run_dir + "/alpha.log");
+  EXPECT_EQ(beta.wait(), 0) << read_file(run_dir + "/beta.log");
+
+  ASSERT_TRUE(fs::exists(run_dir + "/summary.json")) << read_file(run_dir + "/alpha.log");
+  EXPECT_EQ(nlohmann::json::parse(read_file(run_dir + "/summary.json"))["steps"].get<int>(), 20);
+  std::vector<nlohmann::json> refused;
+  int accepted = 0;
+  for (const auto& line : lines_of(run_dir + "/audit.jsonl")) {
+    auto j = nlohmann::json::parse(line);
+    if (j["outcome"] == "refused") refused.push_back(j);
+    accepted += j["outcome"] == "accepted";
+  }
+  EXPECT_EQ(accepted, 2) << read_file(run_dir + "/audit.jsonl");
+  ASSERT_EQ(refused.size(), reasons.size()) << read_file(run_dir + "/audit.jsonl");
+  for (size_t i = 0; i < reasons.size(); ++i) {
+    EXPECT_EQ(refused[i]["local_site"], "alpha") << refused[i].dump();
+    EXPECT_TRUE(refused[i]["address"].get<std::string>().starts_with("127.0.0.1:")) << refused[i].dump();
+    EXPECT_NE(refused[i]["reason"].get<std::string>().find(reasons[i]), std::string::npos) << refused[i].dump();
+  }
+  fs::remove_all(dir);
+}
+
+TEST(EndToEnd, GarbageAndOversizeFramesAtATlsGatewayAreRefusedAuditedAndTheJobFinishes) {
+  run_job_with_hostile_connections(false, {"not speaking TLS", "not speaking TLS"});
+}
+
+TEST(EndToEnd, GarbageAndOversizeFramesAtAPlaintextGatewayAreRefusedAuditedAndTheJobFinishes) {
+  run_job_with_hostile_connections(true, {"bad magic", "payload_len 1099511627776 exceeds the maximum"});
+}
+
+// Bad data files through the real binary: one line naming the file (and line), the key it
+// came from, and no worker started.
+TEST(EndToEnd, BadDataFilesGiveOneLineNamingTheFileAndTheKey) {
+  const std::string dir = temp_run_dir("baddata");
+  fs::create_directories(dir + "/folder");
+  std::ofstream(dir + "/latin1.tsv", std::ios::binary) << "aa\tOpen\t\xd6" "ffnen\n";
+  std::ofstream(dir + "/notab.tsv", std::ios::binary) << "aa\tOpen\tAuf\nOpen Auf\n";
+  const std::string common = " --set data.source=tsv --set 'data.languages=[]' --set 'sites.0.languages=[]' "
+                             "--set 'sites.1.languages=[]' --set 'job.run_dir=\"" + dir + "/run\"'";
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {dir + "/missing.tsv", dir + "/missing.tsv: cannot open: No such file or directory"},
+      {dir + "/folder", dir + "/folder: cannot read: Is a directory"},
+      {dir + "/latin1.tsv", dir + "/latin1.tsv:1:9: not valid UTF-8 (byte 0xD6)"},
+      {dir + "/notab.tsv", dir + "/notab.tsv:2: expected 2 or 3 tab-separated columns, got 1"},
+  };
+  for (const auto& [path, says] : cases) {
+    Result r = run("run examples/smoke.toml --set 'data.path=\"" + path + "\"'" + common, 120);
+    EXPECT_EQ(r.exit_code, 1) << r.output;
+    EXPECT_NE(r.output.find(says), std::string::npos) << r.output;
+    EXPECT_NE(r.output.find("data.path = \"" + path + "\" in examples/smoke.toml"), std::string::npos) << r.output;
+    EXPECT_EQ(r.output.find("started"), std::string::npos) << "workers were started:\n" << r.output;
+  }
+  // `nebula corpus build` on the same file: the same line, and nothing written (it used to
+  // fail later, writing stats.json, with a bare JSON library error naming no file).
+  Result cb = run("corpus build --source tsv --path " + dir + "/latin1.tsv --out " + dir + "/corpus", 60);
+  EXPECT_EQ(cb.exit_code, 1) << cb.output;
+  EXPECT_NE(cb.output.find(dir + "/latin1.tsv:1:9: not valid UTF-8 (byte 0xD6)"), std::string::npos) << cb.output;
+  EXPECT_FALSE(fs::exists(dir + "/corpus")) << cb.output;
+  // job.run_dir where a file is: one line naming it and the key.
+  Result rd = run("run examples/smoke.toml --set 'job.run_dir=\"" + dir + "/latin1.tsv\"'", 60);
+  EXPECT_EQ(rd.exit_code, 1) << rd.output;
+  EXPECT_NE(rd.output.find(dir + "/latin1.tsv/logs: cannot create the run directory: Not a directory (job.run_dir in "
+                           "examples/smoke.toml"),
+            std::string::npos)
+      << rd.output;
+  // A tokenizer file that is not one: the workers say which file.
+  std::ofstream(dir + "/garbage.model", std::ios::binary) << std::string(3000, '\x07');
+  Result r = run("run examples/smoke.toml --set job.steps=2 --set 'data.tokenizer=\"" + dir +
+                     "/garbage.model\"' --set 'job.run_dir=\"" + dir + "/run\"'",
+                 120);
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_NE(r.output.find(dir + "/garbage.model: not a valid SentencePiece model"), std::string::npos) << r.output;
   fs::remove_all(dir);
 }
 

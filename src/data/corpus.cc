@@ -412,6 +412,60 @@ std::vector<std::string> split_lines(const std::string& bytes) {
 
 bool is_blank(std::string_view line) { return line.find_first_not_of(' ') == std::string_view::npos; }
 
+// Byte offset of the first byte of `s` that does not start or continue a well-formed UTF-8
+// sequence (RFC 3629: no overlong forms, no surrogates, nothing above U+10FFFF), or of a NUL
+// (text files hold none; a binary file usually does); npos if there is none.
+size_t first_bad_utf8(std::string_view s) {
+  size_t i = 0;
+  while (i < s.size()) {
+    const auto b = static_cast<unsigned char>(s[i]);
+    if (b == 0) return i;
+    if (b < 0x80) {
+      ++i;
+      continue;
+    }
+    size_t n;
+    unsigned char lo = 0x80, hi = 0xBF;  // allowed range of the second byte
+    if (b >= 0xC2 && b <= 0xDF) n = 1;
+    else if (b == 0xE0) n = 2, lo = 0xA0;
+    else if (b == 0xED) n = 2, hi = 0x9F;
+    else if (b >= 0xE1 && b <= 0xEF) n = 2;
+    else if (b == 0xF0) n = 3, lo = 0x90;
+    else if (b == 0xF4) n = 3, hi = 0x8F;
+    else if (b >= 0xF1 && b <= 0xF3) n = 3;
+    else return i;
+    if (i + n >= s.size()) return i;  // the sequence is cut off by the end of the line
+    for (size_t k = 1; k <= n; ++k) {
+      const auto c = static_cast<unsigned char>(s[i + k]);
+      if (k == 1 ? (c < lo || c > hi) : (c < 0x80 || c > 0xBF)) return i;
+    }
+    i += n + 1;
+  }
+  return std::string_view::npos;
+}
+
+// The lines of a user's text file (TSV or one sentence per line), checked to be UTF-8: a file
+// in another encoding would otherwise train on <unk>s without a word. A leading byte-order
+// mark is dropped.
+std::vector<std::string> read_utf8_lines(const std::string& path) {
+  std::string bytes = read_file_bytes(path);
+  if (bytes.starts_with("\xEF\xBB\xBF")) bytes.erase(0, 3);
+  std::vector<std::string> lines = split_lines(bytes);
+  for (size_t ln = 0; ln < lines.size(); ++ln) {
+    const size_t bad = first_bad_utf8(lines[ln]);
+    if (bad == std::string_view::npos) continue;
+    const auto b = static_cast<unsigned char>(lines[ln][bad]);
+    if (b == 0)
+      throw DataError(str_cat(path, ":", ln + 1, ":", bad + 1, ": a NUL byte: this is not a text file (data.path "
+                              "must name a UTF-8 text file, not a compressed or binary one)"));
+    char hex[8];
+    std::snprintf(hex, sizeof hex, "0x%02X", b);
+    throw DataError(str_cat(path, ":", ln + 1, ":", bad + 1, ": not valid UTF-8 (byte ", hex,
+                            "): convert the file to UTF-8, e.g. iconv -f ISO-8859-1 -t UTF-8"));
+  }
+  return lines;
+}
+
 // Sorted paths of the *.mo regular files in `dir`; empty if there is no such directory.
 std::vector<std::string> mo_files_in(const fs::path& dir) {
   std::vector<std::string> files;
@@ -606,7 +660,7 @@ std::vector<std::string> read_lines(const std::string& path) { return split_line
 
 std::vector<std::string> read_text_file(const std::string& path) {
   std::vector<std::string> out;
-  for (std::string& line : split_lines(read_file_bytes(path))) {
+  for (std::string& line : read_utf8_lines(path)) {
     if (!is_blank(line)) out.push_back(std::move(line));
   }
   return out;
@@ -614,7 +668,7 @@ std::vector<std::string> read_text_file(const std::string& path) {
 
 std::vector<SentencePair> read_tsv_file(const std::string& path, const std::string& default_lang) {
   std::vector<SentencePair> out;
-  std::vector<std::string> lines = split_lines(read_file_bytes(path));
+  std::vector<std::string> lines = read_utf8_lines(path);
   for (size_t ln = 0; ln < lines.size(); ++ln) {
     const std::string& line = lines[ln];
     if (is_blank(line) || line[0] == '#') continue;
@@ -631,7 +685,8 @@ std::vector<SentencePair> read_tsv_file(const std::string& path, const std::stri
     } else if (cols.size() == 3) {
       out.push_back(SentencePair{std::string(cols[0]), std::string(cols[1]), std::string(cols[2])});
     } else {
-      throw DataError(str_cat(path, ":", ln + 1, ": expected 2 or 3 tab-separated columns, got ", cols.size()));
+      throw DataError(str_cat(path, ":", ln + 1, ": expected 2 or 3 tab-separated columns, got ", cols.size(),
+                              " (lines are en<TAB>other or lang<TAB>en<TAB>other; '#' starts a comment)"));
     }
   }
   return out;

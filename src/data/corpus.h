@@ -110,15 +110,17 @@ std::vector<SentencePair> build_gettext_corpus(const CorpusOptions& options, Cor
 // DataError naming the path.
 std::vector<std::string> read_lines(const std::string& path);
 
-// One sentence per line. A trailing '\r' is stripped; lines that are empty or only
-// spaces are skipped. Bytes are kept as they are (invalid UTF-8 is not checked here;
-// the tokenizer maps what it cannot represent to <unk>). Unreadable -> DataError.
+// One sentence per line. A leading UTF-8 byte-order mark and a trailing '\r' are stripped;
+// lines that are empty or only spaces are skipped. The file must be UTF-8 without NUL bytes
+// (a file in another encoding would train on <unk>s): else DataError("path:LINE:COL: not
+// valid UTF-8 (byte 0xNN): convert ..."). Unreadable -> DataError naming the path.
 std::vector<std::string> read_text_file(const std::string& path);
 
-// Lines "en<TAB>other" (lang = default_lang) or "lang<TAB>en<TAB>other". A trailing
-// '\r' is stripped; lines that are empty or only spaces, and lines starting with '#',
-// are skipped; fields are otherwise taken verbatim. Any other column count throws
-// DataError("path:LINE: expected 2 or 3 tab-separated columns, got N").
+// Lines "en<TAB>other" (lang = default_lang) or "lang<TAB>en<TAB>other". A leading UTF-8
+// byte-order mark and a trailing '\r' are stripped; lines that are empty or only spaces, and
+// lines starting with '#', are skipped; fields are otherwise taken verbatim. Invalid UTF-8 is
+// a DataError as in read_text_file; any other column count throws
+// DataError("path:LINE: expected 2 or 3 tab-separated columns, got N (...)").
 std::vector<SentencePair> read_tsv_file(const std::string& path, const std::string& default_lang);
 
 // Writes "lang\ten\tother" lines (atomically: temp file + rename) that read_tsv_file

@@ -453,11 +453,49 @@ TEST(TextFiles, TsvBadColumnCountNamesFileAndLine) {
     read_tsv_file(path, "de");
     ADD_FAILURE() << "no DataError";
   } catch (const DataError& e) {
-    EXPECT_EQ(std::string(e.what()), path + ":3: expected 2 or 3 tab-separated columns, got 1");
+    EXPECT_EQ(std::string(e.what()).rfind(path + ":3: expected 2 or 3 tab-separated columns, got 1 (", 0), 0u)
+        << e.what();
   }
   write_bytes(path, "a\tb\tc\td\n");
   EXPECT_THROW(read_tsv_file(path, "de"), DataError);
   EXPECT_THROW(read_tsv_file(dir.file("missing.tsv"), "de"), DataError);
+}
+
+// [6/7] hostile input: a file in another encoding, a binary file, a directory or a missing
+// file is a DataError naming the file (and the line and column where one applies); a BOM is
+// not part of the first field.
+TEST(TextFiles, InvalidUtf8BinaryAndNonFilesNameFileLineAndColumn) {
+  TempDir dir("enc");
+  const std::string tsv = dir.file("latin1.tsv"), txt = dir.file("latin1.txt");
+  write_bytes(tsv, "de\tHello\tHallo\nde\tOpen\t\xd6" "ffnen\n");  // ISO-8859-1 "Öffnen"
+  write_bytes(txt, "fine\nstill fine \xc3\xa9\nbad \xe9t\xe9\n");
+  auto expect_error = [](auto read, const std::string& prefix, const std::string& says) {
+    try {
+      read();
+      ADD_FAILURE() << "no DataError, expected " << prefix;
+    } catch (const DataError& e) {
+      EXPECT_EQ(std::string(e.what()).rfind(prefix, 0), 0u) << e.what();
+      EXPECT_NE(std::string(e.what()).find(says), std::string::npos) << e.what();
+    }
+  };
+  expect_error([&] { read_tsv_file(tsv, "xx"); }, tsv + ":2:9: not valid UTF-8 (byte 0xD6)", "iconv");
+  expect_error([&] { read_text_file(txt); }, txt + ":3:5: not valid UTF-8 (byte 0xE9)", "convert the file to UTF-8");
+  // Overlong, surrogate, above U+10FFFF and cut-off sequences are not UTF-8 either.
+  for (const char* bad : {"\xc0\xaf", "\xed\xa0\x80", "\xf4\x90\x80\x80", "ok \xe2\x82"}) {
+    write_bytes(txt, std::string("a\n") + bad + "\n");
+    EXPECT_THROW(read_text_file(txt), DataError) << bad;
+  }
+  // A gzip'd file given as text: NUL bytes.
+  write_bytes(tsv, std::string("\x1f\x8b\x08\x00\x00\x00", 6));
+  expect_error([&] { read_tsv_file(tsv, "xx"); }, tsv + ":1:", "not valid UTF-8");
+  write_bytes(tsv, std::string("abc\0def\n", 8));
+  expect_error([&] { read_tsv_file(tsv, "xx"); }, tsv + ":1:4: a NUL byte", "not a text file");
+  // A directory where a file is expected, and a missing file.
+  expect_error([&] { read_tsv_file(dir.path(), "xx"); }, dir.path() + ": cannot read", "directory");
+  expect_error([&] { read_text_file(dir.file("missing.txt")); }, dir.file("missing.txt") + ": cannot open", "No such");
+  // Valid UTF-8 (4-byte sequences included) and a byte-order mark are fine.
+  write_bytes(tsv, "\xef\xbb\xbf" "de\tHello \xf0\x9f\x98\x80\tHallo \xc3\x96\n");
+  EXPECT_EQ(read_tsv_file(tsv, "xx"), (std::vector<SentencePair>{{"de", "Hello \xf0\x9f\x98\x80", "Hallo \xc3\x96"}}));
 }
 
 // --- splits and slices ------------------------------------------------------------------

@@ -112,6 +112,24 @@ TEST_F(TokenizerTest, TrainingIsDeterministic) {
   EXPECT_TRUE(v1 == read_bytes(dir_->file("d2.vocab"))) << "vocabularies differ";
 }
 
+// [6/7] hostile input: a real model cut short (an interrupted copy) is a DataError naming the
+// file, never a crash or a model with fewer pieces.
+TEST_F(TokenizerTest, TruncatedModelThrowsNamingThePath) {
+  const std::string bytes = read_bytes(model_path());
+  TempDir dir("tok_cut");
+  for (size_t len : {bytes.size() / 2, bytes.size() - 7, size_t{5}}) {
+    const std::string path = dir.file("cut-" + std::to_string(len) + ".model");
+    write_bytes(path, bytes.substr(0, len));
+    try {
+      Tokenizer::load(path);
+      ADD_FAILURE() << "no DataError for a model cut to " << len << " of " << bytes.size() << " bytes";
+    } catch (const DataError& e) {
+      EXPECT_NE(std::string(e.what()).find(path + ": not a valid SentencePiece model"), std::string::npos)
+          << e.what();
+    }
+  }
+}
+
 TEST(Tokenizer, LoadMissingOrGarbageFileThrowsNamingThePath) {
   TempDir dir("tok_bad");
   for (const std::string& path : {dir.file("missing.model"), dir.file("garbage.model"), dir.file("empty.model")}) {

@@ -170,7 +170,11 @@ void stop_all(std::vector<Child>& children, int sig) {
 }  // namespace
 
 int run_local(Config c, const LaunchOptions& options) {
-  fs::create_directories(c.job.run_dir + "/logs");
+  std::error_code made;
+  fs::create_directories(c.job.run_dir + "/logs", made);
+  if (made)
+    throw DataError(str_cat(c.job.run_dir, "/logs: cannot create the run directory: ", made.message(),
+                            " (job.run_dir in ", c.source_path, "; choose a directory that can be created there)"));
   // A resumed job appends to its metrics and audit log; a new one starts them afresh.
   fs::remove(c.job.run_dir + "/summary.json");
   if (!options.resume)

@@ -35,8 +35,8 @@ std::vector<std::string> job_or_site_languages(const Config& c, const SiteConfig
 
 // What data.source holds for these languages: every pair (gettext, tsv, text), or the one
 // split file of a corpus directory.
-std::vector<data::SentencePair> read_source(const Config& c, const std::vector<std::string>& langs, data::Split which,
-                                            data::CorpusStats* stats) {
+std::vector<data::SentencePair> read_source_unchecked(const Config& c, const std::vector<std::string>& langs,
+                                                      data::Split which, data::CorpusStats* stats) {
   if (c.data.source == "gettext") {
     data::CorpusOptions o;
     o.locale_dir = c.data.path;
@@ -53,6 +53,23 @@ std::vector<data::SentencePair> read_source(const Config& c, const std::vector<s
   static const char* kFiles[] = {"train.tsv", "valid.tsv", "test.tsv"};  // corpus: as `nebula corpus build` wrote it
   // (corpus build already chose its pairs: data.max_pairs_per_language is for gettext)
   return data::select_languages(data::read_tsv_file(c.data.path + "/" + kFiles[static_cast<int>(which)], "xx"), langs);
+}
+
+// read_source_unchecked, with a data error completed by where the path comes from and what
+// the source expects there (the reader's message already names the file, and line if any).
+std::vector<data::SentencePair> read_source(const Config& c, const std::vector<std::string>& langs, data::Split which,
+                                            data::CorpusStats* stats) {
+  try {
+    return read_source_unchecked(c, langs, which, stats);
+  } catch (const DataError& e) {
+    const char* expects =
+        c.data.source == "gettext" ? "a locale directory holding LANG/LC_MESSAGES/*.mo"
+        : c.data.source == "tsv"   ? "a UTF-8 file of lang<TAB>en<TAB>other lines"
+        : c.data.source == "text"  ? "a UTF-8 file of one sentence per line"
+                                   : "the directory `nebula corpus build --out DIR` wrote (train.tsv, valid.tsv, test.tsv)";
+    throw DataError(str_cat(e.what(), " [data.path = \"", c.data.path, "\" in ", c.source_path, ": data.source = \"",
+                            c.data.source, "\" reads ", expects, "]"));
+  }
 }
 
 // read_source's pairs → split `which` of the site (or the job).

@@ -4,6 +4,7 @@
 
 #include <gtest/gtest.h>
 
+#include <fstream>
 #include <set>
 
 #include "data/corpus.h"
@@ -38,6 +39,43 @@ struct CorpusJob {
                           "job.toml");
   }
 };
+
+// [6/7] hostile input: data.path that is missing, a directory where a file belongs, a file in
+// another encoding, a TSV line without a tab, a corpus directory without its files: each is a
+// DataError naming the file (and line), the key it came from and what that source reads.
+TEST(SiteData, BadDataPathNamesTheFileTheKeyAndWhatTheSourceReads) {
+  nebula::testing::TempDir dir("site_data_bad");
+  std::ofstream(dir.file("latin1.tsv")) << "de\tOpen\t\xd6" "ffnen\n";
+  std::ofstream(dir.file("notab.tsv")) << "de\tOpen\t\xc3\x96" "ffnen\nde Close Schliessen\n";
+  struct Case {
+    std::string source, path, says;
+  };
+  const std::vector<Case> cases = {
+      {"tsv", dir.file("missing.tsv"), dir.file("missing.tsv") + ": cannot open"},
+      {"tsv", dir.path(), dir.path() + ": cannot read"},
+      {"text", dir.path(), dir.path() + ": cannot read"},
+      {"tsv", dir.file("latin1.tsv"), dir.file("latin1.tsv") + ":1:9: not valid UTF-8"},
+      {"tsv", dir.file("notab.tsv"), dir.file("notab.tsv") + ":2: expected 2 or 3 tab-separated columns"},
+      {"corpus", dir.path(), dir.file("train.tsv") + ": cannot open"},
+      {"gettext", dir.file("no-locale"), "no gettext catalogs"},
+  };
+  for (const Case& k : cases) {
+    SCOPED_TRACE(k.source + " " + k.path);
+    Config c = parse_config(str_cat("[data]\nsource = \"", k.source, "\"\npath = \"", k.path,
+                                    "\"\nlanguages = [\"de\"]\n[[sites]]\nname = \"a\"\n"),
+                            "job.toml");
+    try {
+      load_pairs(c, &c.sites[0], data::Split::kTrain);
+      ADD_FAILURE() << "no DataError";
+    } catch (const DataError& e) {
+      const std::string msg = e.what();
+      EXPECT_NE(msg.find(k.says), std::string::npos) << msg;
+      EXPECT_NE(msg.find("data.path = \"" + k.path + "\" in job.toml"), std::string::npos) << msg;
+      EXPECT_NE(msg.find("data.source = \"" + k.source + "\" reads "), std::string::npos) << msg;
+      EXPECT_EQ(msg.find('\n'), std::string::npos) << msg;
+    }
+  }
+}
 
 TEST(SiteData, CorpusDirectorySplitsAreReadAsWrittenAndSitesKeepTheirLanguages) {
   CorpusJob job;

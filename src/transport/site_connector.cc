@@ -2,6 +2,8 @@
 
 #include <spdlog/spdlog.h>
 
+#include <system_error>
+
 #include "nebula/error.h"
 #include "transport/hello.h"
 #include "transport/resilient_link.h"
@@ -20,7 +22,7 @@ SiteConnector::SiteConnector(ConnectorOptions options, std::unique_ptr<TcpListen
 SiteConnector::~SiteConnector() { close(); }
 
 void SiteConnector::close() {
-  std::vector<std::thread> handshakes;
+  std::vector<Handshake> handshakes;
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (closed_) return;
@@ -30,15 +32,17 @@ void SiteConnector::close() {
   arrived_.notify_all();
   if (listener_) listener_->close();
   if (acceptor_.joinable()) acceptor_.join();
-  for (auto& t : handshakes) t.join();
+  for (auto& h : handshakes) h.thread.join();
   std::lock_guard<std::mutex> lock(mu_);
-  for (auto& t : handshakes_) t.join();
+  for (auto& h : handshakes_) h.thread.join();
 }
 
-void SiteConnector::audit(const std::string& peer_site, const std::string& address, const std::string& fingerprint,
+bool SiteConnector::audit(const std::string& peer_site, const std::string& address, const std::string& fingerprint,
                           const std::string& outcome, const std::string& reason) {
-  if (outcome != "accepted") spdlog::warn("connection {} {}: {} ({})", outcome, address, reason, peer_site);
-  if (!options_.audit) return;
+  if (outcome != "accepted")
+    spdlog::warn("connection {} {}{}: {}", outcome, address,
+                 peer_site.empty() ? std::string() : " (site '" + peer_site + "')", reason);
+  if (!options_.audit) return true;
   AuditEntry e;
   e.local_site = options_.sites[options_.self].name;
   e.peer_site = peer_site;
@@ -46,7 +50,13 @@ void SiteConnector::audit(const std::string& peer_site, const std::string& addre
   e.fingerprint = fingerprint;
   e.outcome = outcome;
   e.reason = reason;
-  options_.audit->record(e);
+  try {
+    options_.audit->record(e);
+    return true;
+  } catch (const std::exception& x) {  // e.g. a full disk: never an exception out of a handshake thread
+    spdlog::error("cannot audit the connection {} ({} {}): {}", address, outcome, reason, x.what());
+    return false;
+  }
 }
 
 std::vector<std::unique_ptr<Link>> SiteConnector::dial(size_t peer, int generation, Deadline deadline) {
@@ -111,9 +121,42 @@ void SiteConnector::accept_loop() {
       return;
     }
     // Each handshake on its own thread: a slow or hostile client cannot hold up the others.
-    std::lock_guard<std::mutex> lock(mu_);
+    std::unique_lock<std::mutex> lock(mu_);
     if (closed_) return;
-    handshakes_.emplace_back([this, t = tcp.release()] { handshake_incoming(std::unique_ptr<TcpLink>(t)); });
+    for (auto it = handshakes_.begin(); it != handshakes_.end();) {  // join the finished ones
+      if (!it->done->load()) {
+        ++it;
+        continue;
+      }
+      it->thread.join();
+      it = handshakes_.erase(it);
+    }
+    std::string refusal;
+    if (in_handshake_.load() >= kMaxConcurrentHandshakes) {
+      refusal = str_cat("too many connections in handshake (", kMaxConcurrentHandshakes,
+                        "): refused at once; a flood of connections to this gateway? (each is given up after "
+                        "wan.handshake_timeout)");
+    } else {
+      auto done = std::make_shared<std::atomic<bool>>(false);
+      TcpLink* raw = tcp.release();
+      in_handshake_.fetch_add(1);
+      try {
+        handshakes_.push_back({std::thread([this, raw, done] {
+                                 handshake_incoming(std::unique_ptr<TcpLink>(raw));
+                                 done->store(true);
+                               }),
+                               done});
+      } catch (const std::system_error& e) {  // no thread to be had: refuse, do not terminate
+        in_handshake_.fetch_sub(1);
+        tcp.reset(raw);
+        refusal = str_cat("cannot start a handshake thread: ", e.what());
+      }
+    }
+    if (refusal.empty()) continue;
+    lock.unlock();
+    const std::string address = tcp->address();
+    tcp->close();
+    audit("", address, "", "refused", refusal);
   }
 }
 
@@ -122,14 +165,15 @@ void SiteConnector::handshake_incoming(std::unique_ptr<TcpLink> tcp) {
   const std::string& me = options_.sites[options_.self].name;
   Deadline hs = Deadline::after(options_.handshake_timeout);
   std::unique_ptr<Link> link;
-  std::string claimed;
+  std::string claimed, fingerprint, outcome, reason;
+  size_t peer = options_.sites.size();
+  Hello h;
   try {
     if (options_.tls) link = TlsLink::server(std::move(tcp), options_.tls, hs);
     else link = std::move(tcp);
     link->send(hello_frame({kHelloProtocol, options_.job, me, "", 0, 0, 0}), hs);  // greeting
-    Hello h = read_hello(link->recv(hs), address);
+    h = read_hello(link->recv(hs), address);
     claimed = h.from;
-    size_t peer = options_.sites.size();
     for (size_t j = options_.self + 1; j < options_.sites.size(); ++j)
       if (options_.sites[j].name == h.from) peer = j;
     std::string why;
@@ -143,18 +187,31 @@ void SiteConnector::handshake_incoming(std::unique_ptr<TcpLink> tcp) {
       why = str_cat("stream ", h.stream, " of ", h.streams, ", expected ", options_.streams, " streams");
     if (!why.empty()) throw AuthError(address, why);
     link->send(hello_frame({kHelloProtocol, options_.job, me, h.from, h.stream, h.streams, h.generation}), hs);
-    audit(h.from, address, link->peer_fingerprint(), "accepted", str_cat("stream ", h.stream, " generation ", h.generation));
+    fingerprint = link->peer_fingerprint();
+    outcome = "accepted";
+    reason = str_cat("stream ", h.stream, " generation ", h.generation);
+  } catch (const TlsHandshakeError& e) {
+    claimed = e.peer_site();
+    fingerprint = e.peer_fingerprint();
+    outcome = "refused";
+    reason = e.reason();
+  } catch (const Timeout& e) {
+    outcome = "failed";
+    reason = e.what();
+  } catch (const std::exception& e) {
+    fingerprint = link ? link->peer_fingerprint() : "";
+    outcome = "refused";
+    reason = e.what();
+  }
+  in_handshake_.fetch_sub(1);  // the slot is free before the outcome is visible in the audit log
+  // An accepted stream that cannot be audited is not used (fail closed); the audit error is logged.
+  if (audit(claimed, address, fingerprint, outcome, reason) && outcome == "accepted") {
     std::lock_guard<std::mutex> lock(mu_);
     auto& slot = incoming_[{peer, static_cast<int>(h.generation)}];
     slot.resize(h.streams);
     slot[h.stream] = std::move(link);
     arrived_.notify_all();
-  } catch (const TlsHandshakeError& e) {
-    audit(e.peer_site(), address, e.peer_fingerprint(), "refused", e.reason());
-  } catch (const Timeout& e) {
-    audit(claimed, address, "", "failed", e.what());
-  } catch (const std::exception& e) {
-    audit(claimed, address, link ? link->peer_fingerprint() : "", "refused", e.what());
+    return;
   }
   if (link) link->close();
 }

@@ -12,6 +12,7 @@
 // Every connection attempt, accepted or refused, is one line in the audit log.
 #pragma once
 
+#include <atomic>
 #include <condition_variable>
 #include <functional>
 #include <map>
@@ -55,6 +56,11 @@ struct ConnectorOptions {
 
 class SiteConnector {
  public:
+  // At most this many incoming handshakes run at once; a connection beyond them is refused at
+  // once (and audited), so a flood of idle connections cannot exhaust threads. Each lasts at
+  // most handshake_timeout.
+  static constexpr size_t kMaxConcurrentHandshakes = 128;
+
   // `listener` is this gateway's bound listening socket; the connector takes it over.
   SiteConnector(ConnectorOptions options, std::unique_ptr<TcpListener> listener);
   ~SiteConnector();
@@ -77,7 +83,9 @@ class SiteConnector {
   std::unique_ptr<Link> assemble(size_t peer, std::vector<std::unique_ptr<Link>> streams, int generation);
   void accept_loop();
   void handshake_incoming(std::unique_ptr<TcpLink> tcp);
-  void audit(const std::string& peer_site, const std::string& address, const std::string& fingerprint,
+  // Logs a refusal and writes the audit line; false (logged, never thrown) if the line could
+  // not be written, e.g. on a full disk.
+  bool audit(const std::string& peer_site, const std::string& address, const std::string& fingerprint,
              const std::string& outcome, const std::string& reason);
 
   ConnectorOptions options_;
@@ -88,7 +96,15 @@ class SiteConnector {
   std::condition_variable arrived_;
   // (site, generation) → streams by index. GUARDED_BY(mu_).
   std::map<std::pair<size_t, int>, std::vector<std::unique_ptr<Link>>> incoming_;
-  std::vector<std::thread> handshakes_;  // GUARDED_BY(mu_); joined by close()
+  // Handshakes in progress or finished but not yet joined. GUARDED_BY(mu_); a finished one
+  // is joined by the next accept (so a stream of connections does not pile up threads), the
+  // rest by close().
+  struct Handshake {
+    std::thread thread;
+    std::shared_ptr<std::atomic<bool>> done;
+  };
+  std::vector<Handshake> handshakes_;
+  std::atomic<size_t> in_handshake_{0};  // handshakes not yet decided (any thread)
   bool closed_ = false;                  // GUARDED_BY(mu_)
 };
 

@@ -1,6 +1,7 @@
 #include "nebula/config.h"
 
 #include <algorithm>
+#include <cctype>
 #include <cstdio>
 #include <fstream>
 #include <map>
@@ -17,6 +18,17 @@ namespace {
 
 using toml_reader::Section;
 using toml_reader::where;
+
+// The rule of transport/certs.h's check_site_name (util cannot link transport): a site name
+// is a file name (logs/S-R.log, certificates S.pem) and a certificate's CN, so no '/', no
+// spaces; "ca" is the CA's own file name.
+bool is_valid_site_name(const std::string& name) {
+  if (name.empty() || name.size() > 64) return false;
+  for (char ch : name)
+    if (!std::isalnum(static_cast<unsigned char>(ch)) && ch != '.' && ch != '_' && ch != '-') return false;
+  return !(name.size() == 2 && std::tolower(static_cast<unsigned char>(name[0])) == 'c' &&
+           std::tolower(static_cast<unsigned char>(name[1])) == 'a');
+}
 
 void read_path(Section& s, WanPathConfig& p) {
   s.unit("bandwidth", p.bandwidth_bits, parse_rate_bits);
@@ -44,13 +56,20 @@ void read_pair_names(Section& s, const toml::table& t, const Config& c, std::str
 // [distill] as built: two sites, the teacher's (serving, one worker) and the student's (one
 // worker, its pairs marked shareable because they go to the teacher).
 void check_distill(const Config& c, const toml::table& t, Section& s) {
+  // The key's own line when it is in the file, else the [distill] header's.
+  auto at = [&](const char* key) -> const toml::node& {
+    const toml::node* n = t.get(key);
+    return n ? *n : t;
+  };
   if (c.model.kind != "seq2seq")
     s.fail(t, "teacher_site", "distillation trains a translation student: set [model] kind = \"seq2seq\"");
   bool known = false;
   for (const auto& site : c.sites) known |= site.name == c.distill.teacher_site;
-  if (!known) s.fail(t, "teacher_site", str_cat("no site named '", c.distill.teacher_site, "' in [[sites]]"));
+  if (!known)
+    s.fail(at("teacher_site"), "teacher_site",
+           str_cat("no site named '", c.distill.teacher_site, "' in [[sites]]: name the site that holds the teacher"));
   if (c.distill.teacher.empty())
-    s.fail(t, "teacher", "give the teacher's model.safetensors (a path on the teacher site)");
+    s.fail(at("teacher"), "teacher", "give the teacher's model.safetensors (a path on the teacher site)");
   if (c.sites.size() != 2)
     s.fail(t, "teacher_site", str_cat("distillation runs on exactly two sites (teacher, student); this job has ",
                                       c.sites.size()));
@@ -64,7 +83,16 @@ void check_distill(const Config& c, const toml::table& t, Section& s) {
                                         "may leave it, or remove [distill]"));
   }
   if (c.distill.top_k > c.data.vocab_size)
-    s.fail(t, "top_k", str_cat(c.distill.top_k, " is more than data.vocab_size = ", c.data.vocab_size));
+    s.fail(at("top_k"), "top_k", str_cat(c.distill.top_k, " is more than data.vocab_size = ", c.data.vocab_size));
+}
+
+// "file:line:col" of root[table][key] if it is there, else of root[table], else "file": the
+// most precise place for an error whose inputs may come from defaults or --set.
+std::string place(const toml::table& root, const char* table, const char* key, const std::string& file) {
+  const toml::table* t = root.get_as<toml::table>(table);
+  if (!t) return file;
+  const toml::node* n = *key ? t->get(key) : nullptr;
+  return where(n ? *n : *t, file);
 }
 
 Config build(const toml::table& root, const std::string& file) {
@@ -111,8 +139,9 @@ Config build(const toml::table& root, const std::string& file) {
     if (!c.model.init.empty() && c.model.kind != "seq2seq")
       s.fail(*t, "init", "only a seq2seq model starts from a pre-trained encoder: set kind = \"seq2seq\" or remove init");
     if (c.model.dim % c.model.heads != 0) {
-      throw ConfigError(str_cat(where(*t, file), ": [model] dim (", c.model.dim, ") must be divisible by heads (",
-                                c.model.heads, ")"));
+      const toml::node* dim = t->get("dim");
+      s.fail(dim ? *dim : *t, "dim", str_cat(c.model.dim, " must be divisible by heads (", c.model.heads,
+                                             "): each attention head gets dim / heads values"));
     }
   }
 
@@ -147,9 +176,15 @@ Config build(const toml::table& root, const std::string& file) {
     s.integer("max_pairs_per_language", site.max_pairs_per_language, 0, INT64_MAX);
     s.boolean("shareable", site.shareable);
     s.finish();  // unknown keys before the checks below
-    if (site.name.empty()) throw ConfigError(str_cat(where(st, file), ": [[sites]] #", i + 1, " needs a name"));
+    const toml::node* name = st.get("name");
+    if (site.name.empty())
+      s.fail(name ? *name : st, "name", str_cat("[[sites]] #", i + 1, " needs a name, e.g. name = \"alpha\""));
+    if (!is_valid_site_name(site.name))
+      s.fail(*name, "name", str_cat("\"", site.name, "\" is not a valid site name: use 1 to 64 characters from "
+                                    "A-Z a-z 0-9 . _ - (not \"ca\", which is reserved for the CA's files); a site "
+                                    "name becomes file names (logs, certificates)"));
     if (!names.insert(site.name).second)
-      throw ConfigError(str_cat(where(st, file), ": site name '", site.name, "' is used twice"));
+      s.fail(*name, "name", str_cat("site name '", site.name, "' is used twice: give each [[sites]] its own name"));
     c.sites.push_back(site);
   });
   if (c.sites.empty()) throw ConfigError(str_cat(file, ": no [[sites]]: a job needs at least one site"));
@@ -157,13 +192,16 @@ Config build(const toml::table& root, const std::string& file) {
     std::set<std::string> langs(c.data.languages.begin(), c.data.languages.end());
     for (const auto& site : c.sites) langs.insert(site.languages.begin(), site.languages.end());
     if (langs.size() > 1)
-      throw ConfigError(str_cat(file, ": a seq2seq model translates English into one language, but [data] and "
-                                "[[sites]] name ", langs.size(), " (", *langs.begin(), ", ", *std::next(langs.begin()),
+      throw ConfigError(str_cat(place(root, "model", "kind", file),
+                                ": key 'model.kind': a seq2seq model translates English into one language, but "
+                                "[data] and [[sites]] name ", langs.size(), " (", *langs.begin(), ", ", *std::next(langs.begin()),
                                 ", ...): keep one (several target languages need target tags, not built yet)"));
   }
   if (c.data.valid_fraction + c.data.test_fraction >= 1)
-    throw ConfigError(str_cat(file, ": data.valid_fraction + data.test_fraction = ",
-                              c.data.valid_fraction + c.data.test_fraction, " leaves nothing to train on"));
+    throw ConfigError(str_cat(place(root, "data", "test_fraction", file),
+                              ": key 'data.test_fraction': data.valid_fraction + data.test_fraction = ",
+                              c.data.valid_fraction + c.data.test_fraction,
+                              " leaves nothing to train on: keep their sum below 1 (e.g. 0.05 each)"));
 
   if (auto* t = top.table("wan")) {
     Section s(*t, "wan", file);
@@ -300,7 +338,7 @@ Config build(const toml::table& root, const std::string& file) {
   try {
     check_peft(c.model, c.peft);
   } catch (const ConfigError& e) {
-    throw ConfigError(str_cat(file, ": ", e.what()));
+    throw ConfigError(str_cat(place(root, "peft", "", file), ": ", e.what()));
   }
 
   return c;

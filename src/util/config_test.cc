@@ -2,6 +2,10 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <string>
+#include <vector>
+
 #include "nebula/error.h"
 #include "util/config_testing.h"
 
@@ -251,6 +255,118 @@ TEST(Config, PrivacyKeysAreValidated) {
   expect_error(kValid, {"'privacy.clip'", "diloco"}, {"privacy.clip=1"});
   expect_error(kValid, {"'privacy.noise_multiplier'", "clip > 0"}, {"strategy.kind=diloco", "privacy.noise_multiplier=1"});
   expect_error(kValid, {"'privacy.delta'"}, {"strategy.kind=diloco", "privacy.clip=1", "privacy.delta=1"});
+}
+
+// [6/7] hostile input: every config mistake is one ConfigError that names the file, the line
+// of the offending key (or of its table when the key is absent) and the key itself. The line
+// is found from `marker`, a fragment of the offending line, so the cases stay readable.
+struct BadConfig {
+  const char* what;
+  std::string text;
+  const char* marker;  // a fragment of the line the error must point at
+  const char* key;     // the key the error must name, as written in messages: 'key'
+  const char* says;    // a fragment of the explanation
+};
+
+std::string with_appended(const std::string& extra) { return std::string(kValid) + extra; }
+
+std::vector<BadConfig> bad_configs() {
+  const std::string seq2seq = replace_once(replace_once(kValid, "dim = 32", "kind = \"seq2seq\"\ndim = 32"),
+                                           "workers = 2", "workers = 1");
+  return {
+      {"unknown key", replace_once(kValid, "steps = 7", "stepz = 7"), "stepz", "job.stepz", "unknown key"},
+      {"unknown key in a site", replace_once(kValid, "workers = 2", "gpus = 2"), "gpus", "sites[0].gpus",
+       "unknown key"},
+      {"unknown table", with_appended("[extra]\nx = 1\n"), "[extra]", "extra", "unknown key"},
+      {"wrong type", replace_once(kValid, "steps = 7", "steps = \"7\""), "steps", "job.steps", "expected an integer"},
+      {"wrong type (bool)", replace_once(kValid, "insecure = true", "insecure = \"yes\""), "insecure",
+       "security.insecure", "expected true or false"},
+      {"negative steps", replace_once(kValid, "steps = 7", "steps = -5"), "steps", "job.steps", "out of range"},
+      {"zero workers", replace_once(kValid, "workers = 2", "workers = 0"), "workers", "sites[0].workers",
+       "out of range"},
+      {"zero streams", replace_once(kValid, "rtt = \"80ms\"", "rtt = \"80ms\"\nstreams = 0"),
+       "streams", "wan.streams", "out of range"},
+      {"bandwidth unit", replace_once(kValid, "\"50Mbit\"", "\"50Mbits\""), "bandwidth", "wan.bandwidth",
+       "\"50Mbits\""},
+      {"bandwidth without unit", replace_once(kValid, "\"50Mbit\"", "50"), "bandwidth", "wan.bandwidth",
+       "expected a string with a unit"},
+      {"bandwidth negative", replace_once(kValid, "\"50Mbit\"", "\"-5Mbit\""), "bandwidth", "wan.bandwidth",
+       "-5Mbit"},
+      {"max_frame unit", replace_once(kValid, "rtt = \"80ms\"", "rtt = \"80ms\"\nmax_frame = \"4 parsecs\""),
+       "max_frame", "wan.max_frame", "4 parsecs"},
+      {"duplicate site", replace_once(kValid, "name = \"b\"", "name = \"a\""), "name = \"a\"\n\n[wan", "sites[1].name",
+       "used twice"},
+      {"site without a name", replace_once(kValid, "name = \"b\"", "workers = 1"), "[[sites]]\nworkers = 1",
+       "sites[1].name",
+       "needs a name"},
+      {"site name with a slash", replace_once(kValid, "name = \"b\"", "name = \"../b\""), "../b", "sites[1].name",
+       "not a valid site name"},
+      {"unknown strategy kind", with_appended("[strategy]\nkind = \"gossip\"\n"), "gossip", "strategy.kind",
+       "\"gossip\" is not one of"},
+      {"unknown codec", with_appended("[strategy]\ncodec = \"int9\"\n"), "int9", "strategy.codec",
+       "\"int9\" is not one of"},
+      {"distill names a missing site", seq2seq + "[distill]\nteacher_site = \"zeta\"\nteacher = \"t.safetensors\"\n",
+       "zeta", "distill.teacher_site", "no site named 'zeta'"},
+      {"unknown fault kind", with_appended("[[wan.faults]]\nkind = \"melt\"\nat = \"1s\"\n"), "melt",
+       "wan.faults[0].kind", "\"melt\" is not one of"},
+      {"fault without kind", with_appended("[[wan.faults]]\nat = \"1s\"\n"), "[[wan.faults]]", "wan.faults[0].kind",
+       "needs kind"},
+      {"fault names a missing site", with_appended("[[wan.faults]]\nkind = \"cut\"\nat = \"1s\"\nsites = [\"a\", \"q\"]\n"),
+       "[[wan.faults]]", "wan.faults[0].sites", "no site named 'q'"},
+      {"dim not divisible by heads", replace_once(kValid, "dim = 32", "dim = 33"), "dim = 33", "model.dim",
+       "divisible by heads"},
+      {"fractions leave nothing", replace_once(kValid, "languages = [\"de\"]",
+                                               "languages = [\"de\"]\nvalid_fraction = 0.5\ntest_fraction = 0.5"),
+       "test_fraction", "data.test_fraction", "nothing to train on"},
+      {"lora rank above the model", with_appended("[peft]\nkind = \"lora\"\nrank = 64\n"), "[peft]", "peft.rank",
+       "out of range"},
+      {"privacy with sync", with_appended("[privacy]\nclip = 1.0\n"), "[privacy]", "privacy.clip", "diloco"},
+  };
+}
+
+// 1-based line of the first occurrence of `marker` in `text`.
+int line_of(const std::string& text, const std::string& marker) {
+  const size_t pos = text.find(marker);
+  EXPECT_NE(pos, std::string::npos) << marker;
+  return 1 + static_cast<int>(std::count(text.begin(), text.begin() + static_cast<std::ptrdiff_t>(pos), '\n'));
+}
+
+TEST(Config, EveryMistakeNamesFileLineAndKey) {
+  for (const BadConfig& b : bad_configs()) {
+    SCOPED_TRACE(b.what);
+    const std::string where = "job.toml:" + std::to_string(line_of(b.text, b.marker)) + ":";
+    const std::string key = std::string("'") + b.key + "'";
+    try {
+      parse_config(b.text, "job.toml");
+      ADD_FAILURE() << "no ConfigError for:\n" << b.text;
+    } catch (const ConfigError& e) {
+      const std::string msg = e.what();
+      EXPECT_EQ(msg.rfind(where, 0), 0u) << "does not start with " << where << ": " << msg;
+      EXPECT_NE(msg.find(key), std::string::npos) << "does not name " << key << ": " << msg;
+      EXPECT_NE(msg.find(b.says), std::string::npos) << "does not say " << b.says << ": " << msg;
+      EXPECT_EQ(msg.find('\n'), std::string::npos) << "not one line: " << msg;
+    }
+  }
+}
+
+// The same mistakes made with --set name the override instead of a line of the file.
+TEST(Config, MistakesInOverridesNameTheOverrideAndKey) {
+  const std::vector<std::pair<std::string, const char*>> cases = {
+      {"job.steps=-1", "'job.steps'"},
+      {"sites.0.workers=0", "'sites[0].workers'"},
+      {"wan.bandwidth=\"9 furlongs\"", "'wan.bandwidth'"},
+      {"strategy.codec=int9", "'strategy.codec'"},
+      {"sites.1.name=a", "'sites[1].name'"},
+  };
+  for (const auto& [set, key] : cases) {
+    try {
+      parse_config(kValid, "job.toml", {set});
+      ADD_FAILURE() << "no ConfigError for --set " << set;
+    } catch (const ConfigError& e) {
+      EXPECT_EQ(std::string(e.what()).rfind("--set " + set, 0), 0u) << e.what();
+      EXPECT_NE(std::string(e.what()).find(key), std::string::npos) << e.what();
+    }
+  }
 }
 
 TEST(Config, RoundTripsThroughToml) {

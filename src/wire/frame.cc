@@ -115,7 +115,9 @@ FrameHeader decode_header(std::span<const uint8_t> bytes, uint64_t max_payload) 
   h.checksum = load_le<uint32_t>(b + kChecksumOffset);
   if (h.payload_len > max_payload)
     throw FrameError(Kind::kTooLarge, str_cat("frame header: payload_len ", h.payload_len,
-                                              " exceeds the maximum ", max_payload, " (LinkOptions.max_payload)"));
+                                              " exceeds the maximum ", max_payload,
+                                              " (LinkOptions.max_payload, set by wan.max_frame; the same on every "
+                                              "site)"));
   return h;
 }
 
