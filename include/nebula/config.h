@@ -22,6 +22,9 @@ struct JobConfig {
   // A site lost for good (its link down past wan.reconnect_timeout, or no answer within
   // `timeout`) is left out and the others go on; local mode then stops only that site.
   bool elastic = false;
+  // Local mode with elastic diloco/streaming: a lost site is started again (--rejoin) up to
+  // this many times; it resumes from its checkpoint and takes the others' global state.
+  int64_t restarts = 0;
 };
 
 // What a job measures besides its loss ([eval]).

@@ -79,6 +79,9 @@ int main(int argc, char** argv) {
   worker->add_option("--rank", rank_text, "Rank inside the site; 0 is the gateway (default: $LOCAL_RANK)");
   worker->add_option("--set", overrides, "Override a config key (repeatable)")->allow_extra_args(false);
   worker->add_flag("--resume", resume, "Continue from this worker's newest checkpoint (every worker of the job must)");
+  bool rejoin = false;
+  worker->add_flag("--rejoin", rejoin,
+                   "This site was lost and the others went on (job.elastic): resume it and join them again");
 
   std::string demo_dir = "runs/demo";
   bool demo_quick = false;
@@ -303,7 +306,7 @@ int main(int argc, char** argv) {
         throw nebula::ConfigError(nebula::str_cat("$WORLD_SIZE = ", world, " but site '", site_name, "' has workers = ",
                                                   site.workers, " in ", config_path, ": make them agree"));
       // 0, or 128 + the signal after a clean stop on SIGINT/SIGTERM (with a checkpoint).
-      return nebula::train::run_worker(c, {c.site_index(site_name), rank}, resume);
+      return nebula::train::run_worker(c, {c.site_index(site_name), rank}, resume, rejoin);
     }
   } catch (const nebula::ConfigError& e) {
     spdlog::error("config: {}", e.what());

@@ -16,7 +16,70 @@ GatewayMesh::GatewayMesh(MeshOptions options, std::vector<std::unique_ptr<transp
   for (size_t j = 0; j < n; ++j)
     NEBULA_CHECK((j == me) == (links_[j] == nullptr), "link to site ", options_.site_names[j], " is ",
                  links_[j] ? "set" : "missing");
-  live_.assign(n, true);
+  live_.assign(n, !options_.joining);
+  live_[me] = true;
+  ready_.resize(n);
+  attempts_.resize(n);
+}
+
+uint64_t GatewayMesh::ready_joiners() {
+  if (!options_.elastic || !options_.rejoin) return 0;
+  std::lock_guard<std::mutex> lock(join_mu_);
+  uint64_t mask = 0;
+  for (size_t j = 0; j < live_.size() && j < 64; ++j) {
+    if (live_[j] || options_.joining) continue;
+    auto& attempt = attempts_[j];
+    if (attempt.valid() && attempt.wait_for(std::chrono::seconds(0)) == std::future_status::ready) {
+      try {
+        if (auto link = attempt.get()) ready_[j] = std::move(link);
+      } catch (const std::exception& e) {
+        spdlog::debug("rejoin attempt of site {}: {}", options_.site_names[j], e.what());
+      }
+    }
+    if (ready_[j]) {
+      mask |= uint64_t{1} << j;
+    } else if (!attempt.valid()) {
+      attempt = std::async(std::launch::async, [this, j] {
+        return options_.rejoin(j, Deadline::after(std::chrono::seconds(2)));
+      });
+    }
+  }
+  return mask;
+}
+
+void GatewayMesh::admit(uint64_t mask) {
+  std::lock_guard<std::mutex> lock(join_mu_);
+  for (size_t j = 0; j < live_.size() && j < 64; ++j) {
+    if (!(mask >> j & 1)) continue;
+    NEBULA_CHECK(!live_[j] && ready_[j], "admit site ", options_.site_names[j], ": not a lost site with a fresh link");
+    wire::ByteWriter w;
+    w.put_u64(next_op_);
+    links_[j] = std::move(ready_[j]);
+    links_[j]->send(wire::make_frame(wire::FrameType::kData, 0, 0, w.take()), Deadline::after(options_.timeout));
+    live_[j] = true;
+    rejoined_.push_back(j);
+    spdlog::warn("site {} rejoins at operation {}", options_.site_names[j], next_op_);
+  }
+}
+
+void GatewayMesh::join(Deadline deadline) {
+  uint64_t op = 0;
+  for (size_t j = 0; j < live_.size(); ++j) {
+    if (j == options_.site_index) continue;
+    wire::Frame f = links_[j]->recv(deadline);
+    wire::ByteReader r(f.payload, "admission from site " + options_.site_names[j]);
+    const uint64_t theirs = r.u64();
+    r.expect_done();
+    if (f.header.type != wire::FrameType::kData || f.header.op_id != 0 || (op != 0 && theirs != op))
+      throw Error(str_cat("site ", options_.site_names[j], " admitted this site at operation ", theirs,
+                          op ? str_cat(", another site at ", op) : std::string(), ": the sites disagree"));
+    op = theirs;
+    std::lock_guard<std::mutex> lock(join_mu_);
+    live_[j] = true;
+  }
+  if (op != 0) next_op_ = op;
+  options_.joining = false;
+  spdlog::info("rejoined the job at operation {}", next_op_);
 }
 
 size_t GatewayMesh::first_live() const {
@@ -26,6 +89,7 @@ size_t GatewayMesh::first_live() const {
 }
 
 void GatewayMesh::lose(size_t j, const std::string& why) {
+  std::lock_guard<std::mutex> lock(join_mu_);
   live_[j] = false;
   lost_.emplace_back(j, why);
   links_[j]->close();  // whatever it still delivers belongs to exchanges we no longer wait for
@@ -38,6 +102,11 @@ void GatewayMesh::lose(size_t j, const std::string& why) {
 GatewayMesh::~GatewayMesh() { close(); }
 
 void GatewayMesh::close() {
+  {
+    std::lock_guard<std::mutex> lock(join_mu_);
+    for (auto& a : attempts_)
+      if (a.valid()) a.wait();  // a rejoin attempt in flight ends by its own deadline
+  }
   // An orderly end: a link's close() may discard frames the peer has not acknowledged yet,
   // so the last exchange's payload could be lost to a peer still receiving it. First every
   // peer gets what was sent to it (bounded: a peer that is gone or stuck is not waited for

@@ -8,7 +8,10 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
+#include <future>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -24,6 +27,11 @@ struct MeshOptions {
   // A peer lost for good (PeerLost, or no frame by the deadline) is dropped from this and
   // every later exchange instead of failing it: its slot comes back empty.
   bool elastic = false;
+  // Elastic rejoin: a fresh link to lost site j, waiting at most until the deadline, or null
+  // (SiteConnector::rejoin). Called off the training and communication threads.
+  std::function<std::unique_ptr<transport::Link>(size_t, Deadline)> rejoin;
+  // This gateway rejoins a running job: the other sites are not live until join().
+  bool joining = false;
 };
 
 class GatewayMesh {
@@ -48,6 +56,16 @@ class GatewayMesh {
   bool live(size_t j) const { return live_.at(j); }
   size_t first_live() const;
   std::vector<std::pair<size_t, std::string>> lost() const { return lost_; }
+  std::vector<size_t> rejoined() const { return rejoined_; }  // sites admitted again, in order
+
+  // Elastic rejoin, surviving side. ready_joiners(): a bitmask of lost sites with a fresh
+  // link waiting to be admitted (it starts a background attempt for the others; any thread).
+  // admit(mask): between exchanges, on the thread that runs them: sends each of those sites
+  // the next operation id and takes it back into the mesh.
+  uint64_t ready_joiners();
+  void admit(uint64_t mask);
+  // Joining side: waits for every other site's admission and takes its operation id.
+  void join(Deadline deadline);
 
   // The link estimates (RTT, bandwidth) to each site, by site index (empty for this site).
   std::vector<transport::LinkEstimates> estimates() const;
@@ -65,6 +83,10 @@ class GatewayMesh {
   uint64_t next_op_ = 1;  // owned by the single thread that calls all_gather
   std::vector<bool> live_;                           // likewise (read by others only between exchanges)
   std::vector<std::pair<size_t, std::string>> lost_;  // likewise
+  std::vector<size_t> rejoined_;                      // likewise
+  std::mutex join_mu_;
+  std::vector<std::unique_ptr<transport::Link>> ready_;         // GUARDED_BY(join_mu_): fresh links by site
+  std::vector<std::future<std::unique_ptr<transport::Link>>> attempts_;  // GUARDED_BY(join_mu_)
 };
 
 }  // namespace nebula::collective

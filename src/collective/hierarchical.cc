@@ -95,6 +95,16 @@ std::shared_ptr<Work> Hierarchy::enqueue(std::string what, std::function<void(Wo
   return work;
 }
 
+void Hierarchy::admit(uint64_t mask, Deadline deadline) {
+  NEBULA_CHECK(mesh_, "admit on a worker that is not its site's gateway");
+  enqueue("admitting rejoining sites", [this, mask](Work&) { mesh_->admit(mask); })->wait(deadline);
+}
+
+void Hierarchy::join(Deadline deadline) {
+  NEBULA_CHECK(mesh_, "join on a worker that is not its site's gateway");
+  enqueue("joining the running job", [this, deadline](Work&) { mesh_->join(deadline); })->wait(deadline);
+}
+
 std::shared_ptr<Work> Hierarchy::allreduce_async(std::vector<at::Tensor> bucket, AllreduceOptions options) {
   return enqueue(str_cat("site ", site_.site(), ": all-reduce of bucket ", options.tag),
                  [this, bucket = std::move(bucket), options](Work&) { run_allreduce(bucket, options); });
@@ -296,7 +306,8 @@ std::vector<std::vector<double>> Hierarchy::cross_site(at::Tensor values, const 
 
 void Hierarchy::broadcast_from_first(at::Tensor& t) {
   // A weighted mean where only global rank 0 has weight: exact (x·1 + 0)/1 = x.
-  const bool first = mesh_ && mesh_->site_index() == 0;  // the mesh lives on local rank 0 only
+  // The mesh lives on local rank 0 only; elastic: the first site still (or, joining, so far) in it.
+  const bool first = mesh_ && mesh_->site_index() == mesh_->first_live();
   AllreduceOptions o;
   o.op = ReduceOp::kWeightedMean;
   o.weight = first ? 1.0 : 0.0;

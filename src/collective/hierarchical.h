@@ -136,6 +136,12 @@ class Hierarchy {
 
   CommStats stats() const;
   bool is_gateway() const { return mesh_ != nullptr; }
+  // Elastic rejoin on the gateway (GatewayMesh): lost sites ready to come back (0 elsewhere);
+  // admitting them, and joining a running job, run on the communication thread between
+  // collectives and return when done.
+  uint64_t ready_joiners() { return mesh_ ? mesh_->ready_joiners() : 0; }
+  void admit(uint64_t mask, Deadline deadline);
+  void join(Deadline deadline);
   // The codec states (error feedback, PowerSGD's Q, RNG counters) by (tag, tensor), for
   // checkpoints. Only while no collective is queued or running (the communication thread
   // owns them otherwise); gateway only (empty elsewhere).

@@ -16,8 +16,9 @@ namespace nebula::strategy {
 
 namespace {
 // What each site attaches to an exchange: compute seconds per inner step, the slowest of its
-// measured WAN paths (bits/s) and the longest RTT (s). 0 = not measured.
-constexpr size_t kInfo = 3;
+// measured WAN paths (bits/s) and the longest RTT (s), 0 = not measured; and 1 + the bitmask
+// of lost sites its gateway has a fresh link from (elastic rejoin; 0 = this site sent nothing).
+constexpr size_t kInfo = 4;
 constexpr uint64_t kTagBase = 1000;  // exchange tags: kTagBase + fragment
 using Clock = std::chrono::steady_clock;
 }  // namespace
@@ -152,8 +153,22 @@ bool DilocoStrategy::keep_training(int64_t /*step*/, int64_t steps) {
   if (!round_open_) {
     if (nominal_done_ >= steps) return false;
     start_round(steps);
+    if (joiners_due_) welcome();
   }
   return true;
+}
+
+void DilocoStrategy::welcome() {
+  if (!can_save()) drain();
+  if (comm_.is_gateway()) comm_.admit(joiners_due_, Deadline::after(options_.timeout));
+  decisions_.push_back(str_cat("round ", rounds_, ": lost sites (mask ", joiners_due_, ") rejoin"));
+  joiners_due_ = 0;
+  reconcile();  // they take this site's global state (or one further ahead)
+}
+
+void DilocoStrategy::join() {
+  if (comm_.is_gateway()) comm_.join(Deadline::after(options_.timeout));
+  reconcile();
 }
 
 std::vector<float> DilocoStrategy::known_info() const {
@@ -233,6 +248,7 @@ std::vector<double> DilocoStrategy::site_info() const {
   // that rate is a lower bound too; take the larger, once there is one (before the first
   // exchange the link estimates rest on handshakes and heartbeats alone: report unknown).
   info[1] = exchange_bits_per_s_ > 0 ? std::max(info[1], exchange_bits_per_s_) : 0.0;
+  info[3] = 1.0 + static_cast<double>(comm_.ready_joiners());
   return info;
 }
 
@@ -340,6 +356,14 @@ void DilocoStrategy::merge(size_t f) {
     at::Tensor tail = buf.narrow(0, fr.numel, info_len).contiguous();
     if (info_of_round_.size() <= static_cast<size_t>(fr.round)) info_of_round_.resize(static_cast<size_t>(fr.round) + 1);
     info_of_round_[static_cast<size_t>(fr.round)].assign(tail.data_ptr<float>(), tail.data_ptr<float>() + info_len);
+    // Lost sites that every site of this exchange has a fresh link from come back at the
+    // start of the next round (the same decision everywhere: it rests on this exchange).
+    uint64_t agreed = ~uint64_t{0};
+    for (size_t s = 0; s < options_.num_sites; ++s) {
+      const float v = tail.data_ptr<float>()[s * kInfo + 3];
+      if (v > 0) agreed &= static_cast<uint64_t>(v) - 1;
+    }
+    joiners_due_ = agreed == ~uint64_t{0} ? 0 : agreed;
   }
 
   // The outer step, the same on every worker of every site.

@@ -98,6 +98,11 @@ class DilocoStrategy : public Strategy {
   // checkpoint is older) takes the global weights, momentum and round position from the
   // site furthest ahead (the lowest-numbered one among equals), in one exchange.
   void reconcile() override;
+  // Elastic rejoin: this site restarted while the others went on; it waits to be admitted
+  // (at the start of a round of theirs) and takes the global state. The live sites admit a
+  // lost site at the first round start after an exchange in which all of them reported a
+  // fresh link from it, and run the same reconcile().
+  void join() override;
 
   // For tests and metrics.
   int64_t outer_steps() const { return outer_steps_; }  // merges so far (fragments count each)
@@ -155,6 +160,8 @@ class DilocoStrategy : public Strategy {
   int64_t rounds_ = 0, outer_steps_ = 0;
   int64_t rejected_updates_ = 0;   // gateway: contributions the update guard left out
   int64_t hash_checks_ = 0;        // gateway: exchanges whose ids and global-weight hashes agreed
+  uint64_t joiners_due_ = 0;       // lost sites to admit at the next round start (every worker)
+  void welcome();
   // Gateway: every site's outer step id and global hash (site_info after kInfo) must equal
   // this site's; Error naming the site and outer step otherwise.
   void check_agreement(const std::vector<std::vector<double>>& info, double seq, double hash, const std::string& what);

@@ -25,6 +25,7 @@
 #include "codec/codec.h"
 #include "collective/hierarchical.h"
 #include "nebula/config.h"
+#include "nebula/error.h"
 
 namespace nebula::strategy {
 
@@ -73,6 +74,8 @@ class Strategy {
   // After a resume, on every worker of every site: brings the sites to one global state if
   // their checkpoints differ (e.g. one site's newest checkpoint is a round behind).
   virtual void reconcile() {}
+  // Elastic rejoin (diloco, streaming): this site restarted and joins the running job.
+  virtual void join() { throw Error(str_cat(name(), " cannot rejoin a running job: use diloco or streaming")); }
 };
 
 // The gateway's codec states (error feedback ...) as "codec/TAG/I/..." entries, and back.

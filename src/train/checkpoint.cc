@@ -112,6 +112,7 @@ void save_checkpoint(const std::string& dir, const Checkpoint& c, const std::str
   const fs::path final_dir = fs::path(dir) / step_name(c.step);
   const fs::path tmp = fs::path(dir) / (step_name(c.step) + ".tmp");
   std::error_code ec;
+  const bool leftover = fs::exists(tmp, ec);
   fs::remove_all(tmp, ec);  // a crash's leftover
   if (!fs::create_directory(tmp, ec)) throw DataError(str_cat(tmp.string(), ": cannot create: ", ec.message()));
   try {
@@ -119,9 +120,17 @@ void save_checkpoint(const std::string& dir, const Checkpoint& c, const std::str
     f.tensors = c.tensors;
     model::save_safetensors((tmp / kTensors).string(), f);  // fsync'ed and renamed into place inside tmp
     const std::string tensors = read_all((tmp / kTensors).string());
-    // Tests: a crash in the middle of writing checkpoint N (tensors written, no manifest yet).
-    if (const char* crash = std::getenv("NEBULA_TEST_CRASH_IN_CHECKPOINT"); crash && std::atoll(crash) == c.step)
-      ::_exit(137);
+    // Tests: NEBULA_TEST_CRASH_IN_CHECKPOINT=N (or =TEXT:N, for checkpoint directories whose
+    // path contains TEXT, e.g. a site's name) crashes in the middle of writing checkpoint N:
+    // tensors written, no manifest yet. Once: not where a crash already left step-N.tmp.
+    if (const char* crash = std::getenv("NEBULA_TEST_CRASH_IN_CHECKPOINT"); crash && !leftover) {
+      const std::string spec = crash;
+      const size_t colon = spec.rfind(':');
+      const std::string where = colon == std::string::npos ? "" : spec.substr(0, colon);
+      if (std::atoll(spec.c_str() + (colon == std::string::npos ? 0 : colon + 1)) == c.step &&
+          dir.find(where) != std::string::npos)
+        ::_exit(137);
+    }
     nlohmann::json manifest = {{"format", "nebula-checkpoint"},
                                {"version", 1},
                                {"step", c.step},

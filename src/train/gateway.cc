@@ -1,5 +1,6 @@
 #include "train/gateway.h"
 
+#include <algorithm>
 #include <spdlog/spdlog.h>
 
 #include <filesystem>
@@ -36,7 +37,7 @@ void ensure_local_certificates(Config& c) {
   c.security.certs = dir;
 }
 
-GatewayLinks connect_gateway(const Config& c, size_t site) {
+GatewayLinks connect_gateway(const Config& c, size_t site, bool joining) {
   transport::ConnectorOptions o;
   o.job = c.job.name;
   o.self = site;
@@ -44,7 +45,8 @@ GatewayLinks connect_gateway(const Config& c, size_t site) {
   o.streams = static_cast<int>(c.wan.streams);
   o.link.max_payload = c.wan.max_frame;
   o.handshake_timeout = std::chrono::duration_cast<std::chrono::milliseconds>(c.wan.handshake_timeout);
-  o.reconnect_timeout = std::chrono::duration_cast<std::chrono::milliseconds>(c.wan.reconnect_timeout);
+  o.reconnect_timeout = std::chrono::duration_cast<std::chrono::milliseconds>(
+      joining ? std::max(c.wan.reconnect_timeout, c.job.timeout) : c.wan.reconnect_timeout);
   o.max_pending = c.wan.max_pending;
   o.audit = std::make_shared<transport::AuditLog>(c.security.audit_log.empty() ? c.job.run_dir + "/audit.jsonl"
                                                                                : c.security.audit_log);

@@ -22,7 +22,9 @@ struct GatewayLinks {
   std::unique_ptr<transport::SiteConnector> connector;
   std::vector<std::unique_ptr<transport::Link>> links;  // by site; null for this site
 };
-GatewayLinks connect_gateway(const Config& config, size_t site);
+// `joining` (elastic rejoin): the links wait for the running sites to answer for up to
+// job.timeout, not just wan.reconnect_timeout (they admit a site at their next round).
+GatewayLinks connect_gateway(const Config& config, size_t site, bool joining = false);
 
 // Local mode: makes RUN_DIR/certs (a CA and one certificate per site) unless it exists, and
 // points config.security.certs at it.

@@ -206,21 +206,28 @@ int run_local(Config c, const LaunchOptions& options) {
   ::sigaction(SIGTERM, &sa, nullptr);
 
   std::vector<Child> children;
-  for (const auto& s : c.sites) {
+  // Room for every restart: `failed` points into this vector.
+  children.reserve(static_cast<size_t>(c.total_workers() * (1 + c.job.restarts)));
+  auto start_site = [&](const SiteConfig& s, bool rejoin) {
     for (int r = 0; r < s.workers; ++r) {
       std::string log = str_cat(c.job.run_dir, "/logs/", s.name, "-", r, ".log");
       std::vector<std::string> args = {"worker", job_file, "--site", s.name, "--rank", std::to_string(r)};
       if (options.resume) args.push_back("--resume");
-      pid_t pid = spawn(options.executable, args, log, options.resume);
+      if (rejoin) args.push_back("--rejoin");
+      pid_t pid = spawn(options.executable, args, log, options.resume || rejoin);
       children.push_back({pid, s.name, r, log});
     }
-  }
+  };
+  for (const auto& s : c.sites) start_site(s, false);
   spdlog::info("started {} workers on {} sites; logs in {}/logs", children.size(), c.sites.size(), c.job.run_dir);
-  {  // who is who, for operators (and tests that stop one site)
+  auto write_workers = [&] {  // who is who, for operators (and tests that stop one site)
     nlohmann::json workers = nlohmann::json::array();
-    for (const auto& ch : children) workers.push_back({{"site", ch.site}, {"rank", ch.rank}, {"pid", ch.pid}});
+    for (const auto& ch : children)
+      if (ch.running) workers.push_back({{"site", ch.site}, {"rank", ch.rank}, {"pid", ch.pid}});
     write_json_atomically(c.job.run_dir + "/workers.json", workers);
-  }
+  };
+  write_workers();
+  std::map<std::string, int64_t> restarts;  // elastic: restarts used per site
   std::set<std::string> lost_sites;  // elastic: sites whose workers failed; the others go on
 
   Progress progress(c, c.job.run_dir + "/metrics.jsonl");
@@ -252,6 +259,25 @@ int run_local(Config c, const LaunchOptions& options) {
                      WIFEXITED(ch.status) ? str_cat("exit code ", WEXITSTATUS(ch.status))
                                           : str_cat("signal ", WTERMSIG(ch.status)),
                      ch.log, tail_of(ch.log, 5));
+        if (restarts[ch.site] < c.job.restarts) {
+          // Its workers are gone (killed above; reaped below): start the site again, to
+          // resume from its checkpoint and rejoin the others at their next round.
+          for (auto& other : children)
+            if (other.running && other.site == ch.site) {
+              ::waitpid(other.pid, &other.status, 0);
+              other.running = false;
+              --running;
+            }
+          ++restarts[ch.site];
+          lost_sites.erase(ch.site);
+          spdlog::warn("starting site {} again to rejoin (restart {} of {})", ch.site, restarts[ch.site],
+                       c.job.restarts);
+          const size_t before = children.size();
+          start_site(c.sites[c.site_index(ch.site)], true);
+          running += children.size() - before;
+          write_workers();
+          continue;
+        }
         if (lost_sites.size() < c.sites.size()) continue;
       }
       if (!ok && !failed && !g_signal && !lost_sites.count(ch.site)) {

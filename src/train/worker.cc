@@ -111,7 +111,7 @@ void restore(const Checkpoint& k, Task& task, torch::optim::AdamW& optimizer, co
 
 std::string default_tokenizer_path(const Config& c) { return c.job.run_dir + "/tokenizer.model"; }
 
-int run_worker(const Config& c, const WorkerIdentity& who, bool resume) {
+int run_worker(const Config& c, const WorkerIdentity& who, bool resume, bool rejoin) {
   const SiteConfig& site = c.sites.at(who.site);
   const int workers = static_cast<int>(site.workers);
   NEBULA_CHECK(who.local_rank >= 0 && who.local_rank < workers, "site '", site.name, "' has ", workers,
@@ -129,6 +129,9 @@ int run_worker(const Config& c, const WorkerIdentity& who, bool resume) {
   data::Tokenizer tok = data::Tokenizer::load(tokenizer_path);
   model::SpecialIds ids{tok.pad_id(), tok.unk_id(), tok.bos_id(), tok.eos_id(), tok.mask_id(), 5, tok.vocab_size()};
   const TaskContext ctx{c, who, tok, tokenizer_path, ids};
+  if (rejoin && (!c.job.elastic || c.strategy.kind == "sync" || c.distill.enabled()))
+    throw ConfigError(str_cat("--rejoin: site '", site.name, "' can rejoin only an elastic diloco or streaming job "
+                              "without [distill] (job.elastic = true); restart the whole job with --resume instead"));
   if (c.distill.enabled() && site.name == c.distill.teacher_site) {
     run_teacher(ctx);  // stateless: a resumed job's teacher simply starts again
     return 0;
@@ -147,14 +150,19 @@ int run_worker(const Config& c, const WorkerIdentity& who, bool resume) {
   std::unique_ptr<transport::Link> teacher;
   std::unique_ptr<collective::GatewayMesh> mesh;
   if (who.local_rank == 0) {
-    gateway = connect_gateway(c, who.site);
+    gateway = connect_gateway(c, who.site, rejoin);
     if (c.distill.enabled()) {
       teacher = std::move(gateway.links[c.site_index(c.distill.teacher_site)]);
       gateway.links.clear();
       gateway.links.emplace_back();
     }
-    mesh = std::make_unique<collective::GatewayMesh>(
-        collective::MeshOptions{training_index, training_names, timeout, c.job.elastic},
+    collective::MeshOptions mo{training_index, training_names, timeout, c.job.elastic};
+    if (c.job.elastic && !c.distill.enabled()) {  // mesh indices are config indices then
+      transport::SiteConnector* connector = gateway.connector.get();
+      mo.rejoin = [connector](size_t j, Deadline d) { return connector->rejoin(j, d); };
+      mo.joining = rejoin;
+    }
+    mesh = std::make_unique<collective::GatewayMesh>(std::move(mo),
                                                      std::move(gateway.links));
   }
   collective::Hierarchy comm(group, mesh.get());
@@ -231,7 +239,7 @@ int run_worker(const Config& c, const WorkerIdentity& who, bool resume) {
   std::vector<double> eval_start(task->eval_size(), 0.0);
   int64_t step = 0;
   bool resumed = false;
-  if (resume) {
+  if (resume || rejoin) {
     std::optional<Checkpoint> newest = load_latest_checkpoint(checkpoint_dir, fingerprint);
     size_t first = 0;  // this worker's global index, and the range that must agree
     for (size_t s = 0; s < who.site; ++s) first += static_cast<size_t>(c.sites[s].workers);
@@ -260,9 +268,12 @@ int run_worker(const Config& c, const WorkerIdentity& who, bool resume) {
       resumed = true;
       spdlog::info("resumed from {}/step-{} ({} tokens so far)", checkpoint_dir, step, tokens);
     }
-    strategy->reconcile();
+    if (rejoin)
+      strategy->join();  // the others admit this site at their next round and hand it their state
+    else
+      strategy->reconcile();
   }
-  if (!resumed && task->eval_at_start()) eval_start = evaluate_now(0);
+  if (!resumed && !rejoin && task->eval_at_start()) eval_start = evaluate_now(0);
   auto checkpoint_now = [&](int64_t steps_done) {
     Checkpoint k = capture(steps_done, *task, optimizer, params, *strategy);
     k.state["worker"] = {{"tokens", tokens}, {"eval_start", eval_start}, {"site", site.name}, {"rank", who.local_rank}};
@@ -391,6 +402,9 @@ int run_worker(const Config& c, const WorkerIdentity& who, bool resume) {
     nlohmann::json lost = nlohmann::json::array();
     for (const auto& [j, why] : mesh->lost()) lost.push_back({{"site", training_names[j]}, {"reason", why}});
     summary["sites_lost"] = lost;
+    nlohmann::json rejoined = nlohmann::json::array();
+    for (size_t j : mesh->rejoined()) rejoined.push_back(training_names[j]);
+    summary["sites_rejoined"] = rejoined;
     summary.update(task->summary());
     write_json_atomically(c.job.run_dir + "/summary.json", summary);
     auto meta = task->model_metadata();

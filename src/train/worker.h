@@ -17,7 +17,10 @@ struct WorkerIdentity {
 // the step (every worker of the site at the same one) and returns 128 + the signal. With
 // `resume`, starts from the newest checkpoint every worker of the site (diloco, streaming) or
 // of the job (sync) holds. Throws on any failure (the CLI turns it into a message and exit code).
-int run_worker(const Config& config, const WorkerIdentity& who, bool resume = false);
+// `rejoin` (elastic diloco/streaming): this site was lost and restarted while the others went
+// on; it resumes from its own checkpoint if it has one, then joins them and takes their
+// global state.
+int run_worker(const Config& config, const WorkerIdentity& who, bool resume = false, bool rejoin = false);
 
 // Where run_worker looks for the tokenizer when config.data.tokenizer is empty.
 std::string default_tokenizer_path(const Config& config);

@@ -389,7 +389,14 @@ bool ResilientLink::resume_on(const std::shared_ptr<Link>& conn, Deadline deadli
                                 "), so it restarted and what it had not yet received cannot be resumed"));
     return false;
   }
-  if (their_delivered > their_received || their_received >= next_seq_ || their_delivered < acked_) {
+  const bool fits = their_delivered <= their_received && their_received < next_seq_ && their_delivered >= acked_;
+  if (!fits && peer_session_ == 0)
+    // This session never got going and the other end remembers one that did: it is an older
+    // session of the peer (we restarted; the peer's side of our old session reconnected). That
+    // end will find out it lost us; this connection is stale, not the session: try again.
+    throw PeerLost(conn->peer(), str_cat(conn->peer(), " answered as an older session (delivered ", their_delivered,
+                                         "): a stale connection, reconnecting"));
+  if (!fits) {
     declare_lost_locked(str_cat(conn->peer(), " lost: its resume state (delivered ", their_delivered,
                                 ", received ", their_received, ") does not fit ours (acknowledged ", acked_,
                                 ", sent up to ", next_seq_ - 1, "); the session cannot be resumed"));

@@ -254,32 +254,67 @@ std::unique_ptr<Link> SiteConnector::assemble(size_t peer, std::vector<std::uniq
   return std::make_unique<StripedLink>(std::move(streams), options_.link);
 }
 
+std::unique_ptr<Link> SiteConnector::session(size_t peer, std::unique_ptr<Link> first, int generation) {
+  const bool dialer = peer < options_.self;
+  auto current = std::make_shared<int>(generation);
+  // Reconnection: the dialing side dials again with a new generation; the accepting side
+  // waits for the peer's next complete generation.
+  Reconnect reconnect = [this, peer, dialer, current](Deadline d) {
+    if (dialer) {
+      int g = ++*current;
+      return assemble(peer, dial(peer, g, d), g);
+    }
+    auto streams = await(peer, *current, d, current.get());
+    return assemble(peer, std::move(streams), *current);
+  };
+  ResilientOptions ro;
+  ro.reconnect_timeout = options_.reconnect_timeout;
+  ro.max_pending_bytes = options_.max_pending;
+  return std::make_unique<ResilientLink>(std::move(first), std::move(reconnect), ro);
+}
+
 std::vector<std::unique_ptr<Link>> SiteConnector::connect_all(Deadline deadline) {
   const size_t n = options_.sites.size(), me = options_.self;
   std::vector<std::unique_ptr<Link>> links(n);
   for (size_t j = 0; j < n; ++j) {
     if (j == me) continue;
-    const bool dialer = j < me;
-    auto generation = std::make_shared<int>(0);
-    auto first = assemble(j, dialer ? dial(j, 0, deadline) : await(j, -1, deadline, generation.get()), 0);
-    // Reconnection: the dialing side dials again with a new generation; the accepting side
-    // waits for the peer's next complete generation.
-    Reconnect reconnect = [this, j, dialer, generation](Deadline d) {
-      if (dialer) {
-        int g = ++*generation;
-        return assemble(j, dial(j, g, d), g);
-      }
-      auto streams = await(j, *generation, d, generation.get());
-      return assemble(j, std::move(streams), *generation);
-    };
-    ResilientOptions ro;
-    ro.reconnect_timeout = options_.reconnect_timeout;
-    ro.max_pending_bytes = options_.max_pending;
-    links[j] = std::make_unique<ResilientLink>(std::move(first), std::move(reconnect), ro);
+    int generation = 0;
+    auto first = assemble(j, j < me ? dial(j, 0, deadline) : await(j, -1, deadline, &generation), generation);
+    links[j] = session(j, std::move(first), generation);
     spdlog::info("connected to site {} ({} stream{}, {})", options_.sites[j].name, options_.streams,
                  options_.streams > 1 ? "s" : "", options_.tls ? "mutual TLS" : "PLAINTEXT");
   }
   return links;
+}
+
+std::unique_ptr<Link> SiteConnector::rejoin(size_t peer, Deadline deadline) {
+  NEBULA_CHECK(peer < options_.sites.size() && peer != options_.self, "rejoin of site ", peer);
+  try {
+    if (peer < options_.self) return session(peer, assemble(peer, dial(peer, 0, deadline), 0), 0);
+    // A restarted peer numbers its generations from 0 again: take the newest complete set,
+    // whatever its number, and drop the older ones (the lost session's last attempts).
+    std::unique_lock<std::mutex> lock(mu_);
+    for (;;) {
+      auto newest = incoming_.end();
+      for (auto it = incoming_.begin(); it != incoming_.end(); ++it) {
+        if (it->first.first != peer) continue;
+        bool complete = true;
+        for (auto& s : it->second) complete &= s != nullptr;
+        if (complete && (newest == incoming_.end() || it->first.second >= newest->first.second)) newest = it;
+      }
+      if (newest != incoming_.end()) {
+        const int generation = newest->first.second;
+        auto streams = std::move(newest->second);
+        for (auto it = incoming_.begin(); it != incoming_.end();)
+          it = it->first.first == peer && it->first.second <= generation ? incoming_.erase(it) : std::next(it);
+        lock.unlock();
+        return session(peer, assemble(peer, std::move(streams), generation), generation);
+      }
+      if (closed_ || arrived_.wait_until(lock, deadline.at()) == std::cv_status::timeout) return nullptr;
+    }
+  } catch (const NetworkError& e) {  // not back yet
+    return nullptr;
+  }
 }
 
 }  // namespace nebula::transport

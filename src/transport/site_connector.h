@@ -72,6 +72,11 @@ class SiteConnector {
   // fails authentication.
   std::vector<std::unique_ptr<Link>> connect_all(Deadline deadline);
 
+  // Elastic rejoin: a fresh session with `peer`, whose old one was lost (the peer restarted).
+  // The side that dials (peer < self) dials once; the other takes the most recent complete
+  // set of streams the peer dialed. Waits at most until `deadline`; null if there is none.
+  std::unique_ptr<Link> rejoin(size_t peer, Deadline deadline);
+
   // Stops accepting; links already handed out keep working until closed.
   void close();
 
@@ -81,6 +86,8 @@ class SiteConnector {
   // The oldest complete set of streams from `peer` newer than `after_generation`; sets *taken.
   std::vector<std::unique_ptr<Link>> await(size_t peer, int after_generation, Deadline deadline, int* taken);
   std::unique_ptr<Link> assemble(size_t peer, std::vector<std::unique_ptr<Link>> streams, int generation);
+  // A session: `first` (generation `generation`) wrapped in a ResilientLink that reconnects.
+  std::unique_ptr<Link> session(size_t peer, std::unique_ptr<Link> first, int generation);
   void accept_loop();
   void handshake_incoming(std::unique_ptr<TcpLink> tcp);
   // Logs a refusal and writes the audit line; false (logged, never thrown) if the line could

@@ -110,6 +110,7 @@ Config build(const toml::table& root, const std::string& file) {
     s.integer("eval_batches", c.job.eval_batches, 0, 1'000'000);
     s.unit("timeout", c.job.timeout, parse_duration);
     s.boolean("elastic", c.job.elastic);
+    s.integer("restarts", c.job.restarts, 0, 1000);
     s.finish();
   }
   if (c.job.run_dir.empty()) c.job.run_dir = "runs/" + c.job.name;
@@ -326,6 +327,10 @@ Config build(const toml::table& root, const std::string& file) {
     s.string("progress", c.metrics.progress, {"auto", "plain", "off"});
     s.finish();
   }
+  if (c.job.restarts > 0 && (!c.job.elastic || c.strategy.kind == "sync" || c.distill.enabled()))
+    throw ConfigError(str_cat(file, ": [job] restarts = ", c.job.restarts,
+                              ": a lost site can rejoin only an elastic diloco or streaming job without [distill]: set "
+                              "job.elastic = true and strategy.kind = \"diloco\" or \"streaming\", or restarts = 0"));
   if (auto* t = top.table("checkpoint")) {
     Section s(*t, "checkpoint", file);
     s.integer("every", c.checkpoint.every, 0, INT64_MAX);
@@ -404,7 +409,8 @@ std::string to_toml(const Config& c) {
                                  {"log_every", c.job.log_every},
                                  {"eval_batches", c.job.eval_batches},
                                  {"timeout", dur(c.job.timeout)},
-                                 {"elastic", c.job.elastic}});
+                                 {"elastic", c.job.elastic},
+                                 {"restarts", c.job.restarts}});
   root.insert("eval", toml::table{{"every", c.eval.every}, {"pairs", c.eval.pairs}, {"beam", c.eval.beam}});
   root.insert("model", toml::table{{"kind", c.model.kind},
                                    {"dim", c.model.dim},
