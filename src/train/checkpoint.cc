@@ -144,7 +144,12 @@ void save_checkpoint(const std::string& dir, const Checkpoint& c, const std::str
     fsync_path(dir, true);
   } catch (const fs::filesystem_error& e) {
     fs::remove_all(tmp, ec);
-    throw DataError(str_cat(final_dir.string(), ": cannot write the checkpoint: ", e.what()));
+    throw DataError(str_cat(final_dir.string(), ": cannot write the checkpoint: ", e.what(),
+                            " (free space there or set [checkpoint] dir; the checkpoints before it are kept)"));
+  } catch (const DataError& e) {
+    fs::remove_all(tmp, ec);
+    throw DataError(str_cat(e.what(), " (free space in ", dir,
+                            " or set [checkpoint] dir; the checkpoints before it are kept)"));
   } catch (...) {
     fs::remove_all(tmp, ec);
     throw;
