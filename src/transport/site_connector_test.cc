@@ -86,18 +86,34 @@ std::vector<nlohmann::json> audit_lines(const std::string& path) {
   return out;
 }
 
+// Two sites' listeners and site a's connector, with an audit log in a temporary directory.
+// As the gateway does (train/gateway.cc): accepted links take the listener's options, so the
+// listener is where wan.max_frame must be given.
+struct TwoSites {
+  explicit TwoSites(const std::string& name)
+      : dir(name),
+        audit_path(dir.file("audit.jsonl")),
+        audit(std::make_shared<AuditLog>(audit_path)),
+        listener_b(std::make_unique<TcpListener>("127.0.0.1", 0, options_for(1, {}, nullptr).link)) {
+    auto listener_a = std::make_unique<TcpListener>("127.0.0.1", 0, options_for(0, {}, nullptr).link);
+    port = listener_a->port();
+    sites = {{"a", "127.0.0.1:" + std::to_string(port)}, {"b", "127.0.0.1:" + std::to_string(listener_b->port())}};
+    a = std::make_unique<SiteConnector>(options_for(0, sites, audit), std::move(listener_a));
+  }
+  nebula::testing::TempDir dir;
+  std::string audit_path;
+  std::shared_ptr<AuditLog> audit;
+  std::unique_ptr<TcpListener> listener_b;
+  uint16_t port = 0;
+  std::vector<SiteAddress> sites;
+  std::unique_ptr<SiteConnector> a;
+};
+
 TEST(SiteConnector, HostileConnectionsAreRefusedAndAuditedAndTheRealPeerStillConnects) {
-  nebula::testing::TempDir dir("hostile");
-  const std::string audit_path = dir.file("audit.jsonl");
-  auto audit = std::make_shared<AuditLog>(audit_path);
-  // As the gateway does (train/gateway.cc): accepted links take the listener's options, so
-  // the listener is where wan.max_frame must be given.
-  auto listener_a = std::make_unique<TcpListener>("127.0.0.1", 0, options_for(0, {}, nullptr).link);
-  auto listener_b = std::make_unique<TcpListener>("127.0.0.1", 0, options_for(1, {}, nullptr).link);
-  const uint16_t port = listener_a->port();
-  const std::vector<SiteAddress> sites = {{"a", "127.0.0.1:" + std::to_string(port)},
-                                          {"b", "127.0.0.1:" + std::to_string(listener_b->port())}};
-  SiteConnector a(options_for(0, sites, audit), std::move(listener_a));
+  TwoSites t("hostile");
+  const std::string& audit_path = t.audit_path;
+  const uint16_t port = t.port;
+  SiteConnector& a = *t.a;
 
   // (1) Bytes that are not nebula's protocol at all.
   send_raw_and_expect_hangup(port, std::vector<uint8_t>(64, 'G'));
@@ -118,7 +134,7 @@ TEST(SiteConnector, HostileConnectionsAreRefusedAndAuditedAndTheRealPeerStillCon
   send_hello_and_expect_refusal(port, {kHelloProtocol + 1, "job-1", "b", "a", 0, 1, 0});
 
   // The real site b connects, and its link carries a frame.
-  SiteConnector b(options_for(1, sites, audit), std::move(listener_b));
+  SiteConnector b(options_for(1, t.sites, t.audit), std::move(t.listener_b));
   auto b_links = std::async(std::launch::async, [&] { return b.connect_all(Deadline::after(60s)); });
   auto a_links = a.connect_all(Deadline::after(60s));
   auto links_of_b = b_links.get();
@@ -174,15 +190,10 @@ TEST(SiteConnector, HostileConnectionsAreRefusedAndAuditedAndTheRealPeerStillCon
 // connects. (Without the bound each connection took a thread until handshake_timeout, and a
 // failed thread start ended the process.)
 TEST(SiteConnector, AFloodOfIdleConnectionsIsBoundedAndTheRealPeerStillConnects) {
-  nebula::testing::TempDir dir("flood");
-  const std::string audit_path = dir.file("audit.jsonl");
-  auto audit = std::make_shared<AuditLog>(audit_path);
-  auto listener_a = std::make_unique<TcpListener>("127.0.0.1", 0, options_for(0, {}, nullptr).link);
-  auto listener_b = std::make_unique<TcpListener>("127.0.0.1", 0, options_for(1, {}, nullptr).link);
-  const uint16_t port = listener_a->port();
-  const std::vector<SiteAddress> sites = {{"a", "127.0.0.1:" + std::to_string(port)},
-                                          {"b", "127.0.0.1:" + std::to_string(listener_b->port())}};
-  SiteConnector a(options_for(0, sites, audit), std::move(listener_a));
+  TwoSites t("flood");
+  const std::string& audit_path = t.audit_path;
+  const uint16_t port = t.port;
+  SiteConnector& a = *t.a;
 
   // Each idle connection holds a handshake: the gateway's greeting shows it has started.
   std::vector<int> idle;
@@ -207,7 +218,7 @@ TEST(SiteConnector, AFloodOfIdleConnectionsIsBoundedAndTheRealPeerStillConnects)
     std::this_thread::sleep_for(50ms);
   ASSERT_EQ(audit_lines(audit_path).size(), idle.size() + 1);
 
-  SiteConnector b(options_for(1, sites, audit), std::move(listener_b));
+  SiteConnector b(options_for(1, t.sites, t.audit), std::move(t.listener_b));
   auto b_links = std::async(std::launch::async, [&] { return b.connect_all(Deadline::after(60s)); });
   auto a_links = a.connect_all(Deadline::after(60s));
   auto links_of_b = b_links.get();
