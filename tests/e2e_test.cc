@@ -142,6 +142,13 @@ TEST(EndToEnd, SmokeRunTrainsOnTwoSitesAndWritesSummary) {
   EXPECT_EQ(accepted, 2);  // alpha accepted beta's stream; beta's dial was accepted
   // sync sends every step's full gradient: the summary's WAN bytes are the gateways' total.
   EXPECT_GE(summary["wan_bytes"].get<double>(), wan_sent["alpha"] + wan_sent["beta"]);
+
+  // `nebula report` draws the run: three charts and a page showing them.
+  Result report = run("report " + dir);
+  ASSERT_EQ(report.exit_code, 0) << report.output;
+  for (const char* file : {"loss_vs_time.svg", "loss_vs_tokens.svg", "loss_vs_wan.svg", "index.html"})
+    EXPECT_TRUE(fs::exists(dir + "/report/" + file)) << file;
+  EXPECT_NE(read_file(dir + "/report/loss_vs_time.svg").find("· beta"), std::string::npos);
   fs::remove_all(dir);
 }
 

@@ -21,6 +21,7 @@
 #include "train/demo.h"
 #include "train/launcher.h"
 #include "train/translate.h"
+#include "train/report.h"
 #include "train/worker.h"
 #include "transport/certs.h"
 
@@ -174,6 +175,12 @@ int main(int argc, char** argv) {
   translate->add_option("--beam", beam, "Beam width (1 = greedy)")->check(CLI::Range(1, 64))->capture_default_str();
   translate->add_option("--input", input_path, "A file of sentences (default: stdin)")->check(CLI::ExistingFile);
 
+  std::vector<std::string> report_runs;
+  std::string report_out;
+  auto* report = app.add_subcommand("report", "Charts (SVG) and an HTML page of finished runs, side by side");
+  report->add_option("runs", report_runs, "Run directories (RUN_DIR of each job)")->required()->check(CLI::ExistingDirectory);
+  report->add_option("--out", report_out, "Where to write them (default: FIRST_RUN/report)");
+
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -282,6 +289,13 @@ int main(int argc, char** argv) {
         throw nebula::DataError(nebula::str_cat(files, ": ", e.what()));
       }
       std::printf("%s\n", score.format().c_str());
+      return 0;
+    }
+    if (*report) {
+      const std::string out = report_out.empty() ? report_runs.front() + "/report" : report_out;
+      const auto r = nebula::train::write_report(report_runs, out);
+      std::printf("wrote %s (%zu charts)%s\n", r.files.back().c_str(), r.files.size() - 1,
+                  r.skipped_lines ? nebula::str_cat("; skipped ", r.skipped_lines, " malformed metrics lines").c_str() : "");
       return 0;
     }
     if (*worker) {

@@ -35,20 +35,10 @@ nlohmann::json read_json(const std::string& path) {
   return j;
 }
 
-std::vector<nlohmann::json> read_metrics(const std::string& run_dir) {
-  std::vector<nlohmann::json> out;
-  std::ifstream in(run_dir + "/metrics.jsonl");
-  for (std::string line; std::getline(in, line);) {
-    auto j = nlohmann::json::parse(line, nullptr, false);
-    if (!j.is_discarded()) out.push_back(std::move(j));
-  }
-  return out;
-}
-
 // Training loss per site (the gateways' lines), as chart series labelled "<prefix><site>".
 std::vector<eval::Series> loss_series(const std::string& run_dir, const std::string& prefix) {
   std::map<std::string, eval::Series> by_site;
-  for (const auto& j : read_metrics(run_dir))
+  for (const auto& j : read_metrics(run_dir + "/metrics.jsonl"))
     if (j.contains("loss") && j.value("rank", -1) == 0) {
       auto& s = by_site[j["site"]];
       s.label = prefix + j["site"].get<std::string>();
@@ -62,7 +52,7 @@ std::vector<eval::Series> loss_series(const std::string& run_dir, const std::str
 // Retrieval accuracy per language over the steps of the run (each site evaluates its own).
 std::vector<eval::Series> retrieval_series(const std::string& run_dir) {
   std::map<std::string, eval::Series> by_lang;
-  for (const auto& j : read_metrics(run_dir)) {
+  for (const auto& j : read_metrics(run_dir + "/metrics.jsonl")) {
     if (!j.contains("eval")) continue;
     for (auto& [lang, e] : j["eval"].items())
       if (e.contains("retrieval_accuracy")) {

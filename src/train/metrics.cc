@@ -1,5 +1,9 @@
 #include "train/metrics.h"
 
+#include <spdlog/spdlog.h>
+
+#include <fstream>
+
 #include <fcntl.h>
 #include <unistd.h>
 
@@ -43,6 +47,25 @@ void write_json_atomically(const std::string& path, const nlohmann::json& value)
 
 double unix_time() {
   return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
+}
+
+std::vector<nlohmann::json> read_metrics(const std::string& path, size_t* skipped) {
+  std::vector<nlohmann::json> out;
+  std::ifstream in(path);
+  size_t bad = 0, number = 0;
+  for (std::string line; std::getline(in, line);) {
+    ++number;
+    if (line.empty()) continue;
+    auto j = nlohmann::json::parse(line, nullptr, false);
+    if (j.is_discarded() || !j.is_object()) {
+      if (++bad <= 5) spdlog::warn("{}:{}: not a metrics line (skipped): {:.80}", path, number, line);
+      continue;
+    }
+    out.push_back(std::move(j));
+  }
+  if (bad > 5) spdlog::warn("{}: {} malformed lines skipped in all", path, bad);
+  if (skipped) *skipped = bad;
+  return out;
 }
 
 }  // namespace nebula::train

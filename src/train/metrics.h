@@ -10,6 +10,7 @@
 #include <nlohmann/json.hpp>
 
 #include <string>
+#include <vector>
 
 namespace nebula::train {
 
@@ -30,5 +31,10 @@ class MetricsWriter {
 void write_json_atomically(const std::string& path, const nlohmann::json& value);
 
 double unix_time();
+
+// The lines of a metrics.jsonl file. A line that is not a JSON object is skipped with a
+// warning naming path:line (a run killed mid-write may leave a torn last line); `skipped`
+// counts them. A missing file is an empty run.
+std::vector<nlohmann::json> read_metrics(const std::string& path, size_t* skipped = nullptr);
 
 }  // namespace nebula::train

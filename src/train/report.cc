@@ -1,0 +1,142 @@
+#include "train/report.h"
+
+#include <spdlog/spdlog.h>
+
+#include <array>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <nlohmann/json.hpp>
+
+#include "eval/plot.h"
+#include "nebula/error.h"
+#include "train/metrics.h"
+
+namespace nebula::train {
+namespace fs = std::filesystem;
+namespace {
+
+std::string html_escape(const std::string& s) {
+  std::string out;
+  for (char c : s) {
+    switch (c) {
+      case '&': out += "&amp;"; break;
+      case '<': out += "&lt;"; break;
+      case '>': out += "&gt;"; break;
+      case '"': out += "&quot;"; break;
+      default: out += c;
+    }
+  }
+  return out;
+}
+
+std::string run_name(const std::string& dir) {
+  fs::path p = fs::path(dir).lexically_normal();
+  if (p.filename().empty()) p = p.parent_path();
+  return p.filename().string();
+}
+
+std::string cell(const nlohmann::json& summary, const char* key, int precision = -1) {
+  if (!summary.contains(key) || summary[key].is_null()) return "–";
+  const auto& v = summary[key];
+  if (v.is_number_float() && precision >= 0) {
+    char buf[64];
+    std::snprintf(buf, sizeof buf, "%.*f", precision, v.get<double>());
+    return buf;
+  }
+  return v.is_string() ? v.get<std::string>() : v.dump();
+}
+
+}  // namespace
+
+ReportResult write_report(const std::vector<std::string>& run_dirs, const std::string& out_dir) {
+  NEBULA_CHECK(!run_dirs.empty(), "write_report without runs");
+  ReportResult result;
+  // x → series, one per (run, site), from the site gateways' training lines.
+  struct Curves {
+    std::vector<eval::Series> time, tokens, wan;
+  } curves;
+  std::vector<std::pair<std::string, nlohmann::json>> summaries;
+  for (const auto& dir : run_dirs) {
+    size_t skipped = 0;
+    const auto lines = read_metrics(dir + "/metrics.jsonl", &skipped);
+    result.skipped_lines += skipped;
+    std::map<std::string, std::array<eval::Series, 3>> by_site;
+    for (const auto& j : lines) {
+      if (!j.contains("loss") || j.value("rank", -1) != 0 || !j["loss"].is_number() || !j.contains("site") ||
+          !j["site"].is_string())
+        continue;
+      auto& s = by_site[j["site"].get<std::string>()];
+      const double loss = j["loss"].get<double>();
+      s[0].points.emplace_back(j.value("elapsed", 0.0), loss);
+      s[1].points.emplace_back(j.value("tokens", 0.0), loss);
+      s[2].points.emplace_back(j.value("wan_bytes_sent", 0.0) / (1 << 20), loss);
+    }
+    if (by_site.empty())
+      throw DataError(str_cat(dir, "/metrics.jsonl: no training lines (is ", dir, " a nebula run directory?)"));
+    for (auto& [site, s] : by_site) {
+      const std::string label = str_cat(run_name(dir), " · ", site);
+      for (auto& series : s) series.label = label;
+      curves.time.push_back(std::move(s[0]));
+      curves.tokens.push_back(std::move(s[1]));
+      curves.wan.push_back(std::move(s[2]));
+    }
+    std::ifstream in(dir + "/summary.json");
+    auto summary = nlohmann::json::parse(in, nullptr, false);
+    if (!in || summary.is_discarded() || !summary.is_object()) {
+      spdlog::warn("{}/summary.json: missing or unreadable (the run did not finish?); its table row is empty", dir);
+      summary = nlohmann::json::object();
+    }
+    summaries.emplace_back(dir, std::move(summary));
+  }
+
+  std::error_code ec;
+  fs::create_directories(out_dir, ec);
+  if (ec || !fs::is_directory(out_dir))
+    throw DataError(str_cat(out_dir, ": cannot create the report directory", ec ? ": " + ec.message() : ""));
+  const struct {
+    const char* file;
+    std::vector<eval::Series>* series;
+    const char* title;
+    const char* x;
+  } charts[] = {{"loss_vs_time.svg", &curves.time, "Training loss against time", "seconds since start"},
+                {"loss_vs_tokens.svg", &curves.tokens, "Training loss against tokens", "tokens (per site gateway)"},
+                {"loss_vs_wan.svg", &curves.wan, "Training loss against WAN traffic", "MiB sent by the site's gateway"}};
+  std::string images;
+  for (const auto& ch : charts) {
+    const std::string path = out_dir + "/" + ch.file;
+    eval::write_line_chart(path, *ch.series, {ch.title, ch.x, "training loss"});
+    result.files.push_back(path);
+    images += str_cat("<figure><img src=\"", ch.file, "\" alt=\"", ch.title, "\"></figure>\n");
+  }
+
+  std::string rows;
+  for (const auto& [dir, s] : summaries) {
+    rows += str_cat("<tr><td>", html_escape(run_name(dir)), "</td>");
+    for (auto [key, precision] : {std::pair{"strategy", -1}, std::pair{"codec", -1}, std::pair{"sites", -1},
+                                  std::pair{"workers", -1}, std::pair{"steps", -1}, std::pair{"tokens", 0},
+                                  std::pair{"wall_seconds", 1}, std::pair{"final_train_loss", 4},
+                                  std::pair{"final_val_loss", 4}, std::pair{"wan_bytes", 0}})
+      rows += str_cat("<td>", html_escape(cell(s, key, precision)), "</td>");
+    rows += "</tr>\n";
+  }
+  const std::string html = str_cat(
+      "<!doctype html>\n<html><head><meta charset=\"utf-8\"><title>nebula report</title>\n"
+      "<style>body{font-family:sans-serif;margin:2em}table{border-collapse:collapse}"
+      "td,th{border:1px solid #ccc;padding:4px 8px;text-align:right}td:first-child{text-align:left}"
+      "figure{display:inline-block;margin:1em 1em 0 0}</style></head><body>\n<h1>nebula report</h1>\n"
+      "<table><tr><th>run</th><th>strategy</th><th>codec</th><th>sites</th><th>workers</th><th>steps</th>"
+      "<th>tokens</th><th>wall s</th><th>train loss</th><th>val loss</th><th>WAN bytes</th></tr>\n",
+      rows, "</table>\n", images,
+      result.skipped_lines ? str_cat("<p>", result.skipped_lines, " malformed metrics lines were skipped.</p>\n") : "",
+      "</body></html>\n");
+  const std::string index = out_dir + "/index.html";
+  std::ofstream out(index);
+  out << html;
+  if (!out.flush()) throw DataError(str_cat(index, ": cannot write"));
+  result.files.push_back(index);
+  return result;
+}
+
+}  // namespace nebula::train
