@@ -595,9 +595,10 @@ TEST(EndToEnd, DemoQuickRunsEveryStageAndTranslateUsesItsModel) {
 // the `timeout` wrapper, which passes it on) if the test ends before it does; only this pid.
 class Background {
  public:
-  Background(const std::string& args, const std::string& log, int timeout_s) {
-    const std::string cmd = "cd " NEBULA_SOURCE_DIR " && exec timeout -k 10 " + std::to_string(timeout_s) + " " +
-                            NEBULA_BINARY_DIR "/nebula " + args + " > " + log + " 2>&1";
+  // `env`: variable assignments for the process ("RANK=1 WORLD_SIZE=2").
+  Background(const std::string& args, const std::string& log, int timeout_s, const std::string& env = "") {
+    const std::string cmd = "cd " NEBULA_SOURCE_DIR " && exec env " + env + " timeout -k 10 " +
+                            std::to_string(timeout_s) + " " NEBULA_BINARY_DIR "/nebula " + args + " > " + log + " 2>&1";
     pid_ = ::fork();
     if (pid_ == 0) {
       ::execl("/bin/sh", "sh", "-c", cmd.c_str(), static_cast<char*>(nullptr));
@@ -981,5 +982,44 @@ TEST(EndToEnd, ALostSiteRejoinsTwiceAndTheRunEndsNearTheCleanLoss) {
   const double loss = summary["final_val_loss"].get<double>(), ref = reference["final_val_loss"].get<double>();
   std::printf("validation loss %.4f with two losses of site beta, %.4f without faults\n", loss, ref);
   EXPECT_LT(std::abs(loss - ref) / ref, 0.02) << loss << " vs " << ref << " without faults";
+  fs::remove_all(dir);
+}
+
+// [7/7] launchers: the sites of one job started the way clusters start processes. Site alpha
+// (2 workers) is one torchrun launch: RANK, WORLD_SIZE, LOCAL_RANK, and its store at
+// MASTER_ADDR:MASTER_PORT (rank 0 hosts it: no agent store here). Site beta is one Slurm task:
+// SLURM_PROCID, SLURM_NTASKS. Neither gets --site or --rank. The job trains to the end.
+TEST(EndToEnd, WorkersStartedWithTorchrunAndSlurmVariablesFormTheJob) {
+  const std::string dir = temp_run_dir("launchers");
+  Result prep = run("run examples/smoke.toml --set job.steps=1 --set 'job.run_dir=\"" + dir + "/prep\"'", 300);
+  ASSERT_EQ(prep.exit_code, 0) << prep.output;
+  const std::string run_dir = dir + "/run";
+  fs::create_directories(run_dir);
+  const auto ports = free_ports(3);
+  ASSERT_EQ(ports.size(), 3u);
+  const std::string sets = " --set job.steps=20 --set sites.0.workers=2 --set 'job.run_dir=\"" + run_dir +
+                           "\"' --set 'sites.0.gateway=\"127.0.0.1:" + std::to_string(ports[0]) +
+                           "\"' --set 'sites.1.gateway=\"127.0.0.1:" + std::to_string(ports[1]) +
+                           "\"' --set 'sites.1.store=\"127.0.0.1:" + std::to_string(ports[2]) + "\"'";
+  const std::string job = dir + "/prep/job.toml";
+  const std::string torchrun =
+      "NEBULA_SITE=alpha WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=" + std::to_string(free_ports(1).at(0));
+  Background a0("worker " + job + sets, run_dir + "/a0.log", 600, torchrun + " RANK=0 LOCAL_RANK=0");
+  Background a1("worker " + job + sets, run_dir + "/a1.log", 600, torchrun + " RANK=1 LOCAL_RANK=1");
+  Background b0("worker " + job + sets, run_dir + "/b0.log", 600, "NEBULA_SITE=beta SLURM_PROCID=0 SLURM_NTASKS=1");
+  EXPECT_EQ(a0.wait(), 0) << read_file(run_dir + "/a0.log");
+  EXPECT_EQ(a1.wait(), 0) << read_file(run_dir + "/a1.log");
+  EXPECT_EQ(b0.wait(), 0) << read_file(run_dir + "/b0.log");
+  EXPECT_NE(read_file(run_dir + "/a1.log").find("worker alpha/1 (from the torchrun)"), std::string::npos);
+  EXPECT_NE(read_file(run_dir + "/b0.log").find("worker beta/0 (from the slurm)"), std::string::npos);
+  ASSERT_TRUE(fs::exists(run_dir + "/summary.json")) << read_file(run_dir + "/a0.log");
+  auto summary = nlohmann::json::parse(read_file(run_dir + "/summary.json"));
+  EXPECT_EQ(summary["workers"].get<int>(), 3);
+  EXPECT_EQ(summary["steps"].get<int>(), 20);
+
+  // A launch of the wrong size is refused before anything starts, naming both numbers.
+  Result wrong = run("worker " + job + sets, 60, "NEBULA_SITE=beta SLURM_PROCID=0 SLURM_NTASKS=4");
+  EXPECT_EQ(wrong.exit_code, 2) << wrong.output;
+  EXPECT_NE(wrong.output.find("$SLURM_NTASKS = 4 but site 'beta' has workers = 1"), std::string::npos) << wrong.output;
   fs::remove_all(dir);
 }

@@ -15,6 +15,7 @@
 #include "eval/bleu.h"
 #include "nebula/config.h"
 #include "nebula/error.h"
+#include "nebula/placement.h"
 #include "nebula/log.h"
 #include "plan/plan.h"
 #include "model/safetensors.h"
@@ -35,22 +36,6 @@ std::string self_executable() {
 }
 
 // The first of these environment variables that is set, else nullptr.
-const char* first_env(std::initializer_list<const char*> names) {
-  for (const char* n : names)
-    if (const char* v = std::getenv(n)) return v;
-  return nullptr;
-}
-
-int parse_rank(const std::string& text, const char* from) {
-  try {
-    size_t used = 0;
-    int r = std::stoi(text, &used);
-    if (used == text.size() && r >= 0) return r;
-  } catch (const std::exception&) {
-  }
-  throw nebula::ConfigError(nebula::str_cat(from, " = \"", text, "\" is not a rank (a non-negative integer)"));
-}
-
 // A fraction option of `nebula corpus build`: in [0, 1], else a ConfigError naming it.
 void check_fraction(const char* option, double value) {
   if (!(value >= 0 && value <= 1))
@@ -300,27 +285,13 @@ int main(int argc, char** argv) {
     }
     if (*worker) {
       nebula::Config c = nebula::load_config(config_path, overrides);
-      if (site_name.empty()) {
-        const char* env = first_env({"NEBULA_SITE"});
-        if (!env) throw nebula::ConfigError("nebula worker: no --site and no $NEBULA_SITE: say which site this is");
-        site_name = env;
-      }
-      // Rank inside the site: --rank, else what a launcher set (torchrun's RANK is the rank in
-      // its world, which for nebula is one site).
-      int rank = 0;
-      if (!rank_text.empty()) {
-        rank = parse_rank(rank_text, "--rank");
-      } else if (const char* env = first_env({"NEBULA_RANK", "RANK", "LOCAL_RANK"})) {
-        rank = parse_rank(env, "$RANK");
-      } else {
-        throw nebula::ConfigError("nebula worker: no --rank and no $RANK / $LOCAL_RANK: say which rank this is");
-      }
-      const auto& site = c.sites[c.site_index(site_name)];
-      if (const char* world = first_env({"WORLD_SIZE"}); world && std::to_string(site.workers) != world)
-        throw nebula::ConfigError(nebula::str_cat("$WORLD_SIZE = ", world, " but site '", site_name, "' has workers = ",
-                                                  site.workers, " in ", config_path, ": make them agree"));
+      // Site, rank and store: --site/--rank, or what torchrun, Open MPI or Slurm set.
+      const nebula::Placement p =
+          nebula::resolve_placement(c, site_name, rank_text, [](const char* name) { return std::getenv(name); });
+      spdlog::info("worker {}/{} (from the {}), site store {}{}", c.sites[p.site].name, p.rank, p.launcher, p.store,
+                   p.external_store ? " (the launcher's)" : "");
       // 0, or 128 + the signal after a clean stop on SIGINT/SIGTERM (with a checkpoint).
-      return nebula::train::run_worker(c, {c.site_index(site_name), rank}, resume, rejoin);
+      return nebula::train::run_worker(c, {p.site, p.rank, p.store, p.external_store}, resume, rejoin);
     }
   } catch (const nebula::ConfigError& e) {
     spdlog::error("config: {}", e.what());

@@ -21,15 +21,15 @@ bool is_loopback(const std::string& host) {
 
 SiteGroup::SiteGroup(const std::string& site, const std::string& store_host, uint16_t store_port, int rank,
                      int size, std::chrono::milliseconds timeout,
-                     const std::function<void(uint16_t)>& on_store_listening)
+                     const std::function<void(uint16_t)>& on_store_listening, bool external_store)
     : impl_(std::make_unique<Impl>()), site_(site), rank_(rank), size_(size), store_port_(store_port) {
   NEBULA_CHECK(size >= 1 && rank >= 0 && rank < size, "site ", site, ": rank ", rank, " of ", size);
-  NEBULA_CHECK(rank == 0 || store_port != 0, "site ", site, ": rank ", rank,
+  NEBULA_CHECK((rank == 0 && !external_store) || store_port != 0, "site ", site, ": rank ", rank,
                " needs the store's real port (only rank 0 may pass 0)");
   try {
     c10d::TCPStoreOptions opts;
     opts.port = store_port;
-    opts.isServer = (rank == 0);
+    opts.isServer = rank == 0 && !external_store;
     opts.numWorkers = size;
     opts.waitWorkers = false;  // the constructor returns once the store listens: see on_store_listening
     opts.timeout = timeout;

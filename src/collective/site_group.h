@@ -24,8 +24,10 @@ class SiteGroup {
   // constructing thread, with the bound port as soon as the store listens and before the
   // rendezvous (called for an explicit port too; if it throws, the constructor rethrows).
   // Workers started by the launcher get an explicit port on every rank and need neither.
+  // `external_store`: the store exists already (torchrun's agent hosts it): rank 0 is a client too.
   SiteGroup(const std::string& site, const std::string& store_host, uint16_t store_port, int rank, int size,
-            std::chrono::milliseconds timeout, const std::function<void(uint16_t)>& on_store_listening = {});
+            std::chrono::milliseconds timeout, const std::function<void(uint16_t)>& on_store_listening = {},
+            bool external_store = false);
   ~SiteGroup();
   SiteGroup(const SiteGroup&) = delete;
   SiteGroup& operator=(const SiteGroup&) = delete;

@@ -140,8 +140,9 @@ int run_worker(const Config& c, const WorkerIdentity& who, bool resume, bool rej
   // Communication: the site's c10d group, and on the gateway the WAN mesh to the other
   // training sites. With [distill] the one other site is the teacher: its link goes to the
   // task, and the mesh holds this site alone.
-  auto [store_host, store_port] = transport::parse_host_port(site.store);
-  collective::SiteGroup group(site.name, store_host, store_port, who.local_rank, workers, timeout);
+  auto [store_host, store_port] = transport::parse_host_port(who.store.empty() ? site.store : who.store);
+  collective::SiteGroup group(site.name, store_host, store_port, who.local_rank, workers, timeout, {},
+                              who.external_store);
   std::vector<std::string> training_names;  // the sites that train together, in mesh order
   for (const auto& s : c.sites)
     if (!c.distill.enabled() || s.name != c.distill.teacher_site) training_names.push_back(s.name);
