@@ -995,15 +995,15 @@ TEST(EndToEnd, WorkersStartedWithTorchrunAndSlurmVariablesFormTheJob) {
   ASSERT_EQ(prep.exit_code, 0) << prep.output;
   const std::string run_dir = dir + "/run";
   fs::create_directories(run_dir);
-  const auto ports = free_ports(3);
-  ASSERT_EQ(ports.size(), 3u);
+  const auto ports = free_ports(4);  // beta's gateway and store, alpha's gateway, torchrun's master port
+  ASSERT_EQ(ports.size(), 4u);
   const std::string sets = " --set job.steps=20 --set sites.0.workers=2 --set 'job.run_dir=\"" + run_dir +
                            "\"' --set 'sites.0.gateway=\"127.0.0.1:" + std::to_string(ports[0]) +
                            "\"' --set 'sites.1.gateway=\"127.0.0.1:" + std::to_string(ports[1]) +
                            "\"' --set 'sites.1.store=\"127.0.0.1:" + std::to_string(ports[2]) + "\"'";
   const std::string job = dir + "/prep/job.toml";
   const std::string torchrun =
-      "NEBULA_SITE=alpha WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=" + std::to_string(free_ports(1).at(0));
+      "NEBULA_SITE=alpha WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=" + std::to_string(ports[3]);
   Background a0("worker " + job + sets, run_dir + "/a0.log", 600, torchrun + " RANK=0 LOCAL_RANK=0");
   Background a1("worker " + job + sets, run_dir + "/a1.log", 600, torchrun + " RANK=1 LOCAL_RANK=1");
   Background b0("worker " + job + sets, run_dir + "/b0.log", 600, "NEBULA_SITE=beta SLURM_PROCID=0 SLURM_NTASKS=1");
