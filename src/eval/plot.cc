@@ -9,11 +9,7 @@
 #include "nebula/error.h"
 
 namespace nebula::eval {
-namespace {
-
-constexpr const char* kColors[] = {"#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#17becf"};
-
-std::string escape(const std::string& s) {
+std::string xml_escape(const std::string& s) {
   std::string out;
   for (char c : s) {
     switch (c) {
@@ -26,6 +22,10 @@ std::string escape(const std::string& s) {
   }
   return out;
 }
+
+namespace {
+
+constexpr const char* kColors[] = {"#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#17becf"};
 
 std::string num(double v) {
   char buf[32];
@@ -74,7 +74,7 @@ std::string line_chart_svg(const std::vector<Series>& series, const ChartOptions
   std::string svg = str_cat("<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"", o.width, "\" height=\"", o.height,
                             "\" font-family=\"sans-serif\" font-size=\"12\">\n<rect width=\"100%\" height=\"100%\" "
                             "fill=\"white\"/>\n<text x=\"",
-                            o.width / 2, "\" y=\"22\" text-anchor=\"middle\" font-size=\"15\">", escape(o.title),
+                            o.width / 2, "\" y=\"22\" text-anchor=\"middle\" font-size=\"15\">", xml_escape(o.title),
                             "</text>\n");
   for (double t : ticks(x0, x1))
     svg += str_cat("<line x1=\"", px(t), "\" y1=\"", top + ph, "\" x2=\"", px(t), "\" y2=\"", top + ph + 5,
@@ -86,8 +86,8 @@ std::string line_chart_svg(const std::vector<Series>& series, const ChartOptions
                    num(t), "</text>\n");
   svg += str_cat("<rect x=\"", left, "\" y=\"", top, "\" width=\"", pw, "\" height=\"", ph,
                  "\" fill=\"none\" stroke=\"black\"/>\n<text x=\"", left + pw / 2, "\" y=\"", o.height - 10,
-                 "\" text-anchor=\"middle\">", escape(o.x_label), "</text>\n<text transform=\"translate(16,",
-                 top + ph / 2, ") rotate(-90)\" text-anchor=\"middle\">", escape(o.y_label), "</text>\n");
+                 "\" text-anchor=\"middle\">", xml_escape(o.x_label), "</text>\n<text transform=\"translate(16,",
+                 top + ph / 2, ") rotate(-90)\" text-anchor=\"middle\">", xml_escape(o.y_label), "</text>\n");
   for (size_t i = 0; i < series.size(); ++i) {
     const char* color = kColors[i % std::size(kColors)];
     std::string points;
@@ -97,7 +97,7 @@ std::string line_chart_svg(const std::vector<Series>& series, const ChartOptions
     const double ly = top + 10 + 18 * static_cast<double>(i);
     svg += str_cat("<line x1=\"", left + pw + 10, "\" y1=\"", ly, "\" x2=\"", left + pw + 30, "\" y2=\"", ly,
                    "\" stroke=\"", color, "\" stroke-width=\"2\"/><text x=\"", left + pw + 35, "\" y=\"", ly + 4, "\">",
-                   escape(series[i].label), "</text>\n");
+                   xml_escape(series[i].label), "</text>\n");
   }
   return svg + "</svg>\n";
 }

@@ -25,6 +25,9 @@ struct ChartOptions {
   bool y_from_zero = false;  // the y axis starts at 0 (accuracies, bytes)
 };
 
+// & < > " as entities: text for SVG and HTML.
+std::string xml_escape(const std::string& s);
+
 std::string line_chart_svg(const std::vector<Series>& series, const ChartOptions& options);
 // Writes line_chart_svg(...) to `path`; DataError naming the path if it cannot be written.
 void write_line_chart(const std::string& path, const std::vector<Series>& series, const ChartOptions& options);

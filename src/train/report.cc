@@ -17,20 +17,6 @@ namespace nebula::train {
 namespace fs = std::filesystem;
 namespace {
 
-std::string html_escape(const std::string& s) {
-  std::string out;
-  for (char c : s) {
-    switch (c) {
-      case '&': out += "&amp;"; break;
-      case '<': out += "&lt;"; break;
-      case '>': out += "&gt;"; break;
-      case '"': out += "&quot;"; break;
-      default: out += c;
-    }
-  }
-  return out;
-}
-
 std::string run_name(const std::string& dir) {
   fs::path p = fs::path(dir).lexically_normal();
   if (p.filename().empty()) p = p.parent_path();
@@ -113,12 +99,12 @@ ReportResult write_report(const std::vector<std::string>& run_dirs, const std::s
 
   std::string rows;
   for (const auto& [dir, s] : summaries) {
-    rows += str_cat("<tr><td>", html_escape(run_name(dir)), "</td>");
+    rows += str_cat("<tr><td>", eval::xml_escape(run_name(dir)), "</td>");
     for (auto [key, precision] : {std::pair{"strategy", -1}, std::pair{"codec", -1}, std::pair{"sites", -1},
                                   std::pair{"workers", -1}, std::pair{"steps", -1}, std::pair{"tokens", 0},
                                   std::pair{"wall_seconds", 1}, std::pair{"final_train_loss", 4},
                                   std::pair{"final_val_loss", 4}, std::pair{"wan_bytes", 0}})
-      rows += str_cat("<td>", html_escape(cell(s, key, precision)), "</td>");
+      rows += str_cat("<td>", eval::xml_escape(cell(s, key, precision)), "</td>");
     rows += "</tr>\n";
   }
   const std::string html = str_cat(
