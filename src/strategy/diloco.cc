@@ -328,8 +328,9 @@ void DilocoStrategy::merge(size_t f) {
   at::Tensor buf = at::zeros({fr.numel + info_len}, at::kFloat);
   if (comm_.is_gateway()) {
     fr.work->wait(Deadline::after(options_.timeout));
-    check_agreement(fr.work->site_info(), static_cast<double>(fr.seq), global_hash(f),
-                    str_cat("outer step ", fr.seq, " (round ", fr.round, ", fragment ", f, ")"));
+    // What this site sent (the hash is of θ_global at the send, unchanged until this merge).
+    check_agreement(fr.work->site_info(), static_cast<double>(fr.seq),
+                    fr.work->site_info().at(options_.site_index).back(), str_cat("outer step ", fr.seq, " (round ", fr.round, ", fragment ", f, ")"));
     if (fr.work->seconds() > 0 && fr.work->wan_bytes_sent() > 0)
       exchange_bits_per_s_ = static_cast<double>(fr.work->wan_bytes_sent()) * 8 / fr.work->seconds() /
                              static_cast<double>(std::max<size_t>(options_.num_sites - 1, 1));  // per path
@@ -435,13 +436,19 @@ void DilocoStrategy::finish() {
   drain();
   // The last merges are checked too: one small exchange of ids and hashes.
   if (comm_.is_gateway()) {
-    collective::AllreduceOptions o;
-    o.site_info = {static_cast<double>(next_seq_), global_hash(fragments_.size())};
-    auto work = comm_.exchange_async({at::empty({0}, at::kFloat)}, std::move(o));
-    work->wait(Deadline::after(options_.timeout));
-    check_agreement(work->site_info(), static_cast<double>(next_seq_), global_hash(fragments_.size()),
+    const auto info = exchange_positions();
+    const auto& mine = info.at(options_.site_index);
+    check_agreement(info, mine.at(0), mine.at(1),
                     str_cat("the end of training (after outer step ", static_cast<int64_t>(next_seq_) - 1, ")"));
   }
+}
+
+std::vector<std::vector<double>> DilocoStrategy::exchange_positions() {
+  collective::AllreduceOptions o;
+  o.site_info = {static_cast<double>(next_seq_), global_hash(fragments_.size())};
+  auto work = comm_.exchange_async({at::empty({0}, at::kFloat)}, std::move(o));
+  work->wait(Deadline::after(options_.timeout));
+  return work->site_info();
 }
 
 double DilocoStrategy::global_hash(size_t f) const {
@@ -593,11 +600,7 @@ void DilocoStrategy::reconcile() {
   // Gateways: every site's position. Then, inside the site: [leader, any site differs, this one does].
   at::Tensor verdict = at::zeros({3}, at::kFloat);
   if (comm_.is_gateway()) {
-    collective::AllreduceOptions o;
-    o.site_info = {static_cast<double>(next_seq_), global_hash(fragments_.size())};
-    auto work = comm_.exchange_async({at::empty({0}, at::kFloat)}, std::move(o));
-    work->wait(Deadline::after(options_.timeout));
-    const auto& info = work->site_info();
+    const auto info = exchange_positions();
     size_t leader = me;
     for (size_t s = 0; s < info.size(); ++s)  // lost sites (elastic) sent nothing
       if (!info[s].empty() && (info[s][0] > info[leader].at(0) || (info[s][0] == info[leader][0] && s < leader)))

@@ -165,7 +165,9 @@ class DilocoStrategy : public Strategy {
   // Gateway: every site's outer step id and global hash (site_info after kInfo) must equal
   // this site's; Error naming the site and outer step otherwise.
   void check_agreement(const std::vector<std::vector<double>>& info, double seq, double hash, const std::string& what);
-  double global_hash(size_t f) const;  // CRC-32 of fragment f's θ_global
+  double global_hash(size_t f) const;  // CRC-32 of fragment f's θ_global (f = #fragments: all)
+  // Gateway: one small exchange of every site's (next outer step id, hash of all θ_global).
+  std::vector<std::vector<double>> exchange_positions();
   // Differential privacy (gateway).
   void privatize(at::Tensor& delta);
   std::mt19937_64 dp_rng_;

@@ -44,9 +44,11 @@ void load_codec_states(collective::Hierarchy& comm, const StrategyState& in) {
     char field[32] = {};
     if (std::sscanf(name.c_str(), "codec/%llu/%llu/%31s", &tag, &index, field) != 3) continue;
     codec::CodecState& st = states[{tag, static_cast<size_t>(index)}];
-    const std::string prefix = str_cat("codec/", tag, "/", index, "/");
     if (std::string(field) == "rng_counter") st.rng_counter = static_cast<uint64_t>(value);
     if (std::string(field) == "steps") st.steps = static_cast<uint64_t>(value);
+  }
+  for (auto& [key, st] : states) {  // each state's tensors, once
+    const std::string prefix = str_cat("codec/", key.first, "/", key.second, "/");
     if (auto r = in.tensors.find(prefix + "residual"); r != in.tensors.end()) st.residual = r->second.clone();
     if (auto q = in.tensors.find(prefix + "q"); q != in.tensors.end()) st.q = q->second.clone();
   }

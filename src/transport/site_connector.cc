@@ -216,6 +216,15 @@ void SiteConnector::handshake_incoming(std::unique_ptr<TcpLink> tcp) {
   if (link) link->close();
 }
 
+namespace {
+// Whether every stream of a (site, generation) has arrived.
+bool all_arrived(const std::vector<std::unique_ptr<Link>>& streams) {
+  for (const auto& s : streams)
+    if (!s) return false;
+  return true;
+}
+}  // namespace
+
 std::vector<std::unique_ptr<Link>> SiteConnector::await(size_t peer, int after_generation, Deadline deadline,
                                                         int* taken) {
   std::unique_lock<std::mutex> lock(mu_);
@@ -231,9 +240,7 @@ std::vector<std::unique_ptr<Link>> SiteConnector::await(size_t peer, int after_g
         it = incoming_.erase(it);
         continue;
       }
-      bool complete = true;
-      for (auto& s : streams) complete &= s != nullptr;
-      if (complete) {
+      if (all_arrived(streams)) {
         *taken = key.second;
         auto out = std::move(streams);
         incoming_.erase(it);
@@ -298,9 +305,7 @@ std::unique_ptr<Link> SiteConnector::rejoin(size_t peer, Deadline deadline) {
       auto newest = incoming_.end();
       for (auto it = incoming_.begin(); it != incoming_.end(); ++it) {
         if (it->first.first != peer) continue;
-        bool complete = true;
-        for (auto& s : it->second) complete &= s != nullptr;
-        if (complete && (newest == incoming_.end() || it->first.second >= newest->first.second)) newest = it;
+        if (all_arrived(it->second) && (newest == incoming_.end() || it->first.second >= newest->first.second)) newest = it;
       }
       if (newest != incoming_.end()) {
         const int generation = newest->first.second;
