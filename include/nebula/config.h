@@ -37,7 +37,9 @@ struct EvalConfig {
 };
 
 struct ModelConfig {
-  std::string kind = "mlm_encoder";  // mlm_encoder (pre-training) | seq2seq (English→X translation)
+  // mlm_encoder (pre-training) | seq2seq (English→X translation) | torchscript (the user's own
+  // module: model.script, fed from data.source = "tensors"; dim ... decoder_layers do not apply)
+  std::string kind = "mlm_encoder";
   int64_t dim = 64;
   int64_t layers = 2;
   int64_t heads = 4;
@@ -50,16 +52,22 @@ struct ModelConfig {
   // seq2seq: a pre-trained mlm_encoder's model.safetensors to initialise the encoder from
   // (its dims must match); empty = random.
   std::string init;
+  // torchscript: the module saved by torch.jit.save, and how its forward gives the loss:
+  // "output" (forward(inputs, targets) returns it) | "cross_entropy" | "mse" (forward(inputs)
+  // returns logits / predictions). See src/model/script_model.h.
+  std::string script;
+  std::string loss = "output";
 };
 
 struct DataConfig {
   // gettext | tsv | text | corpus (a directory written by `nebula corpus build`: its own
-  // train/valid/test.tsv splits are used as they are)
+  // train/valid/test.tsv splits are used as they are) | tensors (model.kind = "torchscript":
+  // PATH/<site>.safetensors or PATH/<site>/*.safetensors with "inputs" and "targets")
   std::string source = "gettext";
   std::string path = "/usr/share/locale";  // locale dir (gettext), a file (tsv, text) or a directory (corpus)
   std::vector<std::string> languages;      // gettext: the languages of the whole job
   int64_t max_pairs_per_language = 2000;   // gettext: pairs read per language; 0 = all
-  double valid_fraction = 0.05;      // gettext/tsv/text: hash-chosen held-out shares
+  double valid_fraction = 0.05;      // gettext/tsv/text/tensors: hash-chosen held-out shares
   double test_fraction = 0.05;
   int64_t vocab_size = 1000;
   std::string tokenizer;             // an existing SentencePiece .model; empty = train one

@@ -184,7 +184,7 @@ int run_local(Config c, const LaunchOptions& options) {
 
   // The job's shared vocabulary. In a deployment it is trained once and shipped with the job
   // (data.tokenizer); in local mode we train it here before the workers start.
-  if (c.data.tokenizer.empty()) {
+  if (c.data.tokenizer.empty() && c.model.kind != "torchscript") {
     std::string prefix = c.job.run_dir + "/tokenizer";
     if (!options.resume || !fs::exists(prefix + ".model")) train_tokenizer(c, prefix);
     c.data.tokenizer = prefix + ".model";

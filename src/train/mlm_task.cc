@@ -19,13 +19,13 @@ class MlmTask : public Task {
  public:
   explicit MlmTask(const TaskContext& ctx) : ctx_(ctx), c_(ctx.config) {
     const SiteConfig& site = c_.sites[ctx.who.site];
-    NEBULA_CHECK(ctx.tokenizer.mask_id() >= 0, ctx.tokenizer_path, " has no <mask> piece: train it with nebula");
+    NEBULA_CHECK(ctx.tokenizer->mask_id() >= 0, ctx.tokenizer_path, " has no <mask> piece: train it with nebula");
     // Data: this site's own sentences, this worker's share of them.
     SiteText text = load_site_text(c_, ctx.who.site, ctx.who.local_rank, static_cast<int>(site.workers));
-    auto sequences = encode_all(ctx.tokenizer, text.train, c_.model.max_len);
+    auto sequences = encode_all(*ctx.tokenizer, text.train, c_.model.max_len);
     size_t tlm_sequences = 0;
     if (c_.data.objective == "mlm+tlm") {  // XLM's translation LM: the pair in one sequence
-      auto tlm = encode_tlm(ctx.tokenizer, text.train_pairs, c_.model.max_len);
+      auto tlm = encode_tlm(*ctx.tokenizer, text.train_pairs, c_.model.max_len);
       tlm_sequences = tlm.size();
       sequences.insert(sequences.end(), std::make_move_iterator(tlm.begin()), std::make_move_iterator(tlm.end()));
     }
@@ -33,15 +33,15 @@ class MlmTask : public Task {
     batches_ = std::make_unique<model::MlmBatcher>(std::move(sequences), ctx.ids, c_.data.mask_prob,
                                                    c_.data.batch_size, stream);
     if (!text.valid.empty())
-      valid_ = std::make_unique<model::MlmBatcher>(encode_all(ctx.tokenizer, text.valid, c_.model.max_len), ctx.ids,
+      valid_ = std::make_unique<model::MlmBatcher>(encode_all(*ctx.tokenizer, text.valid, c_.model.max_len), ctx.ids,
                                                    c_.data.mask_prob, c_.data.batch_size, c_.job.seed);
     spdlog::info("{} training sentences (+ {} translation-LM pairs) / {} validation sentences on this worker",
                  text.train.size(), tlm_sequences, text.valid.size());
     // The gateway evaluates the site's own held-out pairs (cross-lingual accuracy, retrieval).
-    if (ctx.who.local_rank == 0) probe_ = std::make_unique<XlingualProbe>(c_, ctx.who.site, ctx.tokenizer, ctx.ids);
+    if (ctx.who.local_rank == 0) probe_ = std::make_unique<XlingualProbe>(c_, ctx.who.site, *ctx.tokenizer, ctx.ids);
 
     at::manual_seed(c_.job.seed);  // the same initial weights on every worker
-    model_ = model::MlmEncoder(c_.model, ctx.tokenizer.vocab_size(), ctx.tokenizer.pad_id());
+    model_ = model::MlmEncoder(c_.model, ctx.tokenizer->vocab_size(), ctx.tokenizer->pad_id());
     // PEFT freezes the backbone (equal on every worker: same seed). Only the trainable
     // parameters are optimized and synchronized, so they alone cross the WAN.
     params_ = model::apply_peft(*model_, c_.peft);
@@ -93,7 +93,7 @@ class MlmTask : public Task {
             {"heads", std::to_string(c_.model.heads)},
             {"ffn", std::to_string(c_.model.ffn)},
             {"max_len", std::to_string(c_.model.max_len)},
-            {"vocab", std::to_string(ctx_.tokenizer.vocab_size())},
+            {"vocab", std::to_string(ctx_.tokenizer->vocab_size())},
             {"peft", c_.peft.kind},
             {"tokenizer", std::filesystem::absolute(ctx_.tokenizer_path).string()}};
   }

@@ -2,9 +2,13 @@
 
 #include <spdlog/spdlog.h>
 
+#include <ATen/ATen.h>
+
 #include <algorithm>
+#include <filesystem>
 #include <set>
 
+#include "model/safetensors.h"
 #include "nebula/error.h"
 
 namespace nebula::train {
@@ -116,6 +120,70 @@ SiteText load_site_text(const Config& c, size_t site_index, int rank, int worker
   for (auto* v : {&out.train, &out.valid}) v->erase(std::remove(v->begin(), v->end(), std::string()), v->end());
   if (out.train.empty())
     throw DataError(str_cat("site '", c.sites[site_index].name, "' worker ", rank, ": no training sentences"));
+  return out;
+}
+
+SiteTensors load_site_tensors(const Config& c, size_t site_index, int rank, int workers) {
+  namespace fs = std::filesystem;
+  const std::string& site = c.sites[site_index].name;
+  const std::string one = c.data.path + "/" + site + ".safetensors", dir = c.data.path + "/" + site;
+  const std::string where = str_cat("[data.path = \"", c.data.path, "\" in ", c.source_path, "]");
+  SiteTensors out;
+  if (fs::is_regular_file(one)) {
+    out.files.push_back(one);
+  } else if (fs::is_directory(dir)) {
+    for (const auto& e : fs::directory_iterator(dir))
+      if (e.path().extension() == ".safetensors") out.files.push_back(e.path().string());
+    std::sort(out.files.begin(), out.files.end());
+  }
+  if (out.files.empty())
+    throw DataError(str_cat("site '", site, "' has no tensor files: neither ", one, " nor ", dir,
+                            "/*.safetensors exists ", where, "; write them as examples/torchscript/export.py does"));
+  std::vector<at::Tensor> inputs, targets;
+  for (const auto& f : out.files) {
+    model::TensorFile file = model::load_safetensors(f);
+    for (const char* key : {"inputs", "targets"})
+      if (!file.tensors.count(key) || file.tensors[key].dim() == 0)
+        throw DataError(str_cat(f, ": no tensor \"", key, "\" with a row dimension: a tensor file holds \"inputs\" "
+                                "and \"targets\", one example per row (dimension 0) ", where));
+    const at::Tensor& x = file.tensors["inputs"];
+    const at::Tensor& y = file.tensors["targets"];
+    if (x.size(0) != y.size(0))
+      throw DataError(str_cat(f, ": \"inputs\" has ", x.size(0), " rows and \"targets\" ", y.size(0),
+                              ": give one target row per input row"));
+    if (!inputs.empty() && (!x.sizes().slice(1).equals(inputs[0].sizes().slice(1)) ||
+                            !y.sizes().slice(1).equals(targets[0].sizes().slice(1)) ||
+                            x.scalar_type() != inputs[0].scalar_type() || y.scalar_type() != targets[0].scalar_type()))
+      throw DataError(str_cat(f, ": rows of another shape or dtype than in ", out.files[0],
+                              ": every file of a site must hold the same kind of rows"));
+    inputs.push_back(x);
+    targets.push_back(y);
+  }
+  at::Tensor x = at::cat(inputs), y = at::cat(targets);
+  // Held out by a hash of the row number: the same rows on every machine and every run.
+  std::vector<int64_t> train_rows, valid_rows;
+  for (int64_t i = 0; i < x.size(0); ++i) {
+    uint64_t h = static_cast<uint64_t>(i) + 0x9e3779b97f4a7c15ull;  // splitmix64
+    h = (h ^ (h >> 30)) * 0xbf58476d1ce4e5b9ull;
+    h = (h ^ (h >> 27)) * 0x94d049bb133111ebull;
+    h ^= h >> 31;
+    auto& rows = static_cast<double>(h >> 11) / 9007199254740992.0 < c.data.valid_fraction ? valid_rows : train_rows;
+    if (rows.size() % static_cast<size_t>(workers) == static_cast<size_t>(rank)) rows.push_back(i);
+    else rows.push_back(-1 - i);  // another worker's row: counted, not kept
+  }
+  auto keep = [&](const std::vector<int64_t>& rows, at::Tensor& xs, at::Tensor& ys) {
+    std::vector<int64_t> mine;
+    for (int64_t r : rows) if (r >= 0) mine.push_back(r);
+    at::Tensor index = at::tensor(mine, at::kLong);
+    xs = x.index_select(0, index);
+    ys = y.index_select(0, index);
+  };
+  keep(train_rows, out.train_inputs, out.train_targets);
+  keep(valid_rows, out.valid_inputs, out.valid_targets);
+  if (out.train_inputs.size(0) == 0)
+    throw DataError(str_cat("site '", site, "' worker ", rank, " of ", workers, ": no training rows in ",
+                            out.files[0], out.files.size() > 1 ? " and the other files" : "", " (", x.size(0),
+                            " rows in all)"));
   return out;
 }
 

@@ -6,6 +6,8 @@
 #include <string>
 #include <vector>
 
+#include <ATen/core/Tensor.h>
+
 #include "data/corpus.h"
 #include "data/tokenizer.h"
 #include "nebula/config.h"
@@ -32,6 +34,18 @@ std::vector<data::SentencePair> load_pairs(const Config& config, const SiteConfi
 // The site's training and validation pairs and sentences; worker `rank` of `workers` keeps
 // every workers-th pair from its rank on.
 SiteText load_site_text(const Config& config, size_t site_index, int rank, int workers);
+// data.source = "tensors" (model.kind = "torchscript"): the site's own tensor files,
+// DATA_PATH/<site>.safetensors or else every DATA_PATH/<site>/*.safetensors in name order, each
+// holding "inputs" and "targets" with the same number of rows (dimension 0), concatenated.
+// Row i (counted over the site's files) is held out when a hash of i falls below
+// data.valid_fraction; worker `rank` of `workers` keeps every workers-th remaining row.
+struct SiteTensors {
+  at::Tensor train_inputs, train_targets;  // this worker's share
+  at::Tensor valid_inputs, valid_targets;  // this worker's share of the held-out rows (may be empty)
+  std::vector<std::string> files;
+};
+SiteTensors load_site_tensors(const Config& config, size_t site_index, int rank, int workers);
+
 // Trains the job's shared SentencePiece vocabulary into `model_prefix` (.model/.vocab).
 void train_tokenizer(const Config& config, const std::string& model_prefix);
 // BOS + pieces (truncated) + EOS, at most max_len ids per sentence.

@@ -5,6 +5,7 @@
 //                                 evaluation (MLM accuracy, retrieval) per language
 //   seq2seq      TranslationTask  English→X translation, optionally distilled from a teacher on
 //                                 another site ([distill]); BLEU on the site's test pairs
+//   torchscript  ScriptTask       the user's own TorchScript module on the site's tensor files
 //
 // A task lives on one worker thread (not thread-safe). Evaluation counts are plain numbers
 // so that every site's gateway can evaluate its own held-out data and the job sums them.
@@ -15,6 +16,7 @@
 #include <map>
 #include <memory>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -30,7 +32,7 @@ namespace nebula::train {
 struct TaskContext {
   const Config& config;
   WorkerIdentity who;
-  data::Tokenizer tokenizer;
+  std::optional<data::Tokenizer> tokenizer;  // none for torchscript (it reads tensors)
   std::string tokenizer_path;
   model::SpecialIds ids;
 };
@@ -71,11 +73,15 @@ class Task {
   virtual nlohmann::json summary() const { return nlohmann::json::object(); }
   // The model file's metadata: its kind and shape, for whoever loads it.
   virtual std::map<std::string, std::string> model_metadata() const = 0;
+  // Writes the trained model into run_dir (the first live site's gateway, at the end):
+  // model.safetensors (module() and `metadata`); a task may add its own format next to it.
+  virtual void save_model(const std::string& run_dir, const std::map<std::string, std::string>& metadata);
 };
 
 std::unique_ptr<Task> make_mlm_task(const TaskContext& context);
 // `teacher`: the link to the teacher site with [distill] (on the gateway; not owned), else null.
 std::unique_ptr<Task> make_translation_task(const TaskContext& context, transport::Link* teacher);
+std::unique_ptr<Task> make_script_task(const TaskContext& context);
 
 // The teacher site of a [distill] job: loads config.distill.teacher and answers the student
 // site's requests (distill::serve_teacher) until it says goodbye.

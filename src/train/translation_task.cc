@@ -56,14 +56,14 @@ class TranslationTask : public Task {
   TranslationTask(const TaskContext& ctx, transport::Link* teacher) : ctx_(ctx), c_(ctx.config) {
     const SiteConfig& site = c_.sites[ctx.who.site];
     SiteText text = load_site_text(c_, ctx.who.site, ctx.who.local_rank, static_cast<int>(site.workers));
-    Pairs train = encode_pairs(ctx.tokenizer, text.train_pairs, c_.model.max_len);
+    Pairs train = encode_pairs(*ctx.tokenizer, text.train_pairs, c_.model.max_len);
     if (train.empty())
       throw DataError(str_cat("site '", site.name, "': no sentence pairs to train a translation model on (a text "
                               "source has no translations: use gettext, tsv or corpus)"));
     const uint64_t stream = c_.job.seed * 1000003 + ctx.who.site * 1009 + static_cast<uint64_t>(ctx.who.local_rank);
     train_pairs_ = train.size();
     batches_ = std::make_unique<model::Seq2SeqBatcher>(std::move(train), ctx.ids, c_.data.batch_size, stream);
-    Pairs valid = encode_pairs(ctx.tokenizer, text.valid_pairs, c_.model.max_len);
+    Pairs valid = encode_pairs(*ctx.tokenizer, text.valid_pairs, c_.model.max_len);
     if (!valid.empty())
       valid_ = std::make_unique<model::Seq2SeqBatcher>(std::move(valid), ctx.ids, c_.data.batch_size, c_.job.seed);
     if (ctx.who.local_rank == 0) {  // the site's own test pairs, for BLEU
@@ -76,7 +76,7 @@ class TranslationTask : public Task {
                  valid_ ? valid_->size() : 0, test_.size());
 
     at::manual_seed(c_.job.seed);  // the same initial weights on every worker
-    model_ = model::Seq2Seq(c_.model, c_.model.decoder_layers, ctx.tokenizer.vocab_size(), ctx.ids);
+    model_ = model::Seq2Seq(c_.model, c_.model.decoder_layers, ctx.tokenizer->vocab_size(), ctx.ids);
     if (!c_.model.init.empty()) {  // the pre-trained encoder (mlm_encoder job's model.safetensors)
       const model::TensorFile init = model::load_safetensors(c_.model.init);
       if (auto kind = init.metadata.find("kind"); kind != init.metadata.end() && kind->second != "mlm_encoder")
@@ -167,7 +167,7 @@ class TranslationTask : public Task {
       sources.push_back(p.en);
       refs.push_back(p.other);
     }
-    const auto hyps = translate(*model_, ctx_.tokenizer, sources, c_.eval.beam);
+    const auto hyps = translate(*model_, *ctx_.tokenizer, sources, c_.eval.beam);
     const eval::BleuScore s = eval::corpus_bleu(hyps, refs);
     for (int n = 0; n < 4; ++n) {
       out[static_cast<size_t>(n)] = static_cast<double>(s.counts[static_cast<size_t>(n)]);
@@ -207,7 +207,7 @@ class TranslationTask : public Task {
     const auto st = client_->stats();
     const auto link = teacher_link_->stats();
     const double tokens = static_cast<double>(std::max<uint64_t>(1, st.tokens));
-    const double logits_bytes = 4.0 * static_cast<double>(ctx_.tokenizer.vocab_size());
+    const double logits_bytes = 4.0 * static_cast<double>(ctx_.tokenizer->vocab_size());
     s["distill"] = {{"teacher_site", c_.distill.teacher_site},
                     {"top_k", c_.distill.top_k},
                     {"alpha", c_.distill.alpha},
@@ -236,7 +236,7 @@ class TranslationTask : public Task {
             {"heads", std::to_string(c_.model.heads)},
             {"ffn", std::to_string(c_.model.ffn)},
             {"max_len", std::to_string(c_.model.max_len)},
-            {"vocab", std::to_string(ctx_.tokenizer.vocab_size())},
+            {"vocab", std::to_string(ctx_.tokenizer->vocab_size())},
             {"tokenizer", std::filesystem::absolute(ctx_.tokenizer_path).string()}};
   }
 
@@ -274,7 +274,7 @@ std::unique_ptr<Task> make_translation_task(const TaskContext& context, transpor
 
 void run_teacher(const TaskContext& ctx) {
   const Config& c = ctx.config;
-  LoadedTranslator teacher = load_translator(c.distill.teacher, ctx.tokenizer);
+  LoadedTranslator teacher = load_translator(c.distill.teacher, *ctx.tokenizer);
   spdlog::info("teacher {}: dim {}, {}+{} layers; serving top-{} at temperature {}", c.distill.teacher,
                teacher.config.dim, teacher.config.layers, teacher.config.decoder_layers, c.distill.top_k,
                c.distill.temperature);
@@ -292,7 +292,7 @@ void run_teacher(const TaskContext& ctx) {
     return logits.index({tgt.ne(pad)});  // [Σ len(tgt_in), V], sequence by sequence
   };
   distill::ServeOptions o;
-  o.vocab = ctx.tokenizer.vocab_size();
+  o.vocab = ctx.tokenizer->vocab_size();
   o.max_len = teacher.config.max_len;
   o.k = c.distill.top_k;
   o.temperature = c.distill.temperature;

@@ -109,6 +109,10 @@ void restore(const Checkpoint& k, Task& task, torch::optim::AdamW& optimizer, co
 
 }  // namespace
 
+void Task::save_model(const std::string& run_dir, const std::map<std::string, std::string>& metadata) {
+  model::save_module(module(), run_dir + "/model.safetensors", metadata);
+}
+
 std::string default_tokenizer_path(const Config& c) { return c.job.run_dir + "/tokenizer.model"; }
 
 int run_worker(const Config& c, const WorkerIdentity& who, bool resume, bool rejoin) {
@@ -125,10 +129,12 @@ int run_worker(const Config& c, const WorkerIdentity& who, bool resume, bool rej
   const auto start = Clock::now();
   const Millis timeout = std::chrono::duration_cast<Millis>(c.job.timeout);
 
-  const std::string tokenizer_path = c.data.tokenizer.empty() ? default_tokenizer_path(c) : c.data.tokenizer;
-  data::Tokenizer tok = data::Tokenizer::load(tokenizer_path);
-  model::SpecialIds ids{tok.pad_id(), tok.unk_id(), tok.bos_id(), tok.eos_id(), tok.mask_id(), 5, tok.vocab_size()};
-  const TaskContext ctx{c, who, tok, tokenizer_path, ids};
+  TaskContext ctx{c, who, std::nullopt, "", {}};
+  if (c.model.kind != "torchscript") {  // text tasks: the job's SentencePiece vocabulary
+    ctx.tokenizer_path = c.data.tokenizer.empty() ? default_tokenizer_path(c) : c.data.tokenizer;
+    const data::Tokenizer& tok = ctx.tokenizer.emplace(data::Tokenizer::load(ctx.tokenizer_path));
+    ctx.ids = {tok.pad_id(), tok.unk_id(), tok.bos_id(), tok.eos_id(), tok.mask_id(), 5, tok.vocab_size()};
+  }
   if (rejoin && (!c.job.elastic || c.strategy.kind == "sync" || c.distill.enabled()))
     throw ConfigError(str_cat("--rejoin: site '", site.name, "' can rejoin only an elastic diloco or streaming job "
                               "without [distill] (job.elastic = true); restart the whole job with --resume instead"));
@@ -168,8 +174,9 @@ int run_worker(const Config& c, const WorkerIdentity& who, bool resume, bool rej
   }
   collective::Hierarchy comm(group, mesh.get());
 
-  std::unique_ptr<Task> task =
-      c.model.kind == "seq2seq" ? make_translation_task(ctx, teacher.get()) : make_mlm_task(ctx);
+  std::unique_ptr<Task> task = c.model.kind == "seq2seq"       ? make_translation_task(ctx, teacher.get())
+                               : c.model.kind == "torchscript" ? make_script_task(ctx)
+                                                               : make_mlm_task(ctx);
   std::vector<at::Tensor> params = task->trainable();
   auto strategy =
       strategy::make_strategy(c.strategy, comm, timeout, training_names.size(), training_index, c.privacy);
@@ -410,7 +417,7 @@ int run_worker(const Config& c, const WorkerIdentity& who, bool resume, bool rej
     write_json_atomically(c.job.run_dir + "/summary.json", summary);
     auto meta = task->model_metadata();
     meta["steps"] = std::to_string(step);
-    model::save_module(task->module(), c.job.run_dir + "/model.safetensors", meta);
+    task->save_model(c.job.run_dir, meta);
   }
   group.barrier();  // nobody closes its links while another still needs them
   spdlog::info("done: {} steps, {} tokens", step, tokens);

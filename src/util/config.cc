@@ -125,7 +125,7 @@ Config build(const toml::table& root, const std::string& file) {
 
   if (auto* t = top.table("model")) {
     Section s(*t, "model", file);
-    s.string("kind", c.model.kind, {"mlm_encoder", "seq2seq"});
+    s.string("kind", c.model.kind, {"mlm_encoder", "seq2seq", "torchscript"});
     s.integer("dim", c.model.dim, 8, 65536);
     s.integer("layers", c.model.layers, 1, 1024);
     s.integer("heads", c.model.heads, 1, 1024);
@@ -136,7 +136,13 @@ Config build(const toml::table& root, const std::string& file) {
     s.number("weight_decay", c.model.weight_decay, 0.0, 10.0);
     s.integer("decoder_layers", c.model.decoder_layers, 1, 1024);
     s.string("init", c.model.init);
+    s.string("script", c.model.script);
+    s.string("loss", c.model.loss, {"output", "cross_entropy", "mse"});
     s.finish();
+    if (c.model.kind == "torchscript" && c.model.script.empty())
+      s.fail(*t, "script", "model.kind = \"torchscript\" needs the module: script = \"model.pt\" (torch.jit.save's file)");
+    if (c.model.kind != "torchscript" && !c.model.script.empty())
+      s.fail(*t->get("script"), "script", "a TorchScript module is trained with kind = \"torchscript\": set it or remove script");
     if (!c.model.init.empty() && c.model.kind != "seq2seq")
       s.fail(*t, "init", "only a seq2seq model starts from a pre-trained encoder: set kind = \"seq2seq\" or remove init");
     if (c.model.dim % c.model.heads != 0) {
@@ -148,7 +154,7 @@ Config build(const toml::table& root, const std::string& file) {
 
   if (auto* t = top.table("data")) {
     Section s(*t, "data", file);
-    s.string("source", c.data.source, {"gettext", "tsv", "text", "corpus"});
+    s.string("source", c.data.source, {"gettext", "tsv", "text", "corpus", "tensors"});
     s.string("path", c.data.path);
     s.strings("languages", c.data.languages);
     s.integer("max_pairs_per_language", c.data.max_pairs_per_language, 0, INT64_MAX);
@@ -198,6 +204,10 @@ Config build(const toml::table& root, const std::string& file) {
                                 "[data] and [[sites]] name ", langs.size(), " (", *langs.begin(), ", ", *std::next(langs.begin()),
                                 ", ...): keep one (several target languages need target tags, not built yet)"));
   }
+  if ((c.model.kind == "torchscript") != (c.data.source == "tensors"))
+    throw ConfigError(str_cat(place(root, "data", "source", file), ": key 'data.source': \"", c.data.source,
+                              "\" with model.kind \"", c.model.kind, "\": a TorchScript model (kind = \"torchscript\") "
+                              "trains on tensor files (source = \"tensors\"), and only it does; set both or neither"));
   if (c.data.valid_fraction + c.data.test_fraction >= 1)
     throw ConfigError(str_cat(place(root, "data", "test_fraction", file),
                               ": key 'data.test_fraction': data.valid_fraction + data.test_fraction = ",
@@ -422,7 +432,9 @@ std::string to_toml(const Config& c) {
                                    {"lr", c.model.lr},
                                    {"weight_decay", c.model.weight_decay},
                                    {"decoder_layers", c.model.decoder_layers},
-                                   {"init", c.model.init}});
+                                   {"init", c.model.init},
+                                   {"script", c.model.script},
+                                   {"loss", c.model.loss}});
   root.insert("data", toml::table{{"source", c.data.source},
                                   {"path", c.data.path},
                                   {"languages", strs(c.data.languages)},
