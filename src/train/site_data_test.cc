@@ -2,12 +2,15 @@
 // cross-lingual probe's slots.
 #include "train/site_data.h"
 
+#include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
+#include <filesystem>
 #include <fstream>
 #include <set>
 
 #include "data/corpus.h"
+#include "model/safetensors.h"
 #include "nebula/error.h"
 #include "train/evaluation.h"
 #include "util/temp_dir.h"
@@ -147,6 +150,71 @@ TEST(SiteData, ProbeSlotsAreTheNamedLanguagesThenEnglish) {
   EXPECT_FALSE(j.contains("fr"));
   EXPECT_DOUBLE_EQ(j["en"]["mlm_accuracy"].get<double>(), 0.25);
   EXPECT_FALSE(j["en"].contains("retrieval_accuracy"));
+}
+
+// [7/7] data.source = "tensors": each site reads its own files; rows are held out by a hash
+// of their number, and each worker keeps every workers-th of the rest.
+TEST(SiteData, TensorFilesAreSplitBetweenValidationAndWorkersWithoutOverlap) {
+  nebula::testing::TempDir dir("site_tensors");
+  std::filesystem::create_directory(dir.file("b"));
+  auto write = [&](const std::string& path, int64_t first, int64_t rows) {
+    model::TensorFile f;
+    f.tensors["inputs"] = at::arange(first, first + rows, at::kLong).unsqueeze(1).repeat({1, 3});
+    f.tensors["targets"] = at::arange(first, first + rows, at::kFloat);
+    model::save_safetensors(path, f);
+  };
+  write(dir.file("a.safetensors"), 0, 200);
+  write(dir.file("b/part-1.safetensors"), 1000, 150);  // a site's shards, read in name order
+  write(dir.file("b/part-2.safetensors"), 2000, 50);
+  Config c = parse_config(str_cat("[model]\nkind = \"torchscript\"\nscript = \"m.pt\"\n[data]\nsource = \"tensors\"\n"
+                                  "valid_fraction = 0.1\npath = \"", dir.path(), "\"\n[[sites]]\nname = \"a\"\n"
+                                  "workers = 2\n[[sites]]\nname = \"b\"\n"),
+                          "job.toml");
+  std::set<int64_t> seen;
+  int64_t valid = 0;
+  for (int rank = 0; rank < 2; ++rank) {
+    SiteTensors t = load_site_tensors(c, 0, rank, 2);
+    EXPECT_EQ(t.files, std::vector<std::string>{dir.file("a.safetensors")});
+    EXPECT_TRUE(at::equal(t.train_inputs.select(1, 0).to(at::kFloat), t.train_targets));  // rows stay whole
+    for (const at::Tensor& col : {t.train_targets, t.valid_targets})
+      for (int64_t i = 0; i < col.size(0); ++i) EXPECT_TRUE(seen.insert(col[i].item<int64_t>()).second);
+    valid += t.valid_targets.size(0);
+    // The same rows every time.
+    EXPECT_TRUE(at::equal(load_site_tensors(c, 0, rank, 2).valid_targets, t.valid_targets));
+  }
+  EXPECT_EQ(seen.size(), 200u);  // every row once, in one place
+  EXPECT_GT(valid, 5);
+  EXPECT_LT(valid, 40);
+  SiteTensors b = load_site_tensors(c, 1, 0, 1);
+  EXPECT_EQ(b.files.size(), 2u);
+  EXPECT_EQ(b.train_inputs.size(0) + b.valid_inputs.size(0), 200);
+  const at::Tensor all_b = at::cat({b.train_targets, b.valid_targets});
+  EXPECT_EQ(all_b.min().item<int64_t>(), 1000);  // both shards, nothing of site a
+  EXPECT_EQ(all_b.max().item<int64_t>(), 2049);
+}
+
+TEST(SiteData, BadTensorFilesNameTheFileAndWhatIsWrong) {
+  nebula::testing::TempDir dir("site_tensors_bad");
+  Config c = parse_config(str_cat("[model]\nkind = \"torchscript\"\nscript = \"m.pt\"\n[data]\nsource = \"tensors\"\n"
+                                  "path = \"", dir.path(), "\"\n[[sites]]\nname = \"a\"\n"),
+                          "job.toml");
+  auto error = [&] {
+    try {
+      load_site_tensors(c, 0, 0, 1);
+    } catch (const DataError& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  EXPECT_NE(error().find("site 'a' has no tensor files: neither " + dir.file("a.safetensors")), std::string::npos)
+      << error();
+  model::TensorFile f;
+  f.tensors["inputs"] = at::zeros({4, 2});
+  model::save_safetensors(dir.file("a.safetensors"), f);
+  EXPECT_NE(error().find(dir.file("a.safetensors") + ": no tensor \"targets\""), std::string::npos) << error();
+  f.tensors["targets"] = at::zeros({3});
+  model::save_safetensors(dir.file("a.safetensors"), f);
+  EXPECT_NE(error().find("\"inputs\" has 4 rows and \"targets\" 3"), std::string::npos) << error();
 }
 
 }  // namespace

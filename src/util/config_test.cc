@@ -243,6 +243,28 @@ TEST(Config, TranslationAndDistillKeysAreValidated) {
   expect_error(kValid, {"'eval.beam'"}, {"eval.beam=0"});
 }
 
+// [7/7]: a TorchScript model on tensor files; the two go together.
+TEST(Config, TorchScriptKeysAreValidated) {
+  const std::vector<std::string> ts = {"model.kind=torchscript", "model.script=\"m.pt\"", "data.source=tensors",
+                                       "data.path=\"shards\""};
+  Config c = parse_config(kValid, "job.toml", ts);
+  EXPECT_EQ(c.model.loss, "output");
+  Config round = parse_config(to_toml(c), "resolved.toml");
+  EXPECT_EQ(round.model.script, "m.pt");
+  EXPECT_EQ(round.data.source, "tensors");
+  EXPECT_NE(training_fingerprint(c), training_fingerprint(parse_config(kValid, "job.toml", {
+      "model.kind=torchscript", "model.script=\"m.pt\"", "data.source=tensors", "data.path=\"shards\"",
+      "model.loss=cross_entropy"})));
+  expect_error(kValid, {"'model.script'", "torch.jit.save"}, {"model.kind=torchscript", "data.source=tensors"});
+  expect_error(kValid, {"'model.script'", "kind = \"torchscript\""}, {"model.script=\"m.pt\""});
+  expect_error(kValid, {"'model.loss'", "cross_entropy"}, {"model.loss=\"nll\""});
+  expect_error(kValid, {"'data.source'", "\"gettext\" with model.kind \"torchscript\""},
+               {"model.kind=torchscript", "model.script=\"m.pt\""});
+  expect_error(kValid, {"'data.source'", "\"tensors\" with model.kind \"mlm_encoder\""}, {"data.source=tensors"});
+  expect_error(kValid, {"'peft.kind'", "torchscript"}, {"model.kind=torchscript", "model.script=\"m.pt\"",
+                                                       "data.source=tensors", "peft.kind=lora"});
+}
+
 // [6/7]: differential privacy of the diloco/streaming updates.
 TEST(Config, PrivacyKeysAreValidated) {
   Config c = parse_config(kValid, "job.toml",
