@@ -162,7 +162,9 @@ int main(int argc, char** argv) {
 
   std::vector<std::string> report_runs;
   std::string report_out;
-  auto* report = app.add_subcommand("report", "Charts (SVG) and an HTML page of finished runs, side by side");
+  auto* report = app.add_subcommand("report",
+                                    "Charts (SVG), an HTML page and TensorBoard event files of finished runs, side by "
+                                    "side (tensorboard --logdir OUT/tensorboard)");
   report->add_option("runs", report_runs, "Run directories (RUN_DIR of each job)")->required()->check(CLI::ExistingDirectory);
   report->add_option("--out", report_out, "Where to write them (default: FIRST_RUN/report)");
 

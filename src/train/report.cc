@@ -2,14 +2,17 @@
 
 #include <spdlog/spdlog.h>
 
+#include <algorithm>
 #include <array>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <map>
 #include <nlohmann/json.hpp>
+#include <set>
 
 #include "eval/plot.h"
+#include "eval/tensorboard.h"
 #include "nebula/error.h"
 #include "train/metrics.h"
 
@@ -18,9 +21,9 @@ namespace fs = std::filesystem;
 namespace {
 
 std::string run_name(const std::string& dir) {
-  fs::path p = fs::path(dir).lexically_normal();
+  fs::path p = fs::absolute(dir).lexically_normal();  // absolute: "." and ".." have a name too
   if (p.filename().empty()) p = p.parent_path();
-  return p.filename().string();
+  return p.filename().empty() ? "run" : p.filename().string();
 }
 
 std::string cell(const nlohmann::json& summary, const char* key, int precision = -1) {
@@ -34,6 +37,54 @@ std::string cell(const nlohmann::json& summary, const char* key, int precision =
   return v.is_string() ? v.get<std::string>() : v.dump();
 }
 
+// A name that stays one path component below OUT/tensorboard.
+bool is_file_name(const std::string& s) {
+  return !s.empty() && s != "." && s != ".." && s.find('/') == std::string::npos;
+}
+
+double number(const nlohmann::json& j, const char* key) {
+  return j.contains(key) && j[key].is_number() ? j[key].get<double>() : 0.0;
+}
+
+// One site's lines, for its TensorBoard event file.
+struct SiteLines {
+  std::map<int64_t, std::map<int64_t, nlohmann::json>> training;  // step → rank → its line
+  std::map<int64_t, nlohmann::json> eval;                         // step → the gateway's eval line
+};
+
+// Every number in `v`, nested objects flattened with '/': "eval/de/accuracy".
+void add_numbers(eval::TensorBoardWriter& w, const std::string& tag, const nlohmann::json& v, int64_t step,
+                 double time) {
+  if (v.is_number()) {
+    w.add_scalar(tag, step, v.get<float>(), time);
+  } else if (v.is_object()) {
+    for (const auto& [key, x] : v.items()) add_numbers(w, tag + "/" + key, x, step, time);
+  }
+}
+
+// Replaces the event files in `dir` (an earlier report's) with one of `site`'s curves; returns its path.
+std::string write_tensorboard(const std::string& dir, const SiteLines& site) {
+  std::error_code ec;
+  for (const auto& e : fs::directory_iterator(dir, ec))
+    if (e.path().filename().string().rfind("events.out.tfevents.", 0) == 0) fs::remove(e.path(), ec);
+  eval::TensorBoardWriter w(dir);
+  for (const auto& [step, ranks] : site.training) {
+    double loss = 0, tokens_per_s = 0, time = 0;
+    for (const auto& [rank, j] : ranks) {
+      loss += j["loss"].get<double>();
+      tokens_per_s += number(j, "tokens_per_s");
+      time = std::max(time, number(j, "time"));
+    }
+    w.add_scalar("train/loss", step, static_cast<float>(loss / static_cast<double>(ranks.size())), time);
+    w.add_scalar("train/tokens_per_s", step, static_cast<float>(tokens_per_s), time);
+    if (auto gateway = ranks.find(0); gateway != ranks.end() && gateway->second.contains("wan_bytes_sent"))
+      w.add_scalar("wan/bytes_sent", step, static_cast<float>(number(gateway->second, "wan_bytes_sent")), time);
+  }
+  for (const auto& [step, j] : site.eval) add_numbers(w, "eval", j["eval"], step, number(j, "time"));
+  w.flush();
+  return w.path();
+}
+
 }  // namespace
 
 ReportResult write_report(const std::vector<std::string>& run_dirs, const std::string& out_dir) {
@@ -44,10 +95,28 @@ ReportResult write_report(const std::vector<std::string>& run_dirs, const std::s
     std::vector<eval::Series> time, tokens, wan;
   } curves;
   std::vector<std::pair<std::string, nlohmann::json>> summaries;
+  // tensorboard/RUN/SITE → its lines; RUN gets a suffix if two run directories share a name.
+  std::map<std::string, SiteLines> tensorboard;
+  std::set<std::string> tensorboard_runs;
   for (const auto& dir : run_dirs) {
     size_t skipped = 0;
     const auto lines = read_metrics(dir + "/metrics.jsonl", &skipped);
     result.skipped_lines += skipped;
+    std::string tb_run = run_name(dir);
+    for (int k = 2; !tensorboard_runs.insert(tb_run).second; ++k) tb_run = str_cat(run_name(dir), "-", k);
+    for (const auto& j : lines) {
+      if (!j.contains("site") || !j["site"].is_string() || !j.contains("step") || !j["step"].is_number_integer())
+        continue;
+      const std::string site = j["site"].get<std::string>();
+      if (!is_file_name(site)) continue;
+      auto& s = tensorboard[str_cat(tb_run, "/", site)];
+      const auto step = j["step"].get<int64_t>();
+      // A later line for the same step replaces an earlier one: a resumed run repeats steps.
+      if (j.contains("loss") && j["loss"].is_number())
+        s.training[step][j.contains("rank") && j["rank"].is_number_integer() ? j["rank"].get<int64_t>() : -1] = j;
+      else if (j.contains("eval") && j["eval"].is_object())
+        s.eval[step] = j;
+    }
     std::map<std::string, std::array<eval::Series, 3>> by_site;
     for (const auto& j : lines) {
       if (!j.contains("loss") || j.value("rank", -1) != 0 || !j["loss"].is_number() || !j.contains("site") ||
@@ -96,6 +165,8 @@ ReportResult write_report(const std::vector<std::string>& run_dirs, const std::s
     result.files.push_back(path);
     images += str_cat("<figure><img src=\"", ch.file, "\" alt=\"", ch.title, "\"></figure>\n");
   }
+  for (const auto& [run_site, site] : tensorboard)
+    result.event_files.push_back(write_tensorboard(str_cat(out_dir, "/tensorboard/", run_site), site));
 
   std::string rows;
   for (const auto& [dir, s] : summaries) {
@@ -114,7 +185,8 @@ ReportResult write_report(const std::vector<std::string>& run_dirs, const std::s
       "figure{display:inline-block;margin:1em 1em 0 0}</style></head><body>\n<h1>nebula report</h1>\n"
       "<table><tr><th>run</th><th>strategy</th><th>codec</th><th>sites</th><th>workers</th><th>steps</th>"
       "<th>tokens</th><th>wall s</th><th>train loss</th><th>val loss</th><th>WAN bytes</th></tr>\n",
-      rows, "</table>\n", images,
+      rows, "</table>\n", images, "<p>The same curves in TensorBoard: <code>tensorboard --logdir ",
+      eval::xml_escape(out_dir), "/tensorboard</code></p>\n",
       result.skipped_lines ? str_cat("<p>", result.skipped_lines, " malformed metrics lines were skipped.</p>\n") : "",
       "</body></html>\n");
   const std::string index = out_dir + "/index.html";
