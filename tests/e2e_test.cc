@@ -544,55 +544,6 @@ TEST(EndToEnd, DemoQuickRunsEveryStageAndTranslateUsesItsModel) {
 
 // A `nebula` process started in the background with its output in `log`. Stopped (SIGTERM to
 // the `timeout` wrapper, which passes it on) if the test ends before it does; only this pid.
-class Background {
- public:
-  // `env`: variable assignments for the process ("RANK=1 WORLD_SIZE=2").
-  Background(const std::string& args, const std::string& log, int timeout_s, const std::string& env = "") {
-    const std::string cmd = "cd " NEBULA_SOURCE_DIR " && exec env " + env + " timeout -k 10 " +
-                            std::to_string(timeout_s) + " " NEBULA_BINARY_DIR "/nebula " + args + " > " + log + " 2>&1";
-    pid_ = ::fork();
-    if (pid_ == 0) {
-      ::execl("/bin/sh", "sh", "-c", cmd.c_str(), static_cast<char*>(nullptr));
-      ::_exit(127);
-    }
-  }
-  ~Background() {
-    if (pid_ > 0) {
-      ::kill(pid_, SIGTERM);
-      ::waitpid(pid_, nullptr, 0);
-    }
-  }
-  // The exit code (bounded by the `timeout` wrapper).
-  int wait() {
-    int status = 0;
-    ::waitpid(pid_, &status, 0);
-    pid_ = -1;
-    return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  }
-
- private:
-  pid_t pid_ = -1;
-};
-
-// `n` distinct free loopback ports (held until all are chosen, so none repeats).
-std::vector<uint16_t> free_ports(int n) {
-  std::vector<int> fds;
-  std::vector<uint16_t> ports;
-  for (int i = 0; i < n; ++i) {
-    int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-    sockaddr_in a{};
-    a.sin_family = AF_INET;
-    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    socklen_t len = sizeof a;
-    if (::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0 &&
-        ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) == 0)
-      ports.push_back(ntohs(a.sin_port));
-    fds.push_back(fd);
-  }
-  for (int fd : fds) ::close(fd);
-  return ports;
-}
-
 // Connects to 127.0.0.1:port, retrying while nothing listens there yet (at most 180 s).
 int connect_when_listening(uint16_t port) {
   for (int attempt = 0; attempt < 1800; ++attempt) {
@@ -979,3 +930,65 @@ TEST(EndToEnd, WorkersStartedWithTorchrunAndSlurmVariablesFormTheJob) {
   EXPECT_NE(wrong.output.find("$SLURM_NTASKS = 4 but site 'beta' has workers = 1"), std::string::npos) << wrong.output;
   fs::remove_all(dir);
 }
+
+namespace {
+
+// [7/7] Library use: examples/library/my_training_loop.cc, a user's own LibTorch loop calling
+// nebula::Session and nebula::Synchronizer, trains on two sites over mutual TLS; every replica
+// ends with the same weights and the job's test loss falls.
+TEST(EndToEnd, TheLibraryExampleTrainsItsOwnLoopOnTwoSitesOverMutualTls) {
+  const std::string dir = temp_run_dir("library");
+  fs::create_directories(dir);
+  ASSERT_EQ(run("certs init " + dir + "/certs").exit_code, 0);
+  for (const char* site : {"alpha", "beta"})
+    ASSERT_EQ(run("certs issue " + dir + "/certs --site " + site).exit_code, 0);
+  const auto ports = free_ports(4);
+  ASSERT_EQ(ports.size(), 4u);
+  const std::string example = NEBULA_BINARY_DIR "/examples/library/my_training_loop";
+  for (const std::string kind : {"diloco", "sync"}) {
+    SCOPED_TRACE(kind);
+    const std::string run_dir = dir + "/" + kind;
+    std::string toml = read_file(NEBULA_SOURCE_DIR "/examples/library/job.toml");
+    for (auto [from, to] : std::vector<std::pair<std::string, std::string>>{
+             {"29610", std::to_string(ports[0])}, {"29611", std::to_string(ports[1])},
+             {"29620", std::to_string(ports[2])}, {"29621", std::to_string(ports[3])},
+             {"insecure = true", "certs = \"" + dir + "/certs\""},
+             {"kind = \"diloco\"", "kind = \"" + kind + "\""},
+             {"name = \"library\"", "name = \"library\"\nrun_dir = \"" + run_dir + "\""}})
+      toml.replace(toml.find(from), from.size(), to);
+    const std::string config = dir + "/" + kind + ".toml";
+    std::ofstream(config) << toml;
+    std::vector<std::unique_ptr<Background>> workers;
+    const std::vector<std::string> names = {"alpha 0", "alpha 1", "beta 0"};
+    for (const auto& w : names) {
+      const std::string site = w.substr(0, w.find(' ')), rank = w.substr(w.find(' ') + 1);
+      workers.push_back(std::make_unique<Background>(config + " --steps 200", dir + "/" + kind + site + rank + ".log", 300,
+                                                     "NEBULA_SITE=" + site + " NEBULA_RANK=" + rank, example));
+    }
+    std::set<std::string> crcs;
+    for (size_t i = 0; i < workers.size(); ++i) {
+      const std::string log = dir + "/" + kind + names[i].substr(0, names[i].find(' ')) + names[i].back() + ".log";
+      EXPECT_EQ(workers[i]->wait(), 0) << read_file(log);
+      const std::string out = read_file(log);
+      const auto at = out.find("parameters crc32 ");
+      ASSERT_NE(at, std::string::npos) << out;
+      crcs.insert(out.substr(at + 17, 8));
+      if (i != 1) EXPECT_NE(out.find("mutual TLS)"), std::string::npos) << out;  // "connected to site ... (1 stream, mutual TLS)"
+      if (i == 0) {
+        double before = 0, after = 0;
+        const auto line = out.find("test loss, mean over 3 workers on 2 sites: ");
+        ASSERT_NE(line, std::string::npos) << out;
+        ASSERT_EQ(std::sscanf(out.c_str() + line + 43, "%lf -> %lf", &before, &after), 2) << out;
+        EXPECT_LT(after, 0.2 * before) << out;
+      }
+    }
+    EXPECT_EQ(crcs.size(), 1u) << "the replicas differ";
+  }
+  // A rank the site does not have is refused, naming it.
+  Result wrong = shell(example + " " + dir + "/sync.toml --site beta --rank 3", 60);
+  EXPECT_EQ(wrong.exit_code, 2) << wrong.output;
+  EXPECT_NE(wrong.output.find("site 'beta' has workers = 1"), std::string::npos) << wrong.output;
+  fs::remove_all(dir);
+}
+
+}  // namespace

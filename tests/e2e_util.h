@@ -1,8 +1,13 @@
 // Helpers of the end-to-end tests: run build/nebula as a user would and read what it leaves.
 #pragma once
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
+
+#include <csignal>
 
 #include <array>
 #include <cstdio>
@@ -73,6 +78,58 @@ inline std::string temp_run_dir(const std::string& name) {
   fs::path dir = fs::temp_directory_path() / ("nebula-e2e-" + name + "-" + std::to_string(::getpid()));
   fs::remove_all(dir);
   return dir.string();
+}
+
+// A process in the background (bounded by `timeout`), killed by the destructor if still running.
+class Background {
+ public:
+  // `env`: variable assignments for the process ("RANK=1 WORLD_SIZE=2").
+  // `program`: another binary than build/nebula (e.g. an example).
+  Background(const std::string& args, const std::string& log, int timeout_s, const std::string& env = "",
+             const std::string& program = NEBULA_BINARY_DIR "/nebula") {
+    const std::string cmd = "cd " NEBULA_SOURCE_DIR " && exec env " + env + " timeout -k 10 " +
+                            std::to_string(timeout_s) + " " + program + " " + args + " > " + log + " 2>&1";
+    pid_ = ::fork();
+    if (pid_ == 0) {
+      ::execl("/bin/sh", "sh", "-c", cmd.c_str(), static_cast<char*>(nullptr));
+      ::_exit(127);
+    }
+  }
+  ~Background() {
+    if (pid_ > 0) {
+      ::kill(pid_, SIGTERM);
+      ::waitpid(pid_, nullptr, 0);
+    }
+  }
+  // The exit code (bounded by the `timeout` wrapper).
+  int wait() {
+    int status = 0;
+    ::waitpid(pid_, &status, 0);
+    pid_ = -1;
+    return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  }
+
+ private:
+  pid_t pid_ = -1;
+};
+
+// `n` distinct free loopback ports (held until all are chosen, so none repeats).
+inline std::vector<uint16_t> free_ports(int n) {
+  std::vector<int> fds;
+  std::vector<uint16_t> ports;
+  for (int i = 0; i < n; ++i) {
+    int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    socklen_t len = sizeof a;
+    if (::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0 &&
+        ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) == 0)
+      ports.push_back(ntohs(a.sin_port));
+    fds.push_back(fd);
+  }
+  for (int fd : fds) ::close(fd);
+  return ports;
 }
 
 }  // namespace nebula::e2e

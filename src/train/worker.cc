@@ -5,7 +5,6 @@
 #include <spdlog/spdlog.h>
 #include <torch/optim/adamw.h>
 
-#include <dlfcn.h>
 #include <signal.h>
 
 #include <algorithm>
@@ -22,8 +21,9 @@
 #include "model/safetensors.h"
 #include "nebula/error.h"
 #include "nebula/log.h"
+#include "nebula/session.h"
 #include "strategy/strategy.h"
-#include "train/gateway.h"
+#include "train/site_comm.h"
 #include "train/checkpoint.h"
 #include "train/metrics.h"
 #include "train/optimizer_state.h"
@@ -121,11 +121,7 @@ int run_worker(const Config& c, const WorkerIdentity& who, bool resume, bool rej
   NEBULA_CHECK(who.local_rank >= 0 && who.local_rank < workers, "site '", site.name, "' has ", workers,
                " workers; rank ", who.local_rank, " does not exist");
   init_logging(str_cat(site.name, "/", who.local_rank));
-  // Several workers share the machine's cores: one intra-op thread each.
-  at::set_num_threads(1);
-  // OpenBLAS keeps its own pool (sized from the cores, not from at::set_num_threads).
-  using SetThreads = void (*)(int);
-  if (auto f = reinterpret_cast<SetThreads>(::dlsym(RTLD_DEFAULT, "openblas_set_num_threads"))) f(1);
+  set_cpu_threads(1);  // several workers share the machine's cores: one thread each
   const auto start = Clock::now();
   const Millis timeout = std::chrono::duration_cast<Millis>(c.job.timeout);
 
@@ -144,37 +140,15 @@ int run_worker(const Config& c, const WorkerIdentity& who, bool resume, bool rej
   }
 
   // Communication: the site's c10d group, and on the gateway the WAN mesh to the other
-  // training sites. With [distill] the one other site is the teacher: its link goes to the
-  // task, and the mesh holds this site alone.
-  auto [store_host, store_port] = transport::parse_host_port(who.store.empty() ? site.store : who.store);
-  collective::SiteGroup group(site.name, store_host, store_port, who.local_rank, workers, timeout, {},
-                              who.external_store);
-  std::vector<std::string> training_names;  // the sites that train together, in mesh order
-  for (const auto& s : c.sites)
-    if (!c.distill.enabled() || s.name != c.distill.teacher_site) training_names.push_back(s.name);
-  const size_t training_index = c.distill.enabled() ? 0 : who.site;
-  GatewayLinks gateway;
-  std::unique_ptr<transport::Link> teacher;
-  std::unique_ptr<collective::GatewayMesh> mesh;
-  if (who.local_rank == 0) {
-    gateway = connect_gateway(c, who.site, rejoin);
-    if (c.distill.enabled()) {
-      teacher = std::move(gateway.links[c.site_index(c.distill.teacher_site)]);
-      gateway.links.clear();
-      gateway.links.emplace_back();
-    }
-    collective::MeshOptions mo{training_index, training_names, timeout, c.job.elastic};
-    if (c.job.elastic && !c.distill.enabled()) {  // mesh indices are config indices then
-      transport::SiteConnector* connector = gateway.connector.get();
-      mo.rejoin = [connector](size_t j, Deadline d) { return connector->rejoin(j, d); };
-      mo.joining = rejoin;
-    }
-    mesh = std::make_unique<collective::GatewayMesh>(std::move(mo),
-                                                     std::move(gateway.links));
-  }
-  collective::Hierarchy comm(group, mesh.get());
+  // training sites (with [distill] the one other site is the teacher: its link goes to the task).
+  SiteComm site_comm = connect_site(c, who, rejoin);
+  collective::SiteGroup& group = *site_comm.group;
+  collective::GatewayMesh* mesh = site_comm.mesh.get();
+  collective::Hierarchy& comm = *site_comm.comm;
+  const std::vector<std::string>& training_names = site_comm.training_names;
+  const size_t training_index = site_comm.training_index;
 
-  std::unique_ptr<Task> task = c.model.kind == "seq2seq"       ? make_translation_task(ctx, teacher.get())
+  std::unique_ptr<Task> task = c.model.kind == "seq2seq"       ? make_translation_task(ctx, site_comm.teacher.get())
                                : c.model.kind == "torchscript" ? make_script_task(ctx)
                                                                : make_mlm_task(ctx);
   std::vector<at::Tensor> params = task->trainable();

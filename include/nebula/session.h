@@ -1,0 +1,123 @@
+// nebula as a library: your own LibTorch training loop, with nebula's communication across
+// sites — the hierarchical all-reduce and the WAN strategies — the way DDP wraps a model.
+//
+//   #include <nebula/session.h>
+//
+//   nebula::Config config = nebula::load_config("job.toml");           // [[sites]], [wan], [strategy], [security]
+//   nebula::Session session(config, "alpha", 0);                       // or nebula::Session(config, placement)
+//   nebula::Synchronizer sync(session, params);                        // every replica now starts equal
+//   for (int64_t step = 0; sync.keep_training(step); ++step) {
+//     at::Tensor loss = ...;                                           // forward on this worker's own data
+//     optimizer.zero_grad();
+//     sync.before_backward(weight);                                    // weight: e.g. the batch's examples
+//     loss.backward();
+//     sync.sync_gradients(weight);                                     // sync: gradients averaged over the job
+//     optimizer.step();
+//     sync.after_step(step);                                           // diloco/streaming: outer steps
+//   }
+//   sync.finish();
+//   session.allreduce(t);                                              // any float tensor, averaged over every worker
+//
+// A Session is one worker of one site: it joins the site's c10d group (rendezvous at the
+// site's `store`) and, on local rank 0 (the site's gateway), dials or accepts the other
+// sites' gateways over mutual TLS per [security], with [wan]'s emulation if configured.
+// Every worker of every site must construct its Session (the constructor blocks until all
+// have, bounded by job.timeout) and make the same collective calls in the same order.
+// Workers are started however you like: `--site/--rank`, or nebula::resolve_placement reads
+// torchrun's, Open MPI's or Slurm's variables (nebula/placement.h).
+//
+// The Synchronizer runs config.strategy (sync | diloco | streaming, with its codec, outer
+// optimizer, update guard and differential privacy) over the given parameters; there can be
+// one per Session. Checkpoints, elastic rejoin and evaluation are `nebula worker`'s; a library
+// user keeps their own.
+//
+// Errors are nebula exceptions (nebula/error.h): ConfigError for the config, Timeout when a
+// peer does not come, PeerLost when one goes, DataError for bad data, all naming what and who.
+// Not thread-safe: one thread per Session.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "nebula/config.h"
+#include "nebula/placement.h"
+
+namespace nebula {
+
+// LibTorch's intra-op threads and OpenBLAS's pool (which LibTorch's setting does not reach).
+// Several workers on one machine: give each 1, or they fight over the cores.
+void set_cpu_threads(int threads);
+
+class Session {
+ public:
+  // Worker `local_rank` of the site named `site` (ConfigError if there is no such site or rank).
+  Session(const Config& config, const std::string& site, int local_rank);
+  Session(const Config& config, const Placement& placement);
+  ~Session();
+  Session(const Session&) = delete;
+  Session& operator=(const Session&) = delete;
+
+  const Config& config() const;
+  const std::string& site() const;
+  size_t site_index() const;
+  int local_rank() const;
+  int site_workers() const;
+  // Over the whole job: this worker's position (sites in config order) and the number of workers.
+  int global_rank() const;
+  int world_size() const;
+
+  // In place on a float32 CPU tensor: the mean over every worker of every site (each worker
+  // counting `weight`, e.g. its number of examples), or with `sum` the plain sum. One
+  // exchange inside each site, one across the WAN between gateways.
+  void allreduce(at::Tensor& t, double weight = 1.0);
+  void allreduce_sum(at::Tensor& t);
+  // Makes every worker's `t` equal to global rank 0's.
+  void broadcast(at::Tensor& t);
+  // Waits until every worker of this site is here.
+  void site_barrier();
+
+  // What crossed the WAN from this worker (the gateway; 0 on the others), in bytes.
+  uint64_t wan_bytes_sent() const;
+  uint64_t wan_bytes_received() const;
+
+  struct Impl;
+
+ private:
+  friend class Synchronizer;
+  std::unique_ptr<Impl> impl_;
+};
+
+class Synchronizer {
+ public:
+  // Makes every worker's `params` equal to global rank 0's. The tensors are kept (not
+  // copied): pass the ones the optimizer updates (float32, CPU).
+  Synchronizer(Session& session, std::vector<at::Tensor> params);
+  ~Synchronizer();
+  Synchronizer(const Synchronizer&) = delete;
+  Synchronizer& operator=(const Synchronizer&) = delete;
+
+  // Whether to run step `step` (0-based) of config.job.steps (or of `steps`). Use it as the
+  // loop condition: heterogeneous diloco runs more inner steps on faster sites.
+  bool keep_training(int64_t step) const;
+  bool keep_training(int64_t step, int64_t steps) const;
+  void before_backward(double weight = 1.0);
+  void sync_gradients(double weight = 1.0);
+  void after_step(int64_t step);
+  // After the last step: completes what is still on the WAN (every worker calls it).
+  void finish();
+
+  std::string name() const;
+  // Counters: outer steps, hash checks, rejected updates, privacy spent (see the README).
+  std::map<std::string, double> metrics() const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace nebula

@@ -1,0 +1,107 @@
+// The library API (include/nebula/session.h) over the same parts `nebula worker` uses:
+// connect_site() for the communication, make_strategy() for the strategy.
+#include "nebula/session.h"
+
+#include <ATen/Parallel.h>
+#include <dlfcn.h>
+
+#include "nebula/error.h"
+#include "strategy/strategy.h"
+#include "train/site_comm.h"
+
+namespace nebula {
+
+void set_cpu_threads(int threads) {
+  at::set_num_threads(threads);
+  using SetThreads = void (*)(int);
+  if (auto f = reinterpret_cast<SetThreads>(::dlsym(RTLD_DEFAULT, "openblas_set_num_threads"))) f(threads);
+}
+
+struct Session::Impl {
+  Config config;
+  train::WorkerIdentity who;
+  train::SiteComm comm;
+  int global_rank = 0;
+};
+
+namespace {
+
+train::WorkerIdentity identity(const Config& c, const std::string& site, int local_rank) {
+  const size_t index = c.site_index(site);  // ConfigError naming the sites when there is none
+  if (local_rank < 0 || local_rank >= c.sites[index].workers)
+    throw ConfigError(str_cat(c.source_path, ": site '", site, "' has workers = ", c.sites[index].workers, "; rank ",
+                              local_rank, " does not exist (ranks are 0 to ", c.sites[index].workers - 1, ")"));
+  return {index, local_rank, "", false};
+}
+
+}  // namespace
+
+Session::Session(const Config& config, const std::string& site, int local_rank)
+    : Session(config, Placement{config.site_index(site), local_rank, "", false, "library"}) {}
+
+Session::Session(const Config& config, const Placement& p) : impl_(std::make_unique<Impl>()) {
+  impl_->config = config;
+  if (p.site >= config.sites.size())
+    throw ConfigError(str_cat(config.source_path, ": site index ", p.site, " does not exist (", config.sites.size(),
+                              " sites)"));
+  impl_->who = identity(config, config.sites[p.site].name, p.rank);
+  impl_->who.store = p.store;
+  impl_->who.external_store = p.external_store;
+  for (size_t s = 0; s < p.site; ++s) impl_->global_rank += static_cast<int>(config.sites[s].workers);
+  impl_->global_rank += p.rank;
+  impl_->comm = train::connect_site(impl_->config, impl_->who);
+}
+
+Session::~Session() = default;
+
+const Config& Session::config() const { return impl_->config; }
+const std::string& Session::site() const { return impl_->config.sites[impl_->who.site].name; }
+size_t Session::site_index() const { return impl_->who.site; }
+int Session::local_rank() const { return impl_->who.local_rank; }
+int Session::site_workers() const { return static_cast<int>(impl_->config.sites[impl_->who.site].workers); }
+int Session::global_rank() const { return impl_->global_rank; }
+int Session::world_size() const { return static_cast<int>(impl_->config.total_workers()); }
+
+void Session::allreduce(at::Tensor& t, double weight) {
+  impl_->comm.comm->allreduce(t, {collective::ReduceOp::kWeightedMean, weight});
+}
+void Session::allreduce_sum(at::Tensor& t) { impl_->comm.comm->allreduce(t, {collective::ReduceOp::kSum, 1.0}); }
+void Session::broadcast(at::Tensor& t) { impl_->comm.comm->broadcast_from_first(t); }
+void Session::site_barrier() { impl_->comm.group->barrier(); }
+uint64_t Session::wan_bytes_sent() const { return impl_->comm.comm->stats().wan_bytes_sent; }
+uint64_t Session::wan_bytes_received() const { return impl_->comm.comm->stats().wan_bytes_received; }
+
+struct Synchronizer::Impl {
+  const Config& config;
+  std::vector<at::Tensor> params;
+  std::unique_ptr<strategy::Strategy> strategy;
+};
+
+Synchronizer::Synchronizer(Session& session, std::vector<at::Tensor> params) {
+  Session::Impl& s = *session.impl_;
+  NEBULA_CHECK(!s.config.distill.enabled(), "[distill] is `nebula worker`'s (a teacher site serves a student): "
+               "a library Session trains without it");
+  for (const auto& p : params)
+    NEBULA_CHECK(p.defined() && p.scalar_type() == at::kFloat && p.device().is_cpu(),
+                 "Synchronizer: every parameter must be a float32 CPU tensor");
+  const auto timeout = std::chrono::duration_cast<std::chrono::milliseconds>(s.config.job.timeout);
+  auto strategy = strategy::make_strategy(s.config.strategy, *s.comm.comm, timeout, s.comm.training_names.size(),
+                                          s.comm.training_index, s.config.privacy);
+  strategy->init(params);
+  impl_.reset(new Impl{s.config, std::move(params), std::move(strategy)});
+}
+
+Synchronizer::~Synchronizer() = default;
+
+bool Synchronizer::keep_training(int64_t step) const { return keep_training(step, impl_->config.job.steps); }
+bool Synchronizer::keep_training(int64_t step, int64_t steps) const {
+  return impl_->strategy->keep_training(step, steps);
+}
+void Synchronizer::before_backward(double weight) { impl_->strategy->before_backward(weight); }
+void Synchronizer::sync_gradients(double weight) { impl_->strategy->sync_gradients(impl_->params, weight); }
+void Synchronizer::after_step(int64_t step) { impl_->strategy->after_step(step); }
+void Synchronizer::finish() { impl_->strategy->finish(); }
+std::string Synchronizer::name() const { return impl_->strategy->name(); }
+std::map<std::string, double> Synchronizer::metrics() const { return impl_->strategy->metrics(); }
+
+}  // namespace nebula
