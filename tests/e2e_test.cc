@@ -933,6 +933,22 @@ TEST(EndToEnd, WorkersStartedWithTorchrunAndSlurmVariablesFormTheJob) {
 
 namespace {
 
+// [7/7] A GPU site: here (CPU-only LibTorch, no GPU) it is refused before training, naming the
+// site and what to do; on a machine with a CUDA LibTorch and a GPU the same job trains there.
+TEST(EndToEnd, AGpuSiteTrainsOnTheGpuOrIsRefusedSayingWhy) {
+  const std::string dir = temp_run_dir("gpu");
+  Result r = run("run examples/smoke.toml --set job.steps=20 --set sites.1.device=\\\"cuda\\\" --set job.run_dir=\\\"" +
+                 dir + "\\\"", 300);
+  if (r.exit_code == 0) {  // a GPU machine (bench/gpu_check.sh)
+    EXPECT_NE(read_file(dir + "/logs/beta-0.log").find("training on cuda:0"), std::string::npos);
+  } else {
+    EXPECT_NE(r.output.find("site 'beta' has device = \"cuda\", but this LibTorch sees no CUDA device"),
+              std::string::npos) << r.output;
+    EXPECT_NE(r.output.find("set device = \"cpu\""), std::string::npos) << r.output;
+  }
+  fs::remove_all(dir);
+}
+
 // [7/7] Library use: examples/library/my_training_loop.cc, a user's own LibTorch loop calling
 // nebula::Session and nebula::Synchronizer, trains on two sites over mutual TLS; every replica
 // ends with the same weights and the job's test loss falls.

@@ -81,7 +81,9 @@ struct DataConfig {
 struct SiteConfig {
   std::string name;
   int64_t workers = 1;
-  std::string device = "cpu";        // cpu (cuda: issue [7/7])
+  // cpu | cuda (worker r takes GPU r mod the GPUs it sees) | cuda:N. A GPU site trains on the
+  // GPU; its site reduce and WAN traffic go through pinned host memory (Gloo, not NCCL, so far).
+  std::string device = "cpu";
   std::string gateway = "127.0.0.1:0";  // WAN listen address of the site's gateway (rank 0)
   std::string store = "127.0.0.1:0";    // intra-site rendezvous (c10d TCPStore on rank 0)
   std::vector<std::string> languages;   // this site's shard; empty = a slice of the whole corpus

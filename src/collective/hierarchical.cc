@@ -2,6 +2,7 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <cstring>
 
 #include "nebula/error.h"
@@ -105,6 +106,22 @@ void Hierarchy::join(Deadline deadline) {
   enqueue("joining the running job", [this, deadline](Work&) { mesh_->join(deadline); })->wait(deadline);
 }
 
+namespace {
+
+void check_bucket_tensor(const at::Tensor& t, const char* what) {
+  NEBULA_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous() && (t.device().is_cpu() || t.device().is_cuda()),
+               what, " needs contiguous float32 CPU or CUDA tensors, got ", t.toString());
+}
+
+// The host buffer a bucket is gathered into: pinned (page-locked, so the device copies are
+// DMA) when any tensor of the bucket lives on a GPU. A CPU-only LibTorch never pins.
+at::Tensor host_buffer(int64_t n, const std::vector<at::Tensor>& bucket) {
+  const bool gpu = std::any_of(bucket.begin(), bucket.end(), [](const at::Tensor& t) { return t.device().is_cuda(); });
+  return at::empty({n}, at::TensorOptions().dtype(at::kFloat).pinned_memory(gpu));
+}
+
+}  // namespace
+
 std::shared_ptr<Work> Hierarchy::allreduce_async(std::vector<at::Tensor> bucket, AllreduceOptions options) {
   return enqueue(str_cat("site ", site_.site(), ": all-reduce of bucket ", options.tag),
                  [this, bucket = std::move(bucket), options](Work&) { run_allreduce(bucket, options); });
@@ -114,14 +131,12 @@ std::shared_ptr<Work> Hierarchy::exchange_async(std::vector<at::Tensor> bucket, 
   NEBULA_CHECK(mesh_ != nullptr, "site ", site_.site(), " rank ", site_.rank(),
                ": exchange_async is the gateway's (local rank 0) alone");
   NEBULA_CHECK(options.weight >= 0, "weight ", options.weight);
-  for (const auto& t : bucket)
-    NEBULA_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous() && t.device().is_cpu(),
-                 "exchange needs contiguous float32 CPU tensors, got ", t.toString());
+  for (const auto& t : bucket) check_bucket_tensor(t, "exchange");
   return enqueue(str_cat("site ", site_.site(), ": exchange of ", options.tag),
                  [this, bucket = std::move(bucket), options](Work& work) {
                    int64_t n = 0;
                    for (const auto& t : bucket) n += t.numel();
-                   at::Tensor values = at::empty({n}, at::kFloat);
+                   at::Tensor values = host_buffer(n, bucket);
                    int64_t offset = 0;
                    for (const auto& t : bucket) {
                      values.narrow(0, offset, t.numel()).copy_(t.reshape({-1}));
@@ -148,8 +163,7 @@ void Hierarchy::allreduce(const std::vector<at::Tensor>& bucket, const Allreduce
 void Hierarchy::run_allreduce(const std::vector<at::Tensor>& bucket, const AllreduceOptions& options) {
   int64_t n = 0;
   for (const auto& t : bucket) {
-    NEBULA_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous() && t.device().is_cpu(),
-                 "hierarchical allreduce needs contiguous float32 CPU tensors, got ", t.toString());
+    check_bucket_tensor(t, "hierarchical allreduce");
     n += t.numel();
   }
   NEBULA_CHECK(options.weight >= 0, "weight ", options.weight);
@@ -158,7 +172,7 @@ void Hierarchy::run_allreduce(const std::vector<at::Tensor>& bucket, const Allre
 
   // One buffer: the (weighted) values, then the weight, reduced together inside the site
   // (float32 is exact for weights up to 2^24); across sites the weight travels as float64.
-  at::Tensor buf = at::empty({n + 1}, at::kFloat);
+  at::Tensor buf = host_buffer(n + 1, bucket);
   int64_t offset = 0;
   for (const auto& t : bucket) {
     buf.narrow(0, offset, t.numel()).copy_(t.reshape({-1}));

@@ -108,8 +108,10 @@ class Hierarchy {
   // `mesh` is required on the gateway (local rank 0) and must be null elsewhere.
   Hierarchy(SiteGroup& site, GatewayMesh* mesh);
 
-  // In place, on a contiguous float32 CPU tensor of any size (0 included); every worker of
-  // every site must call it with the same numel, in the same order.
+  // In place, on a contiguous float32 tensor of any size (0 included); every worker of
+  // every site must call it with the same numel, in the same order. CPU or CUDA: a bucket
+  // with a GPU tensor is staged through one pinned host buffer (the site's Gloo reduce and
+  // the WAN work on host memory), copied back to the device at the end.
   void allreduce(at::Tensor& t, const AllreduceOptions& options = {});
   // The same for a bucket of tensors in one exchange (one WAN round trip for all of them).
   void allreduce(const std::vector<at::Tensor>& bucket, const AllreduceOptions& options = {});

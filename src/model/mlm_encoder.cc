@@ -25,7 +25,8 @@ MlmEncoderImpl::MlmEncoderImpl(const ModelConfig& c, int64_t vocab_size, int64_t
   positions_->weight.normal_(0, 0.02);
 }
 
-at::Tensor MlmEncoderImpl::encode(const at::Tensor& ids) {
+at::Tensor MlmEncoderImpl::encode(const at::Tensor& input) {
+  const at::Tensor ids = input.to(tokens_->weight.device());  // a no-op when both are on the CPU
   NEBULA_CHECK(ids.dim() == 2 && ids.size(1) <= max_len_, "ids of shape ", ids.sizes(), ", max_len ", max_len_);
   const int64_t seq = ids.size(1);
   at::Tensor pos = at::arange(seq, ids.options());
@@ -48,7 +49,7 @@ std::vector<at::Tensor> MlmEncoderImpl::trainable_parameters() const {
 
 at::Tensor MlmEncoderImpl::loss(const at::Tensor& ids, const at::Tensor& labels) {
   at::Tensor logits = forward(ids);
-  return at::cross_entropy_loss(logits.reshape({-1, logits.size(-1)}), labels.reshape({-1}), /*weight=*/{},
+  return at::cross_entropy_loss(logits.reshape({-1, logits.size(-1)}), labels.reshape({-1}).to(logits.device()), /*weight=*/{},
                                 at::Reduction::Mean, kIgnoreIndex);
 }
 

@@ -101,11 +101,20 @@ int64_t ScriptModel::weight(const at::Tensor& targets, const std::string& kind) 
   return targets.dim() > 0 ? targets.size(0) : 1;
 }
 
-void ScriptModel::save(const std::string& path) const {
+void ScriptModel::to(const at::Device& device) {
+  script_.to(device);  // set_data on each tensor: the same TensorImpls, now on `device`
+  device_ = device;
+}
+
+void ScriptModel::save(const std::string& path) {
   const std::string tmp = str_cat(path, ".tmp-", ::getpid());
+  const at::Device device = device_;
   try {
+    if (device.is_cuda()) script_.to(at::kCPU);
     script_.save(tmp);
+    if (device.is_cuda()) script_.to(device);
   } catch (const c10::Error& e) {
+    if (device.is_cuda()) script_.to(device);
     std::remove(tmp.c_str());
     throw DataError(str_cat(path, ": cannot write the TorchScript module: ", e.what_without_backtrace()));
   }

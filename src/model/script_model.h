@@ -46,9 +46,13 @@ class ScriptModel {
   static int64_t weight(const at::Tensor& targets, const std::string& kind);
 
   void train(bool on) { script_.train(on); }
+  // Moves the parameters and buffers in place (the mirror keeps sharing them).
+  void to(const at::Device& device);
+  at::Device device() const { return device_; }
   // Writes the module (with its current weights) as TorchScript, atomically (temporary file,
-  // rename): torch.jit.load in Python and torch::jit::load in C++ read it.
-  void save(const std::string& path) const;
+  // rename): torch.jit.load in Python and torch::jit::load in C++ read it. From a GPU, the
+  // file holds CPU tensors (loadable anywhere).
+  void save(const std::string& path);
 
   const std::string& path() const { return path_; }
 
@@ -58,6 +62,7 @@ class ScriptModel {
   torch::jit::Module script_;
   std::shared_ptr<torch::nn::Module> mirror_;
   std::string path_;
+  at::Device device_ = at::kCPU;
 };
 
 }  // namespace nebula::model

@@ -27,7 +27,7 @@ at::Tensor sentence_embeddings(MlmEncoderImpl& model, const std::vector<std::vec
     const size_t e = std::min(sequences.size(), b + static_cast<size_t>(batch_size));
     at::Tensor ids = pad_sequences(sequences, pad_id, b, e);
     at::Tensor keep = ids.ne(pad_id).unsqueeze(-1).to(at::kFloat);          // [B, T, 1]
-    at::Tensor mean = (model.encode(ids) * keep).sum(1) / keep.sum(1).clamp_min(1);
+    at::Tensor mean = (model.encode(ids).cpu() * keep).sum(1) / keep.sum(1).clamp_min(1);
     out.push_back(mean / mean.norm(2, {1}, true).clamp_min(1e-12));
   }
   if (out.empty()) return at::empty({0, model.config().dim});
@@ -65,7 +65,7 @@ Accuracy mlm_accuracy(MlmEncoderImpl& model, const std::vector<std::vector<int>>
     for (size_t i = b; i < std::min(sequences.size(), b + static_cast<size_t>(batch_size)); ++i)
       chunk.push_back(&sequences[i]);
     MlmBatch batch = batcher.make(chunk);
-    at::Tensor predicted = model.forward(batch.ids).argmax(-1);
+    at::Tensor predicted = model.forward(batch.ids).argmax(-1).cpu();
     at::Tensor labelled = batch.labels.ne(kIgnoreIndex);
     acc.correct += predicted.eq(batch.labels).logical_and(labelled).sum().item<int64_t>();
     acc.total += labelled.sum().item<int64_t>();

@@ -141,7 +141,8 @@ codec::CodecOptions wan_codec_options(const StrategyConfig& config);
 // few bytes on the WAN); the full broadcast runs only where some replica differs.
 void make_replicas_equal(collective::Hierarchy& comm, const std::vector<at::Tensor>& params);
 
-// Flattens tensors into one contiguous float32 vector, and back (in place).
+// Flattens tensors into one contiguous float32 vector in host memory (whatever their device),
+// and back (in place, onto their device).
 at::Tensor flatten(const std::vector<at::Tensor>& tensors);
 void unflatten_into(const at::Tensor& flat, const std::vector<at::Tensor>& tensors);
 

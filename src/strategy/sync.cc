@@ -11,8 +11,8 @@
 namespace nebula::strategy {
 
 at::Tensor flatten(const std::vector<at::Tensor>& tensors) {
-  std::vector<at::Tensor> views;
-  for (const auto& t : tensors) views.push_back(t.reshape({-1}).to(at::kFloat));
+  std::vector<at::Tensor> views;  // on the host whatever the tensors' device (GPU sites)
+  for (const auto& t : tensors) views.push_back(t.reshape({-1}).to(at::kCPU, at::kFloat));
   if (views.empty()) return at::empty({0}, at::kFloat);
   return at::cat(views);
 }

@@ -45,6 +45,7 @@ class MlmTask : public Task {
     // PEFT freezes the backbone (equal on every worker: same seed). Only the trainable
     // parameters are optimized and synchronized, so they alone cross the WAN.
     params_ = model::apply_peft(*model_, c_.peft);
+    model_->to(ctx.device);  // in place (the same parameter tensors): the batches follow in MlmEncoder
     spdlog::info("{} trainable of {} parameters (peft: {})", model::numel(params_),
                  model::numel(model_->parameters()), c_.peft.kind);
   }

@@ -75,7 +75,7 @@ void load_optimizer(torch::optim::AdamW& optimizer, const std::vector<at::Tensor
       if (!it->second.sizes().equals(params[i].sizes()))
         throw DataError(str_cat("checkpoint of step ", in.step, ": optim/", i, "/", name, " has shape ",
                                 it->second.sizes(), ", parameter ", i, " has ", params[i].sizes()));
-      return it->second.clone();
+      return it->second.to(params[i].options(), /*non_blocking=*/false, /*copy=*/true);  // onto its device
     };
     state->exp_avg(tensor("exp_avg", true));
     state->exp_avg_sq(tensor("exp_avg_sq", true));

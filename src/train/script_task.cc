@@ -25,6 +25,7 @@ class ScriptTask : public Task {
         passes_(static_cast<size_t>(data_.train_inputs.size(0)),
                 c_.job.seed * 1000003 + ctx.who.site * 1009 + static_cast<uint64_t>(ctx.who.local_rank)) {
     at::manual_seed(c_.job.seed);  // the module's own random ops (dropout)
+    model_.to(ctx.device);
     model_.train(true);
     params_ = model_.trainable();
     int64_t n = 0;
@@ -84,7 +85,7 @@ class ScriptTask : public Task {
  private:
   Step step_on(const at::Tensor& inputs, const at::Tensor& targets) {
     const bool ids = !at::isFloatingType(inputs.scalar_type());  // token ids: every id is a token
-    return {model_.loss(inputs, targets, c_.model.loss),
+    return {model_.loss(inputs.to(model_.device()), targets.to(model_.device()), c_.model.loss),
             static_cast<double>(model::ScriptModel::weight(targets, c_.model.loss)),
             ids ? inputs.numel() : inputs.size(0)};
   }

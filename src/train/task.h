@@ -35,6 +35,7 @@ struct TaskContext {
   std::optional<data::Tokenizer> tokenizer;  // none for torchscript (it reads tensors)
   std::string tokenizer_path;
   model::SpecialIds ids;
+  at::Device device = at::kCPU;  // the site's device for this worker (a task moves its model there)
 };
 
 class Task {

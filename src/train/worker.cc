@@ -3,6 +3,7 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <spdlog/spdlog.h>
+#include <torch/cuda.h>
 #include <torch/optim/adamw.h>
 
 #include <signal.h>
@@ -50,6 +51,23 @@ std::vector<double> sum_over_job(collective::Hierarchy& comm, const std::vector<
     out[i] = static_cast<double>(t[static_cast<int64_t>(2 * i)].item<float>()) * kSplit +
              static_cast<double>(t[static_cast<int64_t>(2 * i + 1)].item<float>());
   return out;
+}
+
+// The site's device for this worker: "cuda" is GPU local_rank mod the GPUs this process sees
+// (one per worker, as torchrun's LOCAL_RANK would choose).
+at::Device worker_device(const Config& c, const SiteConfig& site, int local_rank) {
+  if (site.device == "cpu") return at::kCPU;
+  if (!torch::cuda::is_available())
+    throw ConfigError(str_cat(c.source_path, ": site '", site.name, "' has device = \"", site.device,
+                              "\", but this LibTorch sees no CUDA device (a CPU-only build, or no GPU here): build "
+                              "nebula against a CUDA LibTorch (scripts/build.sh -DTorch_DIR=...; bench/gpu_check.sh "
+                              "does it) on a machine with a GPU, or set device = \"cpu\""));
+  const auto count = static_cast<int64_t>(torch::cuda::device_count());
+  const int64_t index = site.device == "cuda" ? local_rank % count : std::stoll(site.device.substr(5));
+  if (index >= count)
+    throw ConfigError(str_cat(c.source_path, ": site '", site.name, "' has device = \"", site.device, "\", but this ",
+                              "process sees ", count, " GPU(s) (CUDA_VISIBLE_DEVICES?)"));
+  return at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(index));
 }
 
 // SIGINT/SIGTERM: the training loop checkpoints and stops at the end of the step.
@@ -125,7 +143,8 @@ int run_worker(const Config& c, const WorkerIdentity& who, bool resume, bool rej
   const auto start = Clock::now();
   const Millis timeout = std::chrono::duration_cast<Millis>(c.job.timeout);
 
-  TaskContext ctx{c, who, std::nullopt, "", {}};
+  TaskContext ctx{c, who, std::nullopt, "", {}, worker_device(c, site, who.local_rank)};
+  if (ctx.device.is_cuda()) spdlog::info("training on {}", ctx.device.str());
   if (c.model.kind != "torchscript") {  // text tasks: the job's SentencePiece vocabulary
     ctx.tokenizer_path = c.data.tokenizer.empty() ? default_tokenizer_path(c) : c.data.tokenizer;
     const data::Tokenizer& tok = ctx.tokenizer.emplace(data::Tokenizer::load(ctx.tokenizer_path));

@@ -175,7 +175,7 @@ Config build(const toml::table& root, const std::string& file) {
     SiteConfig site;
     s.string("name", site.name);
     s.integer("workers", site.workers, 1, 1 << 16);
-    s.string("device", site.device, {"cpu"});
+    s.string("device", site.device);
     s.string("gateway", site.gateway);
     s.string("store", site.store);
     s.strings("languages", site.languages);
@@ -190,12 +190,23 @@ Config build(const toml::table& root, const std::string& file) {
       s.fail(*name, "name", str_cat("\"", site.name, "\" is not a valid site name: use 1 to 64 characters from "
                                     "A-Z a-z 0-9 . _ - (not \"ca\", which is reserved for the CA's files); a site "
                                     "name becomes file names (logs, certificates)"));
+    if (site.device != "cpu" && site.device != "cuda" &&
+        !(site.device.rfind("cuda:", 0) == 0 && site.device.size() > 5 && site.device.size() < 9 &&
+          site.device.find_first_not_of("0123456789", 5) == std::string::npos))
+      s.fail(*st.get("device"), "device", str_cat("\"", site.device, "\" is not a device: use \"cpu\", \"cuda\" (worker r of "
+                                                  "the site takes GPU r mod the GPUs it sees) or \"cuda:N\""));
     if (!names.insert(site.name).second)
       s.fail(*name, "name", str_cat("site name '", site.name, "' is used twice: give each [[sites]] its own name"));
     c.sites.push_back(site);
   });
   if (c.sites.empty()) throw ConfigError(str_cat(file, ": no [[sites]]: a job needs at least one site"));
   if (c.model.kind == "seq2seq") {
+    for (const auto& site : c.sites)
+      if (site.device != "cpu")
+        throw ConfigError(str_cat(place(root, "model", "kind", file), ": key 'model.kind': site '", site.name,
+                                  "' has device = \"", site.device, "\", but a seq2seq model (and [distill]) trains "
+                                  "on the CPU only so far: set device = \"cpu\" (GPU sites train mlm_encoder and "
+                                  "torchscript models)"));
     std::set<std::string> langs(c.data.languages.begin(), c.data.languages.end());
     for (const auto& site : c.sites) langs.insert(site.languages.begin(), site.languages.end());
     if (langs.size() > 1)

@@ -243,6 +243,21 @@ TEST(Config, TranslationAndDistillKeysAreValidated) {
   expect_error(kValid, {"'eval.beam'"}, {"eval.beam=0"});
 }
 
+// [7/7]: a site's device.
+TEST(Config, SiteDevicesAreCpuCudaOrCudaN) {
+  for (const char* ok : {"cpu", "cuda", "cuda:0", "cuda:12"})
+    EXPECT_EQ(parse_config(kValid, "job.toml", {str_cat("sites.1.device=\"", ok, "\"")}).sites[1].device, ok);
+  for (const char* bad : {"gpu", "cuda:", "cuda:x", "cuda:1a", "CUDA", "cuda:123456"}) {
+    const std::string says = str_cat("\"", bad, "\" is not a device");
+    expect_error(kValid, {"'sites[1].device'", says.c_str()}, {str_cat("sites.1.device=\"", bad, "\"")});
+  }
+  expect_error(kValid, {"'model.kind'", "site 'b' has device = \"cuda\"", "CPU only"},
+               {"model.kind=seq2seq", "sites.1.device=\"cuda\""});
+  // A device is not part of what a checkpoint must match: a CPU checkpoint resumes on a GPU.
+  EXPECT_EQ(training_fingerprint(parse_config(kValid, "job.toml")),
+            training_fingerprint(parse_config(kValid, "job.toml", {"sites.1.device=\"cuda\""})));
+}
+
 // [7/7]: a TorchScript model on tensor files; the two go together.
 TEST(Config, TorchScriptKeysAreValidated) {
   const std::vector<std::string> ts = {"model.kind=torchscript", "model.script=\"m.pt\"", "data.source=tensors",
