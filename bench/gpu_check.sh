@@ -8,7 +8,8 @@
 # Steps: unpack $DEBS/*.deb into a private prefix (dpkg -x, never into /); find Torch_DIR from
 # python3's torch unless TORCH_DIR is set; configure a fresh $BUILD with that LibTorch and the
 # prefix; build everything; run the unit tests (all but fuzz and the long end-to-end tests) and
-# the end-to-end smoke test; run bench/gpu_sanity (GPU vs CPU matmul); print a summary table.
+# the end-to-end smoke test, a GPU site and the TorchScript path; run bench/gpu_sanity (GPU vs CPU
+# matmul); train examples/smoke.toml with CPU, mixed and GPU sites; print a summary table.
 #
 # Environment (all optional):
 #   TORCH_DIR  LibTorch's cmake dir (…/share/cmake/Torch); default: from python3 -c 'import torch'
@@ -157,10 +158,32 @@ if [ $CONFIGURE_OK = yes ]; then
   ctest --test-dir "$BUILD" -j "$JOBS" --timeout "$TEST_TIMEOUT" -LE fuzz -E '^EndToEnd\.' \
     --output-on-failure 2>&1 | tee "$OUT/test.log" || true
   count "$OUT/test.log"
-  step "end-to-end smoke test"
-  ctest --test-dir "$BUILD" --timeout "$TEST_TIMEOUT" -R '^EndToEnd\.SmokeRun' --output-on-failure 2>&1 \
-    | tee "$OUT/e2e.log" || true
+  step "end-to-end: smoke, a GPU site, the TorchScript path"
+  NEBULA_TEST_PYTHON=$(command -v "$PY") ctest --test-dir "$BUILD" --timeout "$TEST_TIMEOUT" -R '^EndToEnd\.(SmokeRun|AGpuSite)|^TorchScript\.' \
+    --output-on-failure 2>&1 | tee "$OUT/e2e.log" || true
   count "$OUT/e2e.log"
+fi
+
+# --- Training on the GPU: the same job with CPU, mixed and GPU sites ------------------------------
+# examples/smoke.toml (2 sites, sync) for 60 steps: final losses and wall time side by side.
+GPU_TRAIN=()
+if [ -x "$BUILD/nebula" ] && ls /usr/share/locale/de/LC_MESSAGES/*.mo >/dev/null 2>&1; then
+  step "training: cpu+cpu, cpu+cuda (mixed sites), cuda+cuda"
+  for devs in "cpu cpu" "cpu cuda" "cuda cuda"; do
+    set -- $devs
+    run="$OUT/train-$1-$2"
+    rm -rf "$run"
+    if "$BUILD/nebula" run examples/smoke.toml --set job.steps=60 --set metrics.progress=off \
+        --set "sites.0.device=\"$1\"" --set "sites.1.device=\"$2\"" --set "job.run_dir=\"$run\"" \
+        >"$run.log" 2>&1; then
+      GPU_TRAIN+=("$("$PY" -c 'import json,sys; s=json.load(open(sys.argv[1])); print(f"{sys.argv[2]:<10} train {s[\"final_train_loss\"]:.4f}  val {s[\"final_val_loss\"]:.4f}  wall {s[\"wall_seconds\"]:.1f} s")' \
+        "$run/summary.json" "$1+$2")")
+    else
+      GPU_TRAIN+=("$1+$2  FAILED: $(tail -3 "$run.log" | tr '\n' ' ')")
+    fi
+  done
+else
+  GPU_TRAIN+=("not run (no build, or no gettext catalogs under /usr/share/locale)")
 fi
 
 # --- GPU sanity -----------------------------------------------------------------------------------
@@ -182,5 +205,6 @@ step "summary"
   printf '%-16s %s\n' "build ok" "$BUILD_OK ($(grep -c '^FAILED:' "$OUT/build.log" 2>/dev/null || true) failed steps)"
   printf '%-16s %s\n' "tests" "$PASSED passed, $FAILED failed"
   printf '%-16s %s\n' "gpu_sanity" "$SANITY"
+  for line in "${GPU_TRAIN[@]}"; do printf '%-16s %s\n' "training" "$line"; done
 } | tee "$OUT/summary.txt"
 [ $BUILD_OK = yes ] && [ $FAILED -eq 0 ] && [[ $SANITY != FAILED* ]]

@@ -6,6 +6,7 @@
 #include <torch/csrc/jit/serialization/import.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <nlohmann/json.hpp>
 
 #include "e2e_util.h"
@@ -15,8 +16,9 @@ namespace {
 
 using namespace nebula::e2e;
 
-// Debian's interpreter, which python3-torch installs into (another python3 may come first in PATH).
-const std::string kPython = "/usr/bin/python3";
+// Debian's interpreter, which python3-torch installs into (another python3 may come first in
+// PATH); $NEBULA_TEST_PYTHON names another (bench/gpu_check.sh: the one with pip's torch).
+const std::string kPython = std::getenv("NEBULA_TEST_PYTHON") ? std::getenv("NEBULA_TEST_PYTHON") : "/usr/bin/python3";
 
 // The module and both sites' tensors, written once by the export script.
 const std::string& exported() {

@@ -2,6 +2,7 @@
 
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
+#include <torch/cuda.h>
 
 #include <cmath>
 #include <mutex>
@@ -84,6 +85,24 @@ TEST(Hierarchical, ResultsAreBitIdenticalAcrossSites) {
   });
   ASSERT_EQ(results.size(), 4u);
   for (const auto& t : results) EXPECT_TRUE(at::equal(t, results[0]));
+}
+
+// [7/7] GPU sites: a bucket holding CUDA tensors (alone, or next to CPU ones) goes through a
+// pinned host buffer and gives exactly what the same bucket on the CPU gives. Runs where
+// LibTorch has CUDA and a GPU (bench/gpu_check.sh); skipped elsewhere.
+TEST(Hierarchical, CudaTensorsGiveExactlyTheCpuResult) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device for LibTorch here";
+  const std::vector<int> sites{2, 1};
+  testing::run_cluster(sites, [&](testing::Rank& r) {
+    const at::Tensor a = data_of(r.global_rank, 1000), b = data_of(r.global_rank + 10, 77);
+    std::vector<at::Tensor> cpu = {a.clone(), b.clone()};
+    r.hierarchy->allreduce(cpu, {ReduceOp::kWeightedMean, 1.0 + r.global_rank});
+    std::vector<at::Tensor> gpu = {a.to(at::kCUDA), b.clone()};  // a mixed bucket
+    r.hierarchy->allreduce(gpu, {ReduceOp::kWeightedMean, 1.0 + r.global_rank});
+    EXPECT_TRUE(gpu[0].device().is_cuda());
+    EXPECT_TRUE(at::equal(gpu[0].cpu(), cpu[0]));
+    EXPECT_TRUE(at::equal(gpu[1], cpu[1]));
+  });
 }
 
 // With a lossy codec on the inter-site leg the result is close to the exact mean, and still
