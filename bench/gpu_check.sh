@@ -176,7 +176,7 @@ if [ -x "$BUILD/nebula" ] && ls /usr/share/locale/de/LC_MESSAGES/*.mo >/dev/null
     if "$BUILD/nebula" run examples/smoke.toml --set job.steps=60 --set metrics.progress=off \
         --set "sites.0.device=\"$1\"" --set "sites.1.device=\"$2\"" --set "job.run_dir=\"$run\"" \
         >"$run.log" 2>&1; then
-      GPU_TRAIN+=("$("$PY" -c 'import json,sys; s=json.load(open(sys.argv[1])); print(f"{sys.argv[2]:<10} train {s[\"final_train_loss\"]:.4f}  val {s[\"final_val_loss\"]:.4f}  wall {s[\"wall_seconds\"]:.1f} s")' \
+      GPU_TRAIN+=("$("$PY" -c 'import json, sys; s = json.load(open(sys.argv[1])); print(sys.argv[2].ljust(10), "train %.4f  val %.4f  wall %.1f s" % (s["final_train_loss"], s["final_val_loss"], s["wall_seconds"]))' \
         "$run/summary.json" "$1+$2")")
     else
       GPU_TRAIN+=("$1+$2  FAILED: $(tail -3 "$run.log" | tr '\n' ' ')")
