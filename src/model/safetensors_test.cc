@@ -23,15 +23,7 @@ void write_bytes(const std::string& path, const std::string& bytes) {
   std::ofstream(path, std::ios::binary) << bytes;
 }
 
-template <typename Fn>
-std::string error_of(Fn fn) {
-  try {
-    fn();
-  } catch (const DataError& e) {
-    return e.what();
-  }
-  return "no error";
-}
+using testing::error_of;
 
 TEST(Safetensors, RoundTripsEveryDtypeAndMetadata) {
   nebula::testing::TempDir dir("st");

@@ -7,21 +7,14 @@
 #include <fstream>
 #include <set>
 
+#include "model/testing.h"
 #include "nebula/error.h"
 #include "util/temp_dir.h"
 
 namespace nebula::model {
 namespace {
 
-template <typename Fn>
-std::string error_of(Fn fn) {
-  try {
-    fn();
-  } catch (const DataError& e) {
-    return e.what();
-  }
-  return "no error";
-}
+using testing::error_of;
 
 // A TorchScript module built in C++ (as torch.jit.script would from Python): a child "lin"
 // (weight [2, 3], bias [2]), a buffer "scale", and the given methods. Saved to `path`.
