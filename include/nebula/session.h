@@ -71,7 +71,7 @@ class Session {
   int global_rank() const;
   int world_size() const;
 
-  // In place on a float32 CPU tensor: the mean over every worker of every site (each worker
+  // In place on a contiguous float32 tensor: the mean over every worker of every site (each worker
   // counting `weight`, e.g. its number of examples), or with `sum` the plain sum. One
   // exchange inside each site, one across the WAN between gateways.
   void allreduce(at::Tensor& t, double weight = 1.0);
@@ -95,7 +95,8 @@ class Session {
 class Synchronizer {
  public:
   // Makes every worker's `params` equal to global rank 0's. The tensors are kept (not
-  // copied): pass the ones the optimizer updates (float32, CPU).
+  // copied): pass the ones the optimizer updates (float32; CUDA ones go through pinned host
+  // memory, a path not yet run on a GPU). A Synchronizer must not outlive its Session.
   Synchronizer(Session& session, std::vector<at::Tensor> params);
   ~Synchronizer();
   Synchronizer(const Synchronizer&) = delete;

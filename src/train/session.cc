@@ -82,8 +82,8 @@ Synchronizer::Synchronizer(Session& session, std::vector<at::Tensor> params) {
   NEBULA_CHECK(!s.config.distill.enabled(), "[distill] is `nebula worker`'s (a teacher site serves a student): "
                "a library Session trains without it");
   for (const auto& p : params)
-    NEBULA_CHECK(p.defined() && p.scalar_type() == at::kFloat && p.device().is_cpu(),
-                 "Synchronizer: every parameter must be a float32 CPU tensor");
+    NEBULA_CHECK(p.defined() && p.scalar_type() == at::kFloat && (p.device().is_cpu() || p.device().is_cuda()),
+                 "Synchronizer: every parameter must be a float32 CPU or CUDA tensor, got ", p.toString());
   const auto timeout = std::chrono::duration_cast<std::chrono::milliseconds>(s.config.job.timeout);
   auto strategy = strategy::make_strategy(s.config.strategy, *s.comm.comm, timeout, s.comm.training_names.size(),
                                           s.comm.training_index, s.config.privacy);
