@@ -46,8 +46,19 @@ inline TcpPair make_tcp_pair(LinkOptions client_options = {}, LinkOptions server
 }
 
 // A plain blocking socket connected to 127.0.0.1:port, for writing raw bytes.
-inline int raw_connect(uint16_t port) {
+// `from`: the local source address (any of 127.0.0.0/8 is this host), e.g. to look like
+// another host to the gateway; empty = the kernel's choice.
+inline int raw_connect(uint16_t port, const char* from = nullptr) {
   int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  if (from) {
+    sockaddr_in src{};
+    src.sin_family = AF_INET;
+    ::inet_pton(AF_INET, from, &src.sin_addr);
+    if (::bind(fd, reinterpret_cast<sockaddr*>(&src), sizeof src) != 0) {
+      ::close(fd);
+      return -1;
+    }
+  }
   sockaddr_in a{};
   a.sin_family = AF_INET;
   a.sin_port = htons(port);

@@ -2,6 +2,7 @@
 
 #include <spdlog/spdlog.h>
 
+#include <algorithm>
 #include <system_error>
 
 #include "nebula/error.h"
@@ -20,6 +21,21 @@ SiteConnector::SiteConnector(ConnectorOptions options, std::unique_ptr<TcpListen
 }
 
 SiteConnector::~SiteConnector() { close(); }
+
+size_t SiteConnector::max_handshakes_per_address() const {
+  return std::max(kMinHandshakesPerAddress,
+                  2 * static_cast<size_t>(options_.streams) * (options_.sites.size() - 1));
+}
+
+namespace {
+
+// "10.0.0.7:4000" → "10.0.0.7", "[::1]:4000" → "[::1]".
+std::string host_of(const std::string& address) {
+  const size_t colon = address.rfind(':');
+  return colon == std::string::npos ? address : address.substr(0, colon);
+}
+
+}  // namespace
 
 void SiteConnector::close() {
   std::vector<Handshake> handshakes;
@@ -132,26 +148,34 @@ void SiteConnector::accept_loop() {
       it = handshakes_.erase(it);
     }
     std::string refusal;
+    const std::string host = host_of(tcp->address());
+    size_t& from_host = handshakes_by_host_[host];
     if (in_handshake_.load() >= kMaxConcurrentHandshakes) {
       refusal = str_cat("too many connections in handshake (", kMaxConcurrentHandshakes,
                         "): refused at once; a flood of connections to this gateway? (each is given up after "
                         "wan.handshake_timeout)");
+    } else if (from_host >= max_handshakes_per_address()) {
+      refusal = str_cat("too many connections in handshake from ", host, " (", max_handshakes_per_address(),
+                        "): refused at once; a flood from that host? (each is given up after wan.handshake_timeout)");
     } else {
       auto done = std::make_shared<std::atomic<bool>>(false);
       TcpLink* raw = tcp.release();
       in_handshake_.fetch_add(1);
+      ++from_host;
       try {
-        handshakes_.push_back({std::thread([this, raw, done] {
-                                 handshake_incoming(std::unique_ptr<TcpLink>(raw));
+        handshakes_.push_back({std::thread([this, raw, done, host] {
+                                 handshake_incoming(std::unique_ptr<TcpLink>(raw), host);
                                  done->store(true);
                                }),
                                done});
       } catch (const std::system_error& e) {  // no thread to be had: refuse, do not terminate
         in_handshake_.fetch_sub(1);
+        --from_host;
         tcp.reset(raw);
         refusal = str_cat("cannot start a handshake thread: ", e.what());
       }
     }
+    if (from_host == 0) handshakes_by_host_.erase(host);
     if (refusal.empty()) continue;
     lock.unlock();
     const std::string address = tcp->address();
@@ -160,7 +184,7 @@ void SiteConnector::accept_loop() {
   }
 }
 
-void SiteConnector::handshake_incoming(std::unique_ptr<TcpLink> tcp) {
+void SiteConnector::handshake_incoming(std::unique_ptr<TcpLink> tcp, const std::string& host) {
   const std::string address = tcp->address();
   const std::string& me = options_.sites[options_.self].name;
   Deadline hs = Deadline::after(options_.handshake_timeout);
@@ -203,7 +227,11 @@ void SiteConnector::handshake_incoming(std::unique_ptr<TcpLink> tcp) {
     outcome = "refused";
     reason = e.what();
   }
-  in_handshake_.fetch_sub(1);  // the slot is free before the outcome is visible in the audit log
+  {  // the slots are free before the outcome is visible in the audit log
+    std::lock_guard<std::mutex> lock(mu_);
+    if (--handshakes_by_host_[host] == 0) handshakes_by_host_.erase(host);
+  }
+  in_handshake_.fetch_sub(1);
   // An accepted stream that cannot be audited is not used (fail closed); the audit error is logged.
   if (audit(claimed, address, fingerprint, outcome, reason) && outcome == "accepted") {
     std::lock_guard<std::mutex> lock(mu_);

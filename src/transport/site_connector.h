@@ -60,6 +60,11 @@ class SiteConnector {
   // once (and audited), so a flood of idle connections cannot exhaust threads. Each lasts at
   // most handshake_timeout.
   static constexpr size_t kMaxConcurrentHandshakes = 128;
+  // And at most max(this, 2 · streams · (sites − 1)) of them from one address (host, any
+  // port), so that one flooding host cannot take the slots a real peer elsewhere needs to
+  // reconnect. (All the job's peers fit: in local mode they share 127.0.0.1.)
+  static constexpr size_t kMinHandshakesPerAddress = 16;
+  size_t max_handshakes_per_address() const;
 
   // `listener` is this gateway's bound listening socket; the connector takes it over.
   SiteConnector(ConnectorOptions options, std::unique_ptr<TcpListener> listener);
@@ -89,7 +94,8 @@ class SiteConnector {
   // A session: `first` (generation `generation`) wrapped in a ResilientLink that reconnects.
   std::unique_ptr<Link> session(size_t peer, std::unique_ptr<Link> first, int generation);
   void accept_loop();
-  void handshake_incoming(std::unique_ptr<TcpLink> tcp);
+  // `host`: the peer's address without the port, whose slot in handshakes_by_host_ it frees.
+  void handshake_incoming(std::unique_ptr<TcpLink> tcp, const std::string& host);
   // Logs a refusal and writes the audit line; false (logged, never thrown) if the line could
   // not be written, e.g. on a full disk.
   bool audit(const std::string& peer_site, const std::string& address, const std::string& fingerprint,
@@ -112,6 +118,7 @@ class SiteConnector {
   };
   std::vector<Handshake> handshakes_;
   std::atomic<size_t> in_handshake_{0};  // handshakes not yet decided (any thread)
+  std::map<std::string, size_t> handshakes_by_host_;  // the same, per host. GUARDED_BY(mu_)
   bool closed_ = false;                  // GUARDED_BY(mu_)
 };
 

@@ -185,6 +185,48 @@ TEST(SiteConnector, HostileConnectionsAreRefusedAndAuditedAndTheRealPeerStillCon
   b.close();
 }
 
+// One host flooding the gateway gets at most its per-address share of handshakes: its next
+// connection is refused at once, and a real peer on another address connects while the
+// flood still holds its slots.
+TEST(SiteConnector, OneFloodingHostCannotTakeTheSlotsARealPeerNeeds) {
+  TwoSites t("host-flood");
+  SiteConnector& a = *t.a;
+  EXPECT_EQ(a.max_handshakes_per_address(), SiteConnector::kMinHandshakesPerAddress);  // 2 sites, 1 stream
+  std::vector<int> idle;
+  for (size_t i = 0; i < a.max_handshakes_per_address(); ++i) {
+    const int fd = raw_connect(t.port, "127.0.0.2");
+    ASSERT_GE(fd, 0);
+    pollfd p{fd, POLLIN, 0};
+    ASSERT_EQ(::poll(&p, 1, 20000), 1) << "no greeting on connection " << i;
+    idle.push_back(fd);
+  }
+  const int extra = raw_connect(t.port, "127.0.0.2");
+  ASSERT_GE(extra, 0);
+  char byte;
+  pollfd p{extra, POLLIN, 0};
+  ASSERT_EQ(::poll(&p, 1, 20000), 1);
+  EXPECT_LE(::recv(extra, &byte, 1, 0), 0) << "the host's connection over its share got a greeting";
+  ::close(extra);
+
+  // The real peer dials from 127.0.0.1 while all of 127.0.0.2's connections are still open.
+  SiteConnector b(options_for(1, t.sites, t.audit), std::move(t.listener_b));
+  auto b_links = std::async(std::launch::async, [&] { return b.connect_all(Deadline::after(60s)); });
+  auto a_links = a.connect_all(Deadline::after(60s));
+  auto links_of_b = b_links.get();
+  EXPECT_TRUE(a_links[1] && links_of_b[0]);
+  for (int fd : idle) ::close(fd);
+
+  size_t from_host = 0;
+  for (const auto& j : audit_lines(t.audit_path))
+    from_host += j["reason"].get<std::string>().starts_with("too many connections in handshake from 127.0.0.2 (16)");
+  EXPECT_EQ(from_host, 1u);
+  for (auto& l : a_links)
+    if (l) l->close();
+  for (auto& l : links_of_b)
+    if (l) l->close();
+  b.close();
+}
+
 // A flood of idle connections takes at most kMaxConcurrentHandshakes handshake threads; the
 // next connection is refused at once and audited, and once the flood is gone the real peer
 // connects. (Without the bound each connection took a thread until handshake_timeout, and a
@@ -195,17 +237,20 @@ TEST(SiteConnector, AFloodOfIdleConnectionsIsBoundedAndTheRealPeerStillConnects)
   const uint16_t port = t.port;
   SiteConnector& a = *t.a;
 
-  // Each idle connection holds a handshake: the gateway's greeting shows it has started.
+  // Each idle connection holds a handshake: the gateway's greeting shows it has started. They
+  // come from many hosts (127.0.0.2, .3, ...), each within its per-address share.
   std::vector<int> idle;
+  const size_t per_host = a.max_handshakes_per_address();
   for (size_t i = 0; i < SiteConnector::kMaxConcurrentHandshakes; ++i) {
-    const int fd = raw_connect(port);
+    const std::string from = "127.0.0." + std::to_string(2 + i / per_host);
+    const int fd = raw_connect(port, from.c_str());
     ASSERT_GE(fd, 0);
     pollfd p{fd, POLLIN, 0};
     ASSERT_EQ(::poll(&p, 1, 20000), 1) << "no greeting on connection " << i;
     idle.push_back(fd);
   }
-  // One more: refused at once, without a greeting.
-  const int extra = raw_connect(port);
+  // One more, from a host with no handshake yet: refused at once, without a greeting.
+  const int extra = raw_connect(port, "127.0.0.200");
   ASSERT_GE(extra, 0);
   char byte;
   pollfd p{extra, POLLIN, 0};
