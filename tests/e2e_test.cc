@@ -485,6 +485,10 @@ TEST(EndToEnd, DemoQuickRunsEveryStageAndTranslateUsesItsModel) {
     EXPECT_NE(r.output.find(stage), std::string::npos) << stage;
   const nlohmann::json s = nlohmann::json::parse(read_file(dir + "/summary.json"));
   EXPECT_TRUE(s["quick"].get<bool>());
+  // The report of every stage, with TensorBoard files per stage and site.
+  EXPECT_TRUE(fs::exists(dir + "/report/index.html"));
+  for (const char* stage : {"pretrain/europe-west", "pretrain/europe-south", "student-kd"})
+    EXPECT_TRUE(fs::exists(dir + "/report/tensorboard/" + stage)) << stage;
   // Pre-training: far fewer WAN bytes than the synchronous baseline's measured bytes per step.
   EXPECT_GT(s["wan_reduction_vs_sync"].get<double>(), 10) << s.dump();
   EXPECT_EQ(s["pretrain"]["objective"], "mlm+tlm");

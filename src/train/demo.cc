@@ -16,6 +16,7 @@
 #include "nebula/units.h"
 #include "train/launcher.h"
 #include "train/metrics.h"
+#include "train/report.h"
 
 namespace nebula::train {
 namespace fs = std::filesystem;
@@ -224,6 +225,12 @@ int run_demo(const DemoOptions& o) {
   eval::write_line_chart(run + "/translation_loss.svg", mt_series,
                          {"Translation training loss (with KD: (1-a)·CE + a·KD)", "step", "training loss"});
   md += str_cat("\nCharts: ", run, "/pretrain_loss.svg, ", run, "/retrieval.svg, ", run, "/translation_loss.svg\n");
+  // Every stage side by side (`nebula report`): charts, a page and TensorBoard event files.
+  const auto report = write_report({pre.job.run_dir, sync.job.run_dir, teacher.job.run_dir, kd.job.run_dir,
+                                    alone.job.run_dir},
+                                   run + "/report");
+  md += str_cat("Report of every stage: ", report.files.back(), "; TensorBoard: tensorboard --logdir ", run,
+                "/report/tensorboard (", report.event_files.size(), " event files)\n");
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   md += str_cat("\nThe whole demo took ", fixed(seconds, 0), " s.\n");
 
