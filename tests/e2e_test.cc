@@ -16,6 +16,7 @@
 #include <filesystem>
 #include <cmath>
 #include <fstream>
+#include <functional>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <set>
@@ -937,39 +938,64 @@ TEST(EndToEnd, WorkersStartedWithTorchrunAndSlurmVariablesFormTheJob) {
 
 namespace {
 
-// [7/7] Under a real torchrun (Debian's python3-torch): site alpha's two workers take their
-// ranks and torchrun's agent store (TORCHELASTIC_USE_AGENT_STORE) from its variables; beta is
-// a plain worker. (`-r 1 -t 1`: Debian 12's torchrun 1.13 fails on Python 3.11 with the
-// default `-r 0`, in torch's own Std.from_str; redirecting stdout avoids that code path.)
-TEST(EndToEnd, WorkersUnderARealTorchrunFormTheSite) {
-  if (!fs::exists("/usr/bin/torchrun")) GTEST_SKIP() << "no /usr/bin/torchrun (python3-torch)";
-  const std::string dir = temp_run_dir("torchrun");
+// [7/7] Real launchers: site alpha's two workers run under `program` (torchrun or mpirun),
+// which sets their rank variables; beta is a plain worker; the job completes and alpha's log
+// says which launcher placed each worker and which store it used. `ports[3]` is free for the
+// launcher's own use (torchrun's master port); alpha's store is ports[4].
+void run_alpha_under(const std::string& program, const std::function<std::string(const std::vector<uint16_t>&)>& args,
+                     const std::string& env, const std::function<std::string(const std::vector<uint16_t>&)>& expect) {
+  const std::string dir = temp_run_dir("launcher-" + fs::path(program).filename().string());
   Result prep = run("run examples/smoke.toml --set job.steps=1 --set 'job.run_dir=\"" + dir + "/prep\"'", 300);
   ASSERT_EQ(prep.exit_code, 0) << prep.output;
   const std::string run_dir = dir + "/run";
   fs::create_directories(run_dir);
-  const auto ports = free_ports(4);  // alpha's gateway, beta's gateway and store, torchrun's master port
-  ASSERT_EQ(ports.size(), 4u);
+  const auto ports = free_ports(5);
+  ASSERT_EQ(ports.size(), 5u);
   const std::string sets = " --set job.steps=20 --set sites.0.workers=2 --set 'job.run_dir=\"" + run_dir +
                            "\"' --set 'sites.0.gateway=\"127.0.0.1:" + std::to_string(ports[0]) +
+                           "\"' --set 'sites.0.store=\"127.0.0.1:" + std::to_string(ports[4]) +
                            "\"' --set 'sites.1.gateway=\"127.0.0.1:" + std::to_string(ports[1]) +
                            "\"' --set 'sites.1.store=\"127.0.0.1:" + std::to_string(ports[2]) + "\"'";
-  const std::string job = dir + "/prep/job.toml";
-  Background alpha("--nnodes=1 --nproc_per_node=2 --master_port=" + std::to_string(ports[3]) + " --log_dir " + dir +
-                       "/torchrun-logs -r 1 -t 1 --no_python " NEBULA_BINARY_DIR "/nebula worker " + job + sets,
-                   run_dir + "/alpha.log", 300, "NEBULA_SITE=alpha", "/usr/bin/torchrun");
-  Background beta("worker " + job + sets, run_dir + "/beta.log", 300, "NEBULA_SITE=beta NEBULA_RANK=0");
+  const std::string worker = NEBULA_BINARY_DIR "/nebula worker " + dir + "/prep/job.toml" + sets;
+  Background alpha(args(ports) + " " + worker, run_dir + "/alpha.log", 300, env, program);
+  Background beta("worker " + dir + "/prep/job.toml" + sets, run_dir + "/beta.log", 300, "NEBULA_SITE=beta NEBULA_RANK=0");
   EXPECT_EQ(alpha.wait(), 0) << read_file(run_dir + "/alpha.log");
   EXPECT_EQ(beta.wait(), 0) << read_file(run_dir + "/beta.log");
   const std::string log = read_file(run_dir + "/alpha.log");
-  for (const char* worker : {"alpha/0", "alpha/1"})
-    EXPECT_NE(log.find(std::string("worker ") + worker + " (from the torchrun), site store 127.0.0.1:" +
-                       std::to_string(ports[3]) + " (the launcher's)"),
-              std::string::npos) << log;
+  for (const char* worker_name : {"alpha/0", "alpha/1"})
+    EXPECT_NE(log.find(std::string("worker ") + worker_name + " " + expect(ports)), std::string::npos) << log;
   ASSERT_TRUE(fs::exists(run_dir + "/summary.json")) << log;
-  auto summary = nlohmann::json::parse(read_file(run_dir + "/summary.json"));
-  EXPECT_EQ(summary["workers"].get<int>(), 3);
+  EXPECT_EQ(nlohmann::json::parse(read_file(run_dir + "/summary.json"))["workers"].get<int>(), 3);
   fs::remove_all(dir);
+}
+
+// Debian's torchrun (python3-torch): ranks from RANK/WORLD_SIZE, and the store is torchrun's
+// agent store (TORCHELASTIC_USE_AGENT_STORE). `-r 1 -t 1`: Debian 12's torchrun 1.13 fails on
+// Python 3.11 with the default `-r 0`, in torch's own Std.from_str; redirecting stdout avoids
+// that code path.
+TEST(EndToEnd, WorkersUnderARealTorchrunFormTheSite) {
+  if (!fs::exists("/usr/bin/torchrun")) GTEST_SKIP() << "no /usr/bin/torchrun (python3-torch)";
+  const std::string logs = temp_run_dir("torchrun-logs");
+  run_alpha_under(
+      "/usr/bin/torchrun",
+      [&](const std::vector<uint16_t>& p) {
+        return "--nnodes=1 --nproc_per_node=2 --master_port=" + std::to_string(p[3]) + " --log_dir " + logs +
+               " -r 1 -t 1 --no_python";
+      },
+      "NEBULA_SITE=alpha",
+      [](const std::vector<uint16_t>& p) {
+        return "(from the torchrun), site store 127.0.0.1:" + std::to_string(p[3]) + " (the launcher's)";
+      });
+  fs::remove_all(logs);
+}
+
+// Debian's Open MPI (openmpi-bin): ranks from OMPI_COMM_WORLD_RANK/SIZE, the store from
+// [[sites]] store.
+TEST(EndToEnd, WorkersUnderARealMpirunFormTheSite) {
+  if (!fs::exists("/usr/bin/mpirun")) GTEST_SKIP() << "no /usr/bin/mpirun (openmpi-bin)";
+  run_alpha_under(
+      "/usr/bin/mpirun", [](const std::vector<uint16_t>&) { return std::string("-np 2 --allow-run-as-root --oversubscribe -x NEBULA_SITE=alpha"); },
+      "", [](const std::vector<uint16_t>& p) { return "(from the open mpi), site store 127.0.0.1:" + std::to_string(p[4]); });
 }
 
 // [7/7] A GPU site: here (CPU-only LibTorch, no GPU) it is refused before training, naming the
