@@ -58,13 +58,19 @@ std::vector<at::Tensor> ScriptModel::trainable() const {
   return out;
 }
 
-at::Tensor ScriptModel::loss(const at::Tensor& inputs, const at::Tensor& targets, const std::string& kind) {
+at::Tensor ScriptModel::loss(const std::vector<at::Tensor>& inputs, const at::Tensor& targets,
+                             const std::string& kind) {
   auto fail = [&](const std::string& what) {
-    return DataError(str_cat(path_, ": forward(inputs ", shape(inputs), ", targets ", shape(targets), ") ", what));
+    std::string args;
+    for (size_t k = 0; k < inputs.size(); ++k)
+      args += str_cat(inputs.size() == 1 ? std::string("inputs") : str_cat("inputs.", k), " ", shape(inputs[k]), ", ");
+    return DataError(str_cat(path_, ": forward(", args, "targets ", shape(targets), ") ", what));
   };
+  std::vector<c10::IValue> args(inputs.begin(), inputs.end());
+  if (kind == "output") args.emplace_back(targets);
   c10::IValue out;
   try {
-    out = kind == "output" ? script_.forward({inputs, targets}) : script_.forward({inputs});
+    out = script_.forward(std::move(args));
   } catch (const c10::Error& e) {
     throw fail(str_cat("failed: ", e.what_without_backtrace()));
   }

@@ -1,12 +1,13 @@
 // A user's own model: a TorchScript module exported from PyTorch (torch.jit.script or
 // torch.jit.trace, then .save("model.pt")), trained by nebula like its built-in models.
 //
-// The module's forward gives the loss one of two ways (config model.loss):
-//   "output"         forward(inputs, targets) returns the loss: a scalar tensor, or a tuple
+// The module's forward gives the loss one of two ways (config model.loss), `inputs` being one
+// tensor or several (forward's arguments in order):
+//   "output"         forward(inputs..., targets) returns the loss: a scalar tensor, or a tuple
 //                    whose first element is it, or a dict with a "loss" entry;
-//   "cross_entropy"  forward(inputs) returns logits [..., classes]; targets are class ids
+//   "cross_entropy"  forward(inputs...) returns logits [..., classes]; targets are class ids
 //                    [...] (int64; -100 = no loss there);
-//   "mse"            forward(inputs) returns a tensor of targets' shape.
+//   "mse"            forward(inputs...) returns a tensor of targets' shape.
 //
 // nebula's training loop, checkpoints and model files work on torch::nn::Module. A
 // TorchScript module is not one, so ScriptModel builds a mirror: an nn::Module tree with the
@@ -40,7 +41,7 @@ class ScriptModel {
 
   // The loss of one batch (`kind` as model.loss above). DataError naming the module's path
   // and the shapes when the forward's result is not what `kind` needs.
-  at::Tensor loss(const at::Tensor& inputs, const at::Tensor& targets, const std::string& kind);
+  at::Tensor loss(const std::vector<at::Tensor>& inputs, const at::Tensor& targets, const std::string& kind);
   // The weight of that batch in a global mean: the targets that have a loss ("cross_entropy":
   // those not -100), else the batch rows.
   static int64_t weight(const at::Tensor& targets, const std::string& kind);

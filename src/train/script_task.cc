@@ -22,7 +22,7 @@ class ScriptTask : public Task {
         model_(model::ScriptModel::load(c_.model.script)),
         data_(load_site_tensors(c_, ctx.who.site, ctx.who.local_rank,
                                 static_cast<int>(c_.sites[ctx.who.site].workers))),
-        passes_(static_cast<size_t>(data_.train_inputs.size(0)),
+        passes_(static_cast<size_t>(data_.train_rows()),
                 c_.job.seed * 1000003 + ctx.who.site * 1009 + static_cast<uint64_t>(ctx.who.local_rank)) {
     at::manual_seed(c_.job.seed);  // the module's own random ops (dropout)
     model_.to(ctx.device);
@@ -31,7 +31,7 @@ class ScriptTask : public Task {
     int64_t n = 0;
     for (const auto& p : params_) n += p.numel();
     spdlog::info("{}: {} trainable parameters; {} training / {} held-out rows on this worker from {} file(s)",
-                 c_.model.script, n, data_.train_inputs.size(0), data_.valid_inputs.size(0), data_.files.size());
+                 c_.model.script, n, data_.train_rows(), data_.valid_rows(), data_.files.size());
     if (params_.empty())
       throw DataError(str_cat(c_.model.script, ": the module has no parameter that requires a gradient: nothing to train"));
   }
@@ -43,19 +43,19 @@ class ScriptTask : public Task {
     std::vector<int64_t> rows(static_cast<size_t>(c_.data.batch_size));
     for (auto& r : rows) r = static_cast<int64_t>(passes_.next());
     const at::Tensor index = at::tensor(rows, at::kLong);
-    return step_on(data_.train_inputs.index_select(0, index), data_.train_targets.index_select(0, index));
+    return step_on(data_.train_inputs, data_.train_targets, index);
   }
 
   // The held-out rows in order, batch after batch (wrapping around).
   std::pair<double, double> validate(int64_t batches) override {
-    const int64_t n = data_.valid_inputs.defined() ? data_.valid_inputs.size(0) : 0;
+    const int64_t n = data_.valid_rows();
     if (n == 0) return {0.0, 0.0};
     at::NoGradGuard no_grad;
     model_.train(false);
     double loss_sum = 0, weight = 0;
     for (int64_t b = 0; b < batches; ++b) {
       const at::Tensor index = at::arange(b * c_.data.batch_size, (b + 1) * c_.data.batch_size, at::kLong) % n;
-      Step s = step_on(data_.valid_inputs.index_select(0, index), data_.valid_targets.index_select(0, index));
+      Step s = step_on(data_.valid_inputs, data_.valid_targets, index);
       loss_sum += s.loss.item<double>() * s.weight;
       weight += s.weight;
     }
@@ -83,11 +83,16 @@ class ScriptTask : public Task {
   }
 
  private:
-  Step step_on(const at::Tensor& inputs, const at::Tensor& targets) {
-    const bool ids = !at::isFloatingType(inputs.scalar_type());  // token ids: every id is a token
-    return {model_.loss(inputs.to(model_.device()), targets.to(model_.device()), c_.model.loss),
+  // The loss on rows `index` of `inputs` / `targets`, on the model's device.
+  Step step_on(const std::vector<at::Tensor>& all_inputs, const at::Tensor& all_targets, const at::Tensor& index) {
+    std::vector<at::Tensor> inputs;
+    for (const auto& x : all_inputs) inputs.push_back(x.index_select(0, index).to(model_.device()));
+    const at::Tensor targets = all_targets.index_select(0, index).to(model_.device());
+    const at::Tensor& first = inputs[0];
+    const bool ids = !at::isFloatingType(first.scalar_type());  // token ids: every id of the first input is a token
+    return {model_.loss(inputs, targets, c_.model.loss),
             static_cast<double>(model::ScriptModel::weight(targets, c_.model.loss)),
-            ids ? inputs.numel() : inputs.size(0)};
+            ids ? first.numel() : first.size(0)};
   }
 
   const Config& c_;

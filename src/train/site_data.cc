@@ -139,30 +139,47 @@ SiteTensors load_site_tensors(const Config& c, size_t site_index, int rank, int 
   if (out.files.empty())
     throw DataError(str_cat("site '", site, "' has no tensor files: neither ", one, " nor ", dir,
                             "/*.safetensors exists ", where, "; write them as examples/torchscript/export.py does"));
-  std::vector<at::Tensor> inputs, targets;
+  // Per file: its model inputs ("inputs", or "inputs.0", "inputs.1", ...) and its targets.
+  std::vector<std::vector<at::Tensor>> inputs;  // [input][file]
+  std::vector<at::Tensor> targets;              // [file]
   for (const auto& f : out.files) {
     model::TensorFile file = model::load_safetensors(f);
-    for (const char* key : {"inputs", "targets"})
-      if (!file.tensors.count(key) || file.tensors[key].dim() == 0)
-        throw DataError(str_cat(f, ": no tensor \"", key, "\" with a row dimension: a tensor file holds \"inputs\" "
-                                "and \"targets\", one example per row (dimension 0) ", where));
-    const at::Tensor& x = file.tensors["inputs"];
+    std::vector<std::pair<std::string, at::Tensor>> xs;
+    if (file.tensors.count("inputs")) xs.emplace_back("inputs", file.tensors["inputs"]);
+    for (size_t k = 0; file.tensors.count(str_cat("inputs.", k)); ++k)
+      xs.emplace_back(str_cat("inputs.", k), file.tensors[str_cat("inputs.", k)]);
+    size_t named = 0;  // every tensor whose name starts with "inputs" must be one of those
+    for (const auto& [name, t] : file.tensors) named += name.rfind("inputs", 0) == 0;
+    if (xs.empty() || named != xs.size() || (xs.size() > 1 && xs[0].first == "inputs"))
+      throw DataError(str_cat(f, ": the model's inputs are one tensor \"inputs\", or several \"inputs.0\", "
+                              "\"inputs.1\", ... numbered from 0 without gaps (forward's arguments in that order); "
+                              "this file has ", named, " tensor(s) named inputs* ", where));
+    if (!file.tensors.count("targets") || file.tensors["targets"].dim() == 0)
+      throw DataError(str_cat(f, ": no tensor \"targets\" with a row dimension: a tensor file holds the inputs and "
+                              "\"targets\", one example per row (dimension 0) ", where));
     const at::Tensor& y = file.tensors["targets"];
-    if (x.size(0) != y.size(0))
-      throw DataError(str_cat(f, ": \"inputs\" has ", x.size(0), " rows and \"targets\" ", y.size(0),
-                              ": give one target row per input row"));
-    if (!inputs.empty() && (!x.sizes().slice(1).equals(inputs[0].sizes().slice(1)) ||
-                            !y.sizes().slice(1).equals(targets[0].sizes().slice(1)) ||
-                            x.scalar_type() != inputs[0].scalar_type() || y.scalar_type() != targets[0].scalar_type()))
-      throw DataError(str_cat(f, ": rows of another shape or dtype than in ", out.files[0],
-                              ": every file of a site must hold the same kind of rows"));
-    inputs.push_back(x);
+    if (!inputs.empty() && (xs.size() != inputs.size() || !y.sizes().slice(1).equals(targets[0].sizes().slice(1)) ||
+                            y.scalar_type() != targets[0].scalar_type()))
+      throw DataError(str_cat(f, ": rows of another shape or dtype, or another number of inputs, than in ",
+                              out.files[0], ": every file of a site must hold the same kind of rows"));
+    inputs.resize(xs.size());
+    for (size_t k = 0; k < xs.size(); ++k) {
+      const auto& [name, x] = xs[k];
+      if (x.dim() == 0 || x.size(0) != y.size(0))
+        throw DataError(str_cat(f, ": \"", name, "\" has ", x.dim() ? x.size(0) : 0, " rows and \"targets\" ",
+                                y.size(0), ": give one target row per input row"));
+      if (!inputs[k].empty() && (!x.sizes().slice(1).equals(inputs[k][0].sizes().slice(1)) ||
+                                 x.scalar_type() != inputs[k][0].scalar_type()))
+        throw DataError(str_cat(f, ": \"", name, "\" has rows of another shape or dtype than in ", out.files[0],
+                                ": every file of a site must hold the same kind of rows"));
+      inputs[k].push_back(x);
+    }
     targets.push_back(y);
   }
-  at::Tensor x = at::cat(inputs), y = at::cat(targets);
+  const at::Tensor y = at::cat(targets);
   // Held out by a hash of the row number: the same rows on every machine and every run.
   std::vector<int64_t> train_rows, valid_rows;
-  for (int64_t i = 0; i < x.size(0); ++i) {
+  for (int64_t i = 0; i < y.size(0); ++i) {
     uint64_t h = static_cast<uint64_t>(i) + 0x9e3779b97f4a7c15ull;  // splitmix64
     h = (h ^ (h >> 30)) * 0xbf58476d1ce4e5b9ull;
     h = (h ^ (h >> 27)) * 0x94d049bb133111ebull;
@@ -171,18 +188,18 @@ SiteTensors load_site_tensors(const Config& c, size_t site_index, int rank, int 
     if (rows.size() % static_cast<size_t>(workers) == static_cast<size_t>(rank)) rows.push_back(i);
     else rows.push_back(-1 - i);  // another worker's row: counted, not kept
   }
-  auto keep = [&](const std::vector<int64_t>& rows, at::Tensor& xs, at::Tensor& ys) {
+  auto keep = [&](const std::vector<int64_t>& rows, std::vector<at::Tensor>& xs, at::Tensor& ys) {
     std::vector<int64_t> mine;
     for (int64_t r : rows) if (r >= 0) mine.push_back(r);
-    at::Tensor index = at::tensor(mine, at::kLong);
-    xs = x.index_select(0, index);
+    const at::Tensor index = at::tensor(mine, at::kLong);
+    for (const auto& per_file : inputs) xs.push_back(at::cat(per_file).index_select(0, index));
     ys = y.index_select(0, index);
   };
   keep(train_rows, out.train_inputs, out.train_targets);
   keep(valid_rows, out.valid_inputs, out.valid_targets);
-  if (out.train_inputs.size(0) == 0)
+  if (out.train_rows() == 0)
     throw DataError(str_cat("site '", site, "' worker ", rank, " of ", workers, ": no training rows in ",
-                            out.files[0], out.files.size() > 1 ? " and the other files" : "", " (", x.size(0),
+                            out.files[0], out.files.size() > 1 ? " and the other files" : "", " (", y.size(0),
                             " rows in all)"));
   return out;
 }

@@ -36,13 +36,17 @@ std::vector<data::SentencePair> load_pairs(const Config& config, const SiteConfi
 SiteText load_site_text(const Config& config, size_t site_index, int rank, int workers);
 // data.source = "tensors" (model.kind = "torchscript"): the site's own tensor files,
 // DATA_PATH/<site>.safetensors or else every DATA_PATH/<site>/*.safetensors in name order, each
-// holding "inputs" and "targets" with the same number of rows (dimension 0), concatenated.
+// holding "targets" and the model's inputs — one tensor "inputs", or "inputs.0", "inputs.1", ...
+// (forward's arguments in that order) — all with the same number of rows (dimension 0).
 // Row i (counted over the site's files) is held out when a hash of i falls below
 // data.valid_fraction; worker `rank` of `workers` keeps every workers-th remaining row.
 struct SiteTensors {
-  at::Tensor train_inputs, train_targets;  // this worker's share
-  at::Tensor valid_inputs, valid_targets;  // this worker's share of the held-out rows (may be empty)
+  std::vector<at::Tensor> train_inputs, valid_inputs;  // one tensor per model input
+  at::Tensor train_targets;                             // this worker's share
+  at::Tensor valid_targets;                             // its share of the held-out rows (may be 0)
   std::vector<std::string> files;
+  int64_t train_rows() const { return train_targets.size(0); }
+  int64_t valid_rows() const { return valid_targets.defined() ? valid_targets.size(0) : 0; }
 };
 SiteTensors load_site_tensors(const Config& config, size_t site_index, int rank, int workers);
 

@@ -175,7 +175,8 @@ TEST(SiteData, TensorFilesAreSplitBetweenValidationAndWorkersWithoutOverlap) {
   for (int rank = 0; rank < 2; ++rank) {
     SiteTensors t = load_site_tensors(c, 0, rank, 2);
     EXPECT_EQ(t.files, std::vector<std::string>{dir.file("a.safetensors")});
-    EXPECT_TRUE(at::equal(t.train_inputs.select(1, 0).to(at::kFloat), t.train_targets));  // rows stay whole
+    ASSERT_EQ(t.train_inputs.size(), 1u);
+    EXPECT_TRUE(at::equal(t.train_inputs[0].select(1, 0).to(at::kFloat), t.train_targets));  // rows stay whole
     for (const at::Tensor& col : {t.train_targets, t.valid_targets})
       for (int64_t i = 0; i < col.size(0); ++i) EXPECT_TRUE(seen.insert(col[i].item<int64_t>()).second);
     valid += t.valid_targets.size(0);
@@ -187,10 +188,30 @@ TEST(SiteData, TensorFilesAreSplitBetweenValidationAndWorkersWithoutOverlap) {
   EXPECT_LT(valid, 40);
   SiteTensors b = load_site_tensors(c, 1, 0, 1);
   EXPECT_EQ(b.files.size(), 2u);
-  EXPECT_EQ(b.train_inputs.size(0) + b.valid_inputs.size(0), 200);
+  EXPECT_EQ(b.train_rows() + b.valid_rows(), 200);
   const at::Tensor all_b = at::cat({b.train_targets, b.valid_targets});
   EXPECT_EQ(all_b.min().item<int64_t>(), 1000);  // both shards, nothing of site a
   EXPECT_EQ(all_b.max().item<int64_t>(), 2049);
+}
+
+// A model of several inputs: "inputs.0", "inputs.1", ... each split with the same rows.
+TEST(SiteData, SeveralInputsAreSplitAlike) {
+  nebula::testing::TempDir dir("site_tensors_multi");
+  model::TensorFile f;
+  f.tensors["inputs.0"] = at::arange(100, at::kLong).unsqueeze(1).repeat({1, 4});
+  f.tensors["inputs.1"] = at::arange(100, at::kFloat) * 2;
+  f.tensors["targets"] = at::arange(100, at::kFloat);
+  model::save_safetensors(dir.file("a.safetensors"), f);
+  Config c = parse_config(str_cat("[model]\nkind = \"torchscript\"\nscript = \"m.pt\"\n[data]\nsource = \"tensors\"\n"
+                                  "valid_fraction = 0.2\npath = \"", dir.path(), "\"\n[[sites]]\nname = \"a\"\n"),
+                          "job.toml");
+  SiteTensors t = load_site_tensors(c, 0, 0, 1);
+  ASSERT_EQ(t.train_inputs.size(), 2u);
+  ASSERT_EQ(t.valid_inputs.size(), 2u);
+  EXPECT_TRUE(at::equal(t.train_inputs[0].select(1, 0).to(at::kFloat), t.train_targets));
+  EXPECT_TRUE(at::equal(t.train_inputs[1], t.train_targets * 2));
+  EXPECT_TRUE(at::equal(t.valid_inputs[1], t.valid_targets * 2));
+  EXPECT_EQ(t.train_rows() + t.valid_rows(), 100);
 }
 
 TEST(SiteData, BadTensorFilesNameTheFileAndWhatIsWrong) {
@@ -212,6 +233,11 @@ TEST(SiteData, BadTensorFilesNameTheFileAndWhatIsWrong) {
   f.tensors["inputs"] = at::zeros({4, 2});
   model::save_safetensors(dir.file("a.safetensors"), f);
   EXPECT_NE(error().find(dir.file("a.safetensors") + ": no tensor \"targets\""), std::string::npos) << error();
+  f.tensors["inputs.1"] = at::zeros({4, 2});  // "inputs" and numbered ones together
+  f.tensors["targets"] = at::zeros({4});
+  model::save_safetensors(dir.file("a.safetensors"), f);
+  EXPECT_NE(error().find("this file has 2 tensor(s) named inputs*"), std::string::npos) << error();
+  f.tensors.erase("inputs.1");
   f.tensors["targets"] = at::zeros({3});
   model::save_safetensors(dir.file("a.safetensors"), f);
   EXPECT_NE(error().find("\"inputs\" has 4 rows and \"targets\" 3"), std::string::npos) << error();
