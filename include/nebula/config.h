@@ -62,7 +62,8 @@ struct ModelConfig {
 struct DataConfig {
   // gettext | tsv | text | corpus (a directory written by `nebula corpus build`: its own
   // train/valid/test.tsv splits are used as they are) | tensors (model.kind = "torchscript":
-  // PATH/<site>.safetensors or PATH/<site>/*.safetensors with "inputs" and "targets")
+  // PATH/<site>.safetensors or PATH/<site>/*.safetensors with "inputs" (or "inputs.0",
+  // "inputs.1", ...) and "targets")
   std::string source = "gettext";
   std::string path = "/usr/share/locale";  // locale dir (gettext), a file (tsv, text) or a directory (corpus)
   std::vector<std::string> languages;      // gettext: the languages of the whole job
