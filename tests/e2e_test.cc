@@ -603,11 +603,9 @@ std::string frame_header(uint64_t payload_len) {
 // security.insecure the frame checks refuse them.
 void run_job_with_hostile_connections(bool insecure, const std::vector<std::string>& reasons) {
   const std::string dir = temp_run_dir(insecure ? "hostile-plain" : "hostile-tls");
-  // A short local run leaves what deployed workers need: tokenizer, certificates, job.toml.
-  Result prep = run("run examples/smoke.toml --set job.steps=1 --set 'job.run_dir=\"" + dir + "/prep\"'", 300);
+  Result prep = prepare_deployment(dir);
   ASSERT_EQ(prep.exit_code, 0) << prep.output;
   const std::string run_dir = dir + "/run";
-  fs::create_directories(run_dir);
   const auto ports = free_ports(4);
   ASSERT_EQ(ports.size(), 4u);
   std::string sets = " --set job.steps=20 --set 'job.timeout=\"300s\"' --set 'job.run_dir=\"" + run_dir + "\"'";
@@ -903,10 +901,9 @@ TEST(EndToEnd, ALostSiteRejoinsTwiceAndTheRunEndsNearTheCleanLoss) {
 // SLURM_PROCID, SLURM_NTASKS. Neither gets --site or --rank. The job trains to the end.
 TEST(EndToEnd, WorkersStartedWithTorchrunAndSlurmVariablesFormTheJob) {
   const std::string dir = temp_run_dir("launchers");
-  Result prep = run("run examples/smoke.toml --set job.steps=1 --set 'job.run_dir=\"" + dir + "/prep\"'", 300);
+  Result prep = prepare_deployment(dir);
   ASSERT_EQ(prep.exit_code, 0) << prep.output;
   const std::string run_dir = dir + "/run";
-  fs::create_directories(run_dir);
   const auto ports = free_ports(4);  // beta's gateway and store, alpha's gateway, torchrun's master port
   ASSERT_EQ(ports.size(), 4u);
   const std::string sets = " --set job.steps=20 --set sites.0.workers=2 --set 'job.run_dir=\"" + run_dir +
@@ -945,10 +942,9 @@ namespace {
 void run_alpha_under(const std::string& program, const std::function<std::string(const std::vector<uint16_t>&)>& args,
                      const std::string& env, const std::function<std::string(const std::vector<uint16_t>&)>& expect) {
   const std::string dir = temp_run_dir("launcher-" + fs::path(program).filename().string());
-  Result prep = run("run examples/smoke.toml --set job.steps=1 --set 'job.run_dir=\"" + dir + "/prep\"'", 300);
+  Result prep = prepare_deployment(dir);
   ASSERT_EQ(prep.exit_code, 0) << prep.output;
   const std::string run_dir = dir + "/run";
-  fs::create_directories(run_dir);
   const auto ports = free_ports(5);
   ASSERT_EQ(ports.size(), 5u);
   const std::string sets = " --set job.steps=20 --set sites.0.workers=2 --set 'job.run_dir=\"" + run_dir +

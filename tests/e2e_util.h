@@ -80,6 +80,14 @@ inline std::string temp_run_dir(const std::string& name) {
   return dir.string();
 }
 
+// Before workers are started by hand (a deployment): a short local run leaves what they need
+// in DIR/prep (tokenizer, certificates, job.toml); DIR/run is made for the deployed run.
+inline Result prepare_deployment(const std::string& dir) {
+  Result r = run("run examples/smoke.toml --set job.steps=1 --set 'job.run_dir=\"" + dir + "/prep\"'", 300);
+  fs::create_directories(dir + "/run");
+  return r;
+}
+
 // A process in the background (bounded by `timeout`), killed by the destructor if still running.
 class Background {
  public:

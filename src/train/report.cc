@@ -104,29 +104,26 @@ ReportResult write_report(const std::vector<std::string>& run_dirs, const std::s
     result.skipped_lines += skipped;
     std::string tb_run = run_name(dir);
     for (int k = 2; !tensorboard_runs.insert(tb_run).second; ++k) tb_run = str_cat(run_name(dir), "-", k);
+    std::map<std::string, std::array<eval::Series, 3>> by_site;  // the charts: the gateways' training lines
     for (const auto& j : lines) {
-      if (!j.contains("site") || !j["site"].is_string() || !j.contains("step") || !j["step"].is_number_integer())
-        continue;
+      if (!j.contains("site") || !j["site"].is_string()) continue;
       const std::string site = j["site"].get<std::string>();
-      if (!is_file_name(site)) continue;
+      const bool training = j.contains("loss") && j["loss"].is_number();
+      if (training && j.value("rank", -1) == 0) {
+        auto& s = by_site[site];
+        const double loss = j["loss"].get<double>();
+        s[0].points.emplace_back(j.value("elapsed", 0.0), loss);
+        s[1].points.emplace_back(j.value("tokens", 0.0), loss);
+        s[2].points.emplace_back(j.value("wan_bytes_sent", 0.0) / (1 << 20), loss);
+      }
+      if (!j.contains("step") || !j["step"].is_number_integer() || !is_file_name(site)) continue;
       auto& s = tensorboard[str_cat(tb_run, "/", site)];
       const auto step = j["step"].get<int64_t>();
       // A later line for the same step replaces an earlier one: a resumed run repeats steps.
-      if (j.contains("loss") && j["loss"].is_number())
+      if (training)
         s.training[step][j.contains("rank") && j["rank"].is_number_integer() ? j["rank"].get<int64_t>() : -1] = j;
       else if (j.contains("eval") && j["eval"].is_object())
         s.eval[step] = j;
-    }
-    std::map<std::string, std::array<eval::Series, 3>> by_site;
-    for (const auto& j : lines) {
-      if (!j.contains("loss") || j.value("rank", -1) != 0 || !j["loss"].is_number() || !j.contains("site") ||
-          !j["site"].is_string())
-        continue;
-      auto& s = by_site[j["site"].get<std::string>()];
-      const double loss = j["loss"].get<double>();
-      s[0].points.emplace_back(j.value("elapsed", 0.0), loss);
-      s[1].points.emplace_back(j.value("tokens", 0.0), loss);
-      s[2].points.emplace_back(j.value("wan_bytes_sent", 0.0) / (1 << 20), loss);
     }
     if (by_site.empty())
       throw DataError(str_cat(dir, "/metrics.jsonl: no training lines (is ", dir, " a nebula run directory?)"));

@@ -24,18 +24,7 @@ struct Session::Impl {
   int global_rank = 0;
 };
 
-namespace {
-
-train::WorkerIdentity identity(const Config& c, const std::string& site, int local_rank) {
-  const size_t index = c.site_index(site);  // ConfigError naming the sites when there is none
-  if (local_rank < 0 || local_rank >= c.sites[index].workers)
-    throw ConfigError(str_cat(c.source_path, ": site '", site, "' has workers = ", c.sites[index].workers, "; rank ",
-                              local_rank, " does not exist (ranks are 0 to ", c.sites[index].workers - 1, ")"));
-  return {index, local_rank, "", false};
-}
-
-}  // namespace
-
+// `site_index(site)` is a ConfigError naming the sites when there is no such site.
 Session::Session(const Config& config, const std::string& site, int local_rank)
     : Session(config, Placement{config.site_index(site), local_rank, "", false, "library"}) {}
 
@@ -44,9 +33,11 @@ Session::Session(const Config& config, const Placement& p) : impl_(std::make_uni
   if (p.site >= config.sites.size())
     throw ConfigError(str_cat(config.source_path, ": site index ", p.site, " does not exist (", config.sites.size(),
                               " sites)"));
-  impl_->who = identity(config, config.sites[p.site].name, p.rank);
-  impl_->who.store = p.store;
-  impl_->who.external_store = p.external_store;
+  const SiteConfig& site = config.sites[p.site];
+  if (p.rank < 0 || p.rank >= site.workers)
+    throw ConfigError(str_cat(config.source_path, ": site '", site.name, "' has workers = ", site.workers, "; rank ",
+                              p.rank, " does not exist (ranks are 0 to ", site.workers - 1, ")"));
+  impl_->who = {p.site, p.rank, p.store, p.external_store};
   for (size_t s = 0; s < p.site; ++s) impl_->global_rank += static_cast<int>(config.sites[s].workers);
   impl_->global_rank += p.rank;
   impl_->comm = train::connect_site(impl_->config, impl_->who);

@@ -176,6 +176,8 @@ SiteTensors load_site_tensors(const Config& c, size_t site_index, int rank, int 
     }
     targets.push_back(y);
   }
+  std::vector<at::Tensor> x;  // each input over all the files
+  for (const auto& per_file : inputs) x.push_back(at::cat(per_file));
   const at::Tensor y = at::cat(targets);
   // Held out by a hash of the row number: the same rows on every machine and every run.
   std::vector<int64_t> train_rows, valid_rows;
@@ -192,7 +194,7 @@ SiteTensors load_site_tensors(const Config& c, size_t site_index, int rank, int 
     std::vector<int64_t> mine;
     for (int64_t r : rows) if (r >= 0) mine.push_back(r);
     const at::Tensor index = at::tensor(mine, at::kLong);
-    for (const auto& per_file : inputs) xs.push_back(at::cat(per_file).index_select(0, index));
+    for (const auto& input : x) xs.push_back(input.index_select(0, index));
     ys = y.index_select(0, index);
   };
   keep(train_rows, out.train_inputs, out.train_targets);
