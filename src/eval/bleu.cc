@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <random>
 #include <unordered_map>
 
 #include "nebula/error.h"
@@ -232,6 +233,72 @@ BleuScore corpus_bleu(const std::vector<std::string>& hypotheses, const std::vec
   return corpus_bleu_multi(hypotheses, {references}, options);
 }
 
+namespace {
+
+// One segment's statistics against its references (already prepared), or a DataError.
+SegmentStats segment_stats(const std::string& hypothesis, const std::vector<std::string>& refs, size_t segment,
+                           const BleuOptions& options) {
+  if (refs.empty()) {
+    throw DataError(str_cat("segment ", segment + 1, ": the reference is empty (sacreBLEU refuses these too); an empty "
+                            "reference line usually means the hypothesis and reference files are misaligned"));
+  }
+  NgramCounts ref_max;
+  std::vector<size_t> ref_lens;
+  for (const std::string& ref : refs) {
+    NgramCounts c;
+    ref_lens.push_back(count_ngrams(ref, c));
+    for (const auto& [g, n] : c) ref_max[g] = std::max(ref_max[g], n);
+  }
+  const std::string hyp = prepare(hypothesis, options);
+  NgramCounts hyp_counts;
+  const size_t hyp_len = count_ngrams(hyp, hyp_counts);
+  // The reference length closest to the hypothesis length; the shorter one on a tie.
+  size_t closest = ref_lens[0];
+  for (size_t len : ref_lens) {
+    const size_t d = len > hyp_len ? len - hyp_len : hyp_len - len;
+    const size_t best = closest > hyp_len ? closest - hyp_len : hyp_len - closest;
+    if (d < best || (d == best && len < closest)) closest = len;
+  }
+  SegmentStats s;
+  s.sys_len = hyp_len;
+  s.ref_len = closest;
+  for (size_t n = 0; n < kMaxOrder; ++n) s.totals[n] = hyp_len > n ? hyp_len - n : 0;
+  for (const auto& [g, n] : hyp_counts) {
+    auto it = ref_max.find(g);
+    if (it != ref_max.end()) s.counts[order_of(g) - 1] += std::min(n, it->second);
+  }
+  return s;
+}
+
+void add(SegmentStats& sum, const SegmentStats& s) {
+  for (size_t n = 0; n < kMaxOrder; ++n) {
+    sum.counts[n] += s.counts[n];
+    sum.totals[n] += s.totals[n];
+  }
+  sum.sys_len += s.sys_len;
+  sum.ref_len += s.ref_len;
+}
+
+BleuScore score_of(const SegmentStats& s, const BleuOptions& options) {
+  return compute_bleu(s.counts, s.totals, s.sys_len, s.ref_len, options);
+}
+
+}  // namespace
+
+std::vector<SegmentStats> segment_stats(const std::vector<std::string>& hypotheses,
+                                        const std::vector<std::string>& references, const BleuOptions& options) {
+  NEBULA_CHECK(references.size() == hypotheses.size(), "the references have ", references.size(),
+               " segments but there are ", hypotheses.size(), " hypotheses");
+  std::vector<SegmentStats> out;
+  out.reserve(hypotheses.size());
+  for (size_t i = 0; i < hypotheses.size(); ++i) {
+    std::vector<std::string> refs;
+    if (!references[i].empty()) refs.push_back(prepare(references[i], options));
+    out.push_back(segment_stats(hypotheses[i], refs, i, options));
+  }
+  return out;
+}
+
 BleuScore corpus_bleu_multi(const std::vector<std::string>& hypotheses,
                             const std::vector<std::vector<std::string>>& reference_sets, const BleuOptions& options) {
   NEBULA_CHECK(!reference_sets.empty(), "corpus BLEU needs at least one set of references");
@@ -239,48 +306,69 @@ BleuScore corpus_bleu_multi(const std::vector<std::string>& hypotheses,
     NEBULA_CHECK(reference_sets[k].size() == hypotheses.size(), "reference set ", k + 1, " has ",
                  reference_sets[k].size(), " segments but there are ", hypotheses.size(), " hypotheses");
   }
-  std::array<size_t, 4> counts{}, totals{};
-  size_t sys_len = 0, ref_len = 0;
+  SegmentStats sum;
   size_t num_refs = 0;  // per segment; 0 once it varies
   for (size_t i = 0; i < hypotheses.size(); ++i) {
     std::vector<std::string> refs;
     for (const auto& set : reference_sets) {
       if (!set[i].empty()) refs.push_back(prepare(set[i], options));
     }
-    if (refs.empty()) {
-      throw DataError(str_cat("segment ", i + 1, ": the reference is empty (sacreBLEU refuses these too); an empty "
-                              "reference line usually means the hypothesis and reference files are misaligned"));
-    }
     if (i == 0) num_refs = refs.size();
     if (num_refs != refs.size()) num_refs = 0;
-
-    NgramCounts ref_max;
-    std::vector<size_t> ref_lens;
-    for (const std::string& ref : refs) {
-      NgramCounts c;
-      ref_lens.push_back(count_ngrams(ref, c));
-      for (const auto& [g, n] : c) ref_max[g] = std::max(ref_max[g], n);
-    }
-    const std::string hyp = prepare(hypotheses[i], options);
-    NgramCounts hyp_counts;
-    const size_t hyp_len = count_ngrams(hyp, hyp_counts);
-    // The reference length closest to the hypothesis length; the shorter one on a tie.
-    size_t closest = ref_lens[0];
-    for (size_t len : ref_lens) {
-      const size_t d = len > hyp_len ? len - hyp_len : hyp_len - len;
-      const size_t best = closest > hyp_len ? closest - hyp_len : hyp_len - closest;
-      if (d < best || (d == best && len < closest)) closest = len;
-    }
-    sys_len += hyp_len;
-    ref_len += closest;
-    for (size_t n = 0; n < kMaxOrder; ++n) totals[n] += hyp_len > n ? hyp_len - n : 0;
-    for (const auto& [g, n] : hyp_counts) {
-      auto it = ref_max.find(g);
-      if (it != ref_max.end()) counts[order_of(g) - 1] += std::min(n, it->second);
-    }
+    add(sum, segment_stats(hypotheses[i], refs, i, options));
   }
-  BleuScore r = compute_bleu(counts, totals, sys_len, ref_len, options);
+  BleuScore r = score_of(sum, options);
   r.num_refs = hypotheses.empty() ? reference_sets.size() : num_refs;
+  return r;
+}
+
+PairedBootstrap paired_bootstrap(const std::vector<std::string>& baseline, const std::vector<std::string>& system,
+                                 const std::vector<std::string>& references, const BootstrapOptions& options) {
+  NEBULA_CHECK(baseline.size() == system.size(), "paired bootstrap: the baseline has ", baseline.size(),
+               " translations and the system ", system.size(), "; both must translate the same segments");
+  NEBULA_CHECK(options.samples >= 1, "paired bootstrap: samples must be >= 1, not ", options.samples);
+  const auto a = segment_stats(baseline, references, options.bleu);
+  const auto b = segment_stats(system, references, options.bleu);
+  PairedBootstrap r;
+  r.segments = a.size();
+  r.samples = options.samples;
+  SegmentStats sum_a, sum_b;
+  for (size_t i = 0; i < a.size(); ++i) {
+    add(sum_a, a[i]);
+    add(sum_b, b[i]);
+  }
+  r.baseline = score_of(sum_a, options.bleu).score;
+  r.system = score_of(sum_b, options.bleu).score;
+  r.delta = r.system - r.baseline;
+  if (a.empty()) return r;
+  // Koehn (2004): resample the test set with replacement, the same segments for both systems,
+  // and take the middle 95% of the corpus-BLEU differences.
+  std::mt19937_64 rng(options.seed);
+  std::uniform_int_distribution<size_t> pick(0, a.size() - 1);
+  std::vector<double> deltas;
+  deltas.reserve(options.samples);
+  size_t wins = 0;
+  for (size_t k = 0; k < options.samples; ++k) {
+    SegmentStats sa, sb;
+    for (size_t i = 0; i < a.size(); ++i) {
+      const size_t j = pick(rng);
+      add(sa, a[j]);
+      add(sb, b[j]);
+    }
+    const double d = score_of(sb, options.bleu).score - score_of(sa, options.bleu).score;
+    deltas.push_back(d);
+    if (d > 0) ++wins;
+  }
+  std::sort(deltas.begin(), deltas.end());
+  auto quantile = [&](double q) {
+    const double at = q * static_cast<double>(deltas.size() - 1);
+    const auto lo = static_cast<size_t>(std::floor(at));
+    const size_t hi = std::min(lo + 1, deltas.size() - 1);
+    return deltas[lo] + (deltas[hi] - deltas[lo]) * (at - static_cast<double>(lo));
+  };
+  r.low = quantile(0.025);
+  r.high = quantile(0.975);
+  r.system_better = static_cast<double>(wins) / static_cast<double>(deltas.size());
   return r;
 }
 

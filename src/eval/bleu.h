@@ -23,6 +23,7 @@
 
 #include <array>
 #include <cstddef>
+#include <cstdint>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -95,5 +96,34 @@ BleuScore corpus_bleu(const std::vector<std::string>& hypotheses, const std::vec
 BleuScore corpus_bleu_multi(const std::vector<std::string>& hypotheses,
                             const std::vector<std::vector<std::string>>& reference_sets,
                             const BleuOptions& options = {});
+
+// One segment's sufficient statistics: summing them over segments and calling compute_bleu
+// gives corpus BLEU (what resampling needs).
+struct SegmentStats {
+  std::array<size_t, 4> counts{};
+  std::array<size_t, 4> totals{};
+  size_t sys_len = 0;
+  size_t ref_len = 0;
+};
+// Per segment, one reference each (the same checks as corpus_bleu).
+std::vector<SegmentStats> segment_stats(const std::vector<std::string>& hypotheses,
+                                        const std::vector<std::string>& references, const BleuOptions& options = {});
+
+// Paired bootstrap resampling (Koehn, 2004; sacreBLEU's --paired-bs): two systems' translations
+// of the same segments, resampled together `samples` times with replacement.
+struct BootstrapOptions {
+  size_t samples = 1000;
+  uint64_t seed = 12345;  // the same seed gives the same interval
+  BleuOptions bleu;
+};
+struct PairedBootstrap {
+  double baseline = 0, system = 0;  // corpus BLEU of each on the whole test set
+  double delta = 0;                 // system − baseline
+  double low = 0, high = 0;         // 95% interval of the difference (2.5th and 97.5th percentiles)
+  double system_better = 0;         // fraction of resamples in which the system scores higher
+  size_t segments = 0, samples = 0;
+};
+PairedBootstrap paired_bootstrap(const std::vector<std::string>& baseline, const std::vector<std::string>& system,
+                                 const std::vector<std::string>& references, const BootstrapOptions& options = {});
 
 }  // namespace nebula::eval

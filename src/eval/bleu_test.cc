@@ -264,5 +264,68 @@ TEST(Bleu, PretokenizedTextSplitsOnWhitespaceOnly) {
   EXPECT_NE(s.format().find("tok:none"), std::string::npos);
 }
 
+
+TEST(Bleu, SegmentStatsSumToCorpusBleu) {
+  const std::vector<std::string> h = {"the cat sat on the mat", "a dog", "open the file now please"};
+  const std::vector<std::string> r = {"the cat sat on a mat", "the dog", "open the file please"};
+  SegmentStats sum;
+  for (const auto& s : segment_stats(h, r)) {
+    for (size_t n = 0; n < 4; ++n) {
+      sum.counts[n] += s.counts[n];
+      sum.totals[n] += s.totals[n];
+    }
+    sum.sys_len += s.sys_len;
+    sum.ref_len += s.ref_len;
+  }
+  const BleuScore whole = corpus_bleu(h, r);
+  EXPECT_EQ(sum.counts, whole.counts);
+  EXPECT_EQ(sum.totals, whole.totals);
+  EXPECT_EQ(sum.sys_len, whole.sys_len);
+  EXPECT_EQ(sum.ref_len, whole.ref_len);
+}
+
+// 200 segments; the system is the reference on the first k of them and the baseline's
+// (poor) output elsewhere, so the true difference grows with k.
+std::vector<std::string> mixed(const std::vector<std::string>& good, const std::vector<std::string>& bad, size_t k) {
+  std::vector<std::string> out = bad;
+  for (size_t i = 0; i < k; ++i) out[i] = good[i];
+  return out;
+}
+
+TEST(Bleu, PairedBootstrapBracketsTheDifferenceAndExcludesZeroOnlyWhenItShould) {
+  std::vector<std::string> refs, bad;
+  for (int i = 0; i < 200; ++i) {
+    refs.push_back("message number " + std::to_string(i) + " could not be opened for reading");
+    bad.push_back("the file " + std::to_string(i % 7) + " is not opened");
+  }
+  // Identical systems: the difference is exactly 0 in every resample.
+  PairedBootstrap same = paired_bootstrap(bad, bad, refs);
+  EXPECT_EQ(same.delta, 0);
+  EXPECT_EQ(same.low, 0);
+  EXPECT_EQ(same.high, 0);
+  EXPECT_EQ(same.segments, 200u);
+  // Much better on every segment: a large positive difference, the interval far from 0.
+  PairedBootstrap big = paired_bootstrap(bad, refs, refs);
+  EXPECT_NEAR(big.system, 100, 1e-9);
+  EXPECT_GT(big.low, 50);
+  EXPECT_GE(big.high, big.delta);
+  EXPECT_LE(big.low, big.delta);
+  EXPECT_EQ(big.system_better, 1.0);
+  // Better on 2 segments of 200: a small difference whose interval includes 0 ...
+  const auto slightly = mixed(refs, bad, 2);
+  PairedBootstrap small = paired_bootstrap(bad, slightly, refs);
+  EXPECT_GT(small.delta, 0);
+  EXPECT_LE(small.low, 0);
+  // ... and the same seed gives the same interval; the systems swapped give its mirror.
+  PairedBootstrap again = paired_bootstrap(bad, slightly, refs);
+  EXPECT_EQ(again.low, small.low);
+  EXPECT_EQ(again.high, small.high);
+  PairedBootstrap swapped = paired_bootstrap(slightly, bad, refs);
+  EXPECT_NEAR(swapped.delta, -small.delta, 1e-12);
+  EXPECT_NEAR(swapped.low, -small.high, 1e-9);
+  EXPECT_NEAR(swapped.high, -small.low, 1e-9);
+  EXPECT_THROW(paired_bootstrap(bad, {"x"}, refs), nebula::Error);
+}
+
 }  // namespace
 }  // namespace nebula::eval

@@ -102,6 +102,42 @@ TEST(MlmEncoder, LearnsAToyLanguage) {
   EXPECT_GT(after.value(), 0.5) << after.correct << "/" << after.total;
 }
 
+// The probe scores masked tokens only: a model that copies its input must not score the
+// positions training's 80/10/10 rule leaves unchanged. Scaled-up tied embeddings make the
+// untrained encoder such a copier (its output at a position is closest to its own input).
+TEST(MlmEncoder, AccuracyProbeGivesACopyingModelNothingForFree) {
+  at::manual_seed(0);
+  ModelConfig c;
+  c.dim = 32;
+  c.layers = 1;
+  c.heads = 2;
+  c.ffn = 64;
+  c.max_len = 16;
+  SpecialIds ids;
+  ids.vocab_size = 60;
+  MlmEncoder model(c, ids.vocab_size, ids.pad);
+  {
+    at::NoGradGuard no_grad;
+    for (auto& p : model->named_parameters())
+      if (p.key() == "tokens.weight")
+        p.value().mul_(20);
+  }
+  const auto seqs = toy_sequences(128, 60);
+  // It does copy: on unmasked input it predicts most tokens as themselves.
+  MlmBatcher batcher(seqs, ids, 0.0, 128, 1);
+  std::vector<const std::vector<int>*> all;
+  for (const auto& q : seqs) all.push_back(&q);
+  MlmBatch plain = batcher.make(all);
+  at::NoGradGuard no_grad;
+  model->eval();
+  at::Tensor real = plain.ids.ge(ids.first_ordinary);
+  const double copied = model->forward(plain.ids).argmax(-1).eq(plain.ids).logical_and(real).sum().item<double>() /
+                        real.sum().item<double>();
+  ASSERT_GT(copied, 0.5) << "the scaled model should copy its input";
+  const Accuracy probe = mlm_accuracy(*model, seqs, ids, 0.15, 9);
+  EXPECT_LT(probe.value(), 0.03) << probe.correct << "/" << probe.total;  // scored ~10% with unchanged positions
+}
+
 TEST(Xlingual, EmbeddingsIgnorePaddingAndIdenticalPairsAreAllRetrieved) {
   at::manual_seed(3);
   ModelConfig c;

@@ -10,6 +10,7 @@
 #include <map>
 
 #include "data/corpus.h"
+#include "eval/bleu.h"
 #include "eval/plot.h"
 #include "nebula/config.h"
 #include "nebula/error.h"
@@ -51,19 +52,51 @@ std::vector<eval::Series> loss_series(const std::string& run_dir, const std::str
 }
 
 // Retrieval accuracy per language over the steps of the run (each site evaluates its own).
-std::vector<eval::Series> retrieval_series(const std::string& run_dir) {
+std::vector<eval::Series> retrieval_series(const std::string& run_dir, const std::string& prefix) {
   std::map<std::string, eval::Series> by_lang;
   for (const auto& j : read_metrics(run_dir + "/metrics.jsonl")) {
     if (!j.contains("eval")) continue;
     for (auto& [lang, e] : j["eval"].items())
       if (e.contains("retrieval_accuracy")) {
-        by_lang[lang].label = lang;
+        by_lang[lang].label = prefix + lang;
         by_lang[lang].points.emplace_back(j.value("step", 0.0), 100 * e.value("retrieval_accuracy", 0.0));
       }
   }
   std::vector<eval::Series> out;
   for (auto& [lang, s] : by_lang) out.push_back(std::move(s));
   return out;
+}
+
+// translations-<site>.tsv (source, reference, translation per line, after a header line).
+struct Translations {
+  std::vector<std::string> sources, references, hypotheses;
+};
+Translations read_translations(const std::string& path) {
+  Translations t;
+  size_t line_no = 0;
+  for (const std::string& line : data::read_lines(path)) {
+    ++line_no;
+    if (line.empty() || line.rfind("# ", 0) == 0) continue;
+    const size_t a = line.find('\t'), b = a == std::string::npos ? a : line.find('\t', a + 1);
+    if (b == std::string::npos || line.find('\t', b + 1) != std::string::npos)
+      throw DataError(str_cat(path, ":", line_no, ": expected source<TAB>reference<TAB>translation"));
+    t.sources.push_back(line.substr(0, a));
+    t.references.push_back(line.substr(a + 1, b - a - 1));
+    t.hypotheses.push_back(line.substr(b + 1));
+  }
+  return t;
+}
+
+// The distilled student's BLEU against the plain one's on the same test sentences.
+eval::PairedBootstrap bootstrap_students(const std::string& plain_dir, const std::string& kd_dir, const std::string& site) {
+  const Translations plain = read_translations(str_cat(plain_dir, "/translations-", site, ".tsv"));
+  const Translations kd = read_translations(str_cat(kd_dir, "/translations-", site, ".tsv"));
+  if (plain.sources != kd.sources || plain.references != kd.references)
+    throw DataError(str_cat(plain_dir, " and ", kd_dir, ": the two students translated different test sentences (",
+                            plain.sources.size(), " and ", kd.sources.size(), "); they cannot be compared pairwise"));
+  eval::BootstrapOptions o;
+  o.bleu.smoothing = eval::BleuSmoothing::kExp;  // as the task's own BLEU
+  return eval::paired_bootstrap(plain.hypotheses, kd.hypotheses, plain.references, o);
 }
 
 int run_stage(const Config& c, const DemoOptions& o) {
@@ -120,16 +153,18 @@ int run_demo(const DemoOptions& o) {
   if (int rc = run_stage(pre, o)) return rc;
   const std::string tokenizer = pre.job.run_dir + "/tokenizer.model";
 
-  // 3. The synchronous baseline's bytes per step: a few steps of the same job with `sync`.
+  // 3. The baseline: the same job, steps, data and seed with synchronous data parallel, so the
+  // two are compared at equal tokens. Its bytes and losses do not depend on the link (every
+  // step exchanges the same gradients), so it runs over an unlimited one and takes less time.
   Config sync = pre;
   sync.job.name = "demo-sync";
   sync.job.run_dir = run + "/pretrain-sync";
-  sync.job.steps = q ? 4 : 20;
-  sync.job.log_every = sync.job.steps;
-  sync.eval = EvalConfig{0, 20, 1};
   sync.strategy = StrategyConfig{};  // sync, no codec
+  sync.wan.path = WanPathConfig{};
+  sync.wan.pairs.clear();
   sync.data.tokenizer = tokenizer;
-  banner(3, str_cat("baseline: ", sync.job.steps, " steps of synchronous data parallel, to measure its WAN bytes per step"));
+  banner(3, str_cat("baseline: the same ", sync.job.steps,
+                    " steps with synchronous data parallel (every step's gradients over the WAN; an unlimited link)"));
   if (int rc = run_stage(sync, o)) return rc;
 
   // 4–6. Translation (examples/demo_mt.toml): the teacher on site A, then the student on site
@@ -175,9 +210,7 @@ int run_demo(const DemoOptions& o) {
   const auto s_pre = read_json(pre.job.run_dir + "/summary.json"), s_sync = read_json(sync.job.run_dir + "/summary.json"),
              s_teacher = read_json(teacher.job.run_dir + "/summary.json"),
              s_kd = read_json(kd.job.run_dir + "/summary.json"), s_alone = read_json(alone.job.run_dir + "/summary.json");
-  const double sync_per_step = s_sync.value("wan_bytes", 0.0) / static_cast<double>(sync.job.steps);
-  const double sync_bytes = sync_per_step * static_cast<double>(pre.job.steps);
-  const double pre_bytes = s_pre.value("wan_bytes", 0.0);
+  const double sync_bytes = s_sync.value("wan_bytes", 0.0), pre_bytes = s_pre.value("wan_bytes", 0.0);
   auto bleu = [](const nlohmann::json& s) { return s["eval"].value("bleu", 0.0); };
   auto val = [](const nlohmann::json& s) { return s["final_val_loss"].is_number() ? s["final_val_loss"].get<double>() : 0.0; };
   const auto& d = s_kd["distill"];
@@ -186,29 +219,56 @@ int run_demo(const DemoOptions& o) {
   md += str_cat("Corpora: pre-training ", corpus.train.size(), " / ", corpus.valid.size(), " / ", corpus.test.size(),
                 " train / valid / test pairs (de, es, fr, it; ", run, "/corpus); translation ", mt_corpus.train.size(),
                 " / ", mt_corpus.valid.size(), " / ", mt_corpus.test.size(), " (en→de; ", run, "/corpus-de).\n\n");
-  md += "| stage | result |\n|---|---|\n";
-  md += str_cat("| pre-training, ", s_pre.value("strategy", "?"), " (", pre.job.steps, " steps, 2 sites) | WAN ",
-                format_bytes(pre_bytes), " vs ", format_bytes(sync_bytes), " for sync (", fixed(sync_per_step / 1048576, 2),
-                " MiB/step measured over ", sync.job.steps, " sync steps): **", fixed(sync_bytes / std::max(1.0, pre_bytes), 0),
-                "× fewer bytes**; val loss ", fixed(val(s_pre), 3), "; ", fixed(s_pre.value("wall_seconds", 0.0), 1), " s |\n");
+
+  // Pre-training: diloco against sync at equal tokens, quality next to bytes.
+  const double reduction = sync_bytes / std::max(1.0, pre_bytes);
+  const double loss_cost = val(s_pre) - val(s_sync);
+  md += str_cat("## Pre-training: ", s_pre.value("strategy", "?"), " against sync, the same ", pre.job.steps,
+                " steps on 2 sites\n\n");
+  md += str_cat("**", s_pre.value("strategy", "?"), " sent ", fixed(reduction, 0), "× fewer WAN bytes than sync; its "
+                "validation loss is ", fixed(val(s_pre), 3), " against ", fixed(val(s_sync), 3), " for sync (",
+                loss_cost >= 0 ? "+" : "", fixed(loss_cost, 3), ")**, at equal tokens.\n\n");
+  md += str_cat("| | ", s_pre.value("strategy", "?"), " | sync |\n|---|---|---|\n");
+  md += str_cat("| tokens | ", fixed(s_pre.value("tokens", 0.0), 0), " | ", fixed(s_sync.value("tokens", 0.0), 0), " |\n");
+  md += str_cat("| WAN bytes | ", format_bytes(pre_bytes), " | ", format_bytes(sync_bytes), " |\n");
+  md += str_cat("| validation loss | ", fixed(val(s_pre), 3), " | ", fixed(val(s_sync), 3), " |\n");
+  md += str_cat("| wall time | ", fixed(s_pre.value("wall_seconds", 0.0), 1), " s | ",
+                fixed(s_sync.value("wall_seconds", 0.0), 1), " s (unlimited link) |\n");
+  // Held-out probes, start → end, each on the run's final (merged) model; chance is 1/N.
+  auto probe = [&](const nlohmann::json& s, const std::string& lang, const char* key) {
+    const auto& end = s["eval"];
+    if (!end.contains(lang) || !end[lang].contains(key)) return std::string("–");
+    const auto& st = s.contains("eval_start") && s["eval_start"].contains(lang) ? s["eval_start"][lang] : end[lang];
+    return str_cat(pct(st.value(key, 0.0)), " → ", pct(end[lang].value(key, 0.0)));
+  };
   for (auto& [lang, e] : s_pre["eval"].items()) {
-    const auto& st = s_pre["eval_start"].contains(lang) ? s_pre["eval_start"][lang] : e;
-    md += str_cat("| held-out ", lang, " | MLM accuracy ", pct(st.value("mlm_accuracy", 0.0)), " → ",
-                  pct(e.value("mlm_accuracy", 0.0)));
+    md += str_cat("| ", lang, " MLM accuracy | ", probe(s_pre, lang, "mlm_accuracy"), " | ",
+                  probe(s_sync, lang, "mlm_accuracy"), " |\n");
     if (e.contains("retrieval_accuracy"))
-      md += str_cat("; retrieval ", pct(st.value("retrieval_accuracy", 0.0)), " → ", pct(e.value("retrieval_accuracy", 0.0)),
-                    " (chance ", pct(1 / std::max(1.0, e.value("pairs", 1.0))), ")");
-    md += " |\n";
+      md += str_cat("| ", lang, " retrieval (", e.value("pairs", 0.0), " pairs, chance ",
+                    pct(1 / std::max(1.0, e.value("pairs", 1.0))), ") | ", probe(s_pre, lang, "retrieval_accuracy"),
+                    " | ", probe(s_sync, lang, "retrieval_accuracy"), " |\n");
   }
-  md += str_cat("| teacher (", teacher.sites[0].name, ", ", teacher.job.steps, " steps) | BLEU ", fixed(bleu(s_teacher), 2),
-                ", val loss ", fixed(val(s_teacher), 3), " |\n");
-  md += str_cat("| student without distillation (", alone.sites[0].name, ") | BLEU ", fixed(bleu(s_alone), 2),
-                ", val loss ", fixed(val(s_alone), 3), " |\n");
-  md += str_cat("| student with distillation | BLEU ", fixed(bleu(s_kd), 2), ", val loss ", fixed(val(s_kd), 3), "; ",
-                d.value("tokens", 0), " teacher tokens at ", fixed(d.value("bytes_per_token", 0.0), 1),
-                " bytes/token vs ", fixed(d.value("fp32_logits_bytes_per_token", 0.0), 0), " for fp32 logits (",
+  md += str_cat("\nThe controller's decisions: ", s_pre["decisions"].dump(), "\n\n");
+
+  // Translation: the two students saw the same batches in the same order (batch_seed is keyed by
+  // the site's name); the difference of their BLEU on the whole test split, with its noise.
+  const auto boot = bootstrap_students(alone.job.run_dir, kd.job.run_dir, mt.sites[1].name);
+  md += "## Translation\n\n| model | BLEU | validation loss |\n|---|---|---|\n";
+  md += str_cat("| teacher (", teacher.sites[0].name, ", ", teacher.job.steps, " steps) | ", fixed(bleu(s_teacher), 2), " | ",
+                fixed(val(s_teacher), 3), " |\n");
+  md += str_cat("| student without distillation (", alone.sites[0].name, ", ", alone.job.steps, " steps) | ",
+                fixed(bleu(s_alone), 2), " | ", fixed(val(s_alone), 3), " |\n");
+  md += str_cat("| student with distillation (the same batches) | ", fixed(bleu(s_kd), 2), " | ", fixed(val(s_kd), 3),
+                " |\n");
+  md += str_cat("\nDistillation changed the student's BLEU by ", boot.delta >= 0 ? "+" : "", fixed(boot.delta, 2),
+                " (95% paired-bootstrap interval ", fixed(boot.low, 2), " to ", fixed(boot.high, 2), ", ", boot.samples,
+                " resamples of ", boot.segments, " test sentences; better in ", pct(boot.system_better),
+                " of them) and its validation loss by ", fixed(val(s_kd) - val(s_alone), 3), ". The teacher sent ",
+                d.value("tokens", 0), " tokens' top-", mt.distill.top_k, " at ", fixed(d.value("bytes_per_token", 0.0), 1),
+                " bytes/token against ", fixed(d.value("fp32_logits_bytes_per_token", 0.0), 0), " for fp32 logits (",
                 fixed(d.value("reduction_vs_fp32_logits", 0.0), 0), "× less); the student waited ",
-                fixed(d.value("wait_seconds", 0.0), 2), " s for the teacher in all |\n");
+                fixed(d.value("wait_seconds", 0.0), 2), " s for it in all.\n");
   md += str_cat("\nBLEU: sacreBLEU-compatible corpus BLEU (13a tokenization, exp smoothing), beam ", mt.eval.beam, ", on ",
                 s_kd["eval"].value("sentences", 0.0), " en→", mt.data.languages[0], " test pairs.\n");
 
@@ -218,7 +278,9 @@ int run_demo(const DemoOptions& o) {
   eval::write_line_chart(run + "/pretrain_loss.svg", series, loss_chart);
   eval::ChartOptions retrieval_chart{"Parallel-sentence retrieval (held-out pairs)", "step", "accuracy (%)"};
   retrieval_chart.y_from_zero = true;
-  eval::write_line_chart(run + "/retrieval.svg", retrieval_series(pre.job.run_dir), retrieval_chart);
+  auto retrieval = retrieval_series(pre.job.run_dir, "");
+  for (auto& r : retrieval_series(sync.job.run_dir, "sync: ")) retrieval.push_back(std::move(r));
+  eval::write_line_chart(run + "/retrieval.svg", retrieval, retrieval_chart);
   auto mt_series = loss_series(teacher.job.run_dir, "teacher ");
   for (auto& s : loss_series(alone.job.run_dir, "student ")) mt_series.push_back(std::move(s));
   for (auto& s : loss_series(kd.job.run_dir, "student + KD ")) mt_series.push_back(std::move(s));
@@ -239,13 +301,16 @@ int run_demo(const DemoOptions& o) {
                             {"corpus_pairs", {corpus.train.size(), corpus.valid.size(), corpus.test.size()}},
                             {"translation_corpus_pairs", {mt_corpus.train.size(), mt_corpus.valid.size(), mt_corpus.test.size()}},
                             {"pretrain", s_pre},
-                            {"sync_bytes_per_step", sync_per_step},
-                            {"sync_bytes_extrapolated", sync_bytes},
-                            {"wan_reduction_vs_sync", sync_bytes / std::max(1.0, pre_bytes)},
+                            {"pretrain_sync", s_sync},
+                            {"wan_reduction_vs_sync", reduction},
+                            {"val_loss_cost_vs_sync", loss_cost},
                             {"teacher_bleu", bleu(s_teacher)},
                             {"student_bleu", bleu(s_alone)},
                             {"student_kd_bleu", bleu(s_kd)},
-                            {"distill", d}};
+                            {"distill", d},
+                            {"distill_bleu_bootstrap", {{"delta", boot.delta}, {"low", boot.low}, {"high", boot.high},
+                                                        {"segments", boot.segments}, {"samples", boot.samples},
+                                                        {"system_better", boot.system_better}}}};
   write_json_atomically(run + "/summary.json", summary);
   {
     std::ofstream out(run + "/summary.md");

@@ -29,7 +29,7 @@ class MlmTask : public Task {
       tlm_sequences = tlm.size();
       sequences.insert(sequences.end(), std::make_move_iterator(tlm.begin()), std::make_move_iterator(tlm.end()));
     }
-    const uint64_t stream = c_.job.seed * 1000003 + ctx.who.site * 1009 + static_cast<uint64_t>(ctx.who.local_rank);
+    const uint64_t stream = batch_seed(c_, ctx.who);
     batches_ = std::make_unique<model::MlmBatcher>(std::move(sequences), ctx.ids, c_.data.mask_prob,
                                                    c_.data.batch_size, stream);
     if (!text.valid.empty())

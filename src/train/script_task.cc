@@ -23,7 +23,7 @@ class ScriptTask : public Task {
         data_(load_site_tensors(c_, ctx.who.site, ctx.who.local_rank,
                                 static_cast<int>(c_.sites[ctx.who.site].workers))),
         passes_(static_cast<size_t>(data_.train_rows()),
-                c_.job.seed * 1000003 + ctx.who.site * 1009 + static_cast<uint64_t>(ctx.who.local_rank)) {
+                batch_seed(c_, ctx.who)) {
     at::manual_seed(c_.job.seed);  // the module's own random ops (dropout)
     model_.to(ctx.device);
     model_.train(true);

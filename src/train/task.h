@@ -38,6 +38,12 @@ struct TaskContext {
   at::Device device = at::kCPU;  // the site's device for this worker (a task moves its model there)
 };
 
+// The seed of this worker's training batch order. It is keyed by the site's name and the
+// worker's rank, not by the site's index in [[sites]], so a site draws the same batches in any
+// job it is part of: the demo's plain student (a one-site job) and its distilled twin (the
+// second site of a two-site job) see the same batches in the same order.
+uint64_t batch_seed(const Config& config, const WorkerIdentity& who);
+
 class Task {
  public:
   virtual ~Task() = default;

@@ -60,7 +60,7 @@ class TranslationTask : public Task {
     if (train.empty())
       throw DataError(str_cat("site '", site.name, "': no sentence pairs to train a translation model on (a text "
                               "source has no translations: use gettext, tsv or corpus)"));
-    const uint64_t stream = c_.job.seed * 1000003 + ctx.who.site * 1009 + static_cast<uint64_t>(ctx.who.local_rank);
+    const uint64_t stream = batch_seed(c_, ctx.who);
     train_pairs_ = train.size();
     batches_ = std::make_unique<model::Seq2SeqBatcher>(std::move(train), ctx.ids, c_.data.batch_size, stream);
     Pairs valid = encode_pairs(*ctx.tokenizer, text.valid_pairs, c_.model.max_len);

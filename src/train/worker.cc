@@ -30,6 +30,7 @@
 #include "train/optimizer_state.h"
 #include "train/task.h"
 #include "transport/tcp_link.h"
+#include "wire/frame.h"
 
 namespace nebula::train {
 namespace {
@@ -129,6 +130,12 @@ void restore(const Checkpoint& k, Task& task, torch::optim::AdamW& optimizer, co
 
 void Task::save_model(const std::string& run_dir, const std::map<std::string, std::string>& metadata) {
   model::save_module(module(), run_dir + "/model.safetensors", metadata);
+}
+
+uint64_t batch_seed(const Config& c, const WorkerIdentity& who) {
+  const std::string& name = c.sites.at(who.site).name;
+  const uint32_t site = wire::crc32(0, {reinterpret_cast<const uint8_t*>(name.data()), name.size()});
+  return c.job.seed * 1000003 + uint64_t{site} * 1009 + static_cast<uint64_t>(who.local_rank);
 }
 
 std::string default_tokenizer_path(const Config& c) { return c.job.run_dir + "/tokenizer.model"; }
