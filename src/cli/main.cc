@@ -95,8 +95,8 @@ int main(int argc, char** argv) {
   bool plan_json = false;
   size_t plan_top = 0;
   auto* plan = app.add_subcommand(
-      "plan", "Predict step time, WAN bytes and compute utilization of each strategy and codec for a topology, "
-              "and recommend one (see examples/plan_*.toml)");
+      "plan", "Predict step time, WAN bytes, compute utilization and memory per worker of each strategy and codec "
+              "for a topology, and recommend one that nebula can run and that fits (see examples/plan_*.toml)");
   plan->add_option("topology", topology_path, "Topology (TOML): [model], [[sites]], [wan], [candidates], [planner]")
       ->required()
       ->check(CLI::ExistingFile);

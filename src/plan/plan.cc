@@ -66,6 +66,14 @@ void read_duration(Section& s, const std::string& key, double& seconds) {
       kUnitExamples);
 }
 
+// A byte size ("80GiB"); leaving the key out skips the memory check, so 0 is an error.
+void read_size(Section& s, const std::string& key, double& out) {
+  s.unit(key, out, [](const std::string& text) { return static_cast<double>(parse_size(text)); },
+         "\"80GiB\", \"512GB\"");
+  if (const toml::node* n = s.find(key); n && out == 0)
+    s.fail(*n, key, "must be more than 0 (leave the key out to skip the memory check)");
+}
+
 const char* kCountForms = "e.g. 70e9 or \"70B\" (K, M, B or G, T)";
 const char* kFlopsForms = "e.g. 4e14 or \"400T\" / \"400TFLOP/s\" (K, M, G, T, P, E)";
 
@@ -84,7 +92,21 @@ Topology build(const toml::table& root, const std::string& file) {
     read_si(s, "trainable", t.trainable, 1, {}, kCountForms);
     read_si(s, "tokens_per_step_per_worker", t.tokens_per_step_per_worker, 1e-9, {}, kCountForms);
     read_si(s, "flops_per_token", t.flops_per_token, 1e-9, {"FLOP", "FLOPs", "flop"}, kFlopsForms);
+    s.integer("layers", t.layers, 1, 1 << 20);
+    s.integer("hidden", t.hidden, 1, 1 << 24);
+    s.integer("heads", t.heads, 1, 1 << 20);
+    s.integer("sequence", t.sequence, 1, int64_t{1} << 30);
     s.finish();
+    // The activation estimate needs the whole shape; half of it would silently give 0.
+    const std::pair<const char*, int64_t> shape[] = {
+        {"layers", t.layers}, {"hidden", t.hidden}, {"heads", t.heads}, {"sequence", t.sequence}};
+    bool any = false;
+    for (const auto& [key, v] : shape) any |= v > 0;
+    for (const auto& [key, v] : shape)
+      if (any && v == 0)
+        s.fail(*model, key,
+               "missing: the activation estimate needs all of layers, hidden, heads and sequence (e.g. layers = 80, "
+               "hidden = 8192, heads = 64, sequence = 4096), or none of them");
     if (t.trainable == 0) t.trainable = t.parameters;
     if (t.trainable > t.parameters)
       s.fail(*model->get("trainable"), "trainable",
@@ -103,6 +125,8 @@ Topology build(const toml::table& root, const std::string& file) {
     read_si(s, "tokens_per_second_per_worker", site.tokens_per_second_per_worker, 1e-9, {}, kCountForms);
     read_rate(s, "lan_bandwidth", site.lan_bandwidth_bits);
     read_duration(s, "lan_latency", site.lan_latency_s);
+    read_size(s, "worker_memory", site.worker_memory);
+    read_size(s, "host_memory", site.host_memory);
     if (site.name.empty()) s.fail(st, "name", "must not be empty");
     if (!names.insert(site.name).second) s.fail(st, "name", str_cat("site name '", site.name, "' is used twice"));
     if ((site.worker_flops > 0) == (site.tokens_per_second_per_worker > 0))
@@ -112,6 +136,15 @@ Topology build(const toml::table& root, const std::string& file) {
     t.sites.push_back(site);
   });
   if (t.sites.empty()) throw ConfigError(str_cat(file, ": key 'sites': a topology needs at least one [[sites]]"));
+  // A memory key on some sites only would check those and wave the others through.
+  for (auto [key, member] : {std::pair{"worker_memory", &SitePlan::worker_memory}, std::pair{"host_memory", &SitePlan::host_memory}}) {
+    size_t given = 0;
+    for (const auto& site : t.sites) given += site.*member > 0;
+    for (size_t i = 0; i < t.sites.size(); ++i)
+      if (given > 0 && given < t.sites.size() && t.sites[i].*member == 0)
+        throw ConfigError(str_cat(file, ": key 'sites[", i, "].", key, "': missing: site '", t.sites[i].name,
+                                  "' has none while other sites have one; give it to every site or to none"));
+  }
 
   if (const toml::table* wan = top.table("wan")) {
     Section s(*wan, "wan", file);
@@ -143,6 +176,7 @@ Topology build(const toml::table& root, const std::string& file) {
     s.integers("inner_steps", t.inner_steps, 1, 1 << 20);
     s.integers("fragments", t.fragments, 1, 1 << 16);
     s.integers("delay", t.delays, 0, 1 << 20);
+    s.strings("shard", t.shards, shard_modes());
     s.integer("codec_block", t.codec.block, 2, 1 << 24);
     s.number("codec_density", t.codec.density, 1e-6, 1.0);
     s.number("powersgd_ratio", t.codec.powersgd_ratio, 1.0, 1e9);
@@ -235,12 +269,52 @@ std::string count(double v) {
 }
 
 std::string label(const Candidate& c) {
-  if (c.strategy == "sync") return str_cat("sync/", c.codec);
-  if (c.strategy == "diloco") return str_cat("diloco/", c.codec, " H=", c.inner_steps);
-  return str_cat("streaming/", c.codec, " H=", c.inner_steps, " F=", c.fragments, " delay=", c.delay);
+  const std::string shard = c.shard == "none" ? "" : str_cat(" shard=", c.shard);
+  if (c.strategy == "sync") return str_cat("sync/", c.codec, shard);
+  if (c.strategy == "diloco") return str_cat("diloco/", c.codec, " H=", c.inner_steps, shard);
+  return str_cat("streaming/", c.codec, " H=", c.inner_steps, " F=", c.fragments, " delay=", c.delay, shard);
 }
 
 std::string percent(double u) { return fmt("%.1f%%", 100 * u); }
+
+std::string pad(const std::string& s, size_t width) { return s.size() >= width ? s : s + std::string(width - s.size(), ' '); }
+
+// none/fp16/bf16 are plain casts; the others keep what they did not send (codec.h).
+bool keeps_residual(const std::string& codec) { return codec != "none" && codec != "fp16" && codec != "bf16"; }
+
+const char* zero_name(const std::string& shard) {
+  return shard == "optimizer" ? "ZeRO-1" : shard == "gradients" ? "ZeRO-2" : shard == "full" ? "ZeRO-3" : "";
+}
+
+// The gateway memory of the site that needs the most device memory, and why the candidate
+// does not fit (empty when it does, or nothing is given to check against).
+struct Need {
+  Memory memory;
+  std::string misfit;
+};
+
+Need need(const Topology& t, const Candidate& c) {
+  Need out;
+  double worst = -1;
+  for (size_t i = 0; i < t.sites.size(); ++i) {
+    const SitePlan& s = t.sites[i];
+    const Memory m = gateway_memory(t, i, c);
+    if (m.device() > worst) {
+      worst = m.device();
+      out.memory = m;
+    }
+    if (!out.misfit.empty()) continue;
+    if (s.worker_memory > 0 && m.device() > s.worker_memory)
+      out.misfit = str_cat("needs ", format_bytes(m.device()), " of device memory per worker at site ", s.name,
+                           ", has ", format_bytes(s.worker_memory));
+    else if (s.host_memory > 0 && m.host() > s.host_memory)
+      out.misfit = str_cat("the gateway needs ", format_bytes(m.host()), " of host memory at site ", s.name, ", has ",
+                           format_bytes(s.host_memory));
+  }
+  return out;
+}
+
+bool eligible(const Prediction& p) { return p.runnable && p.fits; }
 
 // Quality risk, lowest first: least compression, fewest inner steps, simplest strategy.
 bool less_risky(const Prediction& a, const Prediction& b) {
@@ -299,22 +373,66 @@ double payload_bytes(const std::string& codec, double m, const CodecParams& p) {
   throw Error(str_cat("plan: unknown codec '", codec, "'"));
 }
 
+const std::vector<std::string>& shard_modes() {
+  static const std::vector<std::string> modes = {"none", "optimizer", "gradients", "full"};
+  return modes;
+}
+
+bool runnable(const Candidate& c) { return c.shard == "none"; }
+
+Memory gateway_memory(const Topology& t, size_t site, const Candidate& c) {
+  NEBULA_CHECK(site < t.sites.size(), "site ", site, " of ", t.sites.size());
+  const auto mode = std::find(shard_modes().begin(), shard_modes().end(), c.shard);
+  if (mode == shard_modes().end()) throw Error(str_cat("plan: unknown shard mode '", c.shard, "'"));
+  const bool sync = c.strategy == "sync", streaming = c.strategy == "streaming";
+  if (!sync && !streaming && c.strategy != "diloco") throw Error(str_cat("plan: unknown strategy '", c.strategy, "'"));
+  const size_t level = static_cast<size_t>(mode - shard_modes().begin());
+  const double N = static_cast<double>(t.sites[site].workers);
+  const double S = static_cast<double>(t.sites.size());
+  const double d_opt = level >= 1 ? N : 1, d_grad = level >= 2 ? N : 1, d_param = level >= 3 ? N : 1;
+  const double n = t.parameters, tr = t.trainable;
+  const double F = streaming ? static_cast<double>(c.fragments) : 1;
+  const double m = tr / F;  // values per exchange
+  // Streaming sends a fragment every H/F steps and merges it τ steps later.
+  const double in_flight =
+      streaming ? std::min(F, std::floor(static_cast<double>(c.delay) * F / static_cast<double>(c.inner_steps)) + 1) : 1;
+
+  Memory mem;
+  mem.parameters = 4 * n / d_param;
+  mem.gradients = (sync ? 2 : 1) * 4 * tr / d_grad;
+  mem.optimizer = 8 * tr / d_opt;
+  if (t.has_shape()) {
+    const double L = static_cast<double>(t.layers), h = static_cast<double>(t.hidden);
+    const double a = static_cast<double>(t.heads), seq = static_cast<double>(t.sequence);
+    mem.activations = L * t.tokens_per_step_per_worker * (66 * h + 9 * a * seq);
+  }
+  if (sync || N > 1) mem.buffers = 4 * tr / d_grad;
+  if (!sync) mem.outer = 8 * tr / d_opt + in_flight * 4 * m / d_param;
+  if (S > 1) {
+    if (keeps_residual(c.codec)) mem.codec_state = 4 * tr;
+    mem.exchange = in_flight * ((sync ? 0 : 4 * m) + S * payload_bytes(c.codec, m, t.codec) + 4 * m);
+  }
+  return mem;
+}
+
 std::vector<Candidate> enumerate_candidates(const Topology& t) {
   std::vector<Candidate> out;
-  for (const auto& strategy : t.strategies) {
-    for (const auto& codec : t.codecs) {
-      if (strategy == "sync") {
-        if (codec != "sparseloco") out.push_back({strategy, codec, 1, 1, 0});
-        continue;
-      }
-      for (int64_t h : t.inner_steps) {
-        if (strategy == "diloco") {
-          out.push_back({strategy, codec, h, 1, 0});
+  for (const auto& shard : t.shards) {
+    for (const auto& strategy : t.strategies) {
+      for (const auto& codec : t.codecs) {
+        if (strategy == "sync") {
+          if (codec != "sparseloco") out.push_back({strategy, codec, 1, 1, 0, shard});
           continue;
         }
-        for (int64_t f : t.fragments)
-          for (int64_t d : t.delays)
-            if (f <= h && d < h) out.push_back({strategy, codec, h, f, d});
+        for (int64_t h : t.inner_steps) {
+          if (strategy == "diloco") {
+            out.push_back({strategy, codec, h, 1, 0, shard});
+            continue;
+          }
+          for (int64_t f : t.fragments)
+            for (int64_t d : t.delays)
+              if (f <= h && d < h) out.push_back({strategy, codec, h, f, d, shard});
+        }
       }
     }
   }
@@ -389,6 +507,11 @@ Prediction predict(const Topology& t, const Candidate& c) {
   }
   p.utilization = busy / (workers * p.step_s);
   p.tokens_per_s = tokens / p.step_s;
+  Need nd = need(t, c);
+  p.memory = nd.memory;
+  p.runnable = runnable(c);
+  p.fits = nd.misfit.empty();
+  p.misfit = std::move(nd.misfit);
   return p;
 }
 
@@ -399,15 +522,57 @@ Plan make_plan(const Topology& t) {
   for (const auto& s : t.sites)
     plan.ideal_tokens_per_s += static_cast<double>(s.workers) * t.tokens_per_step_per_worker / site_compute_s(t, s);
 
+  // What nebula can run and what fits comes first: a candidate that cannot run is no answer,
+  // however fast it would be.
   std::stable_sort(plan.predictions.begin(), plan.predictions.end(), [](const Prediction& a, const Prediction& b) {
+    if (eligible(a) != eligible(b)) return eligible(a);
     if (a.utilization != b.utilization) return a.utilization > b.utilization;
     return less_risky(a, b);
   });
+  if (!eligible(plan.predictions.front())) {
+    // Nothing to recommend: say what the smallest runnable candidate needs, and whether a
+    // shard mode (not yet runnable) would fit.
+    const Prediction* smallest = nullptr;
+    const Prediction* sharded = nullptr;
+    for (const auto& p : plan.predictions) {
+      const auto bytes = [](const Prediction& q) { return std::pair{q.memory.device(), q.memory.host()}; };
+      if (p.runnable && (!smallest || bytes(p) < bytes(*smallest))) smallest = &p;
+      if (!p.runnable && p.fits && !sharded) sharded = &p;  // the best utilization among them
+    }
+    if (smallest)
+      plan.reason = str_cat("nothing nebula can run today (shard = \"none\") fits: the smallest, ", label(smallest->candidate),
+                            ", ", smallest->misfit);
+    else
+      plan.reason = "nothing: [candidates] shard has no \"none\", and nebula runs only shard = \"none\" today";
+    // Sharding cannot help when the activations alone are too big.
+    double least_device = kUnlimited;
+    for (const auto& s : t.sites)
+      if (s.worker_memory > 0) least_device = std::min(least_device, s.worker_memory);
+    const double activations = plan.predictions.front().memory.activations;  // the same for every candidate
+    if (activations > least_device)
+      plan.reason += str_cat(". The activations alone (", format_bytes(activations),
+                             " per worker-step without checkpointing) exceed ", format_bytes(least_device),
+                             ": sharding does not shrink them; fewer tokens_per_step_per_worker or activation "
+                             "checkpointing (not in nebula) would");
+    if (sharded)
+      plan.reason += str_cat(". With shard = \"", sharded->candidate.shard, "\" (", zero_name(sharded->candidate.shard),
+                             ", not runnable yet) ", label(sharded->candidate), " would fit");
+    else if (std::find(t.shards.begin(), t.shards.end(), "full") == t.shards.end())
+      plan.reason += ". The memory table shows what sharding (not runnable yet) would need";
+    else
+      plan.reason += ". No shard mode fits either";
+    return plan;
+  }
+
   const Prediction& best = plan.predictions.front();
   const double floor = best.utilization * (1 - t.tolerance);
-  size_t pick = 0, close = 0;
+  size_t pick = 0, close = 0, left_out = 0;
   for (size_t i = 0; i < plan.predictions.size(); ++i) {
     const Prediction& p = plan.predictions[i];
+    if (!eligible(p)) {
+      left_out += p.runnable;
+      continue;
+    }
     if (p.utilization < floor) continue;
     ++close;
     if (less_risky(p, plan.predictions[pick])) pick = i;
@@ -432,8 +597,46 @@ Plan make_plan(const Topology& t) {
   if (best.utilization < 0.5)
     plan.reason += str_cat(". Even the best keeps workers busy only ", percent(best.utilization),
                            " of the time: communication dominates");
+  if (left_out > 0) plan.reason += str_cat(". ", left_out, " candidate(s) that do not fit in memory were left out");
   return plan;
 }
+
+namespace {
+
+// Per strategy, the candidate (shard none) that needs the least memory, then each shard mode
+// of it: what sharding would buy.
+std::vector<std::pair<Candidate, Need>> memory_rows(const Topology& t) {
+  std::vector<std::pair<Candidate, Need>> rows;
+  for (const auto& strategy : t.strategies) {
+    std::optional<Candidate> least;
+    double least_bytes = 0;
+    Topology one = t;
+    one.strategies = {strategy};
+    one.shards = {"none"};
+    for (const auto& c : enumerate_candidates(one)) {
+      const Memory m = need(t, c).memory;
+      if (!least || m.device() + m.host() < least_bytes) {
+        least = c;
+        least_bytes = m.device() + m.host();
+      }
+    }
+    if (!least) continue;
+    for (const auto& shard : shard_modes()) {
+      Candidate c = *least;
+      c.shard = shard;
+      rows.emplace_back(c, need(t, c));
+    }
+  }
+  return rows;
+}
+
+std::string fits_word(const Topology& t, const std::string& misfit) {
+  bool checked = false;
+  for (const auto& s : t.sites) checked |= s.worker_memory > 0 || s.host_memory > 0;
+  return !checked ? "-" : misfit.empty() ? "yes" : "no";
+}
+
+}  // namespace
 
 std::string format_table(const Topology& t, const Plan& plan, size_t top) {
   std::ostringstream out;
@@ -448,48 +651,109 @@ std::string format_table(const Topology& t, const Plan& plan, size_t top) {
       << "; WAN " << rate(t.wan.bandwidth_bits) << ", RTT " << seconds(t.wan.rtt_s)
       << (t.pairs.empty() ? "" : str_cat(" (", t.pairs.size(), " pair override(s))"))
       << (t.sites.size() > 2 ? (t.shared_uplink ? ", shared gateway uplink" : ", independent pairs") : "")
-      << "; overlap " << fmt("%.2f", t.overlap) << "\n\n";
-  char line[256];
-  std::snprintf(line, sizeof line, "  %-10s %-10s %5s %4s %5s %11s %12s %14s %7s %6s\n", "strategy", "codec", "H", "F",
-                "delay", "step", "WAN/step", "WAN/1000 steps", "util", "ratio");
+      << "; overlap " << fmt("%.2f", t.overlap) << "\n";
+  std::set<double> device, host;
+  for (const auto& s : t.sites) {
+    if (s.worker_memory > 0) device.insert(s.worker_memory);
+    if (s.host_memory > 0) host.insert(s.host_memory);
+  }
+  auto sizes = [](const std::set<double>& v) {
+    std::string o;
+    for (double b : v) o += (o.empty() ? "" : " / ") + format_bytes(b);
+    return o;
+  };
+  out << "  memory per worker: "
+      << (device.empty() ? "worker_memory not given (device fit not checked)" : str_cat(sizes(device), " device"))
+      << (host.empty() ? "" : str_cat(", ", sizes(host), " host (gateway)"))
+      << (t.has_shape() ? str_cat("; activations for ", t.layers, " layers x ", t.hidden, " wide, ", t.heads,
+                                  " heads, sequence ", t.sequence, ", no checkpointing")
+                        : "; activations not estimated (give [model] layers, hidden, heads, sequence)")
+      << "\n\n";
+  const bool sharded = t.shards.size() != 1 || t.shards[0] != "none";
+  char line[320];
+  // The shard column only when shard modes are candidates.
+  auto shard_col = [&](const std::string& v) { return sharded ? pad(v, 10) + " " : std::string(); };
+  std::snprintf(line, sizeof line, "  %-10s %-10s %5s %4s %5s %s%11s %12s %14s %7s %6s %11s %11s %4s\n", "strategy",
+                "codec", "H", "F", "delay", shard_col("shard").c_str(), "step", "WAN/step", "WAN/1000 steps", "util",
+                "ratio", "device/wkr", "host/gw", "fits");
   out << line;
   auto row = [&](size_t i) {
     const Prediction& p = plan.predictions[i];
     const Candidate& c = p.candidate;
     const bool streaming = c.strategy == "streaming";
-    std::snprintf(line, sizeof line, "%s %-10s %-10s %5s %4s %5s %11s %12s %14s %7s %5.1fx\n",
-                  i == plan.recommended ? "*" : " ", c.strategy.c_str(), c.codec.c_str(),
+    const std::string shard = p.runnable ? c.shard : c.shard + "*";
+    std::snprintf(line, sizeof line, "%s %-10s %-10s %5s %4s %5s %s%11s %12s %14s %7s %5.1fx %11s %11s %4s\n",
+                  plan.recommended == i ? "*" : " ", c.strategy.c_str(), c.codec.c_str(),
                   c.strategy == "sync" ? "-" : std::to_string(c.inner_steps).c_str(),
                   streaming ? std::to_string(c.fragments).c_str() : "-",
-                  streaming ? std::to_string(c.delay).c_str() : "-", seconds(p.step_s).c_str(),
+                  streaming ? std::to_string(c.delay).c_str() : "-", shard_col(shard).c_str(), seconds(p.step_s).c_str(),
                   format_bytes(p.wan_bytes_per_step).c_str(), format_bytes(1000 * p.wan_bytes_per_step).c_str(),
-                  percent(p.utilization).c_str(), p.compression);
+                  percent(p.utilization).c_str(), p.compression, format_bytes(p.memory.device()).c_str(),
+                  format_bytes(p.memory.host()).c_str(), fits_word(t, p.misfit).c_str());
     out << line;
   };
   const size_t shown = top == 0 ? plan.predictions.size() : std::min(top, plan.predictions.size());
   for (size_t i = 0; i < shown; ++i) row(i);
   if (shown < plan.predictions.size()) {
-    if (plan.recommended >= shown) {
+    if (plan.recommended && *plan.recommended >= shown) {
       out << "  ...\n";
-      row(plan.recommended);
+      row(*plan.recommended);
     }
     out << "  (" << plan.predictions.size() - shown << " more; --top 0 shows all)\n";
   }
-  const Prediction& r = plan.predictions[plan.recommended];
-  out << "\nrecommended: " << label(r.candidate) << " (" << seconds(r.step_s) << " per step, "
-      << format_bytes(r.wan_bytes_per_step) << " WAN per step, " << count(r.tokens_per_s) << " tokens/s of "
-      << count(plan.ideal_tokens_per_s) << " ideal)\n  why: " << plan.reason << "\n";
+  if (sharded) out << "  * not runnable yet: nebula runs shard = \"none\" only\n";
+
+  // Memory by strategy and shard mode: where the bytes go.
+  out << "\nmemory per worker, the gateway (it holds the most) of the site that needs the most; the least hungry "
+         "candidate of each strategy\n";
+  std::snprintf(line, sizeof line, "  %-40s %-10s %10s %10s %10s %10s %10s | %10s %10s %10s %10s %10s %4s\n", "candidate",
+                "shard", "params", "grads", "AdamW", "activ.", "device", "buffers", "outer", "codec EF", "exchange",
+                "host", "fits");
+  out << line;
+  for (const auto& [c, nd] : memory_rows(t)) {
+    const Memory& m = nd.memory;
+    Candidate plain = c;
+    plain.shard = "none";
+    const std::string shard = c.shard == "none" ? "none" : str_cat(c.shard, "*");
+    std::snprintf(line, sizeof line, "  %-40s %-10s %10s %10s %10s %10s %10s | %10s %10s %10s %10s %10s %4s\n",
+                  label(plain).c_str(), shard.c_str(), format_bytes(m.parameters).c_str(),
+                  format_bytes(m.gradients).c_str(), format_bytes(m.optimizer).c_str(),
+                  format_bytes(m.activations).c_str(), format_bytes(m.device()).c_str(), format_bytes(m.buffers).c_str(),
+                  format_bytes(m.outer).c_str(), format_bytes(m.codec_state).c_str(), format_bytes(m.exchange).c_str(),
+                  format_bytes(m.host()).c_str(), fits_word(t, nd.misfit).c_str());
+    out << line;
+  }
+  out << "  * ZeRO-1/2/3 inside a site (optimizer / +gradients / +parameters), not runnable yet. Device: GPU; host: "
+         "nebula keeps communication and outer state there\n";
+
+  if (plan.recommended) {
+    const Prediction& r = plan.predictions[*plan.recommended];
+    out << "\nrecommended: " << label(r.candidate) << " (" << seconds(r.step_s) << " per step, "
+        << format_bytes(r.wan_bytes_per_step) << " WAN per step, " << count(r.tokens_per_s) << " tokens/s of "
+        << count(plan.ideal_tokens_per_s) << " ideal; " << format_bytes(r.memory.device()) << " device, "
+        << format_bytes(r.memory.host()) << " host per worker)\n  why: " << plan.reason << "\n";
+  } else {
+    out << "\nrecommended: nothing\n  why: " << plan.reason << "\n";
+  }
   return out.str();
 }
 
 std::string format_json(const Topology& t, const Plan& plan) {
   auto finite = [](double v) { return std::isfinite(v) ? nlohmann::ordered_json(v) : nlohmann::ordered_json(nullptr); };
+  auto memory = [](const Memory& m) {
+    return nlohmann::ordered_json{{"parameters", m.parameters},   {"gradients", m.gradients},
+                                  {"optimizer", m.optimizer},     {"activations", m.activations},
+                                  {"device", m.device()},         {"buffers", m.buffers},
+                                  {"outer", m.outer},             {"codec_state", m.codec_state},
+                                  {"exchange", m.exchange},       {"host", m.host()}};
+  };
   auto one = [&](const Prediction& p, bool recommended) {
     return nlohmann::ordered_json{{"strategy", p.candidate.strategy},
                           {"codec", p.candidate.codec},
                           {"inner_steps", p.candidate.inner_steps},
                           {"fragments", p.candidate.fragments},
                           {"delay", p.candidate.delay},
+                          {"shard", p.candidate.shard},
                           {"step_seconds", p.step_s},
                           {"compute_seconds", p.compute_s},
                           {"lan_allreduce_seconds", p.lan_s},
@@ -499,6 +763,10 @@ std::string format_json(const Topology& t, const Plan& plan) {
                           {"compression", p.compression},
                           {"utilization", p.utilization},
                           {"tokens_per_second", p.tokens_per_s},
+                          {"memory_bytes_per_worker", memory(p.memory)},
+                          {"runnable", p.runnable},
+                          {"fits", p.fits},
+                          {"misfit", p.misfit.empty() ? nlohmann::ordered_json(nullptr) : nlohmann::ordered_json(p.misfit)},
                           {"recommended", recommended}};
   };
   nlohmann::ordered_json sites = nlohmann::ordered_json::array();
@@ -507,17 +775,37 @@ std::string format_json(const Topology& t, const Plan& plan) {
                      {"workers", s.workers},
                      {"compute_seconds", site_compute_s(t, s)},
                      {"lan_bandwidth_bits_per_s", finite(s.lan_bandwidth_bits)},
-                     {"lan_latency_seconds", s.lan_latency_s}});
+                     {"lan_latency_seconds", s.lan_latency_s},
+                     {"worker_memory_bytes", s.worker_memory > 0 ? nlohmann::ordered_json(s.worker_memory) : nullptr},
+                     {"host_memory_bytes", s.host_memory > 0 ? nlohmann::ordered_json(s.host_memory) : nullptr}});
   nlohmann::ordered_json rows = nlohmann::ordered_json::array();
-  for (size_t i = 0; i < plan.predictions.size(); ++i) rows.push_back(one(plan.predictions[i], i == plan.recommended));
-  nlohmann::ordered_json rec = one(plan.predictions[plan.recommended], true);
-  rec["reason"] = plan.reason;
+  for (size_t i = 0; i < plan.predictions.size(); ++i) rows.push_back(one(plan.predictions[i], plan.recommended == i));
+  nlohmann::ordered_json rec = nullptr;
+  if (plan.recommended) {
+    rec = one(plan.predictions[*plan.recommended], true);
+    rec["reason"] = plan.reason;
+  }
+  nlohmann::ordered_json by_strategy = nlohmann::ordered_json::array();
+  for (const auto& [c, nd] : memory_rows(t))
+    by_strategy.push_back({{"strategy", c.strategy},
+                           {"codec", c.codec},
+                           {"inner_steps", c.inner_steps},
+                           {"fragments", c.fragments},
+                           {"delay", c.delay},
+                           {"shard", c.shard},
+                           {"runnable", runnable(c)},
+                           {"fits", nd.misfit.empty()},
+                           {"memory_bytes_per_worker", memory(nd.memory)}});
   nlohmann::ordered_json j = {{"topology",
                        {{"source", t.source},
                         {"parameters", t.parameters},
                         {"trainable", t.trainable},
                         {"tokens_per_step_per_worker", t.tokens_per_step_per_worker},
                         {"flops_per_token", t.flops_per_token},
+                        {"layers", t.layers},
+                        {"hidden", t.hidden},
+                        {"heads", t.heads},
+                        {"sequence", t.sequence},
                         {"sites", sites},
                         {"wan_bandwidth_bits_per_s", finite(t.wan.bandwidth_bits)},
                         {"wan_rtt_seconds", t.wan.rtt_s},
@@ -527,6 +815,8 @@ std::string format_json(const Topology& t, const Plan& plan) {
                         {"heterogeneous", t.heterogeneous}}},
                       {"ideal_tokens_per_second", plan.ideal_tokens_per_s},
                       {"recommended", rec},
+                      {"reason", plan.reason},
+                      {"memory_by_strategy", by_strategy},
                       {"candidates", rows}};
   return j.dump(2) + "\n";
 }

@@ -60,6 +60,40 @@
 //  communication divided by the time per token with this LAN and WAN.
 //  tokens/s = Σ_s w_s (H_s/H) tokens_per_step_per_worker / step   (H_s = H = 1 for sync)
 //
+//  memory    bytes per worker, by where they live (nebula trains in float32: the parameters are
+//            their own fp32 master copy; nothing is mixed precision). n = parameters, t =
+//            trainable, N = workers of the site, S = sites, m = values per exchange (t; t/F
+//            for streaming), k = exchanges in flight at once (1; streaming:
+//            min(F, ⌊τ·F/H⌋ + 1)), P(m) the payload above. Sharding divides by N what it
+//            shards: d_O = N from shard "optimizer" on, d_G = N from "gradients" on, d_P = N for
+//            "full" (else 1).
+//            device (GPU): parameters 4n/d_P; gradients 4t/d_G (+4t/d_G for sync: the copies its
+//              backward hooks take); AdamW's two moments 8t/d_O; activations (below).
+//            host, every worker: the flat all-reduce buffer 4t/d_G (sync: the pinned buffer
+//              its buckets are gathered into; diloco/streaming: only when N > 1);
+//              diloco/streaming outer state: θ_global + outer momentum 8t/d_O (summed over
+//              fragments) + θ_local at send, k·4m/d_P.
+//            host, the gateway only (S > 1), not sharded (one gateway encodes the whole site's
+//              update): codec error-feedback residual 4t (int8, int4, topk, powersgd,
+//              sparseloco; none/fp16/bf16 keep none); per exchange in flight, the
+//              pseudo-gradient 4m (diloco/streaming), every site's payload S·P(m) (the
+//              all-gather holds them all) and one decoded part 4m.
+//            The gateway holds the most, so it is what must fit.
+//  activations  with activation checkpointing off, per worker-step of T =
+//            tokens_per_step_per_worker tokens, L layers of width h, a heads, sequence s:
+//              L · T · (66·h + 9·a·s) bytes
+//            Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer
+//            Models", eq. 2: s·b·h·(34 + 5·a·s/h) bytes with 16-bit activations and 1-byte
+//            dropout masks) with float32 activations: of the 34 sbh, 32 are 2-byte tensors
+//            (→ 64) and 2 are masks (→ 2); of the 5 as²b, 4 are 2-byte (→ 8) and 1 a mask (→ 1).
+//            Embeddings, logits (T · vocab · 4) and allocator slack are left out, so it is a
+//            lower bound. Without [model] layers/hidden/heads/sequence activations are not
+//            estimated (0, and the output says so).
+//  A candidate fits when, at every site, the device need is at most [[sites]] worker_memory
+//  and the gateway's host need at most host_memory (each checked where given). nebula runs
+//  shard = "none" today: the other modes are what a planned [parallel] shard (ZeRO-1/2/3
+//  inside a site) would give, shown but never recommended.
+//
 //  Not modelled: encode/decode compute, stragglers, jitter, packet loss, TCP slow start, the
 //  loss penalty of compression or staleness (the recommendation only orders candidates by
 //  that risk, see make_plan()).
@@ -75,6 +109,7 @@
 
 #include <cstdint>
 #include <limits>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -89,6 +124,8 @@ struct SitePlan {
   double tokens_per_second_per_worker = 0;  // measured; 0 = not given (exactly one is given)
   double lan_bandwidth_bits = kUnlimited;   // per ring hop; "0" in the file = unlimited
   double lan_latency_s = 0;                 // per ring hop
+  double worker_memory = 0;                 // device memory per worker, bytes; 0 = not given (not checked)
+  double host_memory = 0;                   // host memory per worker process, bytes; 0 = not given
 };
 
 struct WanPath {
@@ -117,6 +154,9 @@ struct Topology {
   double trainable = 0;                     // defaults to parameters
   double tokens_per_step_per_worker = 0;
   double flops_per_token = 0;               // defaults to 6 · parameters
+  // [model] shape, for the activation estimate: all four or none (0 = not given).
+  int64_t layers = 0, hidden = 0, heads = 0, sequence = 0;
+  bool has_shape() const { return layers > 0; }
   // [[sites]]
   std::vector<SitePlan> sites;
   // [wan]
@@ -129,6 +169,7 @@ struct Topology {
   std::vector<int64_t> inner_steps = {10, 50, 100, 500};
   std::vector<int64_t> fragments = {4};
   std::vector<int64_t> delays = {5};
+  std::vector<std::string> shards = {"none"};  // none | optimizer | gradients | full
   CodecParams codec;
   // [planner]
   double overlap = 2.0 / 3.0;               // share of compute that can hide background comm
@@ -168,7 +209,29 @@ struct Candidate {
   int64_t inner_steps = 1;  // H (1 for sync)
   int64_t fragments = 1;    // F (streaming)
   int64_t delay = 0;        // τ (streaming)
+  std::string shard = "none";  // none (what nebula runs) | optimizer | gradients | full (ZeRO-1/2/3)
 };
+
+// Sharding modes, least sharded first: "none", "optimizer", "gradients", "full".
+const std::vector<std::string>& shard_modes();
+// Whether nebula can run the candidate today: shard = "none" only.
+bool runnable(const Candidate& c);
+
+// Bytes one worker of a site holds (the formulas above). Device and host are apart: nebula
+// keeps communication and outer state on the host even for GPU workers.
+struct Memory {
+  // device
+  double parameters = 0, gradients = 0, optimizer = 0, activations = 0;
+  // host, every worker
+  double buffers = 0, outer = 0;
+  // host, the gateway only
+  double codec_state = 0, exchange = 0;
+  double device() const { return parameters + gradients + optimizer + activations; }
+  double host() const { return buffers + outer + codec_state + exchange; }
+};
+// The gateway of site `site` (it holds the most). Throws nebula::Error for an unknown
+// strategy, codec or shard mode.
+Memory gateway_memory(const Topology& t, size_t site, const Candidate& c);
 
 struct Prediction {
   Candidate candidate;
@@ -180,6 +243,11 @@ struct Prediction {
   double compression = 1;          // 4n / P(n)
   double utilization = 0;          // compute utilization U in [0, 1]
   double tokens_per_s = 0;         // the whole job
+  Memory memory;                   // the gateway of the site with the largest device need
+  bool runnable = true;            // shard = "none"
+  bool fits = true;                // every given worker_memory / host_memory suffices
+  std::string misfit;              // why not, e.g. "needs 1.27 TiB of device memory per worker at
+                                   // site us-east, has 80.00 GiB"; empty when it fits
 };
 
 // Every candidate of [candidates]: sync × codecs (sparseloco needs diloco/streaming),
@@ -190,20 +258,23 @@ std::vector<Candidate> enumerate_candidates(const Topology& t);
 Prediction predict(const Topology& t, const Candidate& c);
 
 struct Plan {
-  std::vector<Prediction> predictions;  // best utilization first
-  size_t recommended = 0;               // index into predictions
-  std::string reason;                   // one line: why that one
+  std::vector<Prediction> predictions;  // runnable and fitting first, then best utilization first
+  std::optional<size_t> recommended;    // index into predictions; empty when nothing nebula can
+                                        // run today (shard = none) fits
+  std::string reason;                   // one line: why that one, or why none
   double ideal_tokens_per_s = 0;        // every worker computing all the time
 };
 
-// Predicts every candidate and recommends one: the highest utilization; among the candidates
-// within `tolerance` (relative) of the best, the one with the lowest quality risk: least
-// compression first, then the fewest inner steps H (least staleness), then sync over diloco
-// over streaming (no delayed merges).
+// Predicts every candidate and recommends one among those nebula can run (shard = none) that
+// fit in memory: the highest utilization; among the candidates within `tolerance` (relative) of
+// the best, the one with the lowest quality risk: least compression first, then the fewest
+// inner steps H (least staleness), then sync over diloco over streaming (no delayed merges).
+// When none is runnable and fits, recommends nothing and says so in `reason`.
 Plan make_plan(const Topology& t);
 
-// A readable table (at most `top` rows, 0 = all, plus the recommended row if it is below)
-// and the recommendation; and the same as JSON.
+// A readable table (at most `top` rows, 0 = all, plus the recommended row if it is below),
+// the memory per worker by strategy and shard mode, and the recommendation; and the same as
+// JSON.
 std::string format_table(const Topology& t, const Plan& p, size_t top = 0);
 std::string format_json(const Topology& t, const Plan& p);
 

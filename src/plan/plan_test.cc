@@ -7,6 +7,7 @@
 #include <nlohmann/json.hpp>
 
 #include "nebula/error.h"
+#include "nebula/units.h"
 #include "util/config_testing.h"
 
 namespace nebula::plan {
@@ -79,8 +80,8 @@ rtt = "300ms"
     EXPECT_DOUBLE_EQ(p.tokens_per_s, 64 * 2048 / compute);
   }
   Plan plan = make_plan(t);
-  EXPECT_EQ(plan.predictions[plan.recommended].candidate.strategy, "sync");  // all tie: least risk
-  EXPECT_EQ(plan.predictions[plan.recommended].candidate.codec, "none");
+  EXPECT_EQ(plan.predictions[*plan.recommended].candidate.strategy, "sync");  // all tie: least risk
+  EXPECT_EQ(plan.predictions[*plan.recommended].candidate.codec, "none");
 }
 
 TEST(Plan, TwoSitesFreeWanIsExactlyCompute) {
@@ -213,14 +214,15 @@ TEST(Plan, RecommendsLeastRiskWithinTolerance) {
   ASSERT_EQ(plan.predictions.size(), 4u);
   EXPECT_EQ(plan.predictions[0].candidate.codec, "int4");
   EXPECT_EQ(plan.predictions[0].candidate.inner_steps, 500);
-  const Candidate& r = plan.predictions[plan.recommended].candidate;
+  const Candidate& r = plan.predictions[*plan.recommended].candidate;
   EXPECT_EQ(r.codec, "none");
   EXPECT_EQ(r.inner_steps, 500);
   EXPECT_NE(plan.reason.find("within 1.0%"), std::string::npos) << plan.reason;
   // With no tolerance the best wins.
   Plan strict = make_plan(two({"candidates.strategies=[\"diloco\"]", "candidates.codecs=[\"none\", \"int4\"]",
                                "candidates.inner_steps=[50, 500]", "planner.tolerance=0.0"}));
-  EXPECT_EQ(strict.recommended, 0u);
+  ASSERT_TRUE(strict.recommended);
+  EXPECT_EQ(*strict.recommended, 0u);
   EXPECT_NE(format_table(t, plan).find("recommended: diloco/none H=500"), std::string::npos) << format_table(t, plan);
   auto j = nlohmann::json::parse(format_json(t, plan));
   EXPECT_EQ(j["recommended"]["codec"], "none");
@@ -254,10 +256,194 @@ TEST(Plan, Big8x512x70BIsFastAndFinite) {
     EXPECT_TRUE(std::isfinite(p.wan_bytes_per_step) && p.wan_bytes_per_step > 0);
     EXPECT_TRUE(p.utilization > 0 && p.utilization <= 1);
   }
-  EXPECT_LT(plan.recommended, plan.predictions.size());
+  
   EXPECT_NE(table.find("recommended: "), std::string::npos);
   // The demo's topology loads too.
   EXPECT_NO_THROW(make_plan(load_topology(std::string(NEBULA_SOURCE_DIR) + "/examples/plan_demo.toml")));
+}
+
+// One site of one worker, 1e6 parameters: nothing crosses a WAN and nothing is sharded.
+const char* kOne = R"(
+[model]
+parameters = 1000000
+tokens_per_step_per_worker = 1000
+[[sites]]
+name = "a"
+tokens_per_second_per_worker = 1000
+)";
+
+TEST(PlanMemory, OneWorkerAdamW) {
+  Topology t = parse_topology(kOne, "one.toml");
+  // diloco: fp32 parameters 4 + gradients 4 + AdamW's two moments 8 bytes per parameter.
+  Memory d = gateway_memory(t, 0, Candidate{"diloco", "none", 10});
+  EXPECT_EQ(d.parameters, 4e6);
+  EXPECT_EQ(d.gradients, 4e6);
+  EXPECT_EQ(d.optimizer, 8e6);
+  EXPECT_EQ(d.activations, 0);  // no shape given
+  EXPECT_EQ(d.device(), 16e6);
+  // Host: θ_global + outer momentum (8) + θ_local at send (4); no all-reduce buffer for one
+  // worker, no codec state or exchange for one site.
+  EXPECT_EQ(d.buffers, 0);
+  EXPECT_EQ(d.outer, 12e6);
+  EXPECT_EQ(d.codec_state, 0);
+  EXPECT_EQ(d.exchange, 0);
+  // sync: its hooks copy the gradients (4 more on the device) into a host buffer (4).
+  Memory s = gateway_memory(t, 0, Candidate{"sync", "int8"});
+  EXPECT_EQ(s.device(), 20e6);
+  EXPECT_EQ(s.host(), 4e6);
+  // PEFT: the frozen parameters need no gradients or optimizer state.
+  Memory peft = gateway_memory(parse_topology(kOne, "one.toml", {"model.trainable=1e5"}), 0, Candidate{"diloco", "none", 10});
+  EXPECT_EQ(peft.device(), 4e6 + 4e5 + 8e5);
+  EXPECT_THROW(gateway_memory(t, 0, Candidate{"diloco", "none", 10, 1, 0, "zero4"}), Error);
+}
+
+TEST(PlanMemory, ZeroShardsInsideASite) {
+  Topology t = parse_topology(kOne, "one.toml", {"sites.0.workers=4"});
+  auto mem = [&](const std::string& shard) { return gateway_memory(t, 0, Candidate{"diloco", "none", 10, 1, 0, shard}); };
+  EXPECT_EQ(mem("none").device(), 16e6);
+  EXPECT_EQ(mem("optimizer").device(), 4e6 + 4e6 + 8e6 / 4);     // ZeRO-1
+  EXPECT_EQ(mem("gradients").device(), 4e6 + 4e6 / 4 + 8e6 / 4);  // ZeRO-2
+  EXPECT_EQ(mem("full").device(), 16e6 / 4);                      // ZeRO-3
+  // Host: the flat all-reduce buffer (4 workers now) and the outer state shard along.
+  EXPECT_EQ(mem("none").buffers, 4e6);
+  EXPECT_EQ(mem("none").outer, 12e6);
+  EXPECT_EQ(mem("optimizer").outer, 8e6 / 4 + 4e6);
+  EXPECT_EQ(mem("full").buffers, 1e6);
+  EXPECT_EQ(mem("full").outer, 3e6);
+  EXPECT_TRUE(runnable(Candidate{"diloco", "none", 10}));
+  EXPECT_FALSE(runnable(Candidate{"diloco", "none", 10, 1, 0, "optimizer"}));
+}
+
+TEST(PlanMemory, GatewayCodecStateAndExchange) {
+  Topology t = two();
+  // diloco/int4: the residual (4 per value), the pseudo-gradient (4), both sites' payloads
+  // (the all-gather holds them) and one decoded part (4).
+  Memory d = gateway_memory(t, 0, Candidate{"diloco", "int4", 50});
+  const double payload = 500000 + 8 * 3907;
+  EXPECT_EQ(d.codec_state, 4e6);
+  EXPECT_EQ(d.exchange, 4e6 + 2 * payload + 4e6);
+  EXPECT_EQ(gateway_memory(t, 0, Candidate{"diloco", "fp16", 50}).codec_state, 0);  // a cast keeps nothing
+  // sync/none: no pseudo-gradient, no residual.
+  Memory s = gateway_memory(t, 0, Candidate{"sync", "none"});
+  EXPECT_EQ(s.codec_state, 0);
+  EXPECT_EQ(s.exchange, 2 * 4e6 + 4e6);
+  // streaming H=100, F=4, delay 5: one fragment (2.5e5 values) in flight at a time.
+  Memory one = gateway_memory(t, 0, Candidate{"streaming", "int4", 100, 4, 5});
+  const double fragment = 125000 + 8 * 977;  // ⌈250000/256⌉ = 977 blocks
+  EXPECT_EQ(one.exchange, 1e6 + 2 * fragment + 1e6);
+  EXPECT_EQ(one.outer, 8e6 + 1e6);
+  EXPECT_EQ(one.codec_state, 4e6);  // the residuals of all fragments together
+  // H=10, F=2, delay 9: a fragment every 5 steps, merged 9 later: two in flight.
+  Memory two_in_flight = gateway_memory(t, 0, Candidate{"streaming", "none", 10, 2, 9});
+  EXPECT_EQ(two_in_flight.outer, 8e6 + 2 * 2e6);
+  EXPECT_EQ(two_in_flight.exchange, 2 * (2e6 + 2 * 2e6 + 2e6));
+}
+
+TEST(PlanMemory, Activations) {
+  // 2 layers × 1000 tokens × (66·64 + 9·4·32) bytes.
+  Topology t = parse_topology(kOne, "one.toml", {"model.layers=2", "model.hidden=64", "model.heads=4", "model.sequence=32"});
+  Memory m = gateway_memory(t, 0, Candidate{"diloco", "none", 10});
+  EXPECT_EQ(m.activations, 2 * 1000 * (66 * 64 + 9 * 4 * 32));
+  EXPECT_EQ(m.device(), 16e6 + 10752000);
+  expect_error(kOne, {"model.heads", "missing", "layers, hidden, heads and sequence"},
+               {"model.layers=2", "model.hidden=64", "model.sequence=32"});
+}
+
+// Every recommendation is runnable and fits; nothing runnable that fits is better than it by
+// more than the tolerance; and with nothing runnable that fits there is no recommendation.
+void expect_sound(const Plan& plan, double tolerance) {
+  const Prediction* best = nullptr;
+  for (const auto& p : plan.predictions)
+    if (p.runnable && p.fits && (!best || p.utilization > best->utilization)) best = &p;
+  if (!best) {
+    EXPECT_FALSE(plan.recommended) << plan.reason;
+    return;
+  }
+  ASSERT_TRUE(plan.recommended) << plan.reason;
+  const Prediction& r = plan.predictions[*plan.recommended];
+  EXPECT_TRUE(r.runnable) << plan.reason;
+  EXPECT_TRUE(r.fits) << plan.reason;
+  EXPECT_EQ(r.candidate.shard, "none");
+  EXPECT_GE(r.utilization, best->utilization * (1 - tolerance));
+}
+
+TEST(PlanMemory, RecommendsOnlyWhatRunsAndFits) {
+  const std::vector<std::string> all = {"candidates.shard=[\"none\", \"optimizer\", \"gradients\", \"full\"]",
+                                        "sites.0.workers=4", "sites.1.workers=4"};
+  for (const char* memory : {"1MB", "5MB", "15MB", "20MB", "30MB", "1GB"}) {
+    std::vector<std::string> o = all;
+    o.push_back(str_cat("sites.0.worker_memory=\"", memory, "\""));
+    o.push_back(str_cat("sites.1.worker_memory=\"", memory, "\""));
+    Topology t = two(o);
+    Plan plan = make_plan(t);
+    SCOPED_TRACE(memory);
+    expect_sound(plan, t.tolerance);
+    for (const auto& p : plan.predictions) {
+      EXPECT_EQ(p.fits, p.memory.device() <= parse_size(memory)) << p.misfit;
+      EXPECT_EQ(p.runnable, p.candidate.shard == "none");
+    }
+  }
+  // 15 MB: nothing unsharded fits (diloco and streaming need 16 MB, sync 20 MB), ZeRO-1 does
+  // (4 + 4 + 8/4 = 10 MB).
+  Topology tight = two({all[0], all[1], all[2], "sites.0.worker_memory=\"15MB\"", "sites.1.worker_memory=\"15MB\""});
+  Plan none = make_plan(tight);
+  EXPECT_FALSE(none.recommended);
+  EXPECT_NE(none.reason.find("nothing nebula can run today (shard = \"none\") fits"), std::string::npos) << none.reason;
+  EXPECT_NE(none.reason.find("needs 15.26 MiB of device memory per worker at site a, has 14.31 MiB"), std::string::npos)
+      << none.reason;
+  EXPECT_NE(none.reason.find("not runnable yet"), std::string::npos) << none.reason;
+  const std::string table = format_table(tight, none);
+  EXPECT_NE(table.find("recommended: nothing"), std::string::npos) << table;
+  EXPECT_EQ(table.find("\n* "), std::string::npos) << table;  // no row marked recommended
+  EXPECT_TRUE(nlohmann::json::parse(format_json(tight, none))["recommended"].is_null());
+  // Only sync misses at 16 MB: it is never the answer though it would be as good.
+  Plan no_sync = make_plan(two({"sites.0.worker_memory=\"16MB\"", "sites.1.worker_memory=\"16MB\"", "wan.bandwidth=\"0\"",
+                                "wan.rtt=\"0s\""}));
+  ASSERT_TRUE(no_sync.recommended);
+  EXPECT_NE(no_sync.predictions[*no_sync.recommended].candidate.strategy, "sync");
+  EXPECT_NE(no_sync.reason.find("do not fit in memory were left out"), std::string::npos) << no_sync.reason;
+  // The gateway's host memory is checked too: at 20 MB sync/none (4 + 12 MB) and streaming
+  // with one of 4 fragments in flight (9 + 4 MB) fit; diloco's outer state (12 MB) with its
+  // whole-model exchange (at least 12 MB) never does.
+  Plan host = make_plan(two({"sites.0.host_memory=\"20MB\"", "sites.1.host_memory=\"20MB\""}));
+  expect_sound(host, 0.01);
+  size_t fitting = 0;
+  for (const auto& p : host.predictions) {
+    EXPECT_EQ(p.fits, p.memory.host() <= 20e6) << p.candidate.strategy << "/" << p.candidate.codec;
+    if (p.candidate.strategy == "diloco") {
+      EXPECT_FALSE(p.fits) << p.candidate.codec;
+    }
+    fitting += p.fits;
+  }
+  EXPECT_GT(fitting, 0u);
+  EXPECT_LT(fitting, host.predictions.size());
+  ASSERT_TRUE(host.recommended);
+  EXPECT_NE(host.predictions[*host.recommended].candidate.strategy, "diloco");
+}
+
+TEST(PlanMemory, Big70BDoesNotFitUnsharded) {
+  Topology t = load_topology(std::string(NEBULA_SOURCE_DIR) + "/examples/plan_8x512_70b.toml");
+  ASSERT_EQ(t.sites[0].worker_memory, 80.0 * (1 << 30));
+  Plan plan = make_plan(t);
+  for (const auto& p : plan.predictions) {
+    EXPECT_FALSE(p.fits);
+    EXPECT_EQ(p.memory.parameters, 4 * 70e9);
+    EXPECT_EQ(p.memory.optimizer, 8 * 70e9);
+    EXPECT_NE(p.misfit.find("of device memory per worker at site us-east, has 80.00 GiB"), std::string::npos) << p.misfit;
+  }
+  EXPECT_FALSE(plan.recommended);
+  EXPECT_NE(format_table(t, plan).find("recommended: nothing\n  why: nothing nebula can run today"), std::string::npos)
+      << format_table(t, plan);
+  // With the shard modes as candidates, still nothing is recommended.
+  Plan sharded = make_plan(load_topology(std::string(NEBULA_SOURCE_DIR) + "/examples/plan_8x512_70b.toml",
+                                         {"candidates.shard=[\"none\", \"optimizer\", \"gradients\", \"full\"]"}));
+  expect_sound(sharded, t.tolerance);
+  EXPECT_FALSE(sharded.recommended);
+  // The demo topology fits in its 4 GiB and gets a recommendation.
+  Topology demo = load_topology(std::string(NEBULA_SOURCE_DIR) + "/examples/plan_demo.toml");
+  Plan dp = make_plan(demo);
+  ASSERT_TRUE(dp.recommended) << dp.reason;
+  expect_sound(dp, demo.tolerance);
 }
 
 TEST(Plan, BadInputNamesFileLineAndKey) {
@@ -278,6 +464,13 @@ TEST(Plan, BadInputNamesFileLineAndKey) {
   expect_error(kTwo, {"--set", "planner.overlap", "out of range"}, {"planner.overlap=2"});
   expect_error(std::string(kTwo) + "[[wan.pairs]]\nsites = [\"a\", \"zz\"]\n", {"wan.pairs[0].sites", "\"zz\""});
   expect_error("[model\n", {"topo.toml:1:"});
+  expect_error(replace_once(kTwo, "name = \"a\"", "name = \"a\"\nworker_memory = \"80 GiBs\""),
+               {"topo.toml:8:", "sites[0].worker_memory", "80 GiBs", "GiB"});
+  expect_error(replace_once(kTwo, "name = \"a\"", "name = \"a\"\nworker_memory = \"0\""),
+               {"sites[0].worker_memory", "more than 0"});
+  expect_error(replace_once(kTwo, "name = \"a\"", "name = \"a\"\nworker_memory = \"80GiB\""),
+               {"sites[1].worker_memory", "missing", "site 'b'"});
+  expect_error(std::string(kTwo) + "[candidates]\nshard = [\"zero3\"]\n", {"candidates.shard", "\"zero3\" is not one of"});
 }
 
 TEST(Plan, UnitsForCountsAndFlops) {
