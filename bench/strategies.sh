@@ -17,7 +17,6 @@ h="${2:-50}"
 shift 2 || true
 bandwidth="${WAN_BANDWIDTH:-20Mbit}"
 rtt="${WAN_RTT:-100ms}"
-bench_out keep
 declare -A runs=(
   [sync-none]="strategy.kind=sync strategy.codec=none"
   [sync-int8]="strategy.kind=sync strategy.codec=int8"
@@ -37,6 +36,7 @@ order=(sync-none sync-int8 diloco-int4 diloco-sparse streaming-int4 peft-diloco)
 for name in "${order[@]}"; do
   [ -n "${runs[$name]+x}" ] || { echo "unknown run '$name'; the names: ${!runs[*]}" >&2; exit 2; }
 done
+bench_out keep
 tokenizer=""
 run() {  # name, wan (emulated|unlimited)
   local name="$1" wan="$2" dir="$out/$1-$2" sets=()
