@@ -14,37 +14,38 @@
 # window holds start-up and the initial broadcast of the weights). For diloco/streaming use
 # STEPS of several H (and job.log_every dividing H) so that the window holds whole rounds:
 # EXTRA="--set strategy.inner_steps=10" passes more --set options to every run.
+#   BENCH_TINY=1 STEPS=6 CODECS=int8 EXTRA="--set strategy.inner_steps=2" bench/plan_validate.sh sync diloco
+#   (tiny mode, bench/common.sh)
 set -euo pipefail
 cd "$(dirname "$0")/.."
+source bench/common.sh
 steps="${STEPS:-40}"
 codecs="${CODECS:-none int8}"
 strategies=("$@")
 [ ${#strategies[@]} -gt 0 ] || strategies=(sync)
 read -r -a extra <<< "${EXTRA:-}"
-out="$(mktemp -d)"
-trap 'rm -rf "$out"' EXIT
+bench_out drop
 
 run() {  # run NAME --set ...: one demo run into $out/NAME
   local name="$1"
   shift
-  build/nebula run examples/mlm.toml --set job.steps="$steps" --set metrics.progress='"off"' \
-    --set job.run_dir="\"$out/$name\"" "${extra[@]}" "$@" > "$out/$name.log" 2>&1 \
-    || { echo "$name failed: see $out/$name.log"; trap - EXIT; exit 1; }
+  "$nebula" run examples/mlm.toml --set job.steps="$steps" --set metrics.progress='"off"' \
+    --set job.run_dir="\"$out/$name\"" "${extra[@]}" "$@" "${tiny[@]}" > "$out/$name.log" 2>&1 \
+    || { echo "$name failed: see $out/$name.log"; exit 1; }
 }
 
 # What a run measured, as JSON: steady-state s/step, WAN bytes/step (all gateways), tokens per
 # worker-step, floats exchanged per step, and the run's resolved [wan], [strategy] and sites.
 measure() {
   python3 - "$out/$1" <<'PY'
-import json, sys, tomllib
+import json, sys
+sys.path.insert(0, "bench")
+from rundir import job, training_lines, window
 run = sys.argv[1]
-job = tomllib.load(open(f"{run}/job.toml", "rb"))
-lines = [json.loads(l) for l in open(f"{run}/metrics.jsonl")]
-site0 = job["sites"][0]["name"]
-g = [l for l in lines if l["rank"] == 0 and l["site"] == site0]
-first, last = g[0], g[-1]
+job = job(run)
+lines = training_lines(run)
+first, last = window(run, lines=lines)
 span = last["step"] - first["step"]
-assert span > 0, "need at least two metrics lines (STEPS > log_every)"
 gateways = [l for l in lines if l["rank"] == 0]
 wan = 0.0
 for s in job["sites"]:
@@ -103,7 +104,7 @@ print(f'[candidates]\nstrategies = ["{st["kind"]}"]\ncodecs = ["{st["codec"]}"]\
       f'codec_block = {st["codec_block"]}\ncodec_density = {st["codec_density"]}\n')
 print(f'[planner]\noverlap = {overlap}\ntolerance = 0.0')
 PY
-    build/nebula plan "$out/$name.plan.toml" --json > "$out/$name.plan.json"
+    "$nebula" plan "$out/$name.plan.toml" --json > "$out/$name.plan.json"
     python3 - "$out/$name.json" "$out/$name.plan.json" "$kind" "$codec" <<'PY'
 import json, sys
 m, p = json.load(open(sys.argv[1])), json.load(open(sys.argv[2]))["recommended"]

@@ -6,13 +6,17 @@
 # rejoins). The same job without faults runs first. Prints steps, synchronizations, hash
 # checks, reconnections, restarts and the final validation loss of both, side by side.
 #   bench/soak.sh [steps, default 3000] [RESTART s, default 60] [CUT s, default 20]
+#   BENCH_TINY=1 bench/soak.sh 16 1000 1000   (tiny mode, bench/common.sh: H = 4; no fault fires in
+#                                              so short a run, so it checks the runs and the table only)
 set -euo pipefail
 cd "$(dirname "$0")/.."
+source bench/common.sh
 steps="${1:-3000}"
 restart_every="${2:-60}"
 cut_every="${3:-20}"
-out="${BENCH_OUT:-$(mktemp -d)}"
-mkdir -p "$out"
+bench_out keep
+# Tiny mode: rounds (and checkpoints) of 4 steps, so a run of a few steps still synchronizes.
+[ ${#tiny[@]} -gt 0 ] && tiny+=(--set strategy.inner_steps=4 --set checkpoint.every=4)
 common=(--set job.steps="$steps" --set job.elastic=true --set job.restarts=1000 --set checkpoint.every=50
         --set strategy.kind='"diloco"' --set strategy.codec='"int4"' --set strategy.inner_steps=50
         --set strategy.heterogeneous=false --set 'wan.bandwidth="20Mbit"' --set 'wan.rtt="100ms"'
@@ -21,14 +25,14 @@ second=$(awk '/^\[\[sites\]\]/{n++} n==2 && /^name/{gsub(/"/,"",$3); print $3; e
 
 echo "clean run ($steps steps) in $out/clean ..."
 start=$(date +%s)
-build/nebula run examples/mlm.toml "${common[@]}" --set job.run_dir="\"$out/clean\"" > "$out/clean.log" 2>&1 \
+"$nebula" run examples/mlm.toml "${common[@]}" --set job.run_dir="\"$out/clean\"" "${tiny[@]}" > "$out/clean.log" 2>&1 \
   || { echo "clean run failed: see $out/clean.log"; exit 1; }
 clean_s=$(( $(date +%s) - start ))
 
 printf '%s\n[[wan.faults]]\nkind = "cut"\nevery = "%ss"\n' "$(cat examples/mlm.toml)" "$cut_every" > "$out/soak.toml"
 echo "soak run in $out/soak: cuts every ${cut_every}s, site '$second' killed every ${restart_every}s ..."
 start=$(date +%s)
-build/nebula run "$out/soak.toml" "${common[@]}" --set job.run_dir="\"$out/soak\"" > "$out/soak.log" 2>&1 &
+"$nebula" run "$out/soak.toml" "${common[@]}" --set job.run_dir="\"$out/soak\"" "${tiny[@]}" > "$out/soak.log" 2>&1 &
 job=$!
 kills=0
 next=$(( $(date +%s) + restart_every ))
@@ -44,13 +48,14 @@ wait "$job" || { echo "soak run failed: see $out/soak.log"; exit 1; }
 soak_s=$(( $(date +%s) - start ))
 
 python3 - "$out" "$clean_s" "$soak_s" "$kills" <<'PY'
-import json, sys
+import sys
+sys.path.insert(0, "bench")
+from rundir import audit, summary
 out, clean_s, soak_s, kills = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 def row(name, wall):
-    s = json.load(open(f"{out}/{name}/summary.json"))
+    s = summary(f"{out}/{name}")
     m = s["strategy_metrics"]
-    audit = [json.loads(l) for l in open(f"{out}/{name}/audit.jsonl")]
-    reconnects = sum(1 for a in audit if a.get("reason") == "reconnected")
+    reconnects = sum(1 for a in audit(f"{out}/{name}") if a.get("reason") == "reconnected")
     return s, [name, s["local_steps_site0"], int(m["outer_steps"]), int(m.get("hash_checks", 0)), reconnects,
                len(s.get("sites_rejoined", [])), wall, s["final_val_loss"]]
 clean, a = row("clean", clean_s)
