@@ -688,7 +688,9 @@ void DilocoStrategy::reconcile() {
   std::vector<at::Tensor> parts;
   for (const auto& fr : fragments_) parts.push_back(fr.global);
   for (const auto& fr : fragments_) parts.push_back(fr.momentum);
-  parts.push_back(flatten(buffers_));  // a site behind takes the leader's buffers too
+  // A site behind takes the leader's buffers too (not with [privacy]: they never leave a site).
+  const int64_t buffers_len = buffers_cross_sites() ? buffer_numel_ : 0;
+  if (buffers_len > 0) parts.push_back(flatten(buffers_));
   at::Tensor values = at::cat(parts);
   std::vector<double> position = {static_cast<double>(next_seq_), static_cast<double>(rounds_),
                                   static_cast<double>(outer_steps_), static_cast<double>(nominal_done_),
@@ -730,7 +732,7 @@ void DilocoStrategy::reconcile() {
     fr.momentum.copy_(values.narrow(0, at, fr.numel));
     at += fr.numel;
   }
-  unflatten_into(values.narrow(0, at, buffer_numel_), buffers_);
+  if (buffers_len > 0) unflatten_into(values.narrow(0, at, buffers_len), buffers_);
   next_seq_ = static_cast<uint64_t>(p[0]);
   rounds_ = static_cast<int64_t>(p[1]);
   outer_steps_ = static_cast<int64_t>(p[2]);
