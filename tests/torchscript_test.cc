@@ -99,6 +99,34 @@ TEST(TorchScript, AModelExportedFromPythonTrainsOnTwoSitesAndLoadsBackInPythonWi
   }
 }
 
+// Model buffers: a module with BatchNorm trains under diloco (alpha's two workers see other
+// batches, beta other data). After the last step every worker of both sites holds the same
+// running statistics (each one's checkpoint of that step), and model.pt carries them.
+TEST(TorchScript, BatchNormStatisticsEndEqualOnEveryWorkerAndInModelPt) {
+  const std::string data = temp_run_dir("torchscript-bn-data");
+  Result e = shell(kPython + " examples/torchscript/export.py " + data + " --batchnorm", 300);
+  ASSERT_EQ(e.exit_code, 0) << e.output;
+  const std::string dir = temp_run_dir("torchscript-bn");
+  Result r = run(job_args(dir, data) + " --set job.steps=50 --set checkpoint.every=50 --set strategy.heterogeneous=false");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  std::vector<std::map<std::string, std::string>> workers;
+  for (const char* w : {"alpha/rank-0", "alpha/rank-1", "beta/rank-0"})
+    workers.push_back(tensor_bytes(dir + "/checkpoints/" + std::string(w) + "/step-000000000050/tensors.safetensors"));
+  const torch::jit::Module trained = torch::jit::load(dir + "/model.pt");
+  std::map<std::string, at::Tensor> saved;
+  for (const auto& b : trained.named_buffers()) saved[b.name] = b.value;
+  for (const std::string name : {"norm.running_mean", "norm.running_var", "norm.num_batches_tracked"}) {
+    ASSERT_TRUE(workers[0].count("model/" + name)) << name;
+    for (size_t w = 1; w < workers.size(); ++w) EXPECT_EQ(workers[w].at("model/" + name), workers[0].at("model/" + name)) << name << ", worker " << w;
+    ASSERT_TRUE(saved.count(name)) << name;
+    const at::Tensor t = saved.at(name).contiguous();
+    EXPECT_EQ(std::string(static_cast<const char*>(t.data_ptr()), t.numel() * t.element_size()), workers[0].at("model/" + name))
+        << name << ": model.pt";
+  }
+  EXPECT_EQ(saved.at("norm.num_batches_tracked").item<int64_t>(), 50);
+  EXPECT_GT(saved.at("norm.running_mean").abs().max().item<float>(), 0.0f);  // it moved from its start
+}
+
 TEST(TorchScript, OtherStrategiesCodecsATracedModuleAndResumeWork) {
   const std::string data = exported();
   // Other strategies and codecs train it too.

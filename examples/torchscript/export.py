@@ -12,9 +12,12 @@ The task: which language is a sentence in? Real sentences from the gettext catal
 /usr/share/locale (de, fr, es, pl), as their first 48 UTF-8 bytes. Needs only Debian's
 python3-torch (safetensors files are written by the small function below).
 
-  python3 examples/torchscript/export.py [OUT] [--trace]
+  python3 examples/torchscript/export.py [OUT] [--trace] [--batchnorm]
   nebula run examples/torchscript/langid.toml
   python3 examples/torchscript/check.py runs/torchscript/model.pt runs/torchscript-data/probe.safetensors
+
+--batchnorm exports LangIdBatchNorm instead: a module with buffers (BatchNorm's running
+statistics), which nebula keeps equal on every worker like the weights.
 """
 import glob
 import gettext
@@ -46,6 +49,26 @@ class LangId(nn.Module):
     def predict(self, inputs: torch.Tensor) -> torch.Tensor:
         h = self.embed(inputs).transpose(1, 2)  # [N, 32, WIDTH]
         h = F.relu(self.conv(h)).max(dim=2).values  # [N, 64]
+        return self.out(h)
+
+    def forward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(self.predict(inputs), targets)
+
+
+class LangIdBatchNorm(nn.Module):
+    """LangId with batch normalization after the convolution."""
+
+    def __init__(self, classes: int = len(LANGUAGES)):
+        super().__init__()
+        self.embed = nn.Embedding(256, 32)
+        self.conv = nn.Conv1d(32, 64, kernel_size=3, padding=1)
+        self.norm = nn.BatchNorm1d(64)
+        self.out = nn.Linear(64, classes)
+
+    @torch.jit.export
+    def predict(self, inputs: torch.Tensor) -> torch.Tensor:
+        h = self.embed(inputs).transpose(1, 2)  # [N, 32, WIDTH]
+        h = F.relu(self.norm(self.conv(h))).max(dim=2).values  # [N, 64]
         return self.out(h)
 
     def forward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -112,7 +135,7 @@ def main():
                      {"inputs": torch.tensor(x, dtype=torch.int64), "targets": torch.tensor(y, dtype=torch.int64)})
 
     torch.manual_seed(0)
-    model = LangId()
+    model = LangIdBatchNorm() if "--batchnorm" in sys.argv else LangId()
     if "--trace" in sys.argv:  # torch.jit.trace records forward only; nebula needs nothing else
         example = torch.zeros(2, WIDTH, dtype=torch.int64)
         module = torch.jit.trace(model, (example, torch.zeros(2, dtype=torch.int64)))

@@ -176,7 +176,9 @@ struct StrategyConfig {
 // [privacy]: differential privacy of what leaves a site (diloco/streaming). Each site clips
 // its pseudo-gradient to L2 norm `clip` and adds Gaussian noise of standard deviation
 // noise_multiplier · clip to every value before it is encoded and sent; an RDP accountant
-// reports the ε spent at `delta`. The unit protected is the site's whole update (site-level DP).
+// reports the ε spent at `delta`. The unit protected is the site's whole dataset: any two
+// datasets of a site are neighbours, and a release's L2 sensitivity is 2·clip (the accountant
+// records noise multiplier noise_multiplier / 2).
 struct PrivacyConfig {
   double clip = 0;                   // C; 0 = off
   double noise_multiplier = 0;       // σ; 0 = clipping only (no privacy guarantee: ε is infinite)

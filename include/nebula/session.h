@@ -97,7 +97,9 @@ class Synchronizer {
   // Makes every worker's `params` equal to global rank 0's. The tensors are kept (not
   // copied): pass the ones the optimizer updates (float32; CUDA ones go through pinned host
   // memory, a path not yet run on a GPU). A Synchronizer must not outlive its Session.
-  Synchronizer(Session& session, std::vector<at::Tensor> params);
+  // `buffers` (e.g. module->buffers(): BatchNorm's running statistics) are kept equal too:
+  // averaged as the strategy implies (strategy.h, Strategy::set_buffers).
+  Synchronizer(Session& session, std::vector<at::Tensor> params, std::vector<at::Tensor> buffers = {});
   ~Synchronizer();
   Synchronizer(const Synchronizer&) = delete;
   Synchronizer& operator=(const Synchronizer&) = delete;

@@ -71,43 +71,78 @@ void DilocoStrategy::set_codec(const std::string& kind) {
   codec_kind_ = kind;
 }
 
-at::Tensor DilocoStrategy::flat_params(size_t begin, size_t end) const {
-  std::vector<at::Tensor> part(params_.begin() + static_cast<std::ptrdiff_t>(begin),
-                               params_.begin() + static_cast<std::ptrdiff_t>(end));
-  return flatten(part);
+std::vector<at::Tensor> DilocoStrategy::param_views(const Fragment& fr) const {
+  std::vector<at::Tensor> views;
+  for (const Piece& pc : fr.pieces) views.push_back(params_[pc.param].view({-1}).narrow(0, pc.at, pc.numel));
+  return views;
+}
+
+at::Tensor DilocoStrategy::read_params(const Fragment& fr) const { return flatten(param_views(fr)); }
+
+void DilocoStrategy::write_params(const Fragment& fr, const at::Tensor& flat) const {
+  unflatten_into(flat, param_views(fr));
 }
 
 void DilocoStrategy::init(const std::vector<at::Tensor>& params) {
   at::NoGradGuard no_grad;
   params_ = params;
-  make_replicas_equal(comm_, params);
+  for (size_t i = 0; i < params.size(); ++i)
+    NEBULA_CHECK(params[i].is_contiguous(), "parameter #", i, " of shape ", params[i].sizes(),
+                 " is not contiguous: fragments are ranges of the flat parameter vector; make it contiguous");
+  std::vector<at::Tensor> state = params;
+  state.insert(state.end(), buffers_.begin(), buffers_.end());
+  make_replicas_equal(comm_, state);
   at::Tensor flat = flatten(params);
   total_numel_ = flat.numel();
+  buffer_numel_ = 0;
+  for (const auto& b : buffers_) buffer_numel_ += b.numel();
+  if (buffer_numel_ > 0 && options_.dp_clip > 0 && comm_.is_gateway())
+    spdlog::warn("[privacy]: the model's {} buffer values (e.g. BatchNorm statistics) are statistics of this site's "
+                 "data; they stay inside the site (averaged over its workers), each site keeps its own",
+                 buffer_numel_);
 
-  // Fragments: contiguous runs of parameters of about equal size.
+  // Fragments: F ranges of the flat parameter vector of n/F values each, up to half a row of
+  // the tensor a cut falls in (cuts go between rows, so that a per-tensor codec gets matrices:
+  // a row block of a large tensor, such as the token embedding, is a matrix of its own).
   const int64_t total = flat.numel();
-  const size_t f = std::min<size_t>(static_cast<size_t>(options_.fragments), std::max<size_t>(params.size(), 1));
+  const auto f = static_cast<size_t>(std::min<int64_t>(options_.fragments, std::max<int64_t>(total, 1)));
   if (static_cast<int64_t>(f) != options_.fragments)
-    spdlog::warn("strategy.fragments = {} but the model has {} parameter tensors: using {}", options_.fragments,
-                 params.size(), f);
+    spdlog::warn("strategy.fragments = {} but the model has {} values: using {}", options_.fragments, total, f);
+  std::vector<int64_t> start(params.size() + 1, 0);  // of each tensor in the flat vector
+  for (size_t i = 0; i < params.size(); ++i) start[i + 1] = start[i] + params[i].numel();
+  auto row_length = [&](size_t i) {
+    const at::Tensor& t = params[i];
+    return t.dim() >= 1 && t.size(0) > 0 ? t.numel() / t.size(0) : std::max<int64_t>(t.numel(), 1);
+  };
+  std::vector<int64_t> cut(f + 1, total);
+  cut[0] = 0;
+  for (size_t j = 1; j < f; ++j) {
+    const int64_t target = total * static_cast<int64_t>(j) / static_cast<int64_t>(f);
+    const auto i = static_cast<size_t>(std::upper_bound(start.begin(), start.end(), target) - start.begin()) - 1;
+    const int64_t row = row_length(i);
+    int64_t c = start[i] + (target - start[i] + row / 2) / row * row;  // the nearest row boundary
+    // Never empty (a model with fewer rows than fragments: cuts inside rows).
+    c = std::clamp<int64_t>(c, cut[j - 1] + 1, total - static_cast<int64_t>(f - j));
+    cut[j] = c;
+  }
   fragments_.assign(f, Fragment{});
-  size_t p = 0;
-  int64_t offset = 0;
   for (size_t j = 0; j < f; ++j) {
     Fragment& fr = fragments_[j];
-    fr.begin = p;
-    fr.offset = offset;
-    const int64_t target = total * static_cast<int64_t>(j + 1) / static_cast<int64_t>(f);
-    // Take at least one tensor, and leave one for each fragment still to come.
-    while (p < params.size() && (p == fr.begin || offset + params[p].numel() <= target) &&
-           params.size() - p > f - j - 1) {
-      offset += params[p].numel();
-      ++p;
+    fr.offset = cut[j];
+    fr.numel = cut[j + 1] - cut[j];
+    for (size_t i = 0; i < params.size(); ++i) {
+      const int64_t lo = std::max(fr.offset, start[i]), hi = std::min(fr.offset + fr.numel, start[i + 1]);
+      if (lo >= hi) continue;
+      Piece pc{i, lo - start[i], hi - lo, {hi - lo}};
+      const int64_t row = row_length(i);
+      if (params[i].dim() >= 2 && pc.at % row == 0 && pc.numel % row == 0) {
+        pc.shape = params[i].sizes().vec();
+        pc.shape[0] = pc.numel / row;
+      } else if (pc.numel == params[i].numel()) {
+        pc.shape = params[i].sizes().vec();
+      }
+      fr.pieces.push_back(std::move(pc));
     }
-    if (j + 1 == f)
-      while (p < params.size()) offset += params[p++].numel();
-    fr.end = p;
-    fr.numel = offset - fr.offset;
     fr.global = flat.narrow(0, fr.offset, fr.numel).clone();
     fr.momentum = at::zeros({fr.numel}, at::kFloat);
   }
@@ -124,8 +159,9 @@ void DilocoStrategy::sync_gradients(const std::vector<at::Tensor>& params, doubl
   }
   // Every step: the weighted gradients and the weight go straight into one buffer (no
   // intermediate flat copy), one all-reduce, and straight back.
+  // The buffers (as forward left them this step) ride along, weighted alike.
   const int64_t n = total_numel_;
-  at::Tensor buf = at::empty({n + 1}, at::kFloat);
+  at::Tensor buf = at::empty({n + 1 + buffer_numel_}, at::kFloat);
   int64_t offset = 0;
   for (const auto& p : params) {
     at::Tensor slice = buf.narrow(0, offset, p.numel());
@@ -136,11 +172,16 @@ void DilocoStrategy::sync_gradients(const std::vector<at::Tensor>& params, doubl
     offset += p.numel();
   }
   buf[n] = static_cast<float>(weight);
+  if (buffer_numel_ > 0) buf.narrow(0, n + 1, buffer_numel_).copy_(flatten(buffers_)).mul_(weight);
   site.allreduce_sum(buf);
   const double total = buf[n].item<double>();
   NEBULA_CHECK(total > 0, "site ", site.site(), ": total weight ", total, " in a data parallel step");
   site_weight_ += total;
   buf.narrow(0, 0, n).div_(total);
+  if (buffer_numel_ > 0) {
+    at::NoGradGuard no_grad;
+    unflatten_into(buf.narrow(0, n + 1, buffer_numel_).div(total), buffers_);
+  }
   offset = 0;
   for (auto& p : params_) {
     if (!p.grad().defined()) p.mutable_grad() = at::zeros_like(p);
@@ -284,7 +325,7 @@ void DilocoStrategy::send(size_t f) {
   Fragment& fr = fragments_[f];
   if (fr.in_flight) merge(f);  // a round shorter than the delay: merge before sending again
   at::NoGradGuard no_grad;
-  fr.sent_local = flat_params(fr.begin, fr.end);
+  fr.sent_local = read_params(fr);
   fr.round = rounds_;
   fr.seq = next_seq_++;
   const double weight = site_weight_ - fr.weight_at_send;
@@ -294,11 +335,11 @@ void DilocoStrategy::send(size_t f) {
     if (options_.dp_clip > 0) privatize(fr.delta);
     std::vector<at::Tensor> bucket;
     const bool per_tensor = codec_ && codec_->id() == codec::CodecId::kPowerSgd;
-    if (per_tensor) {
+    if (per_tensor) {  // each piece in its shape: whole tensors, or row blocks of split ones
       int64_t at = 0;
-      for (size_t i = fr.begin; i < fr.end; ++i) {
-        bucket.push_back(fr.delta.narrow(0, at, params_[i].numel()).view(params_[i].sizes()));
-        at += params_[i].numel();
+      for (const Piece& pc : fr.pieces) {
+        bucket.push_back(fr.delta.narrow(0, at, pc.numel).view(pc.shape));
+        at += pc.numel;
       }
     } else {
       bucket.push_back(fr.delta);
@@ -317,6 +358,18 @@ void DilocoStrategy::send(size_t f) {
     o.max_norm = options_.max_update_norm;
     fr.work = comm_.exchange_async(std::move(bucket), std::move(o));
   }
+  if (f + 1 == fragments_.size() && buffers_cross_sites()) {
+    // The buffers go with the round's last fragment (exactly, weighted like it) and are merged with it.
+    buffers_sent_ = flatten(buffers_);
+    if (comm_.is_gateway()) {
+      buffer_mean_ = buffers_sent_.clone();
+      collective::AllreduceOptions o;
+      o.op = collective::ReduceOp::kWeightedMean;
+      o.weight = weight;
+      o.tag = kTagBase - 1;
+      buffer_work_ = comm_.exchange_async({buffer_mean_}, std::move(o));
+    }
+  }
   fr.in_flight = true;
   fr.merge_at = local_step_ + options_.delay;
 }
@@ -325,7 +378,9 @@ void DilocoStrategy::merge(size_t f) {
   Fragment& fr = fragments_[f];
   at::NoGradGuard no_grad;
   const int64_t info_len = static_cast<int64_t>(options_.num_sites * kInfo);
-  at::Tensor buf = at::zeros({fr.numel + info_len}, at::kFloat);
+  const bool with_buffers = buffers_sent_.defined() && f + 1 == fragments_.size();
+  const int64_t buffers_len = with_buffers ? buffer_numel_ : 0;
+  at::Tensor buf = at::zeros({fr.numel + info_len + buffers_len}, at::kFloat);
   if (comm_.is_gateway()) {
     fr.work->wait(Deadline::after(options_.timeout));
     // What this site sent (the hash is of θ_global at the send, unchanged until this merge).
@@ -351,8 +406,19 @@ void DilocoStrategy::merge(size_t f) {
       for (size_t k = 0; k < kInfo && k < info[s].size(); ++k)
         buf[fr.numel + static_cast<int64_t>(s * kInfo + k)] = static_cast<float>(info[s][k]);
     fr.work.reset();
+    if (with_buffers) {
+      buffer_work_->wait(Deadline::after(options_.timeout));
+      buf.narrow(0, fr.numel + info_len, buffers_len).copy_(buffer_mean_);
+      buffer_work_.reset();
+    }
   }
   if (comm_.site().size() > 1) comm_.site().broadcast_from_root(buf);
+  if (with_buffers) {  // the mean, plus what forward changed since the send (0 with delay 0)
+    at::Tensor progress = flatten(buffers_) - buffers_sent_;
+    if (!at::isfinite(progress).all().item<bool>()) progress.zero_();
+    unflatten_into(buf.narrow(0, fr.numel + info_len, buffers_len) + progress, buffers_);
+    buffers_sent_ = at::Tensor();
+  }
   if (f + 1 == fragments_.size()) {
     at::Tensor tail = buf.narrow(0, fr.numel, info_len).contiguous();
     if (info_of_round_.size() <= static_cast<size_t>(fr.round)) info_of_round_.resize(static_cast<size_t>(fr.round) + 1);
@@ -380,12 +446,9 @@ void DilocoStrategy::merge(size_t f) {
   fr.global.sub_(update, options_.outer_lr);
   // Keep the inner progress made while the fragment was in flight (0 with delay 0), unless
   // it is not finite (a diverged site restarts from the global weights).
-  at::Tensor progress = flat_params(fr.begin, fr.end) - fr.sent_local;
+  at::Tensor progress = read_params(fr) - fr.sent_local;
   if (!at::isfinite(progress).all().item<bool>()) progress.zero_();
-  at::Tensor local = fr.global + progress;
-  std::vector<at::Tensor> part(params_.begin() + static_cast<std::ptrdiff_t>(fr.begin),
-                               params_.begin() + static_cast<std::ptrdiff_t>(fr.end));
-  unflatten_into(local, part);
+  write_params(fr, fr.global + progress);
   fr.in_flight = false;
   fr.sent_local = at::Tensor();
   ++outer_steps_;
@@ -402,8 +465,8 @@ void DilocoStrategy::privatize(at::Tensor& delta) {
     float* d = delta.data_ptr<float>();
     for (int64_t i = 0; i < delta.numel(); ++i) d[i] += noise(dp_rng_);
     // Each release (a fragment's counts as one: together they compose) is one Gaussian
-    // mechanism of sensitivity dp_clip on the site's update.
-    accountant_.add(1.0, options_.dp_noise_multiplier, 1);
+    // mechanism on the site's clipped update, of L2 sensitivity 2·dp_clip (diloco.h).
+    accountant_.add(1.0, dp_accounted_sigma(), 1);
   }
   ++dp_releases_;
 }
@@ -577,7 +640,7 @@ void DilocoStrategy::load_state(const StrategyState& in) {
   dp_clipped_ = integer("dp_clipped");
   exchange_bits_per_s_ = number("exchange_bits_per_s");
   if (options_.dp_clip > 0 && options_.dp_noise_multiplier > 0 && dp_releases_ > 0)
-    accountant_.add(1.0, options_.dp_noise_multiplier, dp_releases_);  // the privacy already spent
+    accountant_.add(1.0, dp_accounted_sigma(), dp_releases_);  // the privacy already spent
   info_of_round_.assign(static_cast<size_t>(rounds_), {});
   for (const auto& [name, value] : in.numbers) {
     long long r = 0, k = 0;
@@ -625,6 +688,9 @@ void DilocoStrategy::reconcile() {
   std::vector<at::Tensor> parts;
   for (const auto& fr : fragments_) parts.push_back(fr.global);
   for (const auto& fr : fragments_) parts.push_back(fr.momentum);
+  // A site behind takes the leader's buffers too (not with [privacy]: they never leave a site).
+  const int64_t buffers_len = buffers_cross_sites() ? buffer_numel_ : 0;
+  if (buffers_len > 0) parts.push_back(flatten(buffers_));
   at::Tensor values = at::cat(parts);
   std::vector<double> position = {static_cast<double>(next_seq_), static_cast<double>(rounds_),
                                   static_cast<double>(outer_steps_), static_cast<double>(nominal_done_),
@@ -666,6 +732,7 @@ void DilocoStrategy::reconcile() {
     fr.momentum.copy_(values.narrow(0, at, fr.numel));
     at += fr.numel;
   }
+  if (buffers_len > 0) unflatten_into(values.narrow(0, at, buffers_len), buffers_);
   next_seq_ = static_cast<uint64_t>(p[0]);
   rounds_ = static_cast<int64_t>(p[1]);
   outer_steps_ = static_cast<int64_t>(p[2]);
@@ -689,11 +756,8 @@ void DilocoStrategy::reconcile() {
     k += len;
   }
   // The local weights start again from the global ones; the tokens count from here.
-  for (size_t j = 0; j < fragments_.size(); ++j) {
-    Fragment& fr = fragments_[j];
-    std::vector<at::Tensor> part(params_.begin() + static_cast<std::ptrdiff_t>(fr.begin),
-                                 params_.begin() + static_cast<std::ptrdiff_t>(fr.end));
-    unflatten_into(fr.global, part);
+  for (Fragment& fr : fragments_) {
+    write_params(fr, fr.global);
     fr.weight_at_send = site_weight_;
   }
   decisions_.push_back(str_cat("resume: took the global state of site #", leader, " at outer step ", next_seq_));

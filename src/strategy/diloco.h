@@ -65,6 +65,12 @@ struct DilocoOptions {
   // Differential privacy ([privacy]): the gateway clips each pseudo-gradient it sends to L2
   // norm dp_clip and adds N(0, (dp_noise_multiplier · dp_clip)²) to every value (noise drawn
   // from a generator seeded by std::random_device: it must not be reproducible elsewhere).
+  // Neighbouring inputs are any two datasets of the site (the unit protected is the site's
+  // whole data, other sites' data fixed). Every site's noised update reaches every other
+  // gateway on its own, and the clipped update of one dataset can be any vector of the
+  // dp_clip ball, that of another any other one (H inner steps bound no single example's
+  // influence): L2 sensitivity 2·dp_clip, so the accountant records noise multiplier
+  // dp_noise_multiplier / 2 per release.
   double dp_clip = 0;             // 0 = off
   double dp_noise_multiplier = 0;
   double dp_delta = 1e-5;
@@ -114,13 +120,21 @@ class DilocoStrategy : public Strategy {
   int64_t round_inner_steps() const { return round_steps_; }  // this site's H_s this round
   const std::string& codec_kind() const { return codec_kind_; }
   size_t num_fragments() const { return fragments_.size(); }
-  // Parameter index range [begin, end) of fragment j.
-  std::pair<size_t, size_t> fragment_params(size_t j) const { return {fragments_.at(j).begin, fragments_.at(j).end}; }
+  // Fragment j's range of the flat parameter vector (flatten(params)): {offset, numel}.
+  std::pair<int64_t, int64_t> fragment_range(size_t j) const { return {fragments_.at(j).offset, fragments_.at(j).numel}; }
 
  private:
+  // A fragment's part of one parameter tensor: values [at, at + numel) of params_[param]
+  // flattened, sent in `shape` (whole rows, [rows, rest of the tensor's shape...], when the
+  // cut falls between rows, which the per-tensor codec PowerSGD needs; else flat).
+  struct Piece {
+    size_t param = 0;
+    int64_t at = 0, numel = 0;
+    std::vector<int64_t> shape;
+  };
   struct Fragment {
-    size_t begin = 0, end = 0;       // parameter index range
     int64_t offset = 0, numel = 0;   // in the flat parameter vector
+    std::vector<Piece> pieces;       // in parameter order
     at::Tensor global;               // θ_global of this fragment (flat, float32)
     at::Tensor momentum;
     at::Tensor sent_local;           // θ_local when last sent
@@ -136,7 +150,10 @@ class DilocoStrategy : public Strategy {
   void merge(size_t f);
   void start_round(int64_t steps);
   void set_codec(const std::string& kind);
-  at::Tensor flat_params(size_t begin, size_t end) const;
+  // Fragment fr's values of the parameters as one float32 host vector, and back (in place).
+  at::Tensor read_params(const Fragment& fr) const;
+  void write_params(const Fragment& fr, const at::Tensor& flat) const;
+  std::vector<at::Tensor> param_views(const Fragment& fr) const;  // flat views into params_
   std::vector<double> site_info() const;
   std::vector<float> known_info() const;  // every site's info, as of the last sure merge
 
@@ -170,6 +187,8 @@ class DilocoStrategy : public Strategy {
   std::vector<std::vector<double>> exchange_positions();
   // Differential privacy (gateway).
   void privatize(at::Tensor& delta);
+  // Noise standard deviation over the L2 sensitivity 2·dp_clip (see DilocoOptions).
+  double dp_accounted_sigma() const { return options_.dp_noise_multiplier / 2; }
   std::mt19937_64 dp_rng_;
   privacy::RdpAccountant accountant_;
   int64_t dp_releases_ = 0, dp_clipped_ = 0;
@@ -184,6 +203,13 @@ class DilocoStrategy : public Strategy {
   double compute_seconds_ = 0;
   int64_t timed_steps_ = 0;
   std::vector<std::string> decisions_;
+  // Model buffers (Strategy::set_buffers): averaged inside the site every step (with the
+  // gradients) and over the sites with each round's last fragment (not with [privacy]).
+  bool buffers_cross_sites() const { return buffer_numel_ > 0 && options_.dp_clip == 0; }
+  int64_t buffer_numel_ = 0;
+  at::Tensor buffers_sent_;                       // the buffers at the last fragment's send (every worker)
+  at::Tensor buffer_mean_;                        // gateway: being exchanged
+  std::shared_ptr<collective::Work> buffer_work_;  // gateway: in flight
   // Gateway: a lower bound of the WAN's bandwidth from the last exchange's own bytes and time
   // (link estimates alone come from frames too small to fill the path).
   double exchange_bits_per_s_ = 0;

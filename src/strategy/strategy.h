@@ -42,7 +42,16 @@ class Strategy {
  public:
   virtual ~Strategy() = default;
   virtual std::string name() const = 0;
-  // Makes every worker's parameters equal to global rank 0's.
+  // The model's buffers (BatchNorm's running statistics and counters, ...), kept (not copied);
+  // before init(). Forward changes them on each worker; the strategy keeps them as equal as
+  // it keeps the weights: sync averages them over every worker every step; diloco and
+  // streaming inside the site every step and over the sites at the end of every round (not
+  // with [privacy]: they are statistics of the site's data, and are not noised). The average
+  // is weighted like the gradients (by the workers' and sites' weights) and taken in float32;
+  // integer buffers (num_batches_tracked) are averaged too and rounded, so every worker that
+  // averages ends with the same values (exact below 2^24, float32's integers).
+  void set_buffers(std::vector<at::Tensor> buffers) { buffers_ = std::move(buffers); }
+  // Makes every worker's parameters (and buffers) equal to global rank 0's.
   virtual void init(const std::vector<at::Tensor>& params) = 0;
   // Called just before backward, with this worker's weight for the step, so that a strategy
   // can start sending gradients while backward still runs. Optional.
@@ -76,6 +85,9 @@ class Strategy {
   virtual void reconcile() {}
   // Elastic rejoin (diloco, streaming): this site restarted and joins the running job.
   virtual void join() { throw Error(str_cat(name(), " cannot rejoin a running job: use diloco or streaming")); }
+
+ protected:
+  std::vector<at::Tensor> buffers_;  // set_buffers(); the training thread's
 };
 
 // The gateway's codec states (error feedback ...) as "codec/TAG/I/..." entries, and back.
@@ -86,6 +98,8 @@ class SyncStrategy : public Strategy {
  public:
   // `codec` (may be null = exact) compresses the inter-site leg; gradients travel in buckets
   // of about `bucket_bytes`, each with its own codec state (error feedback).
+  // Buffers (set_buffers) are averaged over every worker every step, exactly (no codec), in
+  // one more all-reduce queued before the step's first gradient bucket.
   SyncStrategy(collective::Hierarchy& comm, std::unique_ptr<codec::Codec> codec = nullptr,
                uint64_t bucket_bytes = 4ull << 20, std::chrono::milliseconds timeout = std::chrono::minutes(10));
   std::string name() const override { return "sync"; }
@@ -118,6 +132,8 @@ class SyncStrategy : public Strategy {
   size_t next_bucket_ = 0;                           // the next bucket to queue
   std::vector<std::vector<at::Tensor>> sent_;        // per bucket: the tensors being reduced
   std::vector<std::shared_ptr<collective::Work>> works_;
+  at::Tensor buffer_values_;                         // this step's buffers, being averaged
+  std::shared_ptr<collective::Work> buffer_work_;
   std::chrono::milliseconds timeout_;
 };
 
@@ -142,7 +158,7 @@ codec::CodecOptions wan_codec_options(const StrategyConfig& config);
 void make_replicas_equal(collective::Hierarchy& comm, const std::vector<at::Tensor>& params);
 
 // Flattens tensors into one contiguous float32 vector in host memory (whatever their device),
-// and back (in place, onto their device).
+// and back (in place, onto their device; integer tensors get the values rounded to the nearest).
 at::Tensor flatten(const std::vector<at::Tensor>& tensors);
 void unflatten_into(const at::Tensor& flat, const std::vector<at::Tensor>& tensors);
 

@@ -21,7 +21,9 @@ void unflatten_into(const at::Tensor& flat, const std::vector<at::Tensor>& tenso
   int64_t offset = 0;
   for (const auto& t : tensors) {
     const int64_t n = t.numel();
-    t.copy_(flat.narrow(0, offset, n).view(t.sizes()));
+    at::Tensor part = flat.narrow(0, offset, n).view(t.sizes());
+    // copy_ truncates towards zero: an averaged counter of 2.9999999 must come back as 3.
+    t.copy_(at::isFloatingType(t.scalar_type()) || at::isComplexType(t.scalar_type()) ? part : part.round());
     offset += n;
   }
   NEBULA_CHECK(offset == flat.numel(), "flat buffer has ", flat.numel(), " elements, tensors ", offset);
@@ -95,7 +97,9 @@ SyncStrategy::SyncStrategy(collective::Hierarchy& comm, std::unique_ptr<codec::C
     : comm_(comm), codec_(std::move(codec)), bucket_bytes_(bucket_bytes), timeout_(timeout) {}
 
 void SyncStrategy::init(const std::vector<at::Tensor>& params) {
-  make_replicas_equal(comm_, params);
+  std::vector<at::Tensor> state = params;
+  state.insert(state.end(), buffers_.begin(), buffers_.end());
+  make_replicas_equal(comm_, state);
 
   // Backward produces gradients roughly in reverse order of the parameters, so buckets are
   // cut from the back: the first bucket to fill is the first to go.
@@ -120,6 +124,13 @@ void SyncStrategy::before_backward(double weight) {
   for (size_t k = 0; k < buckets_.size(); ++k) missing_[k] = buckets_[k].second - buckets_[k].first;
   next_bucket_ = 0;
   sent_.assign(buckets_.size(), {});
+  if (!buffers_.empty()) {  // forward has updated them: average this step's values
+    at::NoGradGuard no_grad;
+    buffer_values_ = flatten(buffers_);
+    collective::AllreduceOptions o;
+    o.weight = weight;
+    buffer_work_ = comm_.allreduce_async({buffer_values_}, std::move(o));
+  }
 }
 
 void SyncStrategy::on_gradient(size_t index, const at::Tensor& grad) {
@@ -160,6 +171,12 @@ void SyncStrategy::sync_gradients(const std::vector<at::Tensor>& params, double 
   launch_ready_buckets();
   const Deadline deadline = Deadline::after(timeout_);
   for (auto& w : works_) w->wait(deadline);
+  if (buffer_work_) {
+    buffer_work_->wait(deadline);
+    at::NoGradGuard no_grad;
+    unflatten_into(buffer_values_, buffers_);
+    buffer_work_.reset();
+  }
   for (size_t i = 0; i < params.size(); ++i) {
     if (!params[i].grad().defined()) params[i].mutable_grad() = at::zeros_like(params[i]);
     params[i].mutable_grad().copy_(grads_[i]);

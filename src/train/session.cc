@@ -68,7 +68,7 @@ struct Synchronizer::Impl {
   std::unique_ptr<strategy::Strategy> strategy;
 };
 
-Synchronizer::Synchronizer(Session& session, std::vector<at::Tensor> params) {
+Synchronizer::Synchronizer(Session& session, std::vector<at::Tensor> params, std::vector<at::Tensor> buffers) {
   Session::Impl& s = *session.impl_;
   NEBULA_CHECK(!s.config.distill.enabled(), "[distill] is `nebula worker`'s (a teacher site serves a student): "
                "a library Session trains without it");
@@ -78,6 +78,7 @@ Synchronizer::Synchronizer(Session& session, std::vector<at::Tensor> params) {
   const auto timeout = std::chrono::duration_cast<std::chrono::milliseconds>(s.config.job.timeout);
   auto strategy = strategy::make_strategy(s.config.strategy, *s.comm.comm, timeout, s.comm.training_names.size(),
                                           s.comm.training_index, s.config.privacy);
+  strategy->set_buffers(std::move(buffers));
   strategy->init(params);
   impl_.reset(new Impl{s.config, std::move(params), std::move(strategy)});
 }

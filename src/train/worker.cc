@@ -180,6 +180,7 @@ int run_worker(const Config& c, const WorkerIdentity& who, bool resume, bool rej
   std::vector<at::Tensor> params = task->trainable();
   auto strategy =
       strategy::make_strategy(c.strategy, comm, timeout, training_names.size(), training_index, c.privacy);
+  strategy->set_buffers(task->module().buffers());  // BatchNorm statistics ...: kept equal too
   strategy->init(params);
   torch::optim::AdamW optimizer(params, torch::optim::AdamWOptions(c.model.lr).weight_decay(c.model.weight_decay));
   MetricsWriter metrics(c.job.run_dir + "/metrics.jsonl");
