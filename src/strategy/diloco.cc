@@ -83,6 +83,25 @@ void DilocoStrategy::write_params(const Fragment& fr, const at::Tensor& flat) co
   unflatten_into(flat, param_views(fr));
 }
 
+void DilocoStrategy::with_global_weights(const std::function<void()>& fn) {
+  at::NoGradGuard no_grad;
+  std::vector<at::Tensor> local;
+  for (const Fragment& fr : fragments_) {
+    local.push_back(read_params(fr));
+    write_params(fr, fr.global);
+  }
+  auto restore = [&] {
+    for (size_t f = 0; f < fragments_.size(); ++f) write_params(fragments_[f], local[f]);
+  };
+  try {
+    fn();
+  } catch (...) {
+    restore();
+    throw;
+  }
+  restore();
+}
+
 void DilocoStrategy::init(const std::vector<at::Tensor>& params) {
   at::NoGradGuard no_grad;
   params_ = params;

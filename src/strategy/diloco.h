@@ -90,6 +90,7 @@ class DilocoStrategy : public Strategy {
   void after_step(int64_t step) override;
   bool keep_training(int64_t step, int64_t steps) override;
   void finish() override;
+  void with_global_weights(const std::function<void()>& fn) override;
   std::vector<std::string> decisions() const override { return decisions_; }
   // outer_steps, hash_checks, rejected_updates; with [privacy]: dp_releases, dp_clipped,
   // dp_delta and dp_epsilon (with noise).

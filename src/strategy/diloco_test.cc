@@ -106,6 +106,37 @@ TEST(Diloco, OneSiteH1OuterLr1NoMomentumEqualsPlainTraining) {
   });
 }
 
+// Evaluation mid-round sees θ_global (what every site agrees on), and training goes on from
+// the local replica afterwards, unchanged. One site, H = 4: after 2 inner steps the replica
+// has moved, θ_global has not.
+TEST(Diloco, WithGlobalWeightsShowsThetaGlobalAndRestoresTheReplica) {
+  collective::testing::run_cluster({1}, [&](collective::testing::Rank& r) {
+    model::MlmEncoder m = make_model(3);
+    model::MlmBatcher data = batches_for(2);
+    DilocoStrategy s(*r.hierarchy, options(4, 1, 0));
+    auto params = m->parameters();
+    std::vector<at::Tensor> start;
+    for (auto& p : params) start.push_back(p.detach().clone());
+    int64_t step = 0;
+    train(s, m, data, 4, [&](int64_t i) {
+      step = i;
+      if (i != 1) return;
+      std::vector<at::Tensor> local;
+      for (auto& p : params) local.push_back(p.detach().clone());
+      bool moved = false;
+      for (size_t k = 0; k < params.size(); ++k) moved = moved || !at::equal(local[k], start[k]);
+      ASSERT_TRUE(moved);
+      s.with_global_weights([&] {
+        for (size_t k = 0; k < params.size(); ++k) EXPECT_TRUE(at::equal(params[k], start[k])) << "param " << k;
+      });
+      for (size_t k = 0; k < params.size(); ++k) EXPECT_TRUE(at::equal(params[k], local[k])) << "param " << k;
+      EXPECT_THROW(s.with_global_weights([] { throw Error("evaluation failed"); }), Error);
+      for (size_t k = 0; k < params.size(); ++k) EXPECT_TRUE(at::equal(params[k], local[k])) << "param " << k;
+    });
+    EXPECT_EQ(step, 3);
+  });
+}
+
 // The outer step with momentum against the recurrence of diloco.h, written out here in plain
 // doubles. Two sites whose inner optimizer is plain SGD on known per-site gradients (so θ_local
 // at each send is known), site weights 1 and 3 per step, μ = 0.9, outer lr 0.7, 4 rounds of

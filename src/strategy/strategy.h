@@ -17,6 +17,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -65,6 +66,11 @@ class Strategy {
   virtual bool keep_training(int64_t step, int64_t steps) { return step < steps; }
   // After the last step: completes every exchange still in flight.
   virtual void finish() {}
+  // Runs `fn` (an evaluation) with the parameters holding the model every site agrees on, and
+  // puts this worker's own back after it: diloco and streaming evaluate θ_global, not the
+  // local replica halfway through a round; sync's replicas are the global model already.
+  // Touches no collective; the training thread's, between steps.
+  virtual void with_global_weights(const std::function<void()>& fn) { fn(); }
   // The decisions made while running (adaptive controller, per-site inner steps), one line
   // each, for the log and summary.json.
   virtual std::vector<std::string> decisions() const { return {}; }

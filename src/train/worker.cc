@@ -318,7 +318,8 @@ int run_worker(const Config& c, const WorkerIdentity& who, bool resume, bool rej
     window_loss += batch.loss.item<double>() * batch.weight;
     window_predicted += batch.weight;
     if ((step + 1) % c.job.log_every == 0) write_metrics(step + 1);
-    if (c.eval.every > 0 && (step + 1) % c.eval.every == 0) evaluate_now(step + 1);
+    if (c.eval.every > 0 && (step + 1) % c.eval.every == 0)  // on the merged model, not the replica mid-round
+      strategy->with_global_weights([&] { evaluate_now(step + 1); });
 
     float stop = g_stop_signal.load() != 0 ? static_cast<float>(g_stop_signal.load()) : 0.0f;
     if (step + 1 == stop_at) stop = SIGTERM;
