@@ -318,7 +318,7 @@ TEST(EndToEnd, BadConfigGivesOneLineNamingTheKey) {
 
 TEST(EndToEnd, HelpWorksForEverySubcommand) {
   for (const char* sub : {"", "run ", "worker ", "demo ", "plan ", "certs ", "certs init ", "certs issue ", "corpus ",
-                          "corpus build ", "bleu ", "translate "}) {
+                          "corpus build ", "bleu ", "translate ", "tokenizer "}) {
     Result r = run(std::string(sub) + "--help", 30);
     EXPECT_EQ(r.exit_code, 0) << sub << r.output;
     EXPECT_NE(r.output.find("Usage"), std::string::npos) << sub << r.output;

@@ -72,6 +72,13 @@ struct DataConfig {
   double test_fraction = 0.05;
   int64_t vocab_size = 1000;
   std::string tokenizer;             // an existing SentencePiece .model; empty = train one
+  // What nebula trains the job's vocabulary on (`nebula run` without data.tokenizer, `nebula
+  // tokenizer`), never the text of several sites: the training split of one site's own data,
+  // `tokenizer_site` ("" = the first site with shareable = true, else the first site), or a
+  // file of sentences (one per line) that may be given to every site, `tokenizer_corpus`.
+  // The vocabulary goes to every site: its pieces reveal frequent substrings of that text.
+  std::string tokenizer_site;
+  std::string tokenizer_corpus;
   int64_t batch_size = 16;           // sentences per worker per step
   double mask_prob = 0.15;
   // mlm_encoder: "mlm" trains on single sentences; "mlm+tlm" adds every training pair as one

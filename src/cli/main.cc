@@ -23,6 +23,7 @@
 #include "train/launcher.h"
 #include "train/translate.h"
 #include "train/report.h"
+#include "train/site_data.h"
 #include "train/worker.h"
 #include "transport/certs.h"
 
@@ -68,6 +69,16 @@ int main(int argc, char** argv) {
   bool rejoin = false;
   worker->add_flag("--rejoin", rejoin,
                    "This site was lost and the others went on (job.elastic): resume it and join them again");
+
+  std::string tokenizer_out;
+  auto* tokenizer = app.add_subcommand(
+      "tokenizer", "Train the job's SentencePiece vocabulary on one site's own training data (data.tokenizer_site) "
+                   "or on data.tokenizer_corpus; in a deployment run it on that site, then copy the file to every site "
+                   "and set data.tokenizer");
+  tokenizer->add_option("config", config_path, "Job config (TOML)")->required()->check(CLI::ExistingFile);
+  tokenizer->add_option("--out", tokenizer_out,
+                        "The .model file to write (default: data.tokenizer, else RUN_DIR/tokenizer.model)");
+  tokenizer->add_option("--set", overrides, "Override a config key (repeatable)")->allow_extra_args(false);
 
   std::string demo_dir = "runs/demo";
   bool demo_quick = false;
@@ -181,6 +192,25 @@ int main(int argc, char** argv) {
     if (*run) {
       nebula::Config c = nebula::load_config(config_path, overrides);
       return nebula::train::run_local(c, {self_executable(), resume});
+    }
+    if (*tokenizer) {
+      nebula::Config c = nebula::load_config(config_path, overrides);
+      if (c.model.kind == "torchscript")
+        throw nebula::ConfigError(config_path + ": model.kind = \"torchscript\" trains on tensor files: no vocabulary");
+      std::string out = !tokenizer_out.empty() ? tokenizer_out
+                        : !c.data.tokenizer.empty() ? c.data.tokenizer
+                                                    : c.job.run_dir + "/tokenizer.model";
+      const std::string suffix = ".model";
+      if (out.size() <= suffix.size() || out.compare(out.size() - suffix.size(), suffix.size(), suffix) != 0)
+        throw nebula::ConfigError(out + ": a SentencePiece model file ends in .model (its .vocab is written beside it)");
+      const std::filesystem::path parent = std::filesystem::path(out).parent_path();
+      if (!parent.empty()) std::filesystem::create_directories(parent);
+      nebula::train::train_tokenizer(c, out.substr(0, out.size() - suffix.size()));
+      const nebula::SiteConfig* from = nebula::train::tokenizer_site(c);
+      std::printf("wrote %s, trained on %s; copy it to every site and set data.tokenizer = \"%s\"\n", out.c_str(),
+                  from ? ("the training data of site '" + from->name + "' only").c_str() : c.data.tokenizer_corpus.c_str(),
+                  out.c_str());
+      return 0;
     }
     if (*demo) {
       nebula::train::DemoOptions o;

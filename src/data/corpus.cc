@@ -7,6 +7,7 @@
 #include <array>
 #include <cstdio>
 #include <filesystem>
+#include <optional>
 #include <set>
 #include <system_error>
 #include <utility>
@@ -533,8 +534,28 @@ std::string clean_message(std::string_view s) {
   return collapse_and_trim(t);
 }
 
+namespace {
+
+// The salt's bytes, then MurmurHash3's fmix64: FNV-1a alone mixes its high bits poorly for
+// similar inputs.
+uint64_t salt_and_mix(uint64_t h, uint64_t salt) {
+  char salt_bytes[8];
+  for (int i = 0; i < 8; ++i) salt_bytes[i] = static_cast<char>((salt >> (8 * i)) & 0xff);
+  h = fnv1a(h, std::string_view(salt_bytes, 8));
+  h ^= h >> 33;
+  h *= 0xff51afd7ed558ccdULL;
+  h ^= h >> 33;
+  h *= 0xc4ceb9fe1a85ec53ULL;
+  h ^= h >> 33;
+  return h;
+}
+
+constexpr uint64_t kFnvOffset = 14695981039346656037ULL;
+
+}  // namespace
+
 uint64_t pair_hash(const SentencePair& p, uint64_t salt) {
-  uint64_t h = 14695981039346656037ULL;
+  uint64_t h = kFnvOffset;
   const char zero = '\0';
   h = fnv1a(h, p.lang);
   h = fnv1a(h, std::string_view(&zero, 1));
@@ -542,16 +563,12 @@ uint64_t pair_hash(const SentencePair& p, uint64_t salt) {
   h = fnv1a(h, std::string_view(&zero, 1));
   h = fnv1a(h, p.other);
   h = fnv1a(h, std::string_view(&zero, 1));
-  char salt_bytes[8];
-  for (int i = 0; i < 8; ++i) salt_bytes[i] = static_cast<char>((salt >> (8 * i)) & 0xff);
-  h = fnv1a(h, std::string_view(salt_bytes, 8));
-  // MurmurHash3 fmix64: FNV-1a alone mixes its high bits poorly for similar inputs.
-  h ^= h >> 33;
-  h *= 0xff51afd7ed558ccdULL;
-  h ^= h >> 33;
-  h *= 0xc4ceb9fe1a85ec53ULL;
-  h ^= h >> 33;
-  return h;
+  return salt_and_mix(h, salt);
+}
+
+uint64_t sentence_hash(std::string_view text, uint64_t salt) {
+  const char zero = '\0';
+  return salt_and_mix(fnv1a(fnv1a(kFnvOffset, text), std::string_view(&zero, 1)), salt);
 }
 
 std::vector<std::string> list_gettext_languages(const std::string& locale_dir) {
@@ -705,24 +722,86 @@ void write_tsv_file(const std::string& path, const std::vector<SentencePair>& pa
   write_file_atomic(path, text);
 }
 
-Split split_of(const SentencePair& p, double valid_fraction, double test_fraction) {
+namespace {
+
+void check_fractions(double valid_fraction, double test_fraction) {
   NEBULA_CHECK(valid_fraction >= 0 && valid_fraction <= 1 && test_fraction >= 0 && test_fraction <= 1 &&
                    valid_fraction + test_fraction <= 1,
                "split fractions must lie in [0, 1] with a sum <= 1, got valid=", valid_fraction,
                " test=", test_fraction);
-  const double u = static_cast<double>(pair_hash(p, kSplitSalt) >> 11) * 0x1.0p-53;  // uniform in [0, 1)
+}
+
+Split split_of_unchecked(std::string_view en, double valid_fraction, double test_fraction) {
+  const double u = static_cast<double>(sentence_hash(en, kSplitSalt) >> 11) * 0x1.0p-53;  // uniform in [0, 1)
   if (u < test_fraction) return Split::kTest;
   if (u < test_fraction + valid_fraction) return Split::kValid;
   return Split::kTrain;
 }
 
-std::vector<SentencePair> filter_split(const std::vector<SentencePair>& pairs, Split which, double valid_fraction,
-                                       double test_fraction) {
-  std::vector<SentencePair> out;
-  for (const SentencePair& p : pairs) {
-    if (split_of(p, valid_fraction, test_fraction) == which) out.push_back(p);
+}  // namespace
+
+Split split_of_sentence(std::string_view en, double valid_fraction, double test_fraction) {
+  check_fractions(valid_fraction, test_fraction);
+  return split_of_unchecked(en, valid_fraction, test_fraction);
+}
+
+std::vector<std::optional<Split>> assign_splits(const std::vector<SentencePair>& pairs, double valid_fraction,
+                                                double test_fraction) {
+  check_fractions(valid_fraction, test_fraction);
+  std::vector<Split> by_en(pairs.size());
+  // (lang, other) -> the split that translation takes: the first of train, valid, test that one
+  // of its pairs' English sentences is in (Split's order).
+  std::map<std::pair<std::string_view, std::string_view>, Split> by_other;
+  for (size_t i = 0; i < pairs.size(); ++i) {
+    const SentencePair& p = pairs[i];
+    by_en[i] = split_of_unchecked(p.en, valid_fraction, test_fraction);
+    if (p.other.empty()) continue;  // monolingual text: only the English side is keyed
+    auto [it, fresh] = by_other.try_emplace({p.lang, p.other}, by_en[i]);
+    if (!fresh) it->second = std::min(it->second, by_en[i]);
+  }
+  std::vector<std::optional<Split>> out(pairs.size());
+  for (size_t i = 0; i < pairs.size(); ++i) {
+    const SentencePair& p = pairs[i];
+    if (p.other.empty() || by_other.at({p.lang, p.other}) == by_en[i]) out[i] = by_en[i];
   }
   return out;
+}
+
+std::vector<SentencePair> filter_split(const std::vector<SentencePair>& pairs, Split which, double valid_fraction,
+                                       double test_fraction) {
+  const auto splits = assign_splits(pairs, valid_fraction, test_fraction);
+  std::vector<SentencePair> out;
+  for (size_t i = 0; i < pairs.size(); ++i) {
+    if (splits[i] == which) out.push_back(pairs[i]);
+  }
+  return out;
+}
+
+SplitOverlap measure_split_overlap(const std::vector<SentencePair>& train, const std::vector<SentencePair>& valid,
+                                   const std::vector<SentencePair>& test) {
+  // For each sentence, the set of splits it occurs in (bit i = split i).
+  std::map<std::string_view, unsigned> en, text;
+  std::map<std::pair<std::string_view, std::string_view>, unsigned> other;
+  const std::array<const std::vector<SentencePair>*, 3> splits = {&train, &valid, &test};
+  for (unsigned i = 0; i < 3; ++i) {
+    for (const SentencePair& p : *splits[i]) {
+      en[p.en] |= 1u << i;
+      text[p.en] |= 1u << i;
+      if (p.other.empty()) continue;
+      other[{p.lang, p.other}] |= 1u << i;
+      text[p.other] |= 1u << i;
+    }
+  }
+  auto in_several = [](const auto& m) {
+    size_t n = 0;
+    for (const auto& [key, bits] : m) n += (bits & (bits - 1)) != 0;
+    return n;
+  };
+  SplitOverlap o;
+  o.en_sentences = in_several(en);
+  o.other_sentences = in_several(other);
+  o.texts = in_several(text);
+  return o;
 }
 
 std::vector<SentencePair> select_languages(const std::vector<SentencePair>& pairs,
@@ -799,14 +878,21 @@ Corpus build_corpus(const CorpusBuildOptions& o) {
     NEBULA_CHECK(false, "corpus source '", o.source, "' is not one of gettext, tsv, text");
   }
 
-  for (SentencePair& p : pairs) {
-    const auto split = static_cast<size_t>(split_of(p, o.valid_fraction, o.test_fraction));
+  const auto splits = assign_splits(pairs, o.valid_fraction, o.test_fraction);
+  for (size_t i = 0; i < pairs.size(); ++i) {
+    SentencePair& p = pairs[i];
+    if (!splits[i]) {
+      ++st.split_conflicts_dropped;
+      continue;
+    }
+    const auto split = static_cast<size_t>(*splits[i]);
     SplitStats& s = c.split_stats[p.lang][split];
     ++s.pairs;
     s.en_chars += count_chars(p.en);
     s.other_chars += count_chars(p.other);
     (split == 0 ? c.train : split == 1 ? c.valid : c.test).push_back(std::move(p));
   }
+  c.overlap = measure_split_overlap(c.train, c.valid, c.test);
   return c;
 }
 
@@ -828,6 +914,11 @@ std::string corpus_stats_json(const Corpus& c, const CorpusBuildOptions& o) {
   j["duplicates_removed"] = st.duplicates_dropped;
   j["pairs_over_cap"] = st.pairs_over_cap;
   j["pairs"] = st.pairs_kept;
+  j["split_conflicts_dropped"] = st.split_conflicts_dropped;
+  // Measured on the written splits, not assumed from the rule (assign_splits): must be 0.
+  j["overlap"] = {{"en_sentences", c.overlap.en_sentences},
+                  {"other_sentences", c.overlap.other_sentences},
+                  {"texts_any_side", c.overlap.texts}};
   json langs = json::object();
   std::array<SplitStats, 3> total{};
   for (const auto& [lang, splits] : c.split_stats) {
@@ -867,6 +958,10 @@ std::string format_corpus_stats(const Corpus& c, const CorpusBuildOptions& o) {
                 st.files_read, gettext ? "catalogs" : "file", st.files_skipped, st.entries_seen, st.entries_dropped,
                 gettext ? "(untranslated, empty, too short/long, or unchanged)" : "(other languages)",
                 st.duplicates_dropped, st.pairs_over_cap);
+  out += line;
+  std::snprintf(line, sizeof line, "%zu pairs left out whose translation is in another split; sentences in two "
+                "splits: %zu English, %zu other (%zu texts of either side)\n",
+                st.split_conflicts_dropped, c.overlap.en_sentences, c.overlap.other_sentences, c.overlap.texts);
   out += line;
   std::snprintf(line, sizeof line, "%-10s %8s %8s %8s %8s   %s\n", "lang", "train", "valid", "test", "total",
                 "avg chars en / other");

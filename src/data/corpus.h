@@ -3,8 +3,8 @@
 // files; plus deterministic train/valid/test splits and per-site slices.
 //
 // Determinism: every choice here (subsets, splits, slices) depends only on the bytes of
-// a pair, through a 64-bit FNV-1a hash implemented locally, so every machine and every
-// run makes the same choice. Nothing depends on std::hash, iteration order of unordered
+// a pair (for splits: of its sentences, and of the other pairs of its language), through a
+// 64-bit FNV-1a hash implemented locally, so every machine and every run makes the same choice. Nothing depends on std::hash, iteration order of unordered
 // containers, locale or time.
 //
 // Thread safety: free functions without shared state; safe to call concurrently.
@@ -14,6 +14,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <map>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -84,7 +85,8 @@ struct CorpusStats {
                                // clean-up, or the translation equal to the English text
   size_t duplicates_dropped = 0;
   size_t pairs_over_cap = 0;  // deduplicated pairs left out by max_pairs_per_language
-  size_t pairs_kept = 0;
+  size_t pairs_kept = 0;  // pairs gathered (before the split)
+  size_t split_conflicts_dropped = 0;  // build_corpus: pairs assign_splits left out
   std::map<std::string, size_t> pairs_per_language;
 };
 
@@ -99,7 +101,7 @@ std::vector<std::string> list_gettext_languages(const std::string& locale_dir);
 // (lang, en, other) are dropped. The result is sorted by (lang, en, other). If
 // max_pairs_per_language > 0, each language keeps the pairs with the smallest hash
 // (a fixed pseudo-random subset that does not favour the start of the alphabet and is
-// independent of split_of/take_slice). A corrupt or unreadable catalog is skipped with
+// independent of the splits and take_slice). A corrupt or unreadable catalog is skipped with
 // a warning and counted in stats->files_skipped. A requested language without catalogs
 // throws DataError naming the language and the directory.
 std::vector<SentencePair> build_gettext_corpus(const CorpusOptions& options, CorpusStats* stats = nullptr);
@@ -129,14 +131,43 @@ void write_tsv_file(const std::string& path, const std::vector<SentencePair>& pa
 
 enum class Split { kTrain, kValid, kTest };
 
-// The split a pair belongs to, from a stable 64-bit hash of (lang, en, other): a pair
-// lands in kTest with probability test_fraction, kValid with valid_fraction, else kTrain.
-// Fractions must be in [0, 1] with a sum <= 1 (else nebula::Error).
-Split split_of(const SentencePair& p, double valid_fraction, double test_fraction);
+// The split of an English sentence, from a stable 64-bit hash of its text alone
+// (sentence_hash): kTest with probability test_fraction, kValid with valid_fraction, else
+// kTrain. Fractions must be in [0, 1] with a sum <= 1 (else nebula::Error).
+Split split_of_sentence(std::string_view en, double valid_fraction, double test_fraction);
 
-// The pairs of `pairs` in split `which`, in their original order.
+// The split of each pair of `pairs`, or nullopt for a pair left out. Held-out sentences must
+// not be trained on, and gettext catalogs repeat one English msgid in many catalogs and
+// languages (and one translation for several msgids), so splits are keyed by sentence, not
+// by pair:
+//  1. a pair goes to the split of its English sentence (split_of_sentence), so an English
+//     sentence is in one split in every catalog, language, site and job;
+//  2. a translation (lang, other) that several pairs share goes to the first of train, valid,
+//     test (Split's order) that one of its pairs' English sentences is in; its pairs whose
+//     English sentence is in another split are left out (nullopt).
+// So no English sentence and no (lang, other) sentence is in two splits. Rule 2 looks only at
+// the pairs of the translation's own language, so a site reading only its own languages
+// decides exactly as the whole job does, and a larger subset of a language (a higher cap)
+// never moves a translation out of train. Pairs with an empty other side (text sources) are
+// keyed by their English side only. Fractions as in split_of_sentence.
+std::vector<std::optional<Split>> assign_splits(const std::vector<SentencePair>& pairs, double valid_fraction,
+                                                double test_fraction);
+
+// The pairs of `pairs` that assign_splits puts in split `which`, in their original order.
 std::vector<SentencePair> filter_split(const std::vector<SentencePair>& pairs, Split which, double valid_fraction,
                                        double test_fraction);
+
+// Sentences that occur in more than one of the three splits, counted from the pairs (not
+// assumed from the rule): English sentences, (lang, other) sentences, and texts of either
+// side regardless of language (a string that is English in one split and a translation in
+// another, such as a product name, counts here only).
+struct SplitOverlap {
+  size_t en_sentences = 0;
+  size_t other_sentences = 0;
+  size_t texts = 0;
+};
+SplitOverlap measure_split_overlap(const std::vector<SentencePair>& train, const std::vector<SentencePair>& valid,
+                                   const std::vector<SentencePair>& test);
 
 // The pairs whose lang is in `langs`, in their original order; empty `langs` = all
 // (as in CorpusOptions::languages).
@@ -174,15 +205,17 @@ struct SplitStats {
 };
 
 struct Corpus {
-  // Disjoint (split_of on the whole pair), each sorted by (lang, en, other).
+  // Disjoint by sentence (assign_splits), each sorted by (lang, en, other).
   std::vector<SentencePair> train, valid, test;
+  SplitOverlap overlap;  // measured on train, valid, test
   CorpusStats stats;  // how the pairs were gathered
   // Per language: [0] train, [1] valid, [2] test (the order of Split).
   std::map<std::string, std::array<SplitStats, 3>> split_stats;
 };
 
 // Gathers the pairs of `options.source`, deduplicates them, keeps at most
-// max_pairs_per_language per language and splits them with split_of.
+// max_pairs_per_language per language and splits them with assign_splits (the pairs it leaves
+// out are counted in stats.split_conflicts_dropped).
 //  * gettext: build_gettext_corpus (clean_message on both sides; corrupt catalogs skipped
 //    with a warning naming the file and listed in stats.skipped_files);
 //  * tsv: read_tsv_file, fields verbatim (a user's own text is not "cleaned"); 2-column
@@ -198,7 +231,8 @@ Corpus build_corpus(const CorpusBuildOptions& options);
 // Byte-identical for the same Corpus and options. Throws DataError naming the file.
 void write_corpus(const std::string& dir, const Corpus& corpus, const CorpusBuildOptions& options);
 
-// stats.json: the options, the gathering counts, and per language and split the pairs and
+// stats.json: the options, the gathering counts, the pairs the split left out, the measured
+// overlap between splits (Corpus::overlap), and per language and split the pairs and
 // characters of each side. Keys sorted; no times or output paths, so reruns are identical.
 std::string corpus_stats_json(const Corpus& corpus, const CorpusBuildOptions& options);
 
@@ -210,5 +244,7 @@ std::string format_corpus_stats(const Corpus& corpus, const CorpusBuildOptions& 
 // followed by a 64-bit finalizer so that all bits are well mixed. Exposed for tests and
 // for callers that need their own stable choices (use a new salt).
 uint64_t pair_hash(const SentencePair& p, uint64_t salt);
+// The same over one sentence: FNV-1a 64 over text, '\0', salt, then the finalizer.
+uint64_t sentence_hash(std::string_view text, uint64_t salt);
 
 }  // namespace nebula::data

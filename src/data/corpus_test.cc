@@ -5,6 +5,8 @@
 #include <algorithm>
 #include <cctype>
 #include <filesystem>
+#include <map>
+#include <optional>
 #include <set>
 
 #include "data/mo_test_util.h"
@@ -288,15 +290,18 @@ TEST(BuildCorpus, GettextSplitsAreDisjointCompleteAndCounted) {
     EXPECT_TRUE(std::is_sorted(split->begin(), split->end()));
     for (const auto& p : *split) {
       const Split expected = split == &c.train ? Split::kTrain : split == &c.valid ? Split::kValid : Split::kTest;
-      EXPECT_EQ(split_of(p, 0.3, 0.3), expected) << p.en;
+      EXPECT_EQ(split_of_sentence(p.en, 0.3, 0.3), expected) << p.en;
     }
   }
+  // "Close" is in de (b.mo) and fr (a.mo): one split for both.
+  EXPECT_EQ(c.stats.split_conflicts_dropped, 0u);
+  EXPECT_EQ(c.overlap.en_sentences, 0u);
   // Per-language statistics add up; characters are code points ("Öffnen" is 6).
   size_t pairs = 0;
   for (const auto& [lang, splits] : c.split_stats)
     for (const SplitStats& s : splits) pairs += s.pairs;
   EXPECT_EQ(pairs, c.stats.pairs_kept);
-  const auto& fr = c.split_stats.at("fr")[static_cast<size_t>(split_of({"fr", "Close", "Fermer"}, 0.3, 0.3))];
+  const auto& fr = c.split_stats.at("fr")[static_cast<size_t>(split_of_sentence("Close", 0.3, 0.3))];
   EXPECT_EQ(fr.pairs, 1u);
   EXPECT_EQ(fr.en_chars, 5u);
   EXPECT_EQ(fr.other_chars, 6u);
@@ -325,6 +330,7 @@ TEST(BuildCorpus, WritesByteIdenticalFilesThatReadBack) {
   const std::string json = testing::read_bytes(out.file("a/stats.json"));
   EXPECT_NE(json.find("\"duplicates_removed\": 1"), std::string::npos) << json;
   EXPECT_NE(json.find("corrupt.mo"), std::string::npos) << json;
+  EXPECT_NE(json.find("\"overlap\": {\n  \"en_sentences\": 0,\n  \"other_sentences\": 0,"), std::string::npos) << json;
   const std::string table = format_corpus_stats(c, opt);
   EXPECT_NE(table.find("1 skipped"), std::string::npos) << table;
   EXPECT_NE(table.find("\nde "), std::string::npos) << table;
@@ -519,8 +525,8 @@ TEST(Splits, DeterministicWithRequestedFractions) {
   const auto pairs = synthetic_pairs(10000);
   size_t counts[3] = {0, 0, 0};
   for (const auto& p : pairs) {
-    const Split s = split_of(p, 0.1, 0.05);
-    EXPECT_EQ(split_of(p, 0.1, 0.05), s);
+    const Split s = split_of_sentence(p.en, 0.1, 0.05);
+    EXPECT_EQ(split_of_sentence(p.en, 0.1, 0.05), s);
     ++counts[static_cast<int>(s)];
   }
   EXPECT_GT(counts[1], 800u);  // valid ~ 0.10
@@ -534,8 +540,123 @@ TEST(Splits, DeterministicWithRequestedFractions) {
   EXPECT_EQ(valid.size(), counts[1]);
   EXPECT_EQ(test.size(), counts[2]);
   EXPECT_EQ(filter_split(pairs, Split::kTrain, 0, 0).size(), pairs.size());
-  EXPECT_THROW(split_of(pairs[0], 0.7, 0.5), nebula::Error);
-  EXPECT_THROW(split_of(pairs[0], -0.1, 0), nebula::Error);
+  EXPECT_THROW(split_of_sentence(pairs[0].en, 0.7, 0.5), nebula::Error);
+  EXPECT_THROW(split_of_sentence(pairs[0].en, -0.1, 0), nebula::Error);
+  EXPECT_THROW(assign_splits(pairs, -0.1, 0), nebula::Error);
+}
+
+// English sentences with the given split under (valid, test) = (0.2, 0.2), found by search.
+std::vector<std::string> sentences_in(Split which, size_t n) {
+  std::vector<std::string> out;
+  for (int i = 0; out.size() < n; ++i) {
+    std::string en = "message " + std::to_string(i);
+    if (split_of_sentence(en, 0.2, 0.2) == which) out.push_back(std::move(en));
+  }
+  return out;
+}
+
+// gettext repeats one msgid in many catalogs and languages. Keyed by the whole pair (the old
+// rule), 300 English sentences in 4 languages each would land in several splits many times
+// over; keyed by the English sentence, each is in one split in every language.
+TEST(Splits, OneEnglishSentenceInManyLanguagesIsInOneSplit) {
+  std::vector<SentencePair> pairs;
+  for (int i = 0; i < 300; ++i)
+    for (const char* lang : {"de", "es", "fr", "it"})
+      pairs.push_back({lang, "Open the file " + std::to_string(i), std::string(lang) + " " + std::to_string(i)});
+  const auto splits = assign_splits(pairs, 0.1, 0.1);
+  std::map<std::string, std::set<Split>> of_en;
+  size_t held_out = 0;
+  for (size_t i = 0; i < pairs.size(); ++i) {
+    ASSERT_TRUE(splits[i].has_value()) << pairs[i].en;  // no translation is shared: nothing left out
+    of_en[pairs[i].en].insert(*splits[i]);
+    held_out += *splits[i] != Split::kTrain;
+  }
+  for (const auto& [en, in] : of_en) EXPECT_EQ(in.size(), 1u) << en;
+  EXPECT_GT(held_out, 100u);  // ~20% of 1200: the property is not met by putting all in train
+  std::vector<SentencePair> by_split[3];
+  for (size_t i = 0; i < pairs.size(); ++i) by_split[static_cast<int>(*splits[i])].push_back(pairs[i]);
+  EXPECT_EQ(measure_split_overlap(by_split[0], by_split[1], by_split[2]).en_sentences, 0u);
+}
+
+// One translation of several msgids: it goes to the first of train, valid, test among its
+// English sentences' splits, and its pairs in the other splits are left out.
+TEST(Splits, ASharedTranslationIsInOneSplitAndTrainComesFirst) {
+  const auto train = sentences_in(Split::kTrain, 2), valid = sentences_in(Split::kValid, 2),
+             test = sentences_in(Split::kTest, 2);
+  const std::vector<SentencePair> pairs = {
+      {"de", test[0], "Datei"},     {"de", train[0], "Datei"},    // -> train; the test pair out
+      {"de", valid[0], "Fenster"},  {"de", test[1], "Fenster"},   // -> valid; the test pair out
+      {"fr", test[0], "Fichier"},                                  // alone: its English's split
+      {"fr", valid[1], "Datei"},                                   // another language: its own sentence
+      {"de", train[1], "Ende"},     {"de", train[1], "Schluss"},  // two translations of one msgid
+  };
+  const auto s = assign_splits(pairs, 0.2, 0.2);
+  const std::vector<std::optional<Split>> expected = {
+      std::nullopt, Split::kTrain, Split::kValid, std::nullopt, Split::kTest, Split::kValid, Split::kTrain, Split::kTrain};
+  EXPECT_EQ(s, expected);
+  EXPECT_EQ(filter_split(pairs, Split::kTest, 0.2, 0.2), (std::vector<SentencePair>{pairs[4]}));
+  // The rule looks only at the translation's own language: the de decisions do not change
+  // when fr is left out (as on a site that holds de only).
+  std::vector<SentencePair> de;
+  for (const auto& p : pairs)
+    if (p.lang == "de") de.push_back(p);
+  for (const Split w : {Split::kTrain, Split::kValid, Split::kTest})
+    EXPECT_EQ(filter_split(de, w, 0.2, 0.2), select_languages(filter_split(pairs, w, 0.2, 0.2), {"de"}));
+}
+
+// The overlap is counted from the pairs, so a leaky split shows up (stats.json reports it).
+TEST(Splits, OverlapIsMeasuredNotAssumed) {
+  const std::vector<SentencePair> train = {{"de", "Open", "Öffnen"}, {"fr", "Name", "Nom"}};
+  const std::vector<SentencePair> valid = {{"fr", "Open", "Ouvrir"}, {"de", "Close", "Öffnen"}};
+  const std::vector<SentencePair> test = {{"de", "Nom", "Vorname"}, {"it", "Save", "Öffnen"}};
+  const SplitOverlap o = measure_split_overlap(train, valid, test);
+  EXPECT_EQ(o.en_sentences, 1u);     // Open
+  EXPECT_EQ(o.other_sentences, 1u);  // (de, Öffnen); (it, Öffnen) is another language's sentence
+  EXPECT_EQ(o.texts, 3u);            // Open, Öffnen, Nom (a translation in train, English in test)
+  EXPECT_EQ(measure_split_overlap(train, {}, {}).texts, 0u);
+}
+
+// The property on the real catalogs: many msgids recur across catalogs and languages there,
+// and no sentence of either language is in two splits.
+TEST(Splits, RealCatalogsNoSentenceInTwoSplits) {
+  for (const char* lang : {"de", "fr"})
+    if (!std::filesystem::exists(std::string("/usr/share/locale/") + lang + "/LC_MESSAGES"))
+      GTEST_SKIP() << "no " << lang << " catalogs on this machine";
+  CorpusBuildOptions opt;
+  opt.languages = {"de", "fr"};  // every pair: a cap would pick different msgids per language
+  const Corpus c = build_corpus(opt);
+  // The data makes the property non-trivial: English sentences shared by languages, and
+  // translations shared by msgids.
+  std::map<std::string, std::set<std::string>> langs_of_en;
+  std::map<std::pair<std::string, std::string>, size_t> uses_of_other;
+  for (const auto* split : {&c.train, &c.valid, &c.test})
+    for (const auto& p : *split) {
+      langs_of_en[p.en].insert(p.lang);
+      ++uses_of_other[{p.lang, p.other}];
+    }
+  size_t shared_en = 0, shared_other = 0;
+  for (const auto& [en, ls] : langs_of_en) shared_en += ls.size() > 1;
+  for (const auto& [o, n] : uses_of_other) shared_other += n > 1;
+  // (here: 38237 English sentences in both languages, 1316 translations kept for several msgids)
+  EXPECT_GT(shared_en, 10000u);
+  EXPECT_GT(shared_other, 100u);
+  EXPECT_GT(c.stats.split_conflicts_dropped, 0u);
+  // Checked here directly, independently of measure_split_overlap.
+  std::map<std::string, std::set<int>> en_in;
+  std::map<std::pair<std::string, std::string>, std::set<int>> other_in;
+  int i = 0;
+  for (const auto* split : {&c.train, &c.valid, &c.test}) {
+    ASSERT_GT(split->size(), 300u);
+    for (const auto& p : *split) {
+      en_in[p.en].insert(i);
+      other_in[{p.lang, p.other}].insert(i);
+    }
+    ++i;
+  }
+  for (const auto& [en, in] : en_in) ASSERT_EQ(in.size(), 1u) << en;
+  for (const auto& [o, in] : other_in) ASSERT_EQ(in.size(), 1u) << o.first << " " << o.second;
+  EXPECT_EQ(c.overlap.en_sentences, 0u);
+  EXPECT_EQ(c.overlap.other_sentences, 0u);
 }
 
 TEST(Splits, TakeSliceIsDisjointAndComplete) {

@@ -182,8 +182,9 @@ int run_local(Config c, const LaunchOptions& options) {
   if (c.security.insecure) spdlog::warn("security.insecure = true: links between sites will be PLAINTEXT");
   ensure_local_certificates(c);
 
-  // The job's shared vocabulary. In a deployment it is trained once and shipped with the job
-  // (data.tokenizer); in local mode we train it here before the workers start.
+  // The job's shared vocabulary. In a deployment it is trained once on the tokenizer site
+  // (`nebula tokenizer`) and shipped with the job (data.tokenizer); in local mode we train it
+  // here before the workers start, on that one site's data only, as the tokenizer site would.
   if (c.data.tokenizer.empty() && c.model.kind != "torchscript") {
     std::string prefix = c.job.run_dir + "/tokenizer";
     if (!options.resume || !fs::exists(prefix + ".model")) train_tokenizer(c, prefix);

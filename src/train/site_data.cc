@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <filesystem>
 #include <set>
+#include <string_view>
 
 #include "model/safetensors.h"
 #include "nebula/error.h"
@@ -114,9 +115,18 @@ SiteText load_site_text(const Config& c, size_t site_index, int rank, int worker
   auto all = read_source(c, langs, data::Split::kTrain, &out.stats);  // corpus: train.tsv only
   out.valid_pairs = share(narrow(c, site, data::Split::kValid,
                                  c.data.source == "corpus" ? read_source(c, langs, data::Split::kValid, nullptr) : all));
-  out.train_pairs = share(narrow(c, site, data::Split::kTrain, std::move(all)));
+  const auto site_train = narrow(c, site, data::Split::kTrain, std::move(all));
+  // The splits keep each sentence of a language in one split; a text can still be English in
+  // one pair and a translation in another ("Parameter", names): the site leaves such texts out
+  // of its MLM validation sentences (all its workers alike: against the site's whole train).
+  std::set<std::string_view> site_train_text;
+  for (const auto& p : site_train) site_train_text.insert({p.en, p.other});
+  out.train_pairs = share(site_train);
   add_sides(out.train_pairs, out.train);
   add_sides(out.valid_pairs, out.valid);
+  out.valid.erase(std::remove_if(out.valid.begin(), out.valid.end(),
+                                 [&](const std::string& s) { return site_train_text.count(s) > 0; }),
+                  out.valid.end());
   for (auto* v : {&out.train, &out.valid}) v->erase(std::remove(v->begin(), v->end(), std::string()), v->end());
   if (out.train.empty())
     throw DataError(str_cat("site '", c.sites[site_index].name, "' worker ", rank, ": no training sentences"));
@@ -206,13 +216,40 @@ SiteTensors load_site_tensors(const Config& c, size_t site_index, int rank, int 
   return out;
 }
 
+const SiteConfig* tokenizer_site(const Config& c) {
+  if (!c.data.tokenizer_corpus.empty()) return nullptr;
+  if (!c.data.tokenizer_site.empty()) {
+    for (const auto& s : c.sites)
+      if (s.name == c.data.tokenizer_site) return &s;
+    // load_config checks this; a Config built in code reaches here.
+    throw ConfigError(str_cat(c.source_path, ": key 'data.tokenizer_site': no site named '", c.data.tokenizer_site,
+                              "' in [[sites]]: name the site whose own data the vocabulary is trained on"));
+  }
+  NEBULA_CHECK(!c.sites.empty(), c.source_path, ": a job without sites has no data to train a vocabulary on");
+  for (const auto& s : c.sites)
+    if (s.shareable) return &s;  // its pairs may leave it anyway
+  return &c.sites.front();
+}
+
 void train_tokenizer(const Config& c, const std::string& model_prefix) {
-  data::CorpusStats stats;
-  auto pairs = load_pairs(c, nullptr, data::Split::kTrain, &stats);
   std::vector<std::string> sentences;
-  add_sides(pairs, sentences);
+  std::string from;
+  if (const SiteConfig* site = tokenizer_site(c)) {
+    add_sides(load_pairs(c, site, data::Split::kTrain), sentences);
+    from = str_cat("the training data of site '", site->name, "' only (data.tokenizer_site",
+                   c.data.tokenizer_site.empty() ? ", by default" : "", ")");
+  } else {
+    try {
+      sentences = data::read_text_file(c.data.tokenizer_corpus);
+    } catch (const DataError& e) {
+      throw DataError(str_cat(e.what(), " [data.tokenizer_corpus in ", c.source_path,
+                              ": a UTF-8 file of one sentence per line that every site may see]"));
+    }
+    from = str_cat(c.data.tokenizer_corpus, " (data.tokenizer_corpus)");
+  }
   sentences.erase(std::remove(sentences.begin(), sentences.end(), std::string()), sentences.end());
-  spdlog::info("training a {}-piece SentencePiece vocabulary on {} sentences", c.data.vocab_size, sentences.size());
+  spdlog::info("training a {}-piece SentencePiece vocabulary on {} sentences of {}; every site gets it",
+               c.data.vocab_size, sentences.size(), from);
   data::Tokenizer::train(sentences, model_prefix, static_cast<int>(c.data.vocab_size));
 }
 

@@ -18,6 +18,8 @@ struct SiteText {
   std::vector<data::SentencePair> train_pairs;  // this worker's share of the site's pairs
   std::vector<data::SentencePair> valid_pairs;
   std::vector<std::string> train;  // the sentences of those pairs, both sides (MLM is monolingual)
+  // Likewise, less any text that is also a training sentence of the site (a name that is English
+  // in one pair and a translation in another): MLM is scored on text it was not trained on.
   std::vector<std::string> valid;
   data::CorpusStats stats;
 };
@@ -25,7 +27,8 @@ struct SiteText {
 // The pairs of split `which` that the whole job (site == nullptr: every site's languages) or
 // one site holds:
 //  * source gettext / tsv / text: everything read, then split by data.valid_fraction and
-//    data.test_fraction (data::split_of: by hash, the same on every machine);
+//    data.test_fraction (data::assign_splits: by the hash of each pair's English sentence, the
+//    same on every machine and site, so no sentence is in two splits of the job);
 //  * source corpus: PATH/train.tsv, valid.tsv or test.tsv as `nebula corpus build` wrote them;
 // then the site's languages (or, for a site without languages, its hash slice of the corpus),
 // then the site's own cap (sites.N.max_pairs_per_language, training pairs only).
@@ -50,7 +53,14 @@ struct SiteTensors {
 };
 SiteTensors load_site_tensors(const Config& config, size_t site_index, int rank, int workers);
 
-// Trains the job's shared SentencePiece vocabulary into `model_prefix` (.model/.vocab).
+// The site whose own data the job's vocabulary is trained on: data.tokenizer_site, else the
+// first site with shareable = true, else the first site; nullptr when data.tokenizer_corpus
+// (a shareable file) is given instead. Throws ConfigError for a tokenizer_site no site has.
+const SiteConfig* tokenizer_site(const Config& config);
+// Trains the job's shared SentencePiece vocabulary into `model_prefix` (.model/.vocab) on the
+// training split of tokenizer_site's data only, or on the lines of data.tokenizer_corpus: never
+// on another site's text. The vocabulary then goes to every site (its pieces reveal frequent
+// substrings of that text). Deterministic: the same data gives the same bytes.
 void train_tokenizer(const Config& config, const std::string& model_prefix);
 // BOS + pieces (truncated) + EOS, at most max_len ids per sentence.
 std::vector<std::vector<int>> encode_all(const data::Tokenizer& tok, const std::vector<std::string>& sentences,

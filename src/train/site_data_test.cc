@@ -7,6 +7,7 @@
 
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <set>
 
 #include "data/corpus.h"
@@ -150,6 +151,125 @@ TEST(SiteData, ProbeSlotsAreTheNamedLanguagesThenEnglish) {
   EXPECT_FALSE(j.contains("fr"));
   EXPECT_DOUBLE_EQ(j["en"]["mlm_accuracy"].get<double>(), 0.25);
   EXPECT_FALSE(j["en"].contains("retrieval_accuracy"));
+}
+
+// Lines "lang<TAB>en<TAB>other": `n` pairs per language; each English sentence recurs in every
+// language (as a gettext msgid does in many catalogs), and `variant` changes the other side.
+std::string shared_english_tsv(const std::vector<std::string>& langs, int n, const std::string& variant = "") {
+  static const char* kWords[] = {"open", "close", "save", "file", "window", "print", "search", "folder", "network",
+                                 "settings", "user", "password", "delete", "copy", "paste", "help"};
+  std::string text;
+  for (const auto& lang : langs)
+    for (int i = 0; i < n; ++i) {
+      const std::string en = str_cat(kWords[i % 16], " the ", kWords[(i / 16) % 16], " ", kWords[(i * 7) % 16], " ", i);
+      text += str_cat(lang, "\t", en, "\t", lang, variant, "-", kWords[(i * 5) % 16], kWords[(i / 3) % 16], " ", i, "\n");
+    }
+  return text;
+}
+
+// [1/5] review: sites read different languages, yet one English sentence is in the same split at
+// every site, and no site validates MLM on a sentence any site trains on.
+TEST(SiteData, SitesSplitByTheEnglishSentenceAlike) {
+  nebula::testing::TempDir dir("site_splits");
+  std::ofstream(dir.file("p.tsv")) << shared_english_tsv({"de", "fr"}, 400);
+  Config c = parse_config(str_cat("[data]\nsource = \"tsv\"\npath = \"", dir.file("p.tsv"),
+                                  "\"\nvalid_fraction = 0.1\ntest_fraction = 0.1\n[[sites]]\nname = \"a\"\n"
+                                  "languages = [\"de\"]\n[[sites]]\nname = \"b\"\nlanguages = [\"fr\"]\n"),
+                          "job.toml");
+  std::set<std::string> train_en, held_out_en, train_text, valid_text;
+  for (size_t site = 0; site < 2; ++site) {
+    for (const auto& p : load_pairs(c, &c.sites[site], data::Split::kTrain)) train_en.insert(p.en);
+    for (const auto split : {data::Split::kValid, data::Split::kTest})
+      for (const auto& p : load_pairs(c, &c.sites[site], split)) held_out_en.insert(p.en);
+    for (int rank = 0; rank < 2; ++rank) {
+      SiteText t = load_site_text(c, site, rank, 2);
+      train_text.insert(t.train.begin(), t.train.end());
+      valid_text.insert(t.valid.begin(), t.valid.end());
+    }
+  }
+  EXPECT_GT(held_out_en.size(), 40u);
+  for (const auto& en : held_out_en) EXPECT_EQ(train_en.count(en), 0u) << en;  // keyed by the pair, most would be
+  EXPECT_GT(valid_text.size(), 40u);
+  for (const auto& s : valid_text) EXPECT_EQ(train_text.count(s), 0u) << s;
+}
+
+// [1/5] review: the shared vocabulary is trained on the tokenizer site's own data only.
+struct TwoSiteTsvJob {
+  nebula::testing::TempDir dir{"tokenizer_site"};
+  Config config(const std::string& tsv, const std::string& extra = "") {
+    std::ofstream(dir.file("p.tsv")) << tsv;
+    return parse_config(str_cat("[data]\nsource = \"tsv\"\npath = \"", dir.file("p.tsv"), "\"\nvocab_size = 60\n",
+                                extra, "[[sites]]\nname = \"a\"\nlanguages = [\"de\"]\n"
+                                "[[sites]]\nname = \"b\"\nlanguages = [\"fr\"]\n"),
+                        "job.toml");
+  }
+  // One output path for all: the model records its prefix (and its training input's file name).
+  std::string model_bytes(const Config& c) {
+    train_tokenizer(c, dir.file("tok"));
+    return read(dir.file("tok.model"));
+  }
+  static std::string read(const std::string& path) {
+    std::ifstream in(path, std::ios::binary);
+    return std::string(std::istreambuf_iterator<char>(in), {});
+  }
+};
+
+TEST(SiteData, TokenizerIsTrainedOnTheTokenizerSiteAlone) {
+  TwoSiteTsvJob job;
+  Config two = job.config(shared_english_tsv({"de"}, 300) + shared_english_tsv({"fr"}, 300));
+  EXPECT_EQ(tokenizer_site(two), &two.sites[0]);  // the default: the first site
+  const std::string both = job.model_bytes(two);
+  ASSERT_GT(both.size(), 1000u);
+  // Both sites' text pooled, as nebula did before: that would see the other site's change below.
+  auto pooled = [&](const Config& c) {
+    std::vector<std::string> text;
+    for (const auto& site : c.sites)
+      for (const auto& p : load_pairs(c, &site, data::Split::kTrain)) text.insert(text.end(), {p.en, p.other});
+    data::Tokenizer::train(text, job.dir.file("tok"), 60);
+    return TwoSiteTsvJob::read(job.dir.file("tok.model"));
+  };
+  const std::string pooled_before = pooled(two);
+  // The other site's text changed: the same bytes (pooling both sites' text, as before, changes them).
+  Config other_changed = job.config(shared_english_tsv({"de"}, 300) + shared_english_tsv({"fr"}, 300, "xyzzy"));
+  EXPECT_EQ(job.model_bytes(other_changed), both);
+  EXPECT_NE(pooled(other_changed), pooled_before);
+  // The tokenizer site's data alone (no site b at all): the same bytes.
+  Config alone = job.config(shared_english_tsv({"de"}, 300));
+  alone.sites.pop_back();
+  EXPECT_EQ(job.model_bytes(alone), both);
+  // Site b as the tokenizer site: its own vocabulary.
+  Config b = job.config(shared_english_tsv({"de"}, 300) + shared_english_tsv({"fr"}, 300), "tokenizer_site = \"b\"\n");
+  EXPECT_EQ(tokenizer_site(b), &b.sites[1]);
+  EXPECT_NE(job.model_bytes(b), both);
+  // A shareable site is the default (its pairs may leave it anyway).
+  Config shareable = job.config(shared_english_tsv({"de"}, 300), "");
+  shareable.sites[1].shareable = true;
+  EXPECT_EQ(tokenizer_site(shareable), &shareable.sites[1]);
+  // A shareable file instead of any site's data.
+  std::vector<std::string> lines;
+  std::string text;
+  for (int i = 0; i < 300; ++i) {
+    lines.push_back(str_cat("shared sentence number ", i, " of the public corpus ", i * 7));
+    text += lines.back() + "\n";
+  }
+  std::ofstream(job.dir.file("shared.txt")) << text;
+  Config corpus = job.config(shared_english_tsv({"de"}, 300),
+                             str_cat("tokenizer_corpus = \"", job.dir.file("shared.txt"), "\"\n"));
+  EXPECT_EQ(tokenizer_site(corpus), nullptr);
+  data::Tokenizer::train(lines, job.dir.file("tok"), 60);
+  const std::string direct = TwoSiteTsvJob::read(job.dir.file("tok.model"));
+  EXPECT_EQ(job.model_bytes(corpus), direct);
+  corpus.data.tokenizer_corpus = job.dir.file("missing.txt");
+  try {
+    train_tokenizer(corpus, job.dir.file("missing"));
+    ADD_FAILURE() << "no DataError";
+  } catch (const DataError& e) {
+    EXPECT_NE(std::string(e.what()).find("missing.txt"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("data.tokenizer_corpus"), std::string::npos) << e.what();
+  }
+  // A Config built in code with an unknown site: a ConfigError naming the key.
+  two.data.tokenizer_site = "zeta";
+  EXPECT_THROW(tokenizer_site(two), ConfigError);
 }
 
 // [7/7] data.source = "tensors": each site reads its own files; rows are held out by a hash

@@ -12,6 +12,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstdlib>
+#include <filesystem>
 #include <optional>
 #include <thread>
 
@@ -28,6 +29,7 @@
 #include "train/checkpoint.h"
 #include "train/metrics.h"
 #include "train/optimizer_state.h"
+#include "train/site_data.h"
 #include "train/task.h"
 #include "transport/tcp_link.h"
 #include "wire/frame.h"
@@ -154,6 +156,17 @@ int run_worker(const Config& c, const WorkerIdentity& who, bool resume, bool rej
   if (ctx.device.is_cuda()) spdlog::info("training on {}", ctx.device.str());
   if (c.model.kind != "torchscript") {  // text tasks: the job's SentencePiece vocabulary
     ctx.tokenizer_path = c.data.tokenizer.empty() ? default_tokenizer_path(c) : c.data.tokenizer;
+    // A worker never trains the vocabulary itself: every site must use the same one, and only
+    // the tokenizer site may train it on its own data.
+    if (!std::filesystem::exists(ctx.tokenizer_path)) {
+      const SiteConfig* from = tokenizer_site(c);
+      throw ConfigError(str_cat(
+          ctx.tokenizer_path, ": no vocabulary (",
+          c.data.tokenizer.empty() ? "RUN_DIR/tokenizer.model, as data.tokenizer is not set" : "data.tokenizer", " in ",
+          c.source_path, "): train it once with `nebula tokenizer CONFIG --out FILE` ",
+          from ? str_cat("on site '", from->name, "' (data.tokenizer_site), ") : std::string("(data.tokenizer_corpus), "),
+          "copy FILE to every site and set data.tokenizer = FILE; `nebula run` does this by itself"));
+    }
     const data::Tokenizer& tok = ctx.tokenizer.emplace(data::Tokenizer::load(ctx.tokenizer_path));
     ctx.ids = {tok.pad_id(), tok.unk_id(), tok.bos_id(), tok.eos_id(), tok.mask_id(), 5, tok.vocab_size()};
   }

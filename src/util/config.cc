@@ -162,6 +162,8 @@ Config build(const toml::table& root, const std::string& file) {
     s.number("test_fraction", c.data.test_fraction, 0.0, 0.5);
     s.integer("vocab_size", c.data.vocab_size, 16, 1 << 20);
     s.string("tokenizer", c.data.tokenizer);
+    s.string("tokenizer_site", c.data.tokenizer_site);
+    s.string("tokenizer_corpus", c.data.tokenizer_corpus);
     s.integer("batch_size", c.data.batch_size, 1, 1 << 20);
     s.number("mask_prob", c.data.mask_prob, 0.01, 0.9);
     s.string("objective", c.data.objective, {"mlm", "mlm+tlm"});
@@ -200,6 +202,22 @@ Config build(const toml::table& root, const std::string& file) {
     c.sites.push_back(site);
   });
   if (c.sites.empty()) throw ConfigError(str_cat(file, ": no [[sites]]: a job needs at least one site"));
+  if (!c.data.tokenizer_site.empty()) {
+    std::string names;
+    bool known = false;
+    for (const auto& site : c.sites) {
+      known |= site.name == c.data.tokenizer_site;
+      names += str_cat(names.empty() ? "" : ", ", "'", site.name, "'");
+    }
+    if (!known)
+      throw ConfigError(str_cat(place(root, "data", "tokenizer_site", file), ": key 'data.tokenizer_site': no site named '",
+                                c.data.tokenizer_site, "': the vocabulary is trained on one site's own data; name one "
+                                "of the job's sites (", names, ")"));
+    if (!c.data.tokenizer_corpus.empty())
+      throw ConfigError(str_cat(place(root, "data", "tokenizer_corpus", file),
+                                ": key 'data.tokenizer_corpus': set either data.tokenizer_site (train the vocabulary on "
+                                "that site's data) or data.tokenizer_corpus (on that shareable file), not both"));
+  }
   if (c.model.kind == "seq2seq") {
     for (const auto& site : c.sites)
       if (site.device != "cpu")
@@ -454,6 +472,8 @@ std::string to_toml(const Config& c) {
                                   {"test_fraction", c.data.test_fraction},
                                   {"vocab_size", c.data.vocab_size},
                                   {"tokenizer", c.data.tokenizer},
+                                  {"tokenizer_site", c.data.tokenizer_site},
+                                  {"tokenizer_corpus", c.data.tokenizer_corpus},
                                   {"batch_size", c.data.batch_size},
                                   {"mask_prob", c.data.mask_prob},
                                   {"objective", c.data.objective}});

@@ -243,6 +243,22 @@ TEST(Config, TranslationAndDistillKeysAreValidated) {
   expect_error(kValid, {"'eval.beam'"}, {"eval.beam=0"});
 }
 
+// [1/5] review: the vocabulary is trained on one site's data or a shareable file.
+TEST(Config, TokenizerSiteNamesASiteOrTheCorpusIsGivenInstead) {
+  Config c = parse_config(kValid, "job.toml", {"data.tokenizer_site=b"});
+  EXPECT_EQ(c.data.tokenizer_site, "b");
+  EXPECT_EQ(parse_config(to_toml(c), "resolved.toml").data.tokenizer_site, "b");
+  c = parse_config(kValid, "job.toml", {"data.tokenizer_corpus=\"shared.txt\""});
+  EXPECT_EQ(parse_config(to_toml(c), "resolved.toml").data.tokenizer_corpus, "shared.txt");
+  EXPECT_TRUE(parse_config(kValid, "job.toml").data.tokenizer_site.empty());  // default: see site_data.h
+  expect_error(kValid, {"--set data.tokenizer_site=zeta", "'data.tokenizer_site'", "no site named 'zeta'", "'a', 'b'"},
+               {"data.tokenizer_site=zeta"});
+  expect_error(replace_once(kValid, "languages = [\"de\"]", "languages = [\"de\"]\ntokenizer_site = \"c\""),
+               {"job.toml:13:", "'data.tokenizer_site'", "'c'"});
+  expect_error(kValid, {"'data.tokenizer_corpus'", "not both"},
+               {"data.tokenizer_site=a", "data.tokenizer_corpus=\"shared.txt\""});
+}
+
 // [7/7]: a site's device.
 TEST(Config, SiteDevicesAreCpuCudaOrCudaN) {
   for (const char* ok : {"cpu", "cuda", "cuda:0", "cuda:12"})
