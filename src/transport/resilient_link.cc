@@ -125,7 +125,8 @@ wire::Frame ResilientLink::recv(Deadline deadline) {
   if (closed_ || inbox_.empty()) throw_if_over_locked("recv from");
   if (inbox_.empty())
     throw Timeout(peer_locked(), str_cat("recv from ", peer_locked(), ": deadline passed", waiting_detail_locked()));
-  wire::Frame f = std::move(inbox_.front());
+  wire::Frame f = std::move(inbox_.front().frame);
+  delivered_arrived_ = inbox_.front().at;
   inbox_.pop_front();
   const bool first_unacked = delivered_ == last_ack_sent_;
   if (first_unacked) ack_due_since_ = Clock::now();
@@ -245,18 +246,34 @@ void ResilientLink::acknowledge_locked(uint64_t delivered) {
   send_cv_.notify_all();
 }
 
-void ResilientLink::ack_received_locked(uint64_t delivered, uint64_t gen) {
+void ResilientLink::ack_received_locked(uint64_t delivered, Clock::duration held, uint64_t gen) {
   const Clock::time_point now = Clock::now();
   const WriteRecord p = pending_[delivered - acked_ - 1].write;  // the newest newly acked frame
   const uint64_t before = pending_bytes_;
   acknowledge_locked(delivered);
   delivered_bytes_ += before - pending_bytes_;
-  delivered_at_ = now;
-  if (p.gen != gen) return;  // written on an older connection, or its write not finished yet
+  const bool timed = p.gen == gen;  // else written on an older connection, or its write not finished yet
+  // When the ack would have come had the peer acknowledged P on arrival: the time the peer
+  // held P (waiting for its caller, its ack timer, its writer busy with its own frames) is
+  // the peer's, not the path's. It cannot have held P longer than since P's write.
+  const Clock::time_point arrived = timed ? now - std::min(std::max(held, Clock::duration::zero()), now - p.written) : now;
+  delivered_at_ = arrived;
+  delivered_at_idle_ = false;
+  if (!timed) return;
   first_sent_ = p.written;
-  estimator_.on_rtt_sample(seconds(now - p.written), now);
+  estimator_.on_rtt_sample(seconds(arrived - p.written), now);
   if (p.rate_ok) {
-    const double interval = std::max(seconds(p.written - p.first_sent), seconds(now - p.delivered_at));
+    double interval = std::max(seconds(p.written - p.first_sent), seconds(arrived - p.delivered_at));
+    // An interval that began with an idle link (nothing outstanding) runs from the first byte
+    // written to the ack: the transfer plus one round trip, which is the path's latency, not
+    // its bandwidth (the controller adds the RTT itself). A single exchange-sized frame is
+    // all the traffic there is between long pauses, so leaving it in would cap the estimate
+    // at bytes / (bytes / bandwidth + rtt). Subtracted only when the transfer took at least
+    // as long as the round trip, so an error in the RTT can at most double the rate.
+    if (p.idle_start) {
+      const double rtt = estimator_.snapshot().rtt_s;
+      if (rtt > 0 && interval >= 2 * rtt) interval -= rtt;
+    }
     estimator_.on_delivery(delivered_bytes_ - p.delivered_bytes, interval, now, p.app_limited);
   }
 }
@@ -302,7 +319,11 @@ void ResilientLink::writer_main() {
     FramePtr frame;
     uint64_t data_seq = 0;  // seq of the caller's frame being written, 0 for an ack
     if (ack_pending && (ack_urgent_locked() || Clock::now() >= ack_due_at)) {
-      frame = std::make_shared<wire::Frame>(u64_frame(FrameType::kAck, {delivered_}));
+      // With how long the newest delivered frame was held here since it arrived (QUIC's
+      // ack delay), so the peer's estimates leave this side's waiting out.
+      const auto held = std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - delivered_arrived_);
+      frame = std::make_shared<wire::Frame>(
+          u64_frame(FrameType::kAck, {delivered_, static_cast<uint64_t>(std::max<int64_t>(held.count(), 0))}));
       last_ack_sent_ = delivered_;
       unacked_bytes_ = 0;
       ++counters_.acks_sent;
@@ -318,9 +339,12 @@ void ResilientLink::writer_main() {
       }
       // Nothing outstanding: the delivery interval starts with this write, so idle time
       // before it never counts.
-      if (seq == acked_ + 1) delivered_at_ = first_sent_ = Clock::now();
-      p.write = WriteRecord{0, {}, delivered_bytes_, delivered_at_, first_sent_, next_write_seq_ == next_seq_,
-                            acked_ >= rate_clean_after_};
+      if (seq == acked_ + 1) {
+        delivered_at_ = first_sent_ = Clock::now();
+        delivered_at_idle_ = true;
+      }
+      p.write = WriteRecord{0,  {}, delivered_bytes_, delivered_at_, first_sent_, next_write_seq_ == next_seq_,
+                            acked_ >= rate_clean_after_, delivered_at_idle_};
     } else if (ack_pending) {
       writer_cv_.wait_until(lock, ack_due_at);
       continue;
@@ -406,6 +430,7 @@ bool ResilientLink::resume_on(const std::shared_ptr<Link>& conn, Deadline deadli
   acknowledge_locked(their_delivered);
   rate_clean_after_ = their_received;
   delivered_at_ = first_sent_ = Clock::now();
+  delivered_at_idle_ = true;
   next_write_seq_ = their_received + 1;  // >= acked_ + 1: their_received >= their_delivered == acked_
   last_ack_sent_ = sent_delivered;
   if (delivered_ > last_ack_sent_) ack_due_since_ = Clock::now();
@@ -439,10 +464,11 @@ std::string ResilientLink::read_loop(Link& conn, uint64_t gen) {
     if (closed_ || lost_ || gen != gen_) return "session over";
     switch (f.header.type) {
       case FrameType::kAck: {
-        uint64_t delivered;
+        uint64_t delivered, held_ns = 0;
         try {
           wire::ByteReader r(f.payload, str_cat("ack frame from ", conn.peer()));
           delivered = r.u64();
+          if (f.payload.size() > 8) held_ns = r.u64();  // a peer of an older version sends none
           r.expect_done();
         } catch (const FrameError& e) {
           return e.what();
@@ -451,7 +477,7 @@ std::string ResilientLink::read_loop(Link& conn, uint64_t gen) {
           return str_cat("ack frame from ", conn.peer(), " acknowledges seq ", delivered, " but only ", next_seq_ - 1,
                          " were sent");
         ++counters_.acks_received;
-        if (delivered > acked_) ack_received_locked(delivered, gen);
+        if (delivered > acked_) ack_received_locked(delivered, std::chrono::nanoseconds(held_ns), gen);
         break;
       }
       case FrameType::kResume:
@@ -475,7 +501,7 @@ std::string ResilientLink::read_loop(Link& conn, uint64_t gen) {
           ++counters_.duplicates_dropped;
         } else if (seq == received_ + 1) {
           received_ = seq;
-          inbox_.push_back(std::move(f));
+          inbox_.push_back({std::move(f), Clock::now()});
           recv_cv_.notify_one();
         } else {
           return str_cat("frame seq ", seq, " from ", conn.peer(), " after seq ", received_, ": frames missing");

@@ -14,9 +14,12 @@
 //
 // Protocol (frames on the connection underneath; u64 = little-endian, wire::ByteWriter):
 //  * kData (and kHello/kBye/kHeartbeat): a caller's frame, header.seq = session seq.
-//  * kAck, payload u64 `delivered`: every frame with seq <= delivered has been delivered to
-//    the receiving caller (cumulative). The sender then forgets them. Acks are delayed by
-//    at most ResilientOptions::ack_interval and sent at once when many frames wait.
+//  * kAck, payload u64 `delivered`, u64 `held_ns`: every frame with seq <= delivered has been
+//    delivered to the receiving caller (cumulative). The sender then forgets them. held_ns:
+//    how long frame `delivered` was held on the receiving side, from its arrival (the reader
+//    had it whole) to this ack's write (QUIC's ack delay; for the estimates). An ack of only
+//    8 bytes (an older peer) counts as held_ns = 0. Acks are delayed by at most
+//    ResilientOptions::ack_interval and sent at once when many frames wait.
 //    Acknowledging delivery, not arrival, makes the SENDER's max_pending_bytes also bound
 //    the memory of the RECEIVER's queue of frames its caller has not taken yet.
 //  * kResume, payload u64 session_id, u64 delivered, u64 received: the first frame each side
@@ -70,19 +73,24 @@
 // Estimates (estimates(), LinkEstimates in link.h; filters in transport/link_estimator.h).
 // Measured on the SENDING direction of this side, from the session's own acks, BBR-style
 // (draft-cheng-iccrg-delivery-rate-estimation): when a kAck acknowledges up to seq S, the
-// newest newly acknowledged frame P gives
-//  * an RTT sample: now - the moment P's write on the current connection returned (the
-//    link underneath took it whole). It includes the receiver's ack delay (up to
-//    ack_interval, 10 ms by default; nothing is subtracted, keep ack_interval small), the
-//    time P waited in the receiver's queue until its caller took it (acks mean delivery),
-//    and queueing below (e.g. a full kernel send buffer). The min filter keeps the least;
+// newest newly acknowledged frame P gives, with `arrived` = now - the ack's held_ns (when
+// the ack would have come had the receiver acknowledged P on arrival; so neither the
+// receiver's ack timer nor the time P waited for the receiver's caller -- a slower site still
+// computing -- nor the receiver's writer busy with its own frames counts as path time):
+//  * an RTT sample: arrived - the moment P's write on the current connection returned (the
+//    link underneath took it whole). It includes queueing below (e.g. a full kernel send
+//    buffer). The min filter keeps the least;
 //  * a delivery-rate sample: the bytes acknowledged since P's write began, over
-//    max(time from the write of the frame acknowledged then to P's write, time since that
-//    ack). Taking the longer of the send and ack intervals keeps bunched acks from
+//    max(time from the write of the frame acknowledged then to P's write, arrived - that
+//    ack's arrived). Taking the longer of the send and ack intervals keeps bunched acks from
 //    overstating the rate, and spreading a sample over about one round trip smooths it.
 //    Idle time never counts: when a frame is written with nothing outstanding, its interval
-//    starts at its own write. A frame written with nothing queued behind it is
-//    app-limited: its sample only counts if it raises the estimate.
+//    starts at its own write; such an interval holds one round trip besides the transfer
+//    (first byte written to the ack of the last), and once it is at least twice the min RTT
+//    that RTT is subtracted: what is left is the transfer time alone, so one exchange-sized
+//    frame between long pauses measures the bandwidth, not bytes / (transfer + RTT). A frame
+//    written with nothing queued behind it is app-limited: its sample only counts if it
+//    raises the estimate.
 // After a reconnect, samples start again on the new connection (frames written on an
 // older one give none). No RTT sample is taken from the resume exchange: both sides send
 // kResume at once, neither in answer to the other, so the time to the peer's kResume is
@@ -190,6 +198,7 @@ class ResilientLink : public Link {
     Clock::time_point first_sent{};     // first_sent_ then
     bool app_limited = false;           // nothing was queued behind it
     bool rate_ok = false;               // acked_ >= rate_clean_after_ then
+    bool idle_start = false;            // delivered_at then was a write's (nothing was outstanding)
   };
   struct PendingFrame {
     FramePtr frame;
@@ -210,9 +219,9 @@ class ResilientLink : public Link {
   std::shared_ptr<Link> declare_lost_locked(const std::string& message);
   // Forgets frames up to `delivered`. Caller holds mu_.
   void acknowledge_locked(uint64_t delivered);
-  // A kAck for `delivered` (> acked_) arrived on connection `gen`: takes the samples, then
-  // acknowledges. Caller holds mu_.
-  void ack_received_locked(uint64_t delivered, uint64_t gen);
+  // A kAck for `delivered` (> acked_) that the peer sent `held` after that frame arrived there
+  // came on connection `gen`: takes the samples, then acknowledges. Caller holds mu_.
+  void ack_received_locked(uint64_t delivered, Clock::duration held, uint64_t gen);
   // Throws PeerLost if closed or lost. Caller holds mu_.
   void throw_if_over_locked(const char* what) const;
   std::string peer_locked() const;
@@ -255,9 +264,11 @@ class ResilientLink : public Link {
   uint64_t next_write_seq_ = 1;     // next seq the writer writes on conn_
   uint64_t max_written_seq_ = 0;    // highest seq ever written (to count re-sends)
   // Delivery-rate state (see "Estimates"): bytes acknowledged by kAck so far, when that last
-  // grew (or an interval restarted), and the write time of the frame it acknowledged.
+  // grew (its `arrived`, or a write when an interval restarted), and the write time of the
+  // frame it acknowledged.
   uint64_t delivered_bytes_ = 0;
   Clock::time_point delivered_at_{};
+  bool delivered_at_idle_ = true;  // delivered_at_ is a write's (an interval began idle), not an ack's
   Clock::time_point first_sent_{};
   // After a resume, frames the peer held but had not delivered (seqs up to its `received`)
   // are acknowledged without being written again: rate samples only from frames written once
@@ -267,7 +278,12 @@ class ResilientLink : public Link {
   // Receiving direction.
   uint64_t received_ = 0;            // highest contiguous seq held
   uint64_t delivered_ = 0;           // highest seq recv() returned
-  std::deque<wire::Frame> inbox_;    // seqs delivered_+1 .. received_
+  struct Arrived {
+    wire::Frame frame;
+    Clock::time_point at;  // when the reader had it whole
+  };
+  std::deque<Arrived> inbox_;        // seqs delivered_+1 .. received_
+  Clock::time_point delivered_arrived_{};  // when frame delivered_ arrived (for the ack's held_ns)
   uint64_t last_ack_sent_ = 0;       // `delivered` of the last ack or resume written
   uint64_t unacked_bytes_ = 0;       // bytes delivered since then
   Clock::time_point ack_due_since_{};  // when delivered_ first exceeded last_ack_sent_
