@@ -80,14 +80,14 @@ void ResilientLink::send(const wire::Frame& frame, Deadline deadline) {
   if (deadline.is_never()) {
     send_lock.lock();
   } else if (!send_lock.try_lock_until(deadline.at())) {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     throw_if_over_locked("send to");
     throw Timeout(peer_locked(), str_cat("send to ", peer_locked(),
                                          ": deadline passed waiting behind another send()", waiting_detail_locked()));
   }
   uint64_t seq;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     throw_if_over_locked("send to");
     seq = next_seq_;  // stable: only send() advances it, and we hold send_mu_
   }
@@ -97,8 +97,8 @@ void ResilientLink::send(const wire::Frame& frame, Deadline deadline) {
   copy->header.checksum = wire::compute_checksum(copy->header, copy->payload);
   const uint64_t size = wire_size(*copy);
 
-  std::unique_lock<std::mutex> lock(mu_);
-  bool room = wait_until(send_cv_, lock, deadline, [&] {
+  MutexLock lock(mu_);
+  bool room = wait_until(send_cv_, mu_, deadline, [&]() REQUIRES(mu_) {
     return closed_ || lost_ || pending_.empty() || pending_bytes_ + size <= options_.max_pending_bytes;
   });
   throw_if_over_locked("send to");
@@ -119,8 +119,8 @@ wire::Frame ResilientLink::recv(Deadline deadline) {
   std::unique_lock<std::mutex> recv_lock(recv_mu_, std::try_to_lock);
   NEBULA_CHECK(recv_lock.owns_lock(), "concurrent recv() on the resilient link to ", peer(),
                " (one receiving thread per link; see transport/link.h)");
-  std::unique_lock<std::mutex> lock(mu_);
-  wait_until(recv_cv_, lock, deadline, [&] { return closed_ || lost_ || !inbox_.empty(); });
+  MutexLock lock(mu_);
+  wait_until(recv_cv_, mu_, deadline, [&]() REQUIRES(mu_) { return closed_ || lost_ || !inbox_.empty(); });
   // Frames that arrived before the peer said goodbye (or was lost) are still delivered.
   if (closed_ || inbox_.empty()) throw_if_over_locked("recv from");
   if (inbox_.empty())
@@ -140,8 +140,8 @@ wire::Frame ResilientLink::recv(Deadline deadline) {
 }
 
 void ResilientLink::flush(Deadline deadline) {
-  std::unique_lock<std::mutex> lock(mu_);
-  wait_until(send_cv_, lock, deadline, [&] { return closed_ || lost_ || pending_.empty(); });
+  MutexLock lock(mu_);
+  wait_until(send_cv_, mu_, deadline, [&]() REQUIRES(mu_) { return closed_ || lost_ || pending_.empty(); });
   throw_if_over_locked("flush to");
   if (!pending_.empty())
     throw Timeout(peer_locked(), str_cat("flush to ", peer_locked(), ": deadline passed with ", pending_.size(),
@@ -152,7 +152,7 @@ void ResilientLink::flush(Deadline deadline) {
 void ResilientLink::close() {
   std::shared_ptr<Link> conn, candidate;
   {
-    std::unique_lock<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     if (closed_) return;
     // An orderly end: tell the peer, so that it does not try to reconnect for
     // reconnect_timeout. Best effort: a peer that misses it finds out the slow way.
@@ -181,7 +181,7 @@ void ResilientLink::close() {
 }
 
 std::string ResilientLink::peer() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   return peer_locked();
 }
 
@@ -192,12 +192,12 @@ std::string ResilientLink::peer_locked() const {
 }
 
 std::string ResilientLink::peer_identity() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   return conn_ ? conn_->peer_identity() : candidate_ ? candidate_->peer_identity() : std::string();
 }
 
 std::string ResilientLink::peer_fingerprint() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   return conn_ ? conn_->peer_fingerprint() : candidate_ ? candidate_->peer_fingerprint() : std::string();
 }
 
@@ -206,7 +206,7 @@ LinkStats ResilientLink::stats() const { return logical_.snapshot(); }
 LinkEstimates ResilientLink::estimates() const { return estimator_.snapshot(); }
 
 ResilienceStats ResilientLink::stats_ex() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   ResilienceStats s = counters_;
   s.link = logical_.snapshot();
   s.pending_frames = pending_.size();
@@ -297,7 +297,7 @@ std::shared_ptr<Link> ResilientLink::declare_lost_locked(const std::string& mess
 void ResilientLink::connection_failed(uint64_t gen, const std::string& why) {
   std::shared_ptr<Link> conn;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     if (gen != gen_ || !connected_) return;  // already noticed (or closed): the reader handles it
     connected_ = false;
     writer_error_ = why;
@@ -307,11 +307,11 @@ void ResilientLink::connection_failed(uint64_t gen, const std::string& why) {
 }
 
 void ResilientLink::writer_main() {
-  std::unique_lock<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   for (;;) {
     if (closed_ || lost_) return;
     if (!connected_) {
-      writer_cv_.wait(lock);
+      writer_cv_.wait(mu_);
       continue;
     }
     const bool ack_pending = delivered_ > last_ack_sent_;
@@ -346,10 +346,10 @@ void ResilientLink::writer_main() {
       p.write = WriteRecord{0,  {}, delivered_bytes_, delivered_at_, first_sent_, next_write_seq_ == next_seq_,
                             acked_ >= rate_clean_after_, delivered_at_idle_};
     } else if (ack_pending) {
-      writer_cv_.wait_until(lock, ack_due_at);
+      writer_cv_.wait_until(mu_, ack_due_at);
       continue;
     } else {
-      writer_cv_.wait(lock);
+      writer_cv_.wait(mu_);
       continue;
     }
     std::shared_ptr<Link> conn = conn_;
@@ -360,7 +360,7 @@ void ResilientLink::writer_main() {
       conn->send(*frame, Deadline::never());
       if (data_seq != 0) {
         const Clock::time_point written = Clock::now();
-        std::lock_guard<std::mutex> relock(mu_);
+        MutexLock relock(mu_);
         if (gen == gen_ && data_seq > acked_) {
           WriteRecord& w = pending_[data_seq - acked_ - 1].write;
           w.gen = gen;
@@ -375,7 +375,7 @@ void ResilientLink::writer_main() {
       // A precondition of the link underneath (e.g. its max_payload): resending cannot help.
       std::shared_ptr<Link> to_close;
       {
-        std::lock_guard<std::mutex> relock(mu_);
+        MutexLock relock(mu_);
         to_close = declare_lost_locked(str_cat("session failed: ", e.what()));
       }
       if (to_close) to_close->close();
@@ -390,7 +390,7 @@ void ResilientLink::writer_main() {
 bool ResilientLink::resume_on(const std::shared_ptr<Link>& conn, Deadline deadline) {
   uint64_t sent_delivered, sent_received;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     sent_delivered = delivered_;
     sent_received = received_;  // stable: only this thread changes it
   }
@@ -405,7 +405,7 @@ bool ResilientLink::resume_on(const std::shared_ptr<Link>& conn, Deadline deadli
   r.expect_done();
 
   std::shared_ptr<Link> old;
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   if (closed_ || lost_) return false;
   if (peer_session_ != 0 && their_session != peer_session_) {
     declare_lost_locked(str_cat(conn->peer(), " lost: it came back as a new session (", their_session,
@@ -460,7 +460,7 @@ std::string ResilientLink::read_loop(Link& conn, uint64_t gen) {
     } catch (const FrameError& e) {
       return e.what();
     }
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     if (closed_ || lost_ || gen != gen_) return "session over";
     switch (f.header.type) {
       case FrameType::kAck: {
@@ -519,13 +519,13 @@ void ResilientLink::reader_main(std::unique_ptr<Link> first) {
     for (;;) {
       Clock::time_point give_up;
       {
-        std::unique_lock<std::mutex> lock(mu_);
+        MutexLock lock(mu_);
         if (closed_ || lost_) break;
         give_up = failed_at_ + options_.reconnect_timeout;
         if (!candidate) {
           if (pause_first) {
             auto wake = std::min(give_up, Clock::now() + backoff);
-            reader_cv_.wait_until(lock, wake, [&] { return closed_ || lost_; });
+            reader_cv_.wait_until(mu_, wake, [&]() REQUIRES(mu_) { return closed_ || lost_; });
             if (closed_ || lost_) break;
             backoff = std::min(backoff * 2, options_.backoff_max);
           }
@@ -552,13 +552,13 @@ void ResilientLink::reader_main(std::unique_ptr<Link> first) {
           if (!fresh) throw Error("the reconnect function returned no link");
           candidate = std::move(fresh);
         } catch (const std::exception& e) {
-          std::lock_guard<std::mutex> lock(mu_);
+          MutexLock lock(mu_);
           last_error_ = str_cat("reconnect: ", e.what());
           continue;
         }
       }
       {
-        std::lock_guard<std::mutex> lock(mu_);
+        MutexLock lock(mu_);
         if (closed_ || lost_) break;
         candidate_ = candidate;  // so that close() can cut the resume exchange short
       }
@@ -566,7 +566,7 @@ void ResilientLink::reader_main(std::unique_ptr<Link> first) {
       try {
         resumed = resume_on(candidate, deadline);
       } catch (const std::exception& e) {
-        std::lock_guard<std::mutex> lock(mu_);
+        MutexLock lock(mu_);
         candidate_.reset();
         last_error_ = str_cat("resume: ", e.what());
       }
@@ -578,7 +578,7 @@ void ResilientLink::reader_main(std::unique_ptr<Link> first) {
       std::shared_ptr<Link> conn = std::move(candidate);
       uint64_t gen;
       {
-        std::lock_guard<std::mutex> lock(mu_);
+        MutexLock lock(mu_);
         gen = gen_;
       }
       backoff = options_.backoff_initial;
@@ -586,7 +586,7 @@ void ResilientLink::reader_main(std::unique_ptr<Link> first) {
 
       std::string why = read_loop(*conn, gen);
       {
-        std::lock_guard<std::mutex> lock(mu_);
+        MutexLock lock(mu_);
         if (closed_ || lost_) break;
         if (connected_ && gen_ == gen) {
           connected_ = false;
@@ -604,7 +604,7 @@ void ResilientLink::reader_main(std::unique_ptr<Link> first) {
   } catch (const std::exception& e) {
     std::shared_ptr<Link> conn;
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(mu_);
       conn = declare_lost_locked(str_cat("session failed: ", e.what()));
     }
     if (conn) conn->close();

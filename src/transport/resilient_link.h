@@ -114,6 +114,7 @@
 
 #include "transport/link.h"
 #include "transport/link_estimator.h"
+#include "util/thread_annotations.h"
 
 namespace nebula::transport {
 
@@ -216,79 +217,81 @@ class ResilientLink : public Link {
   void connection_failed(uint64_t gen, const std::string& why);
   // Ends the session (PeerLost for everyone). Caller holds mu_ and closes the returned
   // connection (if any) after releasing it.
-  std::shared_ptr<Link> declare_lost_locked(const std::string& message);
+  std::shared_ptr<Link> declare_lost_locked(const std::string& message) REQUIRES(mu_);
   // Forgets frames up to `delivered`. Caller holds mu_.
-  void acknowledge_locked(uint64_t delivered);
+  void acknowledge_locked(uint64_t delivered) REQUIRES(mu_);
   // A kAck for `delivered` (> acked_) that the peer sent `held` after that frame arrived there
   // came on connection `gen`: takes the samples, then acknowledges. Caller holds mu_.
-  void ack_received_locked(uint64_t delivered, Clock::duration held, uint64_t gen);
+  void ack_received_locked(uint64_t delivered, Clock::duration held, uint64_t gen) REQUIRES(mu_);
   // Throws PeerLost if closed or lost. Caller holds mu_.
-  void throw_if_over_locked(const char* what) const;
-  std::string peer_locked() const;
-  std::string waiting_detail_locked() const;
-  bool ack_urgent_locked() const;
+  void throw_if_over_locked(const char* what) const REQUIRES(mu_);
+  std::string peer_locked() const REQUIRES(mu_);
+  std::string waiting_detail_locked() const REQUIRES(mu_);
+  bool ack_urgent_locked() const REQUIRES(mu_);
 
   const Reconnect reconnect_;
   const ResilientOptions options_;
   const uint64_t session_id_;
   std::string first_peer_;  // peer() of the first connection (for messages before any)
 
+  // These two guard no data (so they stay plain std mutexes): send_mu_ orders send() calls,
+  // recv_mu_ detects a second receiving thread.
   std::timed_mutex send_mu_;  // held for a whole send(): seq order == call order
   std::mutex recv_mu_;        // try-locked by recv() to detect concurrent receivers
 
-  mutable std::mutex mu_;
-  std::condition_variable send_cv_;    // senders and flush(): space freed, acks, over
-  std::condition_variable recv_cv_;    // recv(): frame queued, over
-  std::condition_variable writer_cv_;  // writer: work, connection installed, over
-  std::condition_variable reader_cv_;  // reader's backoff sleep: close
+  mutable Mutex mu_;
+  std::condition_variable_any send_cv_;    // senders and flush(): space freed, acks, over
+  std::condition_variable_any recv_cv_;    // recv(): frame queued, over
+  std::condition_variable_any writer_cv_;  // writer: work, connection installed, over
+  std::condition_variable_any reader_cv_;  // reader's backoff sleep: close
 
-  // All GUARDED_BY(mu_):
-  std::shared_ptr<Link> conn_;       // current connection (resumed), or the last one
-  std::shared_ptr<Link> candidate_;  // a connection in its resume exchange (close() cuts it)
-  uint64_t gen_ = 0;                 // bumped each time a connection is installed
-  bool connected_ = false;           // conn_ resumed and not failed
-  std::string writer_error_;         // why the writer failed on gen_, if it did
-  Clock::time_point failed_at_{};    // when the current outage began
-  std::string last_error_;           // why the last connection / attempt failed
-  std::string outage_cause_;         // why the last connection failed
-  bool closed_ = false;              // close() was called
-  bool lost_ = false;                // peer lost; lost_message_ says why
-  std::string lost_message_;
-  uint64_t peer_session_ = 0;  // the peer's session id, once known
+  // Everything from here to counters_ is guarded by mu_ (checked: GUARDED_BY).
+  std::shared_ptr<Link> conn_ GUARDED_BY(mu_);       // current connection (resumed), or the last one
+  std::shared_ptr<Link> candidate_ GUARDED_BY(mu_);  // a connection in its resume exchange (close() cuts it)
+  uint64_t gen_ GUARDED_BY(mu_) = 0;                 // bumped each time a connection is installed
+  bool connected_ GUARDED_BY(mu_) = false;           // conn_ resumed and not failed
+  std::string writer_error_ GUARDED_BY(mu_);         // why the writer failed on gen_, if it did
+  Clock::time_point failed_at_ GUARDED_BY(mu_){};    // when the current outage began
+  std::string last_error_ GUARDED_BY(mu_);           // why the last connection / attempt failed
+  std::string outage_cause_ GUARDED_BY(mu_);         // why the last connection failed
+  bool closed_ GUARDED_BY(mu_) = false;              // close() was called
+  bool lost_ GUARDED_BY(mu_) = false;                // peer lost; lost_message_ says why
+  std::string lost_message_ GUARDED_BY(mu_);
+  uint64_t peer_session_ GUARDED_BY(mu_) = 0;  // the peer's session id, once known
 
   // Sending direction.
-  uint64_t next_seq_ = 1;           // seq of the next frame send() queues
-  uint64_t acked_ = 0;              // every seq <= acked_ is acknowledged and forgotten
-  std::deque<PendingFrame> pending_;  // seqs acked_+1 .. next_seq_-1
-  uint64_t pending_bytes_ = 0;
-  uint64_t next_write_seq_ = 1;     // next seq the writer writes on conn_
-  uint64_t max_written_seq_ = 0;    // highest seq ever written (to count re-sends)
+  uint64_t next_seq_ GUARDED_BY(mu_) = 1;           // seq of the next frame send() queues
+  uint64_t acked_ GUARDED_BY(mu_) = 0;              // every seq <= acked_ is acknowledged and forgotten
+  std::deque<PendingFrame> pending_ GUARDED_BY(mu_);  // seqs acked_+1 .. next_seq_-1
+  uint64_t pending_bytes_ GUARDED_BY(mu_) = 0;
+  uint64_t next_write_seq_ GUARDED_BY(mu_) = 1;     // next seq the writer writes on conn_
+  uint64_t max_written_seq_ GUARDED_BY(mu_) = 0;    // highest seq ever written (to count re-sends)
   // Delivery-rate state (see "Estimates"): bytes acknowledged by kAck so far, when that last
   // grew (its `arrived`, or a write when an interval restarted), and the write time of the
   // frame it acknowledged.
-  uint64_t delivered_bytes_ = 0;
-  Clock::time_point delivered_at_{};
-  bool delivered_at_idle_ = true;  // delivered_at_ is a write's (an interval began idle), not an ack's
-  Clock::time_point first_sent_{};
+  uint64_t delivered_bytes_ GUARDED_BY(mu_) = 0;
+  Clock::time_point delivered_at_ GUARDED_BY(mu_){};
+  bool delivered_at_idle_ GUARDED_BY(mu_) = true;  // delivered_at_ is a write's (an interval began idle), not an ack's
+  Clock::time_point first_sent_ GUARDED_BY(mu_){};
   // After a resume, frames the peer held but had not delivered (seqs up to its `received`)
   // are acknowledged without being written again: rate samples only from frames written once
   // acked_ has passed them, so their bytes are not counted as delivered in an interval.
-  uint64_t rate_clean_after_ = 0;
+  uint64_t rate_clean_after_ GUARDED_BY(mu_) = 0;
 
   // Receiving direction.
-  uint64_t received_ = 0;            // highest contiguous seq held
-  uint64_t delivered_ = 0;           // highest seq recv() returned
+  uint64_t received_ GUARDED_BY(mu_) = 0;            // highest contiguous seq held
+  uint64_t delivered_ GUARDED_BY(mu_) = 0;           // highest seq recv() returned
   struct Arrived {
     wire::Frame frame;
     Clock::time_point at;  // when the reader had it whole
   };
-  std::deque<Arrived> inbox_;        // seqs delivered_+1 .. received_
-  Clock::time_point delivered_arrived_{};  // when frame delivered_ arrived (for the ack's held_ns)
-  uint64_t last_ack_sent_ = 0;       // `delivered` of the last ack or resume written
-  uint64_t unacked_bytes_ = 0;       // bytes delivered since then
-  Clock::time_point ack_due_since_{};  // when delivered_ first exceeded last_ack_sent_
+  std::deque<Arrived> inbox_ GUARDED_BY(mu_);        // seqs delivered_+1 .. received_
+  Clock::time_point delivered_arrived_ GUARDED_BY(mu_){};  // when frame delivered_ arrived (for the ack's held_ns)
+  uint64_t last_ack_sent_ GUARDED_BY(mu_) = 0;       // `delivered` of the last ack or resume written
+  uint64_t unacked_bytes_ GUARDED_BY(mu_) = 0;       // bytes delivered since then
+  Clock::time_point ack_due_since_ GUARDED_BY(mu_){};  // when delivered_ first exceeded last_ack_sent_
 
-  ResilienceStats counters_;  // everything but link/pending/connected
+  ResilienceStats counters_ GUARDED_BY(mu_);  // everything but link/pending/connected
 
   LinkCounters logical_;
   LinkEstimator estimator_;  // its own lock; fed under mu_, read without it
