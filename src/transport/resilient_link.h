@@ -54,9 +54,8 @@
 //    across reconnects. It blocks only while the unacknowledged frames hold
 //    max_pending_bytes or more (a single frame larger than that is admitted when nothing is
 //    pending); Timeout at the deadline, in which case the frame was NOT queued and nothing
-//    is lost or duplicated. Concurrent sends are serialized, in the order they took the
-//    send lock (a timed lock: a call waiting behind another still times out at its own
-//    deadline). Throws PeerLost once the link is closed or the peer lost.
+//    is lost or duplicated. Concurrent sends are serialized, one at a time, in the order they
+//    took their turn (a call waiting behind another still times out at its own deadline). Throws PeerLost once the link is closed or the peer lost.
 //  * recv(deadline): the next frame in order; Timeout at the deadline (nothing consumed), also
 //    while a reconnect is in progress. One receiving thread at a time (nebula::Error on
 //    concurrent recv()).
@@ -234,10 +233,8 @@ class ResilientLink : public Link {
   const uint64_t session_id_;
   std::string first_peer_;  // peer() of the first connection (for messages before any)
 
-  // These two guard no data (so they stay plain std mutexes): send_mu_ orders send() calls,
-  // recv_mu_ detects a second receiving thread.
-  std::timed_mutex send_mu_;  // held for a whole send(): seq order == call order
-  std::mutex recv_mu_;        // try-locked by recv() to detect concurrent receivers
+  // Guards no data (so it stays a plain std::mutex): detects a second receiving thread.
+  std::mutex recv_mu_;  // try-locked by recv()
 
   mutable Mutex mu_;
   std::condition_variable_any send_cv_;    // senders and flush(): space freed, acks, over
@@ -260,6 +257,7 @@ class ResilientLink : public Link {
   uint64_t peer_session_ GUARDED_BY(mu_) = 0;  // the peer's session id, once known
 
   // Sending direction.
+  bool sending_ GUARDED_BY(mu_) = false;            // a send() has the turn (one at a time)
   uint64_t next_seq_ GUARDED_BY(mu_) = 1;           // seq of the next frame send() queues
   uint64_t acked_ GUARDED_BY(mu_) = 0;              // every seq <= acked_ is acknowledged and forgotten
   std::deque<PendingFrame> pending_ GUARDED_BY(mu_);  // seqs acked_+1 .. next_seq_-1
