@@ -1,6 +1,13 @@
 // Goodput of one site pair over the WAN emulator: a single TCP stream against a
 // StripedLink of 4 and 8 streams, at several bandwidths and round-trip times.
 //   build/bench/wan_bench [seconds per cell, default 2] [--plain]
+// --estimate: instead, the link's bandwidth estimate (what the adaptive controller reads)
+// beside the emulated bandwidth and beside bytes / exchange time, on the demo's [wan]
+// (examples/demo.toml: 50 Mbit/s, 80 ms): gateway exchanges as GatewayMesh runs them (both
+// sides send, then take the other's frame) over ResilientLink -> EmulatedLink -> TLS, with
+// the peer on time and the peer late (still computing) by twice the transfer time.
+// --estimate --tiny: one small exchange on a fast path (ctest runs it: the mode works and
+// measures something; the numbers of a tiny run are not the result).
 //
 // Every stream runs mutual TLS 1.3 (TlsLink, a throwaway CA made in a temp dir), as between
 // real gateways; --plain measures plaintext TcpLinks instead.
@@ -19,6 +26,7 @@
 #include <future>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <filesystem>
@@ -26,6 +34,7 @@
 
 #include "transport/certs.h"
 #include "transport/emulated_link.h"
+#include "transport/resilient_link.h"
 #include "transport/tls_link.h"
 #include "transport/striped_link.h"
 #include "transport/tcp_link.h"
@@ -111,6 +120,51 @@ Cell run_cell(double bandwidth, std::chrono::milliseconds rtt, size_t streams, d
   return c;
 }
 
+// One gateway exchange of `bytes` each way: site a sends at once, site b `late` seconds
+// later (it was still computing), and each takes the other's frame.
+struct Exchange {
+  double exchange_seconds = 0;  // site a: from its send to having b's frame
+  double exchange_bits = 0;     // bytes / that time: what the controller used to read
+  double estimate_bits = 0;     // a's link estimate after the exchange
+  double rtt_s = 0;
+};
+
+Exchange run_exchanges(double bandwidth, std::chrono::milliseconds rtt, size_t bytes, double late, int rounds) {
+  TcpListener listener("127.0.0.1", 0);
+  auto [client, server] = connect_stream(listener);
+  WanEmulation emu;
+  emu.bandwidth_bits_per_s = bandwidth;
+  emu.one_way_delay = rtt / 2;
+  emu.window_bytes = kWindow;
+  Reconnect none = [](Deadline) -> std::unique_ptr<Link> { throw PeerLost("peer", "no reconnection in this bench"); };
+  ResilientLink a(std::make_unique<EmulatedLink>(std::move(client), emu), none);
+  emu.seed = 2;
+  ResilientLink b(std::make_unique<EmulatedLink>(std::move(server), emu), none);
+  std::vector<uint8_t> payload(bytes);
+  for (size_t i = 0; i < payload.size(); ++i) payload[i] = uint8_t(i * 131 + 7);
+  const wire::Frame frame = wire::make_frame(wire::FrameType::kData, 1, 0, payload);
+  const auto deadline = Deadline::after(std::chrono::seconds(120));
+  Exchange x;
+  for (int r = 0; r < rounds; ++r) {
+    auto peer = std::async(std::launch::async, [&] {
+      std::this_thread::sleep_for(std::chrono::duration<double>(late));
+      b.send(frame, deadline);
+      b.recv(deadline);
+    });
+    const auto start = Clock::now();
+    a.send(frame, deadline);
+    a.recv(deadline);
+    x.exchange_seconds = std::chrono::duration<double>(Clock::now() - start).count();
+    peer.get();
+    a.flush(deadline);
+    b.flush(deadline);
+  }
+  x.exchange_bits = double(wire::kHeaderSize + bytes) * 8 / x.exchange_seconds;
+  x.estimate_bits = a.estimates().bandwidth_bits_per_s;
+  x.rtt_s = a.estimates().rtt_s;
+  return x;
+}
+
 std::string rate(double bits) {
   char buf[32];
   if (bits >= 1e9)
@@ -122,15 +176,19 @@ std::string rate(double bits) {
 
 }  // namespace
 
+int estimate_table(bool plain, bool tiny);
+
 int main(int argc, char** argv) {
   double seconds = 2.0;
-  bool plain = false;
+  bool plain = false, estimate = false, tiny = false;
   for (int i = 1; i < argc; ++i) {
     if (std::string(argv[i]) == "--plain") plain = true;
+    else if (std::string(argv[i]) == "--estimate") estimate = true;
+    else if (std::string(argv[i]) == "--tiny") tiny = true;
     else seconds = std::atof(argv[i]);
   }
   if (!(seconds > 0)) {
-    std::fprintf(stderr, "usage: %s [seconds per cell > 0] [--plain]\n", argv[0]);
+    std::fprintf(stderr, "usage: %s [seconds per cell > 0] [--plain] [--estimate [--tiny]]\n", argv[0]);
     return 2;
   }
   std::filesystem::path certs;
@@ -142,6 +200,11 @@ int main(int argc, char** argv) {
     issue_site_certificate(certs.string(), "site-b");
     g_tls_a = TlsContext::create(TlsFiles::for_site(certs.string(), "site-a"));
     g_tls_b = TlsContext::create(TlsFiles::for_site(certs.string(), "site-b"));
+  }
+  if (estimate) {
+    const int rc = estimate_table(plain, tiny);
+    if (!certs.empty()) std::filesystem::remove_all(certs);
+    return rc;
   }
   const double bandwidths[] = {10e6, 100e6, 1e9};
   const std::chrono::milliseconds rtts[] = {50ms, 200ms};
@@ -170,5 +233,38 @@ int main(int argc, char** argv) {
   std::printf("(%% = goodput / configured bandwidth; whole run %.1f s)\n",
               std::chrono::duration<double>(Clock::now() - bench_start).count());
   if (!certs.empty()) std::filesystem::remove_all(certs);
+  return 0;
+}
+
+int estimate_table(bool plain, bool tiny) {
+  // The demo's [wan] (examples/demo.toml); tiny: a fast, short path and a small exchange.
+  const double bandwidth = tiny ? 200e6 : 50e6;
+  const auto rtt = tiny ? 10ms : 80ms;
+  const std::vector<size_t> sizes = tiny ? std::vector<size_t>{256 << 10} : std::vector<size_t>{1 << 20, 4 << 20};
+  const int rounds = tiny ? 1 : 3;
+  std::printf("Bandwidth estimate vs emulated %s, RTT %lld ms (%s), %d exchange(s) per row\n", rate(bandwidth).c_str(),
+              static_cast<long long>(rtt.count()), plain ? "plaintext" : "mutual TLS 1.3", rounds);
+  std::printf("%-10s %-9s | %-12s | %-12s %7s | %-12s %7s | %s\n", "exchange", "peer late", "emulated", "bytes/time",
+              "ratio", "estimate", "ratio", "est. RTT");
+  bool measured = true;
+  for (size_t bytes : sizes) {
+    const double transfer = double(bytes) * 8 / bandwidth;
+    for (double late : {0.0, 2 * transfer}) {
+      const Exchange x = run_exchanges(bandwidth, rtt, bytes, late, rounds);
+      char size[16], wait[16];
+      std::snprintf(size, sizeof size, "%.2f MiB", double(bytes) / (1 << 20));
+      std::snprintf(wait, sizeof wait, "%.0f ms", late * 1e3);
+      std::printf("%-10s %-9s | %-12s | %-12s %6.0f%% | %-12s %6.0f%% | %.1f ms\n", size, wait, rate(bandwidth).c_str(),
+                  rate(x.exchange_bits).c_str(), 100 * x.exchange_bits / bandwidth, rate(x.estimate_bits).c_str(),
+                  100 * x.estimate_bits / bandwidth, x.rtt_s * 1e3);
+      std::fflush(stdout);
+      measured = measured && x.estimate_bits > 0;
+    }
+  }
+  std::printf("(ratio = figure / emulated bandwidth; bytes/time includes the round trip and the wait for the peer)\n");
+  if (!measured) {
+    std::fprintf(stderr, "wan_bench: an exchange left the link without a bandwidth estimate\n");
+    return 1;
+  }
   return 0;
 }

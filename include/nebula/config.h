@@ -173,7 +173,7 @@ struct StrategyConfig {
   bool outer_nesterov = true;
   int64_t fragments = 4;             // streaming: model fragments, synchronized at staggered steps
   int64_t delay = 5;                 // streaming: inner steps between sending a fragment and merging it
-  bool adaptive = false;             // re-decide codec / H from measurements (where not pinned)
+  bool adaptive = true;              // re-decide codec / H every round (false: once, at the first measurements)
   bool heterogeneous = true;         // diloco/streaming: faster sites run more inner steps per round
   // diloco/streaming: the update guard. A site's pseudo-gradient with a NaN or infinity is
   // always rejected (left out of the round's mean); one whose L2 norm is above this too (0 = no bound).

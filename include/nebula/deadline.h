@@ -41,8 +41,11 @@ class Deadline {
 };
 
 // Waits on `cv` (with `lock` held) until `pred` holds or `deadline` passes; returns pred().
-template <typename Pred>
-bool wait_until(std::condition_variable& cv, std::unique_lock<std::mutex>& lock, Deadline deadline, Pred pred) {
+// Any condition variable and lock that go together: std::condition_variable with a
+// std::unique_lock<std::mutex>, or std::condition_variable_any with any lockable (e.g. the
+// nebula::Mutex itself, src/util/thread_annotations.h).
+template <typename CondVar, typename Lock, typename Pred>
+bool wait_until(CondVar& cv, Lock& lock, Deadline deadline, Pred pred) {
   if (deadline.is_never()) {
     cv.wait(lock, pred);
     return true;

@@ -5,6 +5,12 @@
 // The mesh never names a socket type: it is handed connected, authenticated Links (see
 // transport/site_connector.h: TCP, TLS, striping, WAN emulation and reconnection are all
 // below this line).
+//
+// Threads: all_gather(), admit() and join() run on one thread (the Hierarchy's communication
+// thread); every other call may come from any thread at any time (the training thread reads
+// estimates() and bytes_sent() for metrics and the controller while an exchange or an
+// admission runs). The links and the membership are under one mutex; an exchange works on a
+// snapshot of them (shared_ptr), so admit() replacing a link never frees one in use.
 #pragma once
 
 #include <cstdint>
@@ -17,6 +23,7 @@
 
 #include "nebula/deadline.h"
 #include "transport/link.h"
+#include "util/thread_annotations.h"
 
 namespace nebula::collective {
 
@@ -53,40 +60,47 @@ class GatewayMesh {
   // with why. With two sites each side of a partition goes on alone; with more, a site lost
   // in the middle of an exchange may have reached some gateways and not others, which the
   // strategies' hash check then reports.
-  bool live(size_t j) const { return live_.at(j); }
-  size_t first_live() const;
-  std::vector<std::pair<size_t, std::string>> lost() const { return lost_; }
-  std::vector<size_t> rejoined() const { return rejoined_; }  // sites admitted again, in order
+  bool live(size_t j) const EXCLUDES(mu_);
+  size_t first_live() const EXCLUDES(mu_);
+  std::vector<std::pair<size_t, std::string>> lost() const EXCLUDES(mu_);
+  std::vector<size_t> rejoined() const EXCLUDES(mu_);  // sites admitted again, in order
 
   // Elastic rejoin, surviving side. ready_joiners(): a bitmask of lost sites with a fresh
   // link waiting to be admitted (it starts a background attempt for the others; any thread).
   // admit(mask): between exchanges, on the thread that runs them: sends each of those sites
   // the next operation id and takes it back into the mesh.
-  uint64_t ready_joiners();
-  void admit(uint64_t mask);
+  uint64_t ready_joiners() EXCLUDES(mu_);
+  void admit(uint64_t mask) EXCLUDES(mu_);
   // Joining side: waits for every other site's admission and takes its operation id.
-  void join(Deadline deadline);
+  void join(Deadline deadline) EXCLUDES(mu_);
 
   // The link estimates (RTT, bandwidth) to each site, by site index (empty for this site).
-  std::vector<transport::LinkEstimates> estimates() const;
+  std::vector<transport::LinkEstimates> estimates() const EXCLUDES(mu_);
 
-  // Total bytes (headers included) over all of this gateway's links.
-  uint64_t bytes_sent() const;
-  uint64_t bytes_received() const;
+  // Total bytes (headers included) over all of this gateway's links, those replaced by a
+  // rejoin included (so the totals never go down).
+  uint64_t bytes_sent() const EXCLUDES(mu_);
+  uint64_t bytes_received() const EXCLUDES(mu_);
 
-  void close();
+  void close() EXCLUDES(mu_);
 
  private:
+  using LinkPtr = std::shared_ptr<transport::Link>;
+  void lose(size_t j, const std::string& why) EXCLUDES(mu_);
+  std::vector<LinkPtr> links_snapshot() const EXCLUDES(mu_);
+
   MeshOptions options_;
-  void lose(size_t j, const std::string& why);
-  std::vector<std::unique_ptr<transport::Link>> links_;  // indexed by site; null for self
-  uint64_t next_op_ = 1;  // owned by the single thread that calls all_gather
-  std::vector<bool> live_;                           // likewise (read by others only between exchanges)
-  std::vector<std::pair<size_t, std::string>> lost_;  // likewise
-  std::vector<size_t> rejoined_;                      // likewise
-  std::mutex join_mu_;
-  std::vector<std::unique_ptr<transport::Link>> ready_;         // GUARDED_BY(join_mu_): fresh links by site
-  std::vector<std::future<std::unique_ptr<transport::Link>>> attempts_;  // GUARDED_BY(join_mu_)
+  uint64_t next_op_ = 1;  // owned by the thread that runs the exchanges
+  mutable Mutex mu_;
+  std::vector<LinkPtr> links_ GUARDED_BY(mu_);  // indexed by site; null for self
+  std::vector<bool> live_ GUARDED_BY(mu_);
+  bool joining_ GUARDED_BY(mu_) = false;  // options_.joining until join() is done
+  std::vector<std::pair<size_t, std::string>> lost_ GUARDED_BY(mu_);
+  std::vector<size_t> rejoined_ GUARDED_BY(mu_);
+  uint64_t retired_sent_ GUARDED_BY(mu_) = 0;      // bytes of links that admit() replaced
+  uint64_t retired_received_ GUARDED_BY(mu_) = 0;
+  std::vector<std::unique_ptr<transport::Link>> ready_ GUARDED_BY(mu_);  // fresh links by site
+  std::vector<std::future<std::unique_ptr<transport::Link>>> attempts_ GUARDED_BY(mu_);
 };
 
 }  // namespace nebula::collective

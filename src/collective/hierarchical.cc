@@ -31,39 +31,41 @@ Hierarchy::Hierarchy(SiteGroup& site, GatewayMesh* mesh) : site_(site), mesh_(me
 }
 
 void Work::wait(Deadline deadline) {
-  std::unique_lock<std::mutex> lock(mu_);
-  if (!cv_.wait_until(lock, deadline.at(), [&] { return done_; }))
+  MutexLock lock(mu_);
+  if (!cv_.wait_until(mu_, deadline.at(), [&]() REQUIRES(mu_) { return done_; }))
     throw Timeout("", str_cat(what_, ": still running at its deadline"));
   if (error_) std::rethrow_exception(error_);
 }
 
 bool Work::done() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   return done_;
 }
 
 void Work::finish(std::exception_ptr error) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   done_ = true;
   error_ = error;
   cv_.notify_all();
 }
 
 Hierarchy::~Hierarchy() {
+  std::thread comm;
   {
-    std::lock_guard<std::mutex> lock(queue_mu_);
+    MutexLock lock(queue_mu_);
     stopping_ = true;
+    comm = std::move(comm_thread_);
   }
   queue_cv_.notify_all();
-  if (comm_thread_.joinable()) comm_thread_.join();
+  if (comm.joinable()) comm.join();
 }
 
 void Hierarchy::comm_main() {
   for (;;) {
     std::function<void()> task;
     {
-      std::unique_lock<std::mutex> lock(queue_mu_);
-      queue_cv_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
+      MutexLock lock(queue_mu_);
+      queue_cv_.wait(queue_mu_, [&]() REQUIRES(queue_mu_) { return stopping_ || !queue_.empty(); });
       if (queue_.empty()) return;  // stopping, nothing left
       task = std::move(queue_.front());
       queue_.pop_front();
@@ -76,7 +78,7 @@ std::shared_ptr<Work> Hierarchy::enqueue(std::string what, std::function<void(Wo
   auto work = std::make_shared<Work>();
   work->what_ = std::move(what);
   {
-    std::lock_guard<std::mutex> lock(queue_mu_);
+    MutexLock lock(queue_mu_);
     NEBULA_CHECK(!stopping_, "collective queued on a hierarchy that is shutting down");
     if (!comm_thread_.joinable()) comm_thread_ = std::thread([this] { comm_main(); });
     queue_.push_back([this, op = std::move(op), work] {
@@ -142,7 +144,10 @@ std::shared_ptr<Work> Hierarchy::exchange_async(std::vector<at::Tensor> bucket, 
                      values.narrow(0, offset, t.numel()).copy_(t.reshape({-1}));
                      offset += t.numel();
                    }
-                   ++allreduces_;
+                   {
+                     MutexLock lock(stats_mu_);
+                     ++allreduces_;
+                   }
                    work.site_info_ =
                        cross_site(values, bucket, options.weight, /*presummed=*/false, options, &work.rejected_);
                    offset = 0;
@@ -167,7 +172,10 @@ void Hierarchy::run_allreduce(const std::vector<at::Tensor>& bucket, const Allre
     n += t.numel();
   }
   NEBULA_CHECK(options.weight >= 0, "weight ", options.weight);
-  ++allreduces_;
+  {
+    MutexLock lock(stats_mu_);
+    ++allreduces_;
+  }
   const bool weighted = options.op == ReduceOp::kWeightedMean;
 
   // One buffer: the (weighted) values, then the weight, reduced together inside the site
@@ -225,18 +233,24 @@ std::vector<std::vector<double>> Hierarchy::cross_site(at::Tensor values, const 
     if (options.codec) {
       auto start = Clock::now();
       auto encoded = options.codec->encode(parts[i], codec_state_[{options.tag, i}]);
-      encode_seconds_ += std::chrono::duration<double>(Clock::now() - start).count();
-      codec_bytes_out_ += encoded.size();
+      const double took = std::chrono::duration<double>(Clock::now() - start).count();
       w.put_u64(encoded.size());
       w.put_bytes(encoded);
+      MutexLock lock(stats_mu_);
+      encode_seconds_ += took;
+      codec_bytes_out_ += encoded.size();
     } else {
       const auto* p = reinterpret_cast<const uint8_t*>(values.data_ptr<float>());
       w.put_u64(static_cast<uint64_t>(n) * sizeof(float));
       w.put_bytes({p, static_cast<size_t>(n) * sizeof(float)});
+      MutexLock lock(stats_mu_);
       codec_bytes_out_ += static_cast<uint64_t>(n) * sizeof(float);
     }
   }
-  codec_bytes_in_ += static_cast<uint64_t>(n) * sizeof(float);
+  {
+    MutexLock lock(stats_mu_);
+    codec_bytes_in_ += static_cast<uint64_t>(n) * sizeof(float);
+  }
   auto all = mesh_->all_gather(w.take());
 
   // Every gateway decodes the same bytes (its own included) and adds them in site order, so
@@ -279,7 +293,9 @@ std::vector<std::vector<double>> Hierarchy::cross_site(at::Tensor values, const 
       if (coded) {
         auto start = Clock::now();
         part = options.codec->decode(bytes, numel).reshape({-1});
-        decode_seconds_ += std::chrono::duration<double>(Clock::now() - start).count();
+        const double took = std::chrono::duration<double>(Clock::now() - start).count();
+        MutexLock lock(stats_mu_);
+        decode_seconds_ += took;
       } else {
         if (bytes.size() != static_cast<size_t>(numel) * sizeof(float))
           throw Error(str_cat("allreduce: site ", s, " sent ", bytes.size(), " bytes for ", numel, " floats"));
@@ -330,11 +346,14 @@ void Hierarchy::broadcast_from_first(at::Tensor& t) {
 
 CommStats Hierarchy::stats() const {
   CommStats s;
-  s.allreduces = allreduces_;
-  if (mesh_) {
+  if (mesh_) {  // the mesh has its own lock
     s.wan_bytes_sent = mesh_->bytes_sent();
     s.wan_bytes_received = mesh_->bytes_received();
     s.links = mesh_->estimates();
+  }
+  MutexLock lock(stats_mu_);
+  s.allreduces = allreduces_;
+  if (mesh_) {
     s.codec_bytes_in = codec_bytes_in_;
     s.codec_bytes_out = codec_bytes_out_;
     s.encode_seconds = encode_seconds_;

@@ -21,6 +21,7 @@
 #include "codec/codec.h"
 #include "collective/gateway_mesh.h"
 #include "collective/site_group.h"
+#include "util/thread_annotations.h"
 
 namespace nebula::collective {
 
@@ -78,29 +79,33 @@ class Work {
  public:
   // Blocks until the operation is done and rethrows its error; Timeout naming the operation
   // if `deadline` passes first (the operation itself goes on).
-  void wait(Deadline deadline);
-  bool done() const;
+  void wait(Deadline deadline) EXCLUDES(mu_);
+  bool done() const EXCLUDES(mu_);
   // After wait(): every site's AllreduceOptions::site_info, by site index (exchange_async).
   const std::vector<std::vector<double>>& site_info() const { return site_info_; }
   // After wait(): the contributions the update guard left out (exchange_async).
   const std::vector<Rejection>& rejected() const { return rejected_; }
   // After wait(): how long the operation ran on the communication thread (queueing not
-  // included), and the WAN bytes this gateway sent for it (0 off-gateway).
+  // included), and the WAN bytes this gateway sent for it (0 off-gateway). The time includes
+  // waiting for the other sites' contributions, so bytes / seconds is no measure of the WAN:
+  // the link estimates (CommStats::links) time the transfer alone.
   double seconds() const { return seconds_; }
   uint64_t wan_bytes_sent() const { return wan_bytes_sent_; }
 
  private:
   friend class Hierarchy;
-  void finish(std::exception_ptr error);
+  void finish(std::exception_ptr error) EXCLUDES(mu_);
   std::string what_;
-  std::vector<std::vector<double>> site_info_;  // written by the comm thread before finish()
-  std::vector<Rejection> rejected_;              // likewise
-  double seconds_ = 0;                           // likewise
-  uint64_t wan_bytes_sent_ = 0;                  // likewise
-  mutable std::mutex mu_;
-  std::condition_variable cv_;
-  bool done_ = false;                 // GUARDED_BY(mu_)
-  std::exception_ptr error_;          // GUARDED_BY(mu_)
+  // Written by the comm thread before finish(), read after wait(): finish() and wait() take
+  // mu_, which orders the two (no lock needed around them).
+  std::vector<std::vector<double>> site_info_;
+  std::vector<Rejection> rejected_;
+  double seconds_ = 0;
+  uint64_t wan_bytes_sent_ = 0;
+  mutable Mutex mu_;
+  std::condition_variable_any cv_;
+  bool done_ GUARDED_BY(mu_) = false;
+  std::exception_ptr error_ GUARDED_BY(mu_);
 };
 
 class Hierarchy {
@@ -136,7 +141,9 @@ class Hierarchy {
   // Makes every worker's `t` equal to global rank 0's (site 0, local rank 0).
   void broadcast_from_first(at::Tensor& t);
 
-  CommStats stats() const;
+  // Any thread, any time (the training thread reads it for metrics while the communication
+  // thread runs collectives).
+  CommStats stats() const EXCLUDES(stats_mu_);
   bool is_gateway() const { return mesh_ != nullptr; }
   // Elastic rejoin on the gateway (GatewayMesh): lost sites ready to come back (0 elsewhere);
   // admitting them, and joining a running job, run on the communication thread between
@@ -153,7 +160,7 @@ class Hierarchy {
   SiteGroup& site() { return site_; }
 
  private:
-  std::shared_ptr<Work> enqueue(std::string what, std::function<void(Work&)> op);
+  std::shared_ptr<Work> enqueue(std::string what, std::function<void(Work&)> op) EXCLUDES(queue_mu_);
   void run_allreduce(const std::vector<at::Tensor>& bucket, const AllreduceOptions& options);
   // The gateway's WAN leg on `values` (n floats: the bucket, flattened). `presummed`: values
   // are Σ_i w_i x_i over the site and site_weight = Σ_i w_i (run_allreduce); otherwise they
@@ -168,15 +175,18 @@ class Hierarchy {
   SiteGroup& site_;
   GatewayMesh* mesh_;
   // The communication thread and its queue (started by the first collective).
-  std::mutex queue_mu_;
-  std::condition_variable queue_cv_;
-  std::deque<std::function<void()>> queue_;  // GUARDED_BY(queue_mu_)
-  bool stopping_ = false;                     // GUARDED_BY(queue_mu_)
-  std::thread comm_thread_;
-  uint64_t allreduces_ = 0;
+  Mutex queue_mu_;
+  std::condition_variable_any queue_cv_;
+  std::deque<std::function<void()>> queue_ GUARDED_BY(queue_mu_);
+  bool stopping_ GUARDED_BY(queue_mu_) = false;
+  std::thread comm_thread_ GUARDED_BY(queue_mu_);
+  // Owned by the communication thread, or by the caller while nothing is queued (above).
   CodecStates codec_state_;  // by (tag, tensor); gateway only
-  uint64_t codec_bytes_in_ = 0, codec_bytes_out_ = 0;
-  double encode_seconds_ = 0, decode_seconds_ = 0;
+  // Counters the communication thread adds to and stats() reads from any thread.
+  mutable Mutex stats_mu_;
+  uint64_t allreduces_ GUARDED_BY(stats_mu_) = 0;
+  uint64_t codec_bytes_in_ GUARDED_BY(stats_mu_) = 0, codec_bytes_out_ GUARDED_BY(stats_mu_) = 0;
+  double encode_seconds_ GUARDED_BY(stats_mu_) = 0, decode_seconds_ GUARDED_BY(stats_mu_) = 0;
 };
 
 }  // namespace nebula::collective

@@ -303,11 +303,11 @@ std::vector<double> DilocoStrategy::site_info() const {
       info[1] = info[1] > 0 ? std::min(info[1], e.bandwidth_bits_per_s) : e.bandwidth_bits_per_s;
     info[2] = std::max(info[2], e.rtt_s);
   }
-  // The delivery-rate estimate only sees what the traffic could show: small, rare exchanges
-  // never fill the path. The exchange itself moved its bytes in its time, RTT included, so
-  // that rate is a lower bound too; take the larger, once there is one (before the first
-  // exchange the link estimates rest on handshakes and heartbeats alone: report unknown).
-  info[1] = exchange_bits_per_s_ > 0 ? std::max(info[1], exchange_bits_per_s_) : 0.0;
+  // The link estimates time the transfer alone (transport/resilient_link.h, "Estimates"); an
+  // exchange's own bytes / time would count the wait for a slower site as transfer time.
+  // Before the first exchange they rest on handshakes and heartbeats alone, frames too small
+  // to fill the path: report unknown until then.
+  if (exchange_bits_per_s_ <= 0) info[1] = 0.0;
   info[3] = 1.0 + static_cast<double>(comm_.ready_joiners());
   return info;
 }

@@ -54,7 +54,7 @@ struct DilocoOptions {
   int64_t fragments = 1;          // F
   int64_t delay = 0;              // inner steps between sending a fragment and merging it
   bool heterogeneous = true;
-  bool adaptive = false;          // re-decide auto choices every round (else once)
+  bool adaptive = true;           // re-decide auto choices every round (else once measured)
   std::string codec = "none";     // or "auto"
   codec::CodecOptions codec_options;
   std::chrono::milliseconds timeout{std::chrono::minutes(10)};
@@ -211,8 +211,9 @@ class DilocoStrategy : public Strategy {
   at::Tensor buffers_sent_;                       // the buffers at the last fragment's send (every worker)
   at::Tensor buffer_mean_;                        // gateway: being exchanged
   std::shared_ptr<collective::Work> buffer_work_;  // gateway: in flight
-  // Gateway: a lower bound of the WAN's bandwidth from the last exchange's own bytes and time
-  // (link estimates alone come from frames too small to fill the path).
+  // Gateway: the last exchange's bytes over its whole time, per path. That time includes the
+  // wait for the slowest site, so it is no measure of the link (the controller reads the link
+  // estimates); > 0 also says an exchange has happened.
   double exchange_bits_per_s_ = 0;
 };
 

@@ -42,7 +42,7 @@ Clock::duration Bottleneck::serialization_time(uint64_t wire_bytes) const {
 
 Bottleneck::Slot Bottleneck::reserve(uint64_t wire_bytes, Clock::time_point now) {
   const auto t = serialization_time(wire_bytes);
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   Slot s;
   s.start = std::max(now, last_end_);
   s.end = s.start + t;
@@ -51,7 +51,7 @@ Bottleneck::Slot Bottleneck::reserve(uint64_t wire_bytes, Clock::time_point now)
 }
 
 Clock::time_point Bottleneck::free_at(Clock::time_point now) const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   return std::max(now, last_end_);
 }
 
@@ -98,7 +98,7 @@ Clock::duration EmulatedLink::serialization_time(uint64_t wire_bytes) const {
 }
 
 size_t EmulatedLink::in_flight() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   return queue_.size();
 }
 
@@ -196,8 +196,8 @@ void EmulatedLink::send(const wire::Frame& frame, Deadline deadline) {
   NEBULA_CHECK(frame.payload.size() == frame.header.payload_len, "send to ", inner_->peer(), ": payload has ",
                frame.payload.size(), " bytes but header.payload_len is ", frame.header.payload_len);
   const std::string peer = inner_->peer();
-  std::unique_lock<std::mutex> send_lock(send_mu_);
-  std::unique_lock<std::mutex> lock(mu_);
+  MutexLock send_lock(send_mu_);
+  MutexLock lock(mu_);
   if (fire_faults_locked(Clock::now(), /*at_send_start=*/true)) {
     lock.unlock();
     inner_->close();
@@ -242,7 +242,9 @@ void EmulatedLink::send(const wire::Frame& frame, Deadline deadline) {
   bool started = false;  // a segment took its slot: a failure now breaks the link
   Clock::time_point frame_end{}, arrival{};
 
-  auto fail_mid_frame = [&](const std::string& why) {
+  // Called with mu_ held; always throws, releasing it first when it breaks the link (the
+  // analysis cannot follow `lock` into a lambda, hence no analysis here).
+  auto fail_mid_frame = [&](const std::string& why) NO_THREAD_SAFETY_ANALYSIS {
     const std::string msg = str_cat("send to ", peer, ": ", why);
     if (!started) throw Timeout(peer, msg);
     break_locked(std::make_exception_ptr(
@@ -253,14 +255,14 @@ void EmulatedLink::send(const wire::Frame& frame, Deadline deadline) {
     throw Timeout(peer, msg + " (the frame was partly serialised; the link is now broken)");
   };
   // Waits until `t` (woken early by faults, errors and close); throws on failure or deadline.
-  auto wait_until = [&](Clock::time_point t, const char* waiting_for) {
+  auto wait_until = [&](Clock::time_point t, const char* waiting_for) REQUIRES(mu_) {
     for (;;) {
       throw_if_failed("send to");
       const auto now = Clock::now();
       if (now >= t) return;
       if (now >= deadline.at())
         fail_mid_frame(str_cat("deadline passed while ", waiting_for, ", ", to_ms(t - now), " ms short"));
-      cv_.wait_until(lock, std::min(t, deadline.at()));
+      cv_.wait_until(mu_, std::min(t, deadline.at()));
     }
   };
 
@@ -301,7 +303,7 @@ void EmulatedLink::send(const wire::Frame& frame, Deadline deadline) {
 
 wire::Frame EmulatedLink::recv(Deadline deadline) {
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     throw_if_failed("recv from");
   }
   wire::Frame frame;
@@ -309,7 +311,7 @@ wire::Frame EmulatedLink::recv(Deadline deadline) {
     frame = inner_->recv(deadline);
   } catch (const NetworkError&) {
     // A cut (or a broken send side) closed the inner link under us: say why.
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     if (error_) std::rethrow_exception(error_);
     throw;
   }
@@ -319,7 +321,7 @@ wire::Frame EmulatedLink::recv(Deadline deadline) {
 }
 
 void EmulatedLink::pump() {
-  std::unique_lock<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   while (!stop_) {
     const auto now = Clock::now();
     if (fire_faults_locked(now, /*at_send_start=*/false)) {
@@ -332,14 +334,14 @@ void EmulatedLink::pump() {
     if (queue_.empty()) {
       if (closing_) break;  // drained
       if (next_fault == Clock::time_point::max())
-        cv_.wait(lock);
+        cv_.wait(mu_);
       else
-        cv_.wait_until(lock, next_fault);
+        cv_.wait_until(mu_, next_fault);
       continue;
     }
     const auto due = after_stalls(queue_.front().due);
     if (now < due) {
-      cv_.wait_until(lock, std::min(due, next_fault));
+      cv_.wait_until(mu_, std::min(due, next_fault));
       continue;
     }
     InFlight item = std::move(queue_.front());
@@ -371,22 +373,22 @@ void EmulatedLink::pump() {
 }
 
 void EmulatedLink::close() {
-  std::lock_guard<std::mutex> close_lock(close_mu_);
+  MutexLock close_lock(close_mu_);
   if (closed_) return;
   closed_ = true;
   {
-    std::unique_lock<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     closing_ = true;
     const auto now = Clock::now();
     const auto last_due = queue_.empty() ? now : std::max(now, after_stalls(queue_.back().due));
     cv_.notify_all();
-    if (!cv_.wait_until(lock, last_due + kDrainGrace, [&] { return pump_done_; }))
+    if (!cv_.wait_until(mu_, last_due + kDrainGrace, [&]() REQUIRES(mu_) { return pump_done_; }))
       spdlog::warn("emulated WAN link to {}: {} frame(s) still in flight at close; dropping them", inner_->peer(),
                    queue_.size() + (pump_busy_ ? 1 : 0));
   }
   inner_->close();  // wakes a pump stuck in inner_->send()
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     stop_ = true;
   }
   cv_.notify_all();

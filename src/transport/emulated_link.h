@@ -60,6 +60,7 @@
 #include <vector>
 
 #include "transport/link.h"
+#include "util/thread_annotations.h"
 
 namespace nebula::transport {
 
@@ -117,8 +118,8 @@ class Bottleneck {
 
  private:
   const double bandwidth_;
-  mutable std::mutex mu_;
-  Clock::time_point last_end_{};  // GUARDED_BY(mu_)
+  mutable Mutex mu_;
+  Clock::time_point last_end_ GUARDED_BY(mu_){};
 };
 
 class EmulatedLink : public Link {
@@ -174,45 +175,45 @@ class EmulatedLink : public Link {
   };
 
   void pump();                                   // the background thread
-  void throw_if_failed(const char* what) const;  // caller holds mu_
+  void throw_if_failed(const char* what) const REQUIRES(mu_);  // caller holds mu_
   // Fires every fault whose trigger was reached; returns true if the inner link must be
   // closed (a cut), which the caller does after releasing mu_. Caller holds mu_.
-  bool fire_faults_locked(Clock::time_point now, bool at_send_start);
-  void fire_locked(PendingFault& f, Clock::time_point when, const char* trigger);
+  bool fire_faults_locked(Clock::time_point now, bool at_send_start) REQUIRES(mu_);
+  void fire_locked(PendingFault& f, Clock::time_point when, const char* trigger) REQUIRES(mu_);
   // A moment moved to the end of every stall that covers it. Caller holds mu_.
-  Clock::time_point after_stalls(Clock::time_point t) const;
+  Clock::time_point after_stalls(Clock::time_point t) const REQUIRES(mu_);
   // Window bytes still unacknowledged at `now`, dropping acknowledged segments; the moment
   // the oldest is acknowledged goes to *next_ack. Caller holds mu_.
-  uint64_t window_in_use_locked(Clock::time_point now, Clock::time_point* next_ack);
+  uint64_t window_in_use_locked(Clock::time_point now, Clock::time_point* next_ack) REQUIRES(mu_);
   // Next moment the pump must wake for a timed fault. Caller holds mu_.
-  Clock::time_point next_timed_fault_locked() const;
+  Clock::time_point next_timed_fault_locked() const REQUIRES(mu_);
   // Breaks the link after a partial send (caller holds mu_); the caller closes inner_.
-  void break_locked(std::exception_ptr error);
+  void break_locked(std::exception_ptr error) REQUIRES(mu_);
 
   const std::unique_ptr<Link> inner_;
   const WanEmulation emulation_;
   const std::shared_ptr<Bottleneck> bottleneck_;
   const Clock::time_point created_;
 
-  std::mutex send_mu_;                  // held for a whole send(): frames depart in FIFO order
+  Mutex send_mu_;                  // held for a whole send(): frames depart in FIFO order
 
-  mutable std::mutex mu_;
-  std::condition_variable cv_;          // queue, window, faults, error, closing or pump state changed
-  std::deque<InFlight> queue_;          // GUARDED_BY(mu_), ordered by due
-  std::deque<Segment> window_;          // GUARDED_BY(mu_): segments not yet acknowledged
-  std::vector<Stall> stalls_;           // GUARDED_BY(mu_): stalls that fired
-  std::vector<PendingFault> faults_;    // GUARDED_BY(mu_)
-  bool corrupt_next_ = false;           // GUARDED_BY(mu_): a kCorrupt waits for a payload
-  uint64_t bytes_accepted_ = 0;         // GUARDED_BY(mu_): wire bytes send() took on, for after_bytes
-  Clock::time_point last_arrival_{};    // GUARDED_BY(mu_): frames never overtake each other
-  std::mt19937_64 rng_;                 // GUARDED_BY(mu_)
-  std::exception_ptr error_;            // GUARDED_BY(mu_): first failure, sticky
-  bool closing_ = false;                // GUARDED_BY(mu_): close() started; no new frames
-  bool stop_ = false;                   // GUARDED_BY(mu_): pump must exit now
-  bool pump_busy_ = false;              // GUARDED_BY(mu_): pump is inside inner_->send()
-  bool pump_done_ = false;              // GUARDED_BY(mu_)
-  std::mutex close_mu_;                 // serializes close()
-  bool closed_ = false;                 // GUARDED_BY(close_mu_)
+  mutable Mutex mu_;
+  std::condition_variable_any cv_;          // queue, window, faults, error, closing or pump state changed
+  std::deque<InFlight> queue_ GUARDED_BY(mu_);          // ordered by due
+  std::deque<Segment> window_ GUARDED_BY(mu_);          // segments not yet acknowledged
+  std::vector<Stall> stalls_ GUARDED_BY(mu_);           // stalls that fired
+  std::vector<PendingFault> faults_ GUARDED_BY(mu_);
+  bool corrupt_next_ GUARDED_BY(mu_) = false;           // a kCorrupt waits for a payload
+  uint64_t bytes_accepted_ GUARDED_BY(mu_) = 0;         // wire bytes send() took on, for after_bytes
+  Clock::time_point last_arrival_ GUARDED_BY(mu_){};    // frames never overtake each other
+  std::mt19937_64 rng_ GUARDED_BY(mu_);
+  std::exception_ptr error_ GUARDED_BY(mu_);            // first failure, sticky
+  bool closing_ GUARDED_BY(mu_) = false;                // close() started; no new frames
+  bool stop_ GUARDED_BY(mu_) = false;                   // pump must exit now
+  bool pump_busy_ GUARDED_BY(mu_) = false;              // pump is inside inner_->send()
+  bool pump_done_ GUARDED_BY(mu_) = false;
+  Mutex close_mu_;                 // serializes close()
+  bool closed_ GUARDED_BY(close_mu_) = false;
 
   LinkCounters counters_;
 

@@ -29,7 +29,7 @@ void LinkEstimator::add(std::deque<Sample>& filter, Sample s, Clock::duration wi
 void LinkEstimator::on_rtt_sample(double seconds, Clock::time_point now) {
   NEBULA_CHECK(std::isfinite(seconds) && seconds >= 0, "RTT sample must be finite and >= 0, got ", seconds);
   if (seconds == 0) return;
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   add(min_rtt_, {now, seconds}, options_.rtt_window, [](double a, double b) { return a < b; });
   smoothed_rtt_ = rtt_samples_ == 0 ? seconds : smoothed_rtt_ + options_.rtt_ewma_alpha * (seconds - smoothed_rtt_);
   ++rtt_samples_;
@@ -41,7 +41,7 @@ bool LinkEstimator::on_delivery(uint64_t bytes, double interval_seconds, Clock::
   if (interval_seconds < std::chrono::duration<double>(options_.min_delivery_interval).count()) return false;
   if (interval_seconds == 0) return false;  // min_delivery_interval 0: still no division by zero
   const double rate = static_cast<double>(bytes) * 8 / interval_seconds;
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   if (app_limited && (max_bw_.empty() ? 0.0 : max_bw_.front().value) >= rate) return false;
   add(max_bw_, {now, rate}, options_.bandwidth_window, [](double a, double b) { return a > b; });
   ++bw_samples_;
@@ -49,7 +49,7 @@ bool LinkEstimator::on_delivery(uint64_t bytes, double interval_seconds, Clock::
 }
 
 LinkEstimates LinkEstimator::snapshot() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   LinkEstimates e;
   e.rtt_s = min_rtt_.empty() ? 0 : min_rtt_.front().value;
   e.rtt_smoothed_s = smoothed_rtt_;

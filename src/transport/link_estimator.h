@@ -36,6 +36,7 @@
 
 #include "nebula/deadline.h"
 #include "transport/link.h"
+#include "util/thread_annotations.h"
 
 namespace nebula::transport {
 
@@ -56,16 +57,17 @@ class LinkEstimator {
 
   // One round-trip time, in seconds, measured at `now`. A sample of 0 (clock granularity)
   // is ignored; a negative or non-finite one is a caller bug (nebula::Error).
-  void on_rtt_sample(double seconds, Clock::time_point now);
+  void on_rtt_sample(double seconds, Clock::time_point now) EXCLUDES(mu_);
 
   // `bytes` (wire bytes, headers included) were delivered over `interval_seconds` ending at
   // `now`: a rate sample of bytes * 8 / interval bits per second. Returns whether it was
   // used: false when the interval is below min_delivery_interval, or when `app_limited` and
   // the rate does not exceed the current estimate. Negative or non-finite intervals are a
   // caller bug (nebula::Error).
-  bool on_delivery(uint64_t bytes, double interval_seconds, Clock::time_point now, bool app_limited = false);
+  bool on_delivery(uint64_t bytes, double interval_seconds, Clock::time_point now, bool app_limited = false)
+      EXCLUDES(mu_);
 
-  LinkEstimates snapshot() const;
+  LinkEstimates snapshot() const EXCLUDES(mu_);
 
  private:
   struct Sample {
@@ -79,12 +81,12 @@ class LinkEstimator {
 
   const LinkEstimatorOptions options_;
 
-  mutable std::mutex mu_;
-  std::deque<Sample> min_rtt_;  // GUARDED_BY(mu_): increasing values, front = min
-  std::deque<Sample> max_bw_;   // GUARDED_BY(mu_): decreasing values, front = max
-  double smoothed_rtt_ = 0;     // GUARDED_BY(mu_): 0 until the first sample
-  uint64_t rtt_samples_ = 0;    // GUARDED_BY(mu_)
-  uint64_t bw_samples_ = 0;     // GUARDED_BY(mu_)
+  mutable Mutex mu_;
+  std::deque<Sample> min_rtt_ GUARDED_BY(mu_);  // increasing values, front = min
+  std::deque<Sample> max_bw_ GUARDED_BY(mu_);   // decreasing values, front = max
+  double smoothed_rtt_ GUARDED_BY(mu_) = 0;     // 0 until the first sample
+  uint64_t rtt_samples_ GUARDED_BY(mu_) = 0;
+  uint64_t bw_samples_ GUARDED_BY(mu_) = 0;
 };
 
 }  // namespace nebula::transport

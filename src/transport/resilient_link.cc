@@ -76,29 +76,34 @@ void ResilientLink::send(const wire::Frame& frame, Deadline deadline) {
                "send to ",
                peer(), ": frame type ", wire::frame_type_name(frame.header.type),
                " is reserved for ResilientLink's session protocol");
-  std::unique_lock<std::timed_mutex> send_lock(send_mu_, std::defer_lock);
-  if (deadline.is_never()) {
-    send_lock.lock();
-  } else if (!send_lock.try_lock_until(deadline.at())) {
-    std::lock_guard<std::mutex> lock(mu_);
-    throw_if_over_locked("send to");
+  // One send() at a time (seq order == call order); a call waiting for its turn still times
+  // out at its own deadline. A flag under mu_ rather than a std::timed_mutex, whose
+  // try_lock_until (pthread_mutex_clocklock) ThreadSanitizer does not see, so that it reports
+  // every unlock as "unlock of an unlocked mutex".
+  auto copy = std::make_shared<wire::Frame>(frame);  // before the turn: the only step here that can throw
+  MutexLock lock(mu_);
+  const bool turn = wait_until(send_cv_, mu_, deadline, [&]() REQUIRES(mu_) { return closed_ || lost_ || !sending_; });
+  throw_if_over_locked("send to");
+  if (!turn)
     throw Timeout(peer_locked(), str_cat("send to ", peer_locked(),
                                          ": deadline passed waiting behind another send()", waiting_detail_locked()));
-  }
-  uint64_t seq;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    throw_if_over_locked("send to");
-    seq = next_seq_;  // stable: only send() advances it, and we hold send_mu_
-  }
-  // Copy and re-checksum outside mu_: the reader, writer and recv() need not wait for it.
-  auto copy = std::make_shared<wire::Frame>(frame);
+  sending_ = true;
+  struct TurnEnd {  // gives the turn back on every way out (all with mu_ held)
+    ResilientLink* self;
+    ~TurnEnd() NO_THREAD_SAFETY_ANALYSIS {
+      self->sending_ = false;
+      self->send_cv_.notify_all();
+    }
+  } turn_end{this};
+  const uint64_t seq = next_seq_;  // stable: only send() advances it, and this call has the turn
+  // Re-checksum outside mu_ (nothing here throws): the reader, writer and recv() need not wait.
+  lock.unlock();
   copy->header.seq = seq;
   copy->header.checksum = wire::compute_checksum(copy->header, copy->payload);
   const uint64_t size = wire_size(*copy);
+  lock.lock();
 
-  std::unique_lock<std::mutex> lock(mu_);
-  bool room = wait_until(send_cv_, lock, deadline, [&] {
+  bool room = wait_until(send_cv_, mu_, deadline, [&]() REQUIRES(mu_) {
     return closed_ || lost_ || pending_.empty() || pending_bytes_ + size <= options_.max_pending_bytes;
   });
   throw_if_over_locked("send to");
@@ -119,13 +124,14 @@ wire::Frame ResilientLink::recv(Deadline deadline) {
   std::unique_lock<std::mutex> recv_lock(recv_mu_, std::try_to_lock);
   NEBULA_CHECK(recv_lock.owns_lock(), "concurrent recv() on the resilient link to ", peer(),
                " (one receiving thread per link; see transport/link.h)");
-  std::unique_lock<std::mutex> lock(mu_);
-  wait_until(recv_cv_, lock, deadline, [&] { return closed_ || lost_ || !inbox_.empty(); });
+  MutexLock lock(mu_);
+  wait_until(recv_cv_, mu_, deadline, [&]() REQUIRES(mu_) { return closed_ || lost_ || !inbox_.empty(); });
   // Frames that arrived before the peer said goodbye (or was lost) are still delivered.
   if (closed_ || inbox_.empty()) throw_if_over_locked("recv from");
   if (inbox_.empty())
     throw Timeout(peer_locked(), str_cat("recv from ", peer_locked(), ": deadline passed", waiting_detail_locked()));
-  wire::Frame f = std::move(inbox_.front());
+  wire::Frame f = std::move(inbox_.front().frame);
+  delivered_arrived_ = inbox_.front().at;
   inbox_.pop_front();
   const bool first_unacked = delivered_ == last_ack_sent_;
   if (first_unacked) ack_due_since_ = Clock::now();
@@ -139,8 +145,8 @@ wire::Frame ResilientLink::recv(Deadline deadline) {
 }
 
 void ResilientLink::flush(Deadline deadline) {
-  std::unique_lock<std::mutex> lock(mu_);
-  wait_until(send_cv_, lock, deadline, [&] { return closed_ || lost_ || pending_.empty(); });
+  MutexLock lock(mu_);
+  wait_until(send_cv_, mu_, deadline, [&]() REQUIRES(mu_) { return closed_ || lost_ || pending_.empty(); });
   throw_if_over_locked("flush to");
   if (!pending_.empty())
     throw Timeout(peer_locked(), str_cat("flush to ", peer_locked(), ": deadline passed with ", pending_.size(),
@@ -151,7 +157,7 @@ void ResilientLink::flush(Deadline deadline) {
 void ResilientLink::close() {
   std::shared_ptr<Link> conn, candidate;
   {
-    std::unique_lock<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     if (closed_) return;
     // An orderly end: tell the peer, so that it does not try to reconnect for
     // reconnect_timeout. Best effort: a peer that misses it finds out the slow way.
@@ -180,7 +186,7 @@ void ResilientLink::close() {
 }
 
 std::string ResilientLink::peer() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   return peer_locked();
 }
 
@@ -191,12 +197,12 @@ std::string ResilientLink::peer_locked() const {
 }
 
 std::string ResilientLink::peer_identity() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   return conn_ ? conn_->peer_identity() : candidate_ ? candidate_->peer_identity() : std::string();
 }
 
 std::string ResilientLink::peer_fingerprint() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   return conn_ ? conn_->peer_fingerprint() : candidate_ ? candidate_->peer_fingerprint() : std::string();
 }
 
@@ -205,7 +211,7 @@ LinkStats ResilientLink::stats() const { return logical_.snapshot(); }
 LinkEstimates ResilientLink::estimates() const { return estimator_.snapshot(); }
 
 ResilienceStats ResilientLink::stats_ex() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   ResilienceStats s = counters_;
   s.link = logical_.snapshot();
   s.pending_frames = pending_.size();
@@ -245,18 +251,34 @@ void ResilientLink::acknowledge_locked(uint64_t delivered) {
   send_cv_.notify_all();
 }
 
-void ResilientLink::ack_received_locked(uint64_t delivered, uint64_t gen) {
+void ResilientLink::ack_received_locked(uint64_t delivered, Clock::duration held, uint64_t gen) {
   const Clock::time_point now = Clock::now();
   const WriteRecord p = pending_[delivered - acked_ - 1].write;  // the newest newly acked frame
   const uint64_t before = pending_bytes_;
   acknowledge_locked(delivered);
   delivered_bytes_ += before - pending_bytes_;
-  delivered_at_ = now;
-  if (p.gen != gen) return;  // written on an older connection, or its write not finished yet
+  const bool timed = p.gen == gen;  // else written on an older connection, or its write not finished yet
+  // When the ack would have come had the peer acknowledged P on arrival: the time the peer
+  // held P (waiting for its caller, its ack timer, its writer busy with its own frames) is
+  // the peer's, not the path's. It cannot have held P longer than since P's write.
+  const Clock::time_point arrived = timed ? now - std::min(std::max(held, Clock::duration::zero()), now - p.written) : now;
+  delivered_at_ = arrived;
+  delivered_at_idle_ = false;
+  if (!timed) return;
   first_sent_ = p.written;
-  estimator_.on_rtt_sample(seconds(now - p.written), now);
+  estimator_.on_rtt_sample(seconds(arrived - p.written), now);
   if (p.rate_ok) {
-    const double interval = std::max(seconds(p.written - p.first_sent), seconds(now - p.delivered_at));
+    double interval = std::max(seconds(p.written - p.first_sent), seconds(arrived - p.delivered_at));
+    // An interval that began with an idle link (nothing outstanding) runs from the first byte
+    // written to the ack: the transfer plus one round trip, which is the path's latency, not
+    // its bandwidth (the controller adds the RTT itself). A single exchange-sized frame is
+    // all the traffic there is between long pauses, so leaving it in would cap the estimate
+    // at bytes / (bytes / bandwidth + rtt). Subtracted only when the transfer took at least
+    // as long as the round trip, so an error in the RTT can at most double the rate.
+    if (p.idle_start) {
+      const double rtt = estimator_.snapshot().rtt_s;
+      if (rtt > 0 && interval >= 2 * rtt) interval -= rtt;
+    }
     estimator_.on_delivery(delivered_bytes_ - p.delivered_bytes, interval, now, p.app_limited);
   }
 }
@@ -280,7 +302,7 @@ std::shared_ptr<Link> ResilientLink::declare_lost_locked(const std::string& mess
 void ResilientLink::connection_failed(uint64_t gen, const std::string& why) {
   std::shared_ptr<Link> conn;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     if (gen != gen_ || !connected_) return;  // already noticed (or closed): the reader handles it
     connected_ = false;
     writer_error_ = why;
@@ -290,11 +312,11 @@ void ResilientLink::connection_failed(uint64_t gen, const std::string& why) {
 }
 
 void ResilientLink::writer_main() {
-  std::unique_lock<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   for (;;) {
     if (closed_ || lost_) return;
     if (!connected_) {
-      writer_cv_.wait(lock);
+      writer_cv_.wait(mu_);
       continue;
     }
     const bool ack_pending = delivered_ > last_ack_sent_;
@@ -302,7 +324,11 @@ void ResilientLink::writer_main() {
     FramePtr frame;
     uint64_t data_seq = 0;  // seq of the caller's frame being written, 0 for an ack
     if (ack_pending && (ack_urgent_locked() || Clock::now() >= ack_due_at)) {
-      frame = std::make_shared<wire::Frame>(u64_frame(FrameType::kAck, {delivered_}));
+      // With how long the newest delivered frame was held here since it arrived (QUIC's
+      // ack delay), so the peer's estimates leave this side's waiting out.
+      const auto held = std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - delivered_arrived_);
+      frame = std::make_shared<wire::Frame>(
+          u64_frame(FrameType::kAck, {delivered_, static_cast<uint64_t>(std::max<int64_t>(held.count(), 0))}));
       last_ack_sent_ = delivered_;
       unacked_bytes_ = 0;
       ++counters_.acks_sent;
@@ -318,14 +344,17 @@ void ResilientLink::writer_main() {
       }
       // Nothing outstanding: the delivery interval starts with this write, so idle time
       // before it never counts.
-      if (seq == acked_ + 1) delivered_at_ = first_sent_ = Clock::now();
-      p.write = WriteRecord{0, {}, delivered_bytes_, delivered_at_, first_sent_, next_write_seq_ == next_seq_,
-                            acked_ >= rate_clean_after_};
+      if (seq == acked_ + 1) {
+        delivered_at_ = first_sent_ = Clock::now();
+        delivered_at_idle_ = true;
+      }
+      p.write = WriteRecord{0,  {}, delivered_bytes_, delivered_at_, first_sent_, next_write_seq_ == next_seq_,
+                            acked_ >= rate_clean_after_, delivered_at_idle_};
     } else if (ack_pending) {
-      writer_cv_.wait_until(lock, ack_due_at);
+      writer_cv_.wait_until(mu_, ack_due_at);
       continue;
     } else {
-      writer_cv_.wait(lock);
+      writer_cv_.wait(mu_);
       continue;
     }
     std::shared_ptr<Link> conn = conn_;
@@ -336,7 +365,7 @@ void ResilientLink::writer_main() {
       conn->send(*frame, Deadline::never());
       if (data_seq != 0) {
         const Clock::time_point written = Clock::now();
-        std::lock_guard<std::mutex> relock(mu_);
+        MutexLock relock(mu_);
         if (gen == gen_ && data_seq > acked_) {
           WriteRecord& w = pending_[data_seq - acked_ - 1].write;
           w.gen = gen;
@@ -351,7 +380,7 @@ void ResilientLink::writer_main() {
       // A precondition of the link underneath (e.g. its max_payload): resending cannot help.
       std::shared_ptr<Link> to_close;
       {
-        std::lock_guard<std::mutex> relock(mu_);
+        MutexLock relock(mu_);
         to_close = declare_lost_locked(str_cat("session failed: ", e.what()));
       }
       if (to_close) to_close->close();
@@ -366,7 +395,7 @@ void ResilientLink::writer_main() {
 bool ResilientLink::resume_on(const std::shared_ptr<Link>& conn, Deadline deadline) {
   uint64_t sent_delivered, sent_received;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     sent_delivered = delivered_;
     sent_received = received_;  // stable: only this thread changes it
   }
@@ -381,7 +410,7 @@ bool ResilientLink::resume_on(const std::shared_ptr<Link>& conn, Deadline deadli
   r.expect_done();
 
   std::shared_ptr<Link> old;
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   if (closed_ || lost_) return false;
   if (peer_session_ != 0 && their_session != peer_session_) {
     declare_lost_locked(str_cat(conn->peer(), " lost: it came back as a new session (", their_session,
@@ -406,6 +435,7 @@ bool ResilientLink::resume_on(const std::shared_ptr<Link>& conn, Deadline deadli
   acknowledge_locked(their_delivered);
   rate_clean_after_ = their_received;
   delivered_at_ = first_sent_ = Clock::now();
+  delivered_at_idle_ = true;
   next_write_seq_ = their_received + 1;  // >= acked_ + 1: their_received >= their_delivered == acked_
   last_ack_sent_ = sent_delivered;
   if (delivered_ > last_ack_sent_) ack_due_since_ = Clock::now();
@@ -435,14 +465,15 @@ std::string ResilientLink::read_loop(Link& conn, uint64_t gen) {
     } catch (const FrameError& e) {
       return e.what();
     }
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     if (closed_ || lost_ || gen != gen_) return "session over";
     switch (f.header.type) {
       case FrameType::kAck: {
-        uint64_t delivered;
+        uint64_t delivered, held_ns = 0;
         try {
           wire::ByteReader r(f.payload, str_cat("ack frame from ", conn.peer()));
           delivered = r.u64();
+          if (f.payload.size() > 8) held_ns = r.u64();  // a peer of an older version sends none
           r.expect_done();
         } catch (const FrameError& e) {
           return e.what();
@@ -451,7 +482,7 @@ std::string ResilientLink::read_loop(Link& conn, uint64_t gen) {
           return str_cat("ack frame from ", conn.peer(), " acknowledges seq ", delivered, " but only ", next_seq_ - 1,
                          " were sent");
         ++counters_.acks_received;
-        if (delivered > acked_) ack_received_locked(delivered, gen);
+        if (delivered > acked_) ack_received_locked(delivered, std::chrono::nanoseconds(held_ns), gen);
         break;
       }
       case FrameType::kResume:
@@ -475,7 +506,7 @@ std::string ResilientLink::read_loop(Link& conn, uint64_t gen) {
           ++counters_.duplicates_dropped;
         } else if (seq == received_ + 1) {
           received_ = seq;
-          inbox_.push_back(std::move(f));
+          inbox_.push_back({std::move(f), Clock::now()});
           recv_cv_.notify_one();
         } else {
           return str_cat("frame seq ", seq, " from ", conn.peer(), " after seq ", received_, ": frames missing");
@@ -493,13 +524,13 @@ void ResilientLink::reader_main(std::unique_ptr<Link> first) {
     for (;;) {
       Clock::time_point give_up;
       {
-        std::unique_lock<std::mutex> lock(mu_);
+        MutexLock lock(mu_);
         if (closed_ || lost_) break;
         give_up = failed_at_ + options_.reconnect_timeout;
         if (!candidate) {
           if (pause_first) {
             auto wake = std::min(give_up, Clock::now() + backoff);
-            reader_cv_.wait_until(lock, wake, [&] { return closed_ || lost_; });
+            reader_cv_.wait_until(mu_, wake, [&]() REQUIRES(mu_) { return closed_ || lost_; });
             if (closed_ || lost_) break;
             backoff = std::min(backoff * 2, options_.backoff_max);
           }
@@ -526,13 +557,13 @@ void ResilientLink::reader_main(std::unique_ptr<Link> first) {
           if (!fresh) throw Error("the reconnect function returned no link");
           candidate = std::move(fresh);
         } catch (const std::exception& e) {
-          std::lock_guard<std::mutex> lock(mu_);
+          MutexLock lock(mu_);
           last_error_ = str_cat("reconnect: ", e.what());
           continue;
         }
       }
       {
-        std::lock_guard<std::mutex> lock(mu_);
+        MutexLock lock(mu_);
         if (closed_ || lost_) break;
         candidate_ = candidate;  // so that close() can cut the resume exchange short
       }
@@ -540,7 +571,7 @@ void ResilientLink::reader_main(std::unique_ptr<Link> first) {
       try {
         resumed = resume_on(candidate, deadline);
       } catch (const std::exception& e) {
-        std::lock_guard<std::mutex> lock(mu_);
+        MutexLock lock(mu_);
         candidate_.reset();
         last_error_ = str_cat("resume: ", e.what());
       }
@@ -552,7 +583,7 @@ void ResilientLink::reader_main(std::unique_ptr<Link> first) {
       std::shared_ptr<Link> conn = std::move(candidate);
       uint64_t gen;
       {
-        std::lock_guard<std::mutex> lock(mu_);
+        MutexLock lock(mu_);
         gen = gen_;
       }
       backoff = options_.backoff_initial;
@@ -560,7 +591,7 @@ void ResilientLink::reader_main(std::unique_ptr<Link> first) {
 
       std::string why = read_loop(*conn, gen);
       {
-        std::lock_guard<std::mutex> lock(mu_);
+        MutexLock lock(mu_);
         if (closed_ || lost_) break;
         if (connected_ && gen_ == gen) {
           connected_ = false;
@@ -578,7 +609,7 @@ void ResilientLink::reader_main(std::unique_ptr<Link> first) {
   } catch (const std::exception& e) {
     std::shared_ptr<Link> conn;
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(mu_);
       conn = declare_lost_locked(str_cat("session failed: ", e.what()));
     }
     if (conn) conn->close();

@@ -14,9 +14,12 @@
 //
 // Protocol (frames on the connection underneath; u64 = little-endian, wire::ByteWriter):
 //  * kData (and kHello/kBye/kHeartbeat): a caller's frame, header.seq = session seq.
-//  * kAck, payload u64 `delivered`: every frame with seq <= delivered has been delivered to
-//    the receiving caller (cumulative). The sender then forgets them. Acks are delayed by
-//    at most ResilientOptions::ack_interval and sent at once when many frames wait.
+//  * kAck, payload u64 `delivered`, u64 `held_ns`: every frame with seq <= delivered has been
+//    delivered to the receiving caller (cumulative). The sender then forgets them. held_ns:
+//    how long frame `delivered` was held on the receiving side, from its arrival (the reader
+//    had it whole) to this ack's write (QUIC's ack delay; for the estimates). An ack of only
+//    8 bytes (an older peer) counts as held_ns = 0. Acks are delayed by at most
+//    ResilientOptions::ack_interval and sent at once when many frames wait.
 //    Acknowledging delivery, not arrival, makes the SENDER's max_pending_bytes also bound
 //    the memory of the RECEIVER's queue of frames its caller has not taken yet.
 //  * kResume, payload u64 session_id, u64 delivered, u64 received: the first frame each side
@@ -51,9 +54,8 @@
 //    across reconnects. It blocks only while the unacknowledged frames hold
 //    max_pending_bytes or more (a single frame larger than that is admitted when nothing is
 //    pending); Timeout at the deadline, in which case the frame was NOT queued and nothing
-//    is lost or duplicated. Concurrent sends are serialized, in the order they took the
-//    send lock (a timed lock: a call waiting behind another still times out at its own
-//    deadline). Throws PeerLost once the link is closed or the peer lost.
+//    is lost or duplicated. Concurrent sends are serialized, one at a time, in the order they
+//    took their turn (a call waiting behind another still times out at its own deadline). Throws PeerLost once the link is closed or the peer lost.
 //  * recv(deadline): the next frame in order; Timeout at the deadline (nothing consumed), also
 //    while a reconnect is in progress. One receiving thread at a time (nebula::Error on
 //    concurrent recv()).
@@ -70,19 +72,24 @@
 // Estimates (estimates(), LinkEstimates in link.h; filters in transport/link_estimator.h).
 // Measured on the SENDING direction of this side, from the session's own acks, BBR-style
 // (draft-cheng-iccrg-delivery-rate-estimation): when a kAck acknowledges up to seq S, the
-// newest newly acknowledged frame P gives
-//  * an RTT sample: now - the moment P's write on the current connection returned (the
-//    link underneath took it whole). It includes the receiver's ack delay (up to
-//    ack_interval, 10 ms by default; nothing is subtracted, keep ack_interval small), the
-//    time P waited in the receiver's queue until its caller took it (acks mean delivery),
-//    and queueing below (e.g. a full kernel send buffer). The min filter keeps the least;
+// newest newly acknowledged frame P gives, with `arrived` = now - the ack's held_ns (when
+// the ack would have come had the receiver acknowledged P on arrival; so neither the
+// receiver's ack timer nor the time P waited for the receiver's caller -- a slower site still
+// computing -- nor the receiver's writer busy with its own frames counts as path time):
+//  * an RTT sample: arrived - the moment P's write on the current connection returned (the
+//    link underneath took it whole). It includes queueing below (e.g. a full kernel send
+//    buffer). The min filter keeps the least;
 //  * a delivery-rate sample: the bytes acknowledged since P's write began, over
-//    max(time from the write of the frame acknowledged then to P's write, time since that
-//    ack). Taking the longer of the send and ack intervals keeps bunched acks from
+//    max(time from the write of the frame acknowledged then to P's write, arrived - that
+//    ack's arrived). Taking the longer of the send and ack intervals keeps bunched acks from
 //    overstating the rate, and spreading a sample over about one round trip smooths it.
 //    Idle time never counts: when a frame is written with nothing outstanding, its interval
-//    starts at its own write. A frame written with nothing queued behind it is
-//    app-limited: its sample only counts if it raises the estimate.
+//    starts at its own write; such an interval holds one round trip besides the transfer
+//    (first byte written to the ack of the last), and once it is at least twice the min RTT
+//    that RTT is subtracted: what is left is the transfer time alone, so one exchange-sized
+//    frame between long pauses measures the bandwidth, not bytes / (transfer + RTT). A frame
+//    written with nothing queued behind it is app-limited: its sample only counts if it
+//    raises the estimate.
 // After a reconnect, samples start again on the new connection (frames written on an
 // older one give none). No RTT sample is taken from the resume exchange: both sides send
 // kResume at once, neither in answer to the other, so the time to the peer's kResume is
@@ -106,6 +113,7 @@
 
 #include "transport/link.h"
 #include "transport/link_estimator.h"
+#include "util/thread_annotations.h"
 
 namespace nebula::transport {
 
@@ -190,6 +198,7 @@ class ResilientLink : public Link {
     Clock::time_point first_sent{};     // first_sent_ then
     bool app_limited = false;           // nothing was queued behind it
     bool rate_ok = false;               // acked_ >= rate_clean_after_ then
+    bool idle_start = false;            // delivered_at then was a write's (nothing was outstanding)
   };
   struct PendingFrame {
     FramePtr frame;
@@ -207,72 +216,80 @@ class ResilientLink : public Link {
   void connection_failed(uint64_t gen, const std::string& why);
   // Ends the session (PeerLost for everyone). Caller holds mu_ and closes the returned
   // connection (if any) after releasing it.
-  std::shared_ptr<Link> declare_lost_locked(const std::string& message);
+  std::shared_ptr<Link> declare_lost_locked(const std::string& message) REQUIRES(mu_);
   // Forgets frames up to `delivered`. Caller holds mu_.
-  void acknowledge_locked(uint64_t delivered);
-  // A kAck for `delivered` (> acked_) arrived on connection `gen`: takes the samples, then
-  // acknowledges. Caller holds mu_.
-  void ack_received_locked(uint64_t delivered, uint64_t gen);
+  void acknowledge_locked(uint64_t delivered) REQUIRES(mu_);
+  // A kAck for `delivered` (> acked_) that the peer sent `held` after that frame arrived there
+  // came on connection `gen`: takes the samples, then acknowledges. Caller holds mu_.
+  void ack_received_locked(uint64_t delivered, Clock::duration held, uint64_t gen) REQUIRES(mu_);
   // Throws PeerLost if closed or lost. Caller holds mu_.
-  void throw_if_over_locked(const char* what) const;
-  std::string peer_locked() const;
-  std::string waiting_detail_locked() const;
-  bool ack_urgent_locked() const;
+  void throw_if_over_locked(const char* what) const REQUIRES(mu_);
+  std::string peer_locked() const REQUIRES(mu_);
+  std::string waiting_detail_locked() const REQUIRES(mu_);
+  bool ack_urgent_locked() const REQUIRES(mu_);
 
   const Reconnect reconnect_;
   const ResilientOptions options_;
   const uint64_t session_id_;
   std::string first_peer_;  // peer() of the first connection (for messages before any)
 
-  std::timed_mutex send_mu_;  // held for a whole send(): seq order == call order
-  std::mutex recv_mu_;        // try-locked by recv() to detect concurrent receivers
+  // Guards no data (so it stays a plain std::mutex): detects a second receiving thread.
+  std::mutex recv_mu_;  // try-locked by recv()
 
-  mutable std::mutex mu_;
-  std::condition_variable send_cv_;    // senders and flush(): space freed, acks, over
-  std::condition_variable recv_cv_;    // recv(): frame queued, over
-  std::condition_variable writer_cv_;  // writer: work, connection installed, over
-  std::condition_variable reader_cv_;  // reader's backoff sleep: close
+  mutable Mutex mu_;
+  std::condition_variable_any send_cv_;    // senders and flush(): space freed, acks, over
+  std::condition_variable_any recv_cv_;    // recv(): frame queued, over
+  std::condition_variable_any writer_cv_;  // writer: work, connection installed, over
+  std::condition_variable_any reader_cv_;  // reader's backoff sleep: close
 
-  // All GUARDED_BY(mu_):
-  std::shared_ptr<Link> conn_;       // current connection (resumed), or the last one
-  std::shared_ptr<Link> candidate_;  // a connection in its resume exchange (close() cuts it)
-  uint64_t gen_ = 0;                 // bumped each time a connection is installed
-  bool connected_ = false;           // conn_ resumed and not failed
-  std::string writer_error_;         // why the writer failed on gen_, if it did
-  Clock::time_point failed_at_{};    // when the current outage began
-  std::string last_error_;           // why the last connection / attempt failed
-  std::string outage_cause_;         // why the last connection failed
-  bool closed_ = false;              // close() was called
-  bool lost_ = false;                // peer lost; lost_message_ says why
-  std::string lost_message_;
-  uint64_t peer_session_ = 0;  // the peer's session id, once known
+  // Everything from here to counters_ is guarded by mu_ (checked: GUARDED_BY).
+  std::shared_ptr<Link> conn_ GUARDED_BY(mu_);       // current connection (resumed), or the last one
+  std::shared_ptr<Link> candidate_ GUARDED_BY(mu_);  // a connection in its resume exchange (close() cuts it)
+  uint64_t gen_ GUARDED_BY(mu_) = 0;                 // bumped each time a connection is installed
+  bool connected_ GUARDED_BY(mu_) = false;           // conn_ resumed and not failed
+  std::string writer_error_ GUARDED_BY(mu_);         // why the writer failed on gen_, if it did
+  Clock::time_point failed_at_ GUARDED_BY(mu_){};    // when the current outage began
+  std::string last_error_ GUARDED_BY(mu_);           // why the last connection / attempt failed
+  std::string outage_cause_ GUARDED_BY(mu_);         // why the last connection failed
+  bool closed_ GUARDED_BY(mu_) = false;              // close() was called
+  bool lost_ GUARDED_BY(mu_) = false;                // peer lost; lost_message_ says why
+  std::string lost_message_ GUARDED_BY(mu_);
+  uint64_t peer_session_ GUARDED_BY(mu_) = 0;  // the peer's session id, once known
 
   // Sending direction.
-  uint64_t next_seq_ = 1;           // seq of the next frame send() queues
-  uint64_t acked_ = 0;              // every seq <= acked_ is acknowledged and forgotten
-  std::deque<PendingFrame> pending_;  // seqs acked_+1 .. next_seq_-1
-  uint64_t pending_bytes_ = 0;
-  uint64_t next_write_seq_ = 1;     // next seq the writer writes on conn_
-  uint64_t max_written_seq_ = 0;    // highest seq ever written (to count re-sends)
+  bool sending_ GUARDED_BY(mu_) = false;            // a send() has the turn (one at a time)
+  uint64_t next_seq_ GUARDED_BY(mu_) = 1;           // seq of the next frame send() queues
+  uint64_t acked_ GUARDED_BY(mu_) = 0;              // every seq <= acked_ is acknowledged and forgotten
+  std::deque<PendingFrame> pending_ GUARDED_BY(mu_);  // seqs acked_+1 .. next_seq_-1
+  uint64_t pending_bytes_ GUARDED_BY(mu_) = 0;
+  uint64_t next_write_seq_ GUARDED_BY(mu_) = 1;     // next seq the writer writes on conn_
+  uint64_t max_written_seq_ GUARDED_BY(mu_) = 0;    // highest seq ever written (to count re-sends)
   // Delivery-rate state (see "Estimates"): bytes acknowledged by kAck so far, when that last
-  // grew (or an interval restarted), and the write time of the frame it acknowledged.
-  uint64_t delivered_bytes_ = 0;
-  Clock::time_point delivered_at_{};
-  Clock::time_point first_sent_{};
+  // grew (its `arrived`, or a write when an interval restarted), and the write time of the
+  // frame it acknowledged.
+  uint64_t delivered_bytes_ GUARDED_BY(mu_) = 0;
+  Clock::time_point delivered_at_ GUARDED_BY(mu_){};
+  bool delivered_at_idle_ GUARDED_BY(mu_) = true;  // delivered_at_ is a write's (an interval began idle), not an ack's
+  Clock::time_point first_sent_ GUARDED_BY(mu_){};
   // After a resume, frames the peer held but had not delivered (seqs up to its `received`)
   // are acknowledged without being written again: rate samples only from frames written once
   // acked_ has passed them, so their bytes are not counted as delivered in an interval.
-  uint64_t rate_clean_after_ = 0;
+  uint64_t rate_clean_after_ GUARDED_BY(mu_) = 0;
 
   // Receiving direction.
-  uint64_t received_ = 0;            // highest contiguous seq held
-  uint64_t delivered_ = 0;           // highest seq recv() returned
-  std::deque<wire::Frame> inbox_;    // seqs delivered_+1 .. received_
-  uint64_t last_ack_sent_ = 0;       // `delivered` of the last ack or resume written
-  uint64_t unacked_bytes_ = 0;       // bytes delivered since then
-  Clock::time_point ack_due_since_{};  // when delivered_ first exceeded last_ack_sent_
+  uint64_t received_ GUARDED_BY(mu_) = 0;            // highest contiguous seq held
+  uint64_t delivered_ GUARDED_BY(mu_) = 0;           // highest seq recv() returned
+  struct Arrived {
+    wire::Frame frame;
+    Clock::time_point at;  // when the reader had it whole
+  };
+  std::deque<Arrived> inbox_ GUARDED_BY(mu_);        // seqs delivered_+1 .. received_
+  Clock::time_point delivered_arrived_ GUARDED_BY(mu_){};  // when frame delivered_ arrived (for the ack's held_ns)
+  uint64_t last_ack_sent_ GUARDED_BY(mu_) = 0;       // `delivered` of the last ack or resume written
+  uint64_t unacked_bytes_ GUARDED_BY(mu_) = 0;       // bytes delivered since then
+  Clock::time_point ack_due_since_ GUARDED_BY(mu_){};  // when delivered_ first exceeded last_ack_sent_
 
-  ResilienceStats counters_;  // everything but link/pending/connected
+  ResilienceStats counters_ GUARDED_BY(mu_);  // everything but link/pending/connected
 
   LinkCounters logical_;
   LinkEstimator estimator_;  // its own lock; fed under mu_, read without it

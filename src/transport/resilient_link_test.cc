@@ -586,5 +586,50 @@ TEST(ResilientLinkTest, EstimatesRttAndBandwidthOfAnEmulatedWanPath) {
   EXPECT_EQ(b.estimates().bandwidth_bits_per_s, 0);
 }
 
+// An exchange as the gateways run it: both sites send one exchange-sized frame and take the
+// other's, but site b is still computing and starts 1.5 s late (it sends late and takes a's
+// frame late). 1 MiB over 20 Mbit/s, 25 ms each way: 0.42 s of transfer. Site a's own
+// exchange takes ~2 s, so bytes / exchange time (what the controller used to see) is ~4
+// Mbit/s, and an ack-to-write interval that counted b's wait (the estimator before acks
+// carried held_ns) gave ~1 MiB / 1.97 s = 4.3 Mbit/s. The path did not get slower: a's
+// estimate must stay near 20 Mbit/s. Bounds are generous (0.5x .. 1.5x), not timings.
+TEST(ResilientLinkTest, BandwidthEstimateLeavesOutThePeersWaitBeforeItTakesTheFrame) {
+  WanEmulation wan;
+  wan.bandwidth_bits_per_s = 20e6;
+  wan.one_way_delay = 25ms;
+  auto tcp = make_tcp_pair();
+  Reconnect none = [](Deadline) -> std::unique_ptr<Link> { throw PeerLost("peer", "no reconnection in this test"); };
+  ResilientLink a(std::make_unique<EmulatedLink>(std::move(tcp.client), wan), none);
+  ResilientLink b(std::make_unique<EmulatedLink>(std::move(tcp.server), wan), none);
+  constexpr size_t kSize = 1 << 20;
+  constexpr auto kPeerWait = 1500ms;
+  auto late_site = std::async(std::launch::async, [&]() -> std::string {
+    std::this_thread::sleep_for(kPeerWait);  // still computing
+    b.send(frame_for(1, kSize), Deadline::after(20s));
+    std::string bad = check_frame(b.recv(Deadline::after(20s)), 0, kSize);
+    b.flush(Deadline::after(20s));
+    return bad;
+  });
+  const auto t0 = Clock::now();
+  a.send(frame_for(0, kSize), Deadline::after(20s));
+  ASSERT_EQ(check_frame(a.recv(Deadline::after(20s)), 1, kSize), "");
+  const double exchange_s = seconds_since(t0);
+  a.flush(Deadline::after(20s));
+  ASSERT_EQ(late_site.get(), "");
+
+  const double exchange_rate = (kSize + wire::kHeaderSize) * 8.0 / exchange_s;
+  const LinkEstimates e = a.estimates();
+  std::printf("exchange %.3f s (%.2f Mbit/s by bytes / time), estimate %.2f Mbit/s, rtt %.1f ms\n", exchange_s,
+              exchange_rate / 1e6, e.bandwidth_bits_per_s / 1e6, e.rtt_s * 1e3);
+  EXPECT_GE(exchange_s, 1.5);  // the wait is real
+  EXPECT_GE(e.bandwidth_bits_per_s, 0.5 * 20e6) << "the peer's wait counted as transfer time";
+  EXPECT_LE(e.bandwidth_bits_per_s, 1.5 * 20e6);
+  EXPECT_GE(e.rtt_s, 0.025);  // the RTT leaves the wait out too, but stays a WAN round trip
+  EXPECT_LE(e.rtt_s, 0.5);
+  // The late site waited for nothing: its estimate of its own direction is the path's too.
+  EXPECT_GE(b.estimates().bandwidth_bits_per_s, 0.5 * 20e6);
+  EXPECT_LE(b.estimates().bandwidth_bits_per_s, 1.5 * 20e6);
+}
+
 }  // namespace
 }  // namespace nebula::transport

@@ -40,7 +40,7 @@ std::string host_of(const std::string& address) {
 void SiteConnector::close() {
   std::vector<Handshake> handshakes;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     if (closed_) return;
     closed_ = true;
     handshakes.swap(handshakes_);
@@ -49,7 +49,7 @@ void SiteConnector::close() {
   if (listener_) listener_->close();
   if (acceptor_.joinable()) acceptor_.join();
   for (auto& h : handshakes) h.thread.join();
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   for (auto& h : handshakes_) h.thread.join();
 }
 
@@ -128,16 +128,16 @@ void SiteConnector::accept_loop() {
     try {
       tcp = listener_->accept(Deadline::after(std::chrono::milliseconds(500)));
     } catch (const Timeout&) {
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(mu_);
       if (closed_) return;
       continue;
     } catch (const std::exception& e) {
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(mu_);
       if (!closed_) spdlog::error("gateway listener stopped: {}", e.what());
       return;
     }
     // Each handshake on its own thread: a slow or hostile client cannot hold up the others.
-    std::unique_lock<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     if (closed_) return;
     for (auto it = handshakes_.begin(); it != handshakes_.end();) {  // join the finished ones
       if (!it->done->load()) {
@@ -228,13 +228,13 @@ void SiteConnector::handshake_incoming(std::unique_ptr<TcpLink> tcp, const std::
     reason = e.what();
   }
   {  // the slots are free before the outcome is visible in the audit log
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     if (--handshakes_by_host_[host] == 0) handshakes_by_host_.erase(host);
   }
   in_handshake_.fetch_sub(1);
   // An accepted stream that cannot be audited is not used (fail closed); the audit error is logged.
   if (audit(claimed, address, fingerprint, outcome, reason) && outcome == "accepted") {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     auto& slot = incoming_[{peer, static_cast<int>(h.generation)}];
     slot.resize(h.streams);
     slot[h.stream] = std::move(link);
@@ -255,7 +255,7 @@ bool all_arrived(const std::vector<std::unique_ptr<Link>>& streams) {
 
 std::vector<std::unique_ptr<Link>> SiteConnector::await(size_t peer, int after_generation, Deadline deadline,
                                                         int* taken) {
-  std::unique_lock<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   for (;;) {
     // The oldest complete generation newer than the last one used; older ones are stale.
     for (auto it = incoming_.begin(); it != incoming_.end();) {
@@ -277,7 +277,7 @@ std::vector<std::unique_ptr<Link>> SiteConnector::await(size_t peer, int after_g
       ++it;
     }
     if (closed_) throw PeerLost(options_.sites[peer].name, "gateway closed while waiting for site " + options_.sites[peer].name);
-    if (arrived_.wait_until(lock, deadline.at()) == std::cv_status::timeout && deadline.expired())
+    if (arrived_.wait_until(mu_, deadline.at()) == std::cv_status::timeout && deadline.expired())
       throw Timeout(options_.sites[peer].name, str_cat("site '", options_.sites[peer].name, "' did not connect to ",
                                                        options_.sites[options_.self].address, " in time"));
   }
@@ -328,7 +328,7 @@ std::unique_ptr<Link> SiteConnector::rejoin(size_t peer, Deadline deadline) {
     if (peer < options_.self) return session(peer, assemble(peer, dial(peer, 0, deadline), 0), 0);
     // A restarted peer numbers its generations from 0 again: take the newest complete set,
     // whatever its number, and drop the older ones (the lost session's last attempts).
-    std::unique_lock<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     for (;;) {
       auto newest = incoming_.end();
       for (auto it = incoming_.begin(); it != incoming_.end(); ++it) {
@@ -343,7 +343,7 @@ std::unique_ptr<Link> SiteConnector::rejoin(size_t peer, Deadline deadline) {
         lock.unlock();
         return session(peer, assemble(peer, std::move(streams), generation), generation);
       }
-      if (closed_ || arrived_.wait_until(lock, deadline.at()) == std::cv_status::timeout) return nullptr;
+      if (closed_ || arrived_.wait_until(mu_, deadline.at()) == std::cv_status::timeout) return nullptr;
     }
   } catch (const NetworkError& e) {  // not back yet
     return nullptr;

@@ -27,6 +27,7 @@
 #include "transport/link.h"
 #include "transport/tcp_link.h"
 #include "transport/tls_link.h"
+#include "util/thread_annotations.h"
 
 namespace nebula::transport {
 
@@ -105,21 +106,20 @@ class SiteConnector {
   std::unique_ptr<TcpListener> listener_;
   std::thread acceptor_;
 
-  std::mutex mu_;
-  std::condition_variable arrived_;
-  // (site, generation) → streams by index. GUARDED_BY(mu_).
-  std::map<std::pair<size_t, int>, std::vector<std::unique_ptr<Link>>> incoming_;
-  // Handshakes in progress or finished but not yet joined. GUARDED_BY(mu_); a finished one
-  // is joined by the next accept (so a stream of connections does not pile up threads), the
-  // rest by close().
+  Mutex mu_;
+  std::condition_variable_any arrived_;
+  // (site, generation) → streams by index.
+  std::map<std::pair<size_t, int>, std::vector<std::unique_ptr<Link>>> incoming_ GUARDED_BY(mu_);
+  // Handshakes in progress or finished but not yet joined; a finished one is joined by the
+  // next accept (so a stream of connections does not pile up threads), the rest by close().
   struct Handshake {
     std::thread thread;
     std::shared_ptr<std::atomic<bool>> done;
   };
-  std::vector<Handshake> handshakes_;
+  std::vector<Handshake> handshakes_ GUARDED_BY(mu_);
   std::atomic<size_t> in_handshake_{0};  // handshakes not yet decided (any thread)
-  std::map<std::string, size_t> handshakes_by_host_;  // the same, per host. GUARDED_BY(mu_)
-  bool closed_ = false;                  // GUARDED_BY(mu_)
+  std::map<std::string, size_t> handshakes_by_host_ GUARDED_BY(mu_);  // the same, per host
+  bool closed_ GUARDED_BY(mu_) = false;
 };
 
 }  // namespace nebula::transport

@@ -161,7 +161,7 @@ void StripedLink::throw_if_unusable_locked(const char* what) const {
 
 void StripedLink::break_link(const std::string& reason, bool quiet) {
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     if (broken_reason_ || closed_) return;
     broken_reason_ = reason;
   }
@@ -182,7 +182,7 @@ void StripedLink::break_link(const std::string& reason, bool quiet) {
 
 void StripedLink::close() {
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     if (closed_) return;
     closed_ = true;
   }
@@ -195,9 +195,9 @@ void StripedLink::close() {
 
 void StripedLink::sender_loop(Stream& s) {
   const auto n = static_cast<uint32_t>(streams_.size());
-  std::unique_lock<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   for (;;) {
-    send_cv_.wait(lock, [&] { return closed_ || s.job != nullptr; });
+    send_cv_.wait(mu_, [&]() REQUIRES(mu_) { return closed_ || s.job != nullptr; });
     if (s.job == nullptr) return;  // closed and idle
     const wire::Frame& frame = *s.job;
     ChunkHeader h;
@@ -218,7 +218,7 @@ void StripedLink::sender_loop(Stream& s) {
       // Recorded before breaking the link: the other streams' failures that the break
       // causes ("closed locally") must not be reported as the first error.
       {
-        std::lock_guard<std::mutex> first(mu_);
+        MutexLock first(mu_);
         if (!send_error_) send_error_ = err;
       }
       // Now, so the other streams' sends wake at once rather than at the deadline.
@@ -235,8 +235,8 @@ void StripedLink::send(const wire::Frame& frame, Deadline deadline) {
                frame.payload.size(), " bytes but header.payload_len is ", frame.header.payload_len);
   NEBULA_CHECK(frame.header.payload_len <= options_.max_payload, "send to ", peer(), ": payload of ",
                frame.header.payload_len, " bytes exceeds LinkOptions.max_payload ", options_.max_payload);
-  std::lock_guard<std::mutex> send_lock(send_mu_);
-  std::unique_lock<std::mutex> lock(mu_);
+  MutexLock send_lock(send_mu_);
+  MutexLock lock(mu_);
   throw_if_unusable_locked("send to");
   // Nothing has moved yet: a Timeout now leaves the link usable.
   if (deadline.expired()) throw Timeout(peer(), str_cat("send to ", peer(), ": deadline passed before sending"));
@@ -249,7 +249,7 @@ void StripedLink::send(const wire::Frame& frame, Deadline deadline) {
   send_error_ = nullptr;
   send_cv_.notify_all();
   // Bounded: every chunk send honours `deadline`, and a failure closes the other streams.
-  send_cv_.wait(lock, [&] { return jobs_pending_ == 0; });
+  send_cv_.wait(mu_, [&]() REQUIRES(mu_) { return jobs_pending_ == 0; });
   if (send_error_) {
     auto err = std::exchange(send_error_, nullptr);
     std::rethrow_exception(err);
@@ -268,8 +268,8 @@ void StripedLink::receiver_loop(Stream& s) {
   const std::string what = str_cat("chunk from ", peer(), " on ", stream_name(i));
   for (;;) {
     {
-      std::unique_lock<std::mutex> lock(mu_);
-      recv_cv_.wait(lock, [&] { return closed_ || s.received.size() < kReadAhead; });
+      MutexLock lock(mu_);
+      recv_cv_.wait(mu_, [&]() REQUIRES(mu_) { return closed_ || s.received.size() < kReadAhead; });
       if (closed_) return;
     }
     Received r;
@@ -307,7 +307,7 @@ void StripedLink::receiver_loop(Stream& s) {
     }
     const bool failed = r.error != nullptr;
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(mu_);
       if (failed) r.error_order = ++errors_seen_;
       s.received.push_back(std::move(r));
     }
@@ -323,7 +323,7 @@ wire::Frame StripedLink::recv(Deadline deadline) {
   const size_t n = streams_.size();
   std::vector<Received> got(n);
   {
-    std::unique_lock<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     for (;;) {
       throw_if_unusable_locked("recv from");
       size_t ready = 0;
@@ -357,9 +357,9 @@ wire::Frame StripedLink::recv(Deadline deadline) {
         throw Timeout(peer(), str_cat("recv from ", peer(), ": deadline passed with the next frame's chunks in from ",
                                       ready, " of ", n, " streams"));
       if (deadline.is_never())
-        recv_cv_.wait(lock);
+        recv_cv_.wait(mu_);
       else
-        recv_cv_.wait_until(lock, deadline.at());
+        recv_cv_.wait_until(mu_, deadline.at());
     }
     for (size_t i = 0; i < n; ++i) {
       got[i] = std::move(streams_[i]->received.front());

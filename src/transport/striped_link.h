@@ -58,6 +58,7 @@
 #include <vector>
 
 #include "transport/link.h"
+#include "util/thread_annotations.h"
 
 namespace nebula::transport {
 
@@ -139,27 +140,27 @@ class StripedLink : public Link {
   void receiver_loop(Stream& s);
   // Records the first failure, closes every stream; logs at warn, or at debug when `quiet`
   // (the stream already logged why). Caller holds no lock.
-  void break_link(const std::string& reason, bool quiet = false);
+  void break_link(const std::string& reason, bool quiet = false) EXCLUDES(mu_);
   // Throws PeerLost if the link was closed or broken. Caller holds mu_.
-  void throw_if_unusable_locked(const char* what) const;
+  void throw_if_unusable_locked(const char* what) const REQUIRES(mu_);
   std::string stream_name(size_t i) const;
 
   const LinkOptions options_;
   std::vector<std::unique_ptr<Stream>> streams_;  // fixed after construction
 
-  std::mutex send_mu_;       // held for a whole send(): logical frames go out whole, in order
-  uint64_t send_seq_ = 0;    // GUARDED_BY(send_mu_)
-  std::mutex recv_mu_;       // try-locked by recv() to detect concurrent receivers
-  uint64_t recv_seq_ = 0;    // GUARDED_BY(recv_mu_)
+  Mutex send_mu_;       // held for a whole send(): logical frames go out whole, in order
+  uint64_t send_seq_ GUARDED_BY(send_mu_) = 0;
+  std::mutex recv_mu_;  // try-locked by recv() to detect concurrent receivers; guards nothing
+  uint64_t recv_seq_ = 0;  // the receiving thread's (recv_mu_ refuses a second one)
 
-  mutable std::mutex mu_;
-  std::condition_variable send_cv_;  // a job was posted or finished, or closed_
-  std::condition_variable recv_cv_;  // a chunk or error was queued, a queue drained, closed or broken
-  size_t jobs_pending_ = 0;          // GUARDED_BY(mu_): chunk sends of the current send() not done
-  std::exception_ptr send_error_;    // GUARDED_BY(mu_): first failure of the current send()
-  uint64_t errors_seen_ = 0;         // GUARDED_BY(mu_): stream receive errors so far
-  bool closed_ = false;              // GUARDED_BY(mu_): close() was called; idle threads exit
-  std::optional<std::string> broken_reason_;  // GUARDED_BY(mu_): set once
+  mutable Mutex mu_;
+  std::condition_variable_any send_cv_;  // a job was posted or finished, or closed_
+  std::condition_variable_any recv_cv_;  // a chunk or error was queued, a queue drained, closed or broken
+  size_t jobs_pending_ GUARDED_BY(mu_) = 0;          // chunk sends of the current send() not done
+  std::exception_ptr send_error_ GUARDED_BY(mu_);    // first failure of the current send()
+  uint64_t errors_seen_ GUARDED_BY(mu_) = 0;         // stream receive errors so far
+  bool closed_ GUARDED_BY(mu_) = false;              // close() was called; idle threads exit
+  std::optional<std::string> broken_reason_ GUARDED_BY(mu_);  // set once
 
   LinkCounters counters_;
   std::thread closer_;  // closes the streams after a failure; written once by break_link()

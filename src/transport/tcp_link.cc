@@ -232,7 +232,7 @@ LinkStats TcpLink::stats() const { return counters_.snapshot(); }
 
 void TcpLink::mark_broken(const std::string& reason, bool quiet) {
   {
-    std::lock_guard<std::mutex> lock(state_mu_);
+    MutexLock lock(state_mu_);
     if (broken_.load()) return;
     broken_reason_ = reason;
     broken_.store(true);
@@ -249,7 +249,7 @@ void TcpLink::mark_broken(const std::string& reason, bool quiet) {
 void TcpLink::check_usable(const char* what) const {
   if (closed_.load()) throw PeerLost(peer_name_, str_cat(what, " ", describe_, ": link was closed locally"));
   if (broken_.load()) {
-    std::lock_guard<std::mutex> lock(state_mu_);
+    MutexLock lock(state_mu_);
     throw PeerLost(peer_name_, str_cat(what, " ", describe_, ": link broken after ", broken_reason_,
                                        "; close it and reconnect"));
   }

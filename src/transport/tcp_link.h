@@ -26,6 +26,7 @@
 #include <utility>
 
 #include "transport/link.h"
+#include "util/thread_annotations.h"
 
 namespace nebula::transport {
 
@@ -151,8 +152,8 @@ class TcpLink : public Link {
 
   std::atomic<bool> closed_{false};
   std::atomic<bool> broken_{false};
-  mutable std::mutex state_mu_;
-  std::string broken_reason_;  // GUARDED_BY(state_mu_); set once, when broken_ becomes true
+  mutable Mutex state_mu_;
+  std::string broken_reason_ GUARDED_BY(state_mu_);  // set once, when broken_ becomes true
 
   LinkCounters counters_;
 };
