@@ -954,7 +954,11 @@ TEST(EndToEnd, ALostSiteRejoinsTwiceAndTheRunEndsNearTheCleanLoss) {
   EXPECT_EQ(summary["strategy_metrics"]["hash_checks"].get<double>(), 21);
   const double loss = summary["final_val_loss"].get<double>(), ref = reference["final_val_loss"].get<double>();
   std::printf("validation loss %.4f with two losses of site beta, %.4f without faults\n", loss, ref);
-  EXPECT_LT(std::abs(loss - ref) / ref, 0.02) << loss << " vs " << ref << " without faults";
+  // The gap is the rounds beta missed while down (its restart time, which may vary with the
+  // machine's load). With held-out sentences that no site trains on ([1/5]: splits keyed by
+  // sentence) it was 2.8% at this commit (twice the same) and 4.0-4.5% on a branch with only
+  // the split change; with the leaky splits before, 1.4%.
+  EXPECT_LT(std::abs(loss - ref) / ref, 0.06) << loss << " vs " << ref << " without faults";
   fs::remove_all(dir);
 }
 
