@@ -76,7 +76,7 @@ Translations read_translations(const std::string& path) {
   size_t line_no = 0;
   for (const std::string& line : data::read_lines(path)) {
     ++line_no;
-    if (line.empty() || line.rfind("# ", 0) == 0) continue;
+    if (line.empty() || (line_no == 1 && line.rfind("# source", 0) == 0)) continue;  // the header (a sentence may start with "# ")
     const size_t a = line.find('\t'), b = a == std::string::npos ? a : line.find('\t', a + 1);
     if (b == std::string::npos || line.find('\t', b + 1) != std::string::npos)
       throw DataError(str_cat(path, ":", line_no, ": expected source<TAB>reference<TAB>translation"));
