@@ -244,30 +244,20 @@ std::vector<transport::LinkEstimates> GatewayMesh::estimates() const {
   return out;
 }
 
-uint64_t GatewayMesh::bytes_sent() const {
+uint64_t GatewayMesh::bytes_total(bool sent) const {
   std::vector<LinkPtr> links;
   uint64_t b;
   {
     MutexLock lock(mu_);
     links = links_;
-    b = retired_sent_;
+    b = sent ? retired_sent_ : retired_received_;
   }
   for (const auto& l : links)
-    if (l) b += l->stats().bytes_sent;
+    if (l) b += sent ? l->stats().bytes_sent : l->stats().bytes_received;
   return b;
 }
 
-uint64_t GatewayMesh::bytes_received() const {
-  std::vector<LinkPtr> links;
-  uint64_t b;
-  {
-    MutexLock lock(mu_);
-    links = links_;
-    b = retired_received_;
-  }
-  for (const auto& l : links)
-    if (l) b += l->stats().bytes_received;
-  return b;
-}
+uint64_t GatewayMesh::bytes_sent() const { return bytes_total(true); }
+uint64_t GatewayMesh::bytes_received() const { return bytes_total(false); }
 
 }  // namespace nebula::collective

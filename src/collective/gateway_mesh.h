@@ -97,6 +97,7 @@ class GatewayMesh {
   bool joining_ GUARDED_BY(mu_) = false;  // options_.joining until join() is done
   std::vector<std::pair<size_t, std::string>> lost_ GUARDED_BY(mu_);
   std::vector<size_t> rejoined_ GUARDED_BY(mu_);
+  uint64_t bytes_total(bool sent) const EXCLUDES(mu_);  // retired links' bytes + the live links'
   uint64_t retired_sent_ GUARDED_BY(mu_) = 0;      // bytes of links that admit() replaced
   uint64_t retired_received_ GUARDED_BY(mu_) = 0;
   std::vector<std::unique_ptr<transport::Link>> ready_ GUARDED_BY(mu_);  // fresh links by site
