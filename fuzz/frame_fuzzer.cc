@@ -72,7 +72,7 @@ std::optional<Kind> expected_header_error(std::span<const uint8_t> b, uint64_t m
   if (b.size() < kHeaderSize) return Kind::kTruncated;
   if (load_le(b, kMagicOffset, 4) != kMagic) return Kind::kBadMagic;
   if (b[kVersionOffset] != kProtocolVersion) return Kind::kBadVersion;
-  if (b[kTypeOffset] < 1 || b[kTypeOffset] > 6) return Kind::kBadType;
+  if (b[kTypeOffset] < 1 || b[kTypeOffset] > 8) return Kind::kBadType;  // kHello .. kPong
   for (size_t i = 0; i < kReservedSize; ++i)
     if (b[kReservedOffset + i] != 0) return Kind::kBadType;
   if (load_le(b, kPayloadLenOffset, 8) > max_payload) return Kind::kTooLarge;

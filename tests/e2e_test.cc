@@ -65,11 +65,11 @@ TEST(EndToEnd, SmokeRunTrainsOnTwoSitesAndWritesSummary) {
     if (j["rank"] == 0) {
       losses[j["site"]].push_back(j["loss"]);
       wan_sent[j["site"]] = j["wan_bytes_sent"];
-      // Link estimates: the measured RTT cannot beat the emulated 20 ms by much. Samples leave
-      // out the hold time the peer reports in its ack ([1/5]); once in three full runs that
-      // correction overshot by ~1 ms (18.94 ms), not yet explained: the bound allows 10%.
+      // Link estimates: the measured RTT cannot beat the emulated 20 ms. Its samples come from
+      // pings stamped before their write, so a loaded machine can only add delay (samples
+      // timed from a data frame's write returning once gave 17.1 ms here).
       for (auto& [peer, e] : j["wan_links"].items()) {
-        EXPECT_GE(e["rtt_ms"].get<double>(), 18.0) << peer;
+        EXPECT_GE(e["rtt_ms"].get<double>(), 20.0) << peer;
         EXPECT_GT(e["bandwidth_bits_per_s"].get<double>(), 0) << peer;
         ++estimates;
       }

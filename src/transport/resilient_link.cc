@@ -72,7 +72,8 @@ void ResilientLink::send(const wire::Frame& frame, Deadline deadline) {
   NEBULA_CHECK(frame.payload.size() == frame.header.payload_len, "send to ", peer(), ": payload has ",
                frame.payload.size(), " bytes but header.payload_len is ", frame.header.payload_len);
   NEBULA_CHECK(frame.header.type != FrameType::kAck && frame.header.type != FrameType::kResume &&
-                   frame.header.type != FrameType::kBye,
+                   frame.header.type != FrameType::kBye && frame.header.type != FrameType::kPing &&
+                   frame.header.type != FrameType::kPong,
                "send to ",
                peer(), ": frame type ", wire::frame_type_name(frame.header.type),
                " is reserved for ResilientLink's session protocol");
@@ -266,7 +267,6 @@ void ResilientLink::ack_received_locked(uint64_t delivered, Clock::duration held
   delivered_at_idle_ = false;
   if (!timed) return;
   first_sent_ = p.written;
-  estimator_.on_rtt_sample(seconds(arrived - p.written), now);
   if (p.rate_ok) {
     double interval = std::max(seconds(p.written - p.first_sent), seconds(arrived - p.delivered_at));
     // An interval that began with an idle link (nothing outstanding) runs from the first byte
@@ -332,6 +332,18 @@ void ResilientLink::writer_main() {
       last_ack_sent_ = delivered_;
       unacked_bytes_ = 0;
       ++counters_.acks_sent;
+    } else if (pong_pending_) {
+      const auto held = std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - pong_arrived_);
+      frame = std::make_shared<wire::Frame>(
+          u64_frame(FrameType::kPong, {pong_id_, static_cast<uint64_t>(std::max<int64_t>(held.count(), 0))}));
+      pong_pending_ = false;
+    } else if (ping_wanted_) {
+      // Stamped before the write, so that nothing can make the sample shorter than the path.
+      frame = std::make_shared<wire::Frame>(u64_frame(FrameType::kPing, {++ping_id_}));
+      ping_wanted_ = false;
+      ping_outstanding_ = true;
+      ping_gen_ = gen_;
+      ping_written_ = Clock::now();
     } else if (next_write_seq_ < next_seq_) {
       PendingFrame& p = pending_[next_write_seq_ - acked_ - 1];
       frame = p.frame;
@@ -371,6 +383,7 @@ void ResilientLink::writer_main() {
           w.gen = gen;
           w.written = written;
         }
+        if (gen == gen_ && !ping_outstanding_) ping_wanted_ = true;  // one RTT probe in flight at a time
       }
     } catch (const NetworkError& e) {
       connection_failed(gen, e.what());
@@ -446,6 +459,7 @@ bool ResilientLink::resume_on(const std::shared_ptr<Link>& conn, Deadline deadli
   writer_error_.clear();
   ++gen_;
   connected_ = true;
+  ping_wanted_ = ping_outstanding_ = pong_pending_ = false;  // probes of an older connection are void
   if (gen_ > 1) {
     ++counters_.reconnects;
     spdlog::info("session with {} resumed after {} ms: re-sending {} frame(s) from seq {}", conn->peer(),
@@ -483,6 +497,32 @@ std::string ResilientLink::read_loop(Link& conn, uint64_t gen) {
                          " were sent");
         ++counters_.acks_received;
         if (delivered > acked_) ack_received_locked(delivered, std::chrono::nanoseconds(held_ns), gen);
+        break;
+      }
+      case FrameType::kPing:
+      case FrameType::kPong: {
+        uint64_t id, held_ns = 0;
+        const bool ping = f.header.type == FrameType::kPing;
+        try {
+          wire::ByteReader r(f.payload, str_cat(ping ? "ping" : "pong", " frame from ", conn.peer()));
+          id = r.u64();
+          if (!ping) held_ns = r.u64();
+          r.expect_done();
+        } catch (const FrameError& e) {
+          return e.what();
+        }
+        const Clock::time_point now = Clock::now();
+        if (ping) {  // the newest one is answered (there is at most one in flight)
+          pong_pending_ = true;
+          pong_id_ = id;
+          pong_arrived_ = now;
+          writer_cv_.notify_one();
+        } else if (ping_outstanding_ && id == ping_id_ && gen == ping_gen_) {
+          ping_outstanding_ = false;
+          const auto since = now - ping_written_;
+          const auto held = std::min<Clock::duration>(std::chrono::nanoseconds(held_ns), since);
+          estimator_.on_rtt_sample(seconds(since - held), now);
+        }
         break;
       }
       case FrameType::kResume:

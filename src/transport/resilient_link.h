@@ -9,8 +9,8 @@
 // recomputes the checksum; recv() returns frames with that session seq. Every other header
 // field (type, flags, op_id, codec) and the payload travel untouched. A layer above that
 // needs a per-operation sequence number carries it in op_id or in the payload.
-// FrameType::kAck and kResume are reserved for the session protocol: send() rejects them
-// (nebula::Error) and recv() never returns them.
+// FrameType::kAck, kResume, kBye, kPing and kPong are reserved for the session protocol:
+// send() rejects them (nebula::Error) and recv() never returns them.
 //
 // Protocol (frames on the connection underneath; u64 = little-endian, wire::ByteWriter):
 //  * kData (and kHello/kBye/kHeartbeat): a caller's frame, header.seq = session seq.
@@ -22,6 +22,12 @@
 //    ResilientOptions::ack_interval and sent at once when many frames wait.
 //    Acknowledging delivery, not arrival, makes the SENDER's max_pending_bytes also bound
 //    the memory of the RECEIVER's queue of frames its caller has not taken yet.
+//  * kPing, payload u64 id: an RTT probe, written after a data frame when no probe is in
+//    flight (one at a time per connection). Answered by
+//  * kPong, payload u64 id, u64 held_ns: held_ns is how long the ping waited on the answering
+//    side, from its arrival to the pong's write (its writer may have been busy with a data
+//    frame). Neither is sequenced nor acknowledged; an answer to a ping of an older
+//    connection is ignored.
 //  * kResume, payload u64 session_id, u64 delivered, u64 received: the first frame each side
 //    sends on every connection, the first one included. `received` is the highest seq held
 //    (delivered or queued). The sender of frames drops everything <= delivered and re-sends,
@@ -76,9 +82,6 @@
 // the ack would have come had the receiver acknowledged P on arrival; so neither the
 // receiver's ack timer nor the time P waited for the receiver's caller -- a slower site still
 // computing -- nor the receiver's writer busy with its own frames counts as path time):
-//  * an RTT sample: arrived - the moment P's write on the current connection returned (the
-//    link underneath took it whole). It includes queueing below (e.g. a full kernel send
-//    buffer). The min filter keeps the least;
 //  * a delivery-rate sample: the bytes acknowledged since P's write began, over
 //    max(time from the write of the frame acknowledged then to P's write, arrived - that
 //    ack's arrived). Taking the longer of the send and ack intervals keeps bunched acks from
@@ -90,11 +93,19 @@
 //    frame between long pauses measures the bandwidth, not bytes / (transfer + RTT). A frame
 //    written with nothing queued behind it is app-limited: its sample only counts if it
 //    raises the estimate.
+// RTT samples come from the probes, not from data frames: a ping's pong arriving `since`
+// after the moment the writer took the ping (before its write began), minus the pong's
+// held_ns. Every error in such a sample adds delay (the ping's few bytes of serialisation,
+// queueing, a thread woken late), so the min filter's value is never below the path's round
+// trip. A data frame could not give that: stamped before its write, a sample would include
+// the frame's own serialisation (seconds for an exchange); stamped when the write returned,
+// a writer scheduled late after it makes the sample short (17.1 ms on a 20 ms path in a
+// loaded CI run).
 // After a reconnect, samples start again on the new connection (frames written on an
 // older one give none). No RTT sample is taken from the resume exchange: both sides send
 // kResume at once, neither in answer to the other, so the time to the peer's kResume is
 // not a round trip (on the dialling side it is about one one-way delay). A side that only
-// receives has no samples (its acks are not acknowledged); the peer measures that path.
+// receives has no samples (it sends no data, so no pings); the peer measures that path.
 //
 // Not covered: a silent partition (no FIN/RST, no error from the layer underneath) is only
 // noticed when that layer notices it (TCP retransmission timeout); there is no idle
@@ -288,6 +299,16 @@ class ResilientLink : public Link {
   uint64_t last_ack_sent_ GUARDED_BY(mu_) = 0;       // `delivered` of the last ack or resume written
   uint64_t unacked_bytes_ GUARDED_BY(mu_) = 0;       // bytes delivered since then
   Clock::time_point ack_due_since_ GUARDED_BY(mu_){};  // when delivered_ first exceeded last_ack_sent_
+
+  // RTT probes (see "Estimates"): ours, and the peer's waiting for an answer.
+  bool ping_wanted_ GUARDED_BY(mu_) = false;       // a data frame was written with no probe in flight
+  bool ping_outstanding_ GUARDED_BY(mu_) = false;  // ping ping_id_ written on ping_gen_, not answered yet
+  uint64_t ping_id_ GUARDED_BY(mu_) = 0;
+  uint64_t ping_gen_ GUARDED_BY(mu_) = 0;
+  Clock::time_point ping_written_ GUARDED_BY(mu_){};  // taken before its write began
+  bool pong_pending_ GUARDED_BY(mu_) = false;  // the peer's ping pong_id_ arrived at pong_arrived_
+  uint64_t pong_id_ GUARDED_BY(mu_) = 0;
+  Clock::time_point pong_arrived_ GUARDED_BY(mu_){};
 
   ResilienceStats counters_ GUARDED_BY(mu_);  // everything but link/pending/connected
 

@@ -31,7 +31,7 @@ std::string hex32(uint32_t v) {
   return buf;
 }
 
-bool known_type(uint8_t t) { return t >= 1 && t <= 6; }
+bool known_type(uint8_t t) { return t >= 1 && t <= 8; }
 
 }  // namespace
 
@@ -54,6 +54,8 @@ std::string frame_type_name(FrameType type) {
     case FrameType::kHeartbeat: return "heartbeat";
     case FrameType::kAck: return "ack";
     case FrameType::kResume: return "resume";
+    case FrameType::kPing: return "ping";
+    case FrameType::kPong: return "pong";
   }
   return str_cat("type(", static_cast<int>(type), ")");
 }

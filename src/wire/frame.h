@@ -61,10 +61,21 @@ static_assert(kHeaderSize == 40);
 //   kAck     session acknowledgement (transport/resilient_link.h): payload u64, the highest
 //            session seq delivered, cumulatively;
 //   kResume  session resume exchange, the first frame on every connection of a session
-//            (payload: session id, highest seq delivered, highest seq received; all u64).
-enum class FrameType : uint8_t { kHello = 1, kData = 2, kBye = 3, kHeartbeat = 4, kAck = 5, kResume = 6 };
+//            (payload: session id, highest seq delivered, highest seq received; all u64);
+//   kPing    round-trip probe (payload u64 id), answered by
+//   kPong    (payload u64 id, u64 ns the ping was held before the answer was written).
+enum class FrameType : uint8_t {
+  kHello = 1,
+  kData = 2,
+  kBye = 3,
+  kHeartbeat = 4,
+  kAck = 5,
+  kResume = 6,
+  kPing = 7,
+  kPong = 8,
+};
 
-// "hello", "data", "bye", "heartbeat", "ack", "resume", or "type(N)" for a value outside
+// "hello", "data", "bye", "heartbeat", "ack", "resume", "ping", "pong", or "type(N)" for a value outside
 // the enum.
 std::string frame_type_name(FrameType type);
 

@@ -102,20 +102,21 @@ TEST(FrameTest, WrongVersion) {
 }
 
 TEST(FrameTest, WrongType) {
-  for (int t : {0, 7, 255}) {
+  for (int t : {0, 9, 255}) {
     auto b = valid_frame();
     b[kTypeOffset] = static_cast<uint8_t>(t);
     EXPECT_EQ(kind_of([&] { decode_frame(b, kMax); }), Kind::kBadType) << t;
   }
 }
 
-TEST(FrameTest, AckAndResumeTypesAccepted) {
-  for (FrameType t : {FrameType::kAck, FrameType::kResume}) {
+TEST(FrameTest, SessionProtocolTypesAccepted) {
+  for (FrameType t : {FrameType::kAck, FrameType::kResume, FrameType::kPing, FrameType::kPong}) {
     Frame f = make_frame(t, 0, 3, pattern(8));
     EXPECT_EQ(decode_frame(encode_frame(f), kMax).header.type, t);
   }
   EXPECT_EQ(frame_type_name(FrameType::kAck), "ack");
   EXPECT_EQ(frame_type_name(FrameType::kResume), "resume");
+  EXPECT_EQ(frame_type_name(FrameType::kPong), "pong");
 }
 
 TEST(FrameTest, NonZeroReservedIsBadType) {
