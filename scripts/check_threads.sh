@@ -12,9 +12,11 @@
 #   and site_group.cc, strategy/) are left out; util, wire, transport (library and tests) and
 #   collective/gateway_mesh.cc are checked. GCC, which builds everything, ignores the macros.
 # build-tsan/: GCC with -DNEBULA_SANITIZE=thread; builds transport_test, collective_test and
-#   strategy_test and runs them with scripts/tsan.supp, which silences only reports inside
-#   LibTorch, OpenBLAS and OpenMP (not built with TSan, so their own synchronisation is
-#   invisible to it), never our code. Any other report fails the run.
+#   strategy_test and runs them with scripts/tsan.supp, which makes TSan ignore the accesses
+#   made inside LibTorch, Gloo, OpenMP and OpenBLAS (not built with TSan, so their own
+#   synchronisation is invisible to it) and exception_ptr's refcount, never our code. Any
+#   other report fails the run. First tests/tsan_canary, a deliberate race in our code (on a
+#   variable and on tensor memory), must be reported: else the suppressions hide our code.
 # JOBS (default 2) sets the build parallelism; TSAN_TESTS (paths under build-tsan/) narrows
 # the tests. Exits non-zero if a build fails, or after the runs if a test or TSan failed.
 set -euo pipefail
@@ -39,6 +41,16 @@ if [[ $what == all || $what == tsan ]]; then
   export TSAN_OPTIONS="suppressions=$PWD/scripts/tsan.supp halt_on_error=0 exitcode=66 second_deadlock_stack=1 ${TSAN_OPTIONS:-}"
   export OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1
   failed=0
+  cmake --build build-tsan -j"$JOBS" --target tsan_canary
+  canary_rc=0
+  build-tsan/tests/tsan_canary >build-tsan/tsan_canary.log 2>&1 || canary_rc=$?
+  canary_reports=$(grep -c 'WARNING: ThreadSanitizer: data race' build-tsan/tsan_canary.log || true)
+  if [[ $canary_rc != 66 || $canary_reports -lt 2 ]]; then
+    echo "check_threads: the canary's races were not reported (exit $canary_rc, $canary_reports reports): the" \
+      "suppressions in scripts/tsan.supp hide nebula code; see build-tsan/tsan_canary.log"
+    exit 1
+  fi
+  echo "== build-tsan/tests/tsan_canary: its $canary_reports deliberate races reported, as they must be"
   for t in ${TSAN_TESTS:-src/transport/transport_test src/collective/collective_test src/strategy/strategy_test}; do
     echo "== build-tsan/$t"
     t0=$(date +%s)
