@@ -200,6 +200,16 @@ struct PeftConfig {
   int64_t adapter_dim = 16;          // adapter: bottleneck width
 };
 
+// [parallel]: how the workers of a site split the training state (ZeRO stages).
+//  shard = "none"       every worker holds the model, its gradients and AdamW's two moments;
+//          "optimizer"  ZeRO-1: each worker keeps AdamW's moments for 1/N of the flattened
+//                       parameters (N = the site's workers), steps only that shard, and the
+//                       site all-gathers the parameters after every step;
+//          "gradients", "full" (ZeRO-2, -3): not built yet (a ConfigError says so).
+struct ParallelConfig {
+  std::string shard = "none";
+};
+
 struct SecurityConfig {
   bool insecure = false;   // plaintext inter-site links (warned at every start)
   std::string certs;       // dir with ca.pem, <site>.pem, <site>.key (`nebula certs`); local mode
@@ -233,6 +243,7 @@ struct Config {
   PeftConfig peft;
   DistillConfig distill;
   PrivacyConfig privacy;
+  ParallelConfig parallel;
   SecurityConfig security;
   MetricsConfig metrics;
   CheckpointConfig checkpoint;

@@ -88,6 +88,53 @@ void SiteGroup::broadcast_from_root(at::Tensor& t) {
   run(site_, "broadcast", [&] { return impl_->pg->broadcast(v, o); });
 }
 
+namespace {
+int64_t shard_numel(const std::string& site, const char* op, const at::Tensor& full, const at::Tensor& shard,
+                    int size) {
+  NEBULA_CHECK(full.is_contiguous() && shard.is_contiguous() && full.dim() == 1 && shard.dim() == 1 &&
+                   full.scalar_type() == shard.scalar_type(),
+               "site ", site, ": ", op, " needs contiguous 1-D tensors of one dtype");
+  NEBULA_CHECK(full.numel() == shard.numel() * size, "site ", site, ": ", op, " of a ", full.numel(),
+               "-element tensor into ", size, " shards of ", shard.numel(), " (pad it to a multiple of ", size, ")");
+  return shard.numel();
+}
+}  // namespace
+
+void SiteGroup::reduce_scatter_sum(at::Tensor& full, at::Tensor& shard) {
+  const int64_t s = shard_numel(site_, "reduce_scatter", full, shard, size_);
+  auto chunk = [&](int i) { return full.narrow(0, static_cast<int64_t>(((i % size_) + size_) % size_) * s, s); };
+  if (size_ > 1) {
+    // Step k: send the partial sum of shard (rank - k - 1) to the next rank, take the previous
+    // rank's partial sum of shard (rank - k - 2) and add this rank's own; after size - 1
+    // steps the shard received last, rank's own, holds every rank's contribution.
+    const int next = (rank_ + 1) % size_, prev = (rank_ + size_ - 1) % size_;
+    at::Tensor incoming = at::empty_like(shard);
+    for (int k = 0; k + 1 < size_; ++k) {
+      std::vector<at::Tensor> out{chunk(rank_ - k - 1).contiguous()}, in{incoming};
+      run(site_, "reduce_scatter", [&] {
+        auto sent = impl_->pg->send(out, next, k);
+        auto got = impl_->pg->recv(in, prev, k);
+        sent->wait();
+        return got;
+      });
+      chunk(rank_ - k - 2).add_(incoming);
+    }
+  }
+  shard.copy_(chunk(rank_));
+}
+
+void SiteGroup::all_gather(const at::Tensor& shard, at::Tensor& full) {
+  const int64_t s = shard_numel(site_, "all_gather", full, shard, size_);
+  if (size_ == 1) {
+    full.copy_(shard);
+    return;
+  }
+  std::vector<std::vector<at::Tensor>> outputs(1);
+  for (int i = 0; i < size_; ++i) outputs[0].push_back(full.narrow(0, i * s, s));
+  std::vector<at::Tensor> input{shard};
+  run(site_, "all_gather", [&] { return impl_->pg->allgather(outputs, input); });
+}
+
 void SiteGroup::barrier() {
   if (size_ == 1) return;
   run(site_, "barrier", [&] { return impl_->pg->barrier(); });

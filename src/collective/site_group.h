@@ -45,6 +45,17 @@ class SiteGroup {
   void broadcast_from_root(at::Tensor& t);
   void barrier();
 
+  // Sharded collectives (ZeRO): `full` holds size() equal shards, shard i = elements
+  // [i * S, (i + 1) * S) with S = full.numel() / size() (nebula::Error unless it divides).
+  // reduce_scatter_sum: `shard` (S elements) becomes shard rank() of the sum of every rank's
+  // `full`; `full` is used as scratch and left undefined in value. A ring over Gloo's
+  // send/recv (LibTorch 1.13's Gloo has no reduce_scatter): size() - 1 steps, each rank
+  // sending and receiving one shard per step, so (size() - 1) / size() of the data per rank
+  // each way, as a ring all-reduce's first half.
+  void reduce_scatter_sum(at::Tensor& full, at::Tensor& shard);
+  // all_gather: `full` becomes every rank's `shard`, in rank order (Gloo's allgather).
+  void all_gather(const at::Tensor& shard, at::Tensor& full);
+
  private:
   struct Impl;
   std::unique_ptr<Impl> impl_;

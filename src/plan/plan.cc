@@ -204,7 +204,7 @@ int strategy_order(const std::string& s) { return s == "sync" ? 0 : s == "diloco
 double transfer_s(double bytes, double bits_per_s) { return bytes * 8 / bits_per_s; }
 
 struct SiteCost {
-  double compute = 0, allreduce = 0, broadcast = 0;
+  double compute = 0, allreduce = 0, broadcast = 0, gather = 0;  // gather: ZeRO-1's all-gather (t_ag)
 };
 
 // Ring all-reduce of `bytes` among `w` workers and the broadcast half of it.
@@ -378,7 +378,7 @@ const std::vector<std::string>& shard_modes() {
   return modes;
 }
 
-bool runnable(const Candidate& c) { return c.shard == "none"; }
+bool runnable(const Candidate& c) { return c.shard == "none" || c.shard == "optimizer"; }
 
 Memory gateway_memory(const Topology& t, size_t site, const Candidate& c) {
   NEBULA_CHECK(site < t.sites.size(), "site ", site, " of ", t.sites.size());
@@ -407,7 +407,11 @@ Memory gateway_memory(const Topology& t, size_t site, const Candidate& c) {
     mem.activations = L * t.tokens_per_step_per_worker * (66 * h + 9 * a * seq);
   }
   if (sync || N > 1) mem.buffers = 4 * tr / d_grad;
-  if (!sync) mem.outer = 8 * tr / d_opt + in_flight * 4 * m / d_param;
+  // The outer state: shard = "optimizer" as built (ZeRO-1) shards AdamW's moments only, and
+  // every worker keeps θ_global and the outer momentum whole; "gradients" and "full"
+  // (planned) would shard them too.
+  const double d_outer = c.shard == "gradients" || c.shard == "full" ? N : 1;
+  if (!sync) mem.outer = 8 * tr / d_outer + in_flight * 4 * m / d_param;
   if (S > 1) {
     if (keeps_residual(c.codec)) mem.codec_state = 4 * tr;
     mem.exchange = in_flight * ((sync ? 0 : 4 * m) + S * payload_bytes(c.codec, m, t.codec) + 4 * m);
@@ -450,10 +454,12 @@ Prediction predict(const Topology& t, const Candidate& c) {
   const double F = static_cast<double>(c.fragments);
 
   std::vector<SiteCost> site(t.sites.size());
-  double workers = 0, tc = 0, tar = 0, tbc = 0;
+  double workers = 0, tc = 0, tar = 0, tbc = 0, tag = 0;
   for (size_t s = 0; s < t.sites.size(); ++s) {
     site[s].compute = site_compute_s(t, t.sites[s]);
     std::tie(site[s].allreduce, site[s].broadcast) = lan_costs(t.sites[s], grad_bytes);
+    if (c.shard == "optimizer") site[s].gather = site[s].broadcast;
+    tag = std::max(tag, site[s].gather);
     workers += static_cast<double>(t.sites[s].workers);
     tc = std::max(tc, site[s].compute);
     tar = std::max(tar, site[s].allreduce);
@@ -471,13 +477,13 @@ Prediction predict(const Topology& t, const Candidate& c) {
   std::vector<double> steps_per_step(t.sites.size(), 1.0);
   if (c.strategy == "sync") {
     p.wan_exchange_s = exchange_s(t, payload, true);
-    p.step_s = tc + std::max(0.0, tar + p.wan_exchange_s - o * tc);
+    p.step_s = tc + std::max(0.0, tar + p.wan_exchange_s - o * tc) + tag;
     p.wan_bytes_per_step = S * (S - 1) * payload;
   } else if (c.strategy == "diloco" || c.strategy == "streaming") {
     std::vector<double> tb(t.sites.size());
     double tb_max = 0;
     for (size_t s = 0; s < site.size(); ++s) {
-      tb[s] = site[s].compute + std::max(0.0, site[s].allreduce - o * site[s].compute);
+      tb[s] = site[s].compute + std::max(0.0, site[s].allreduce - o * site[s].compute) + site[s].gather;
       tb_max = std::max(tb_max, tb[s]);
     }
     if (c.strategy == "diloco") {
@@ -540,10 +546,11 @@ Plan make_plan(const Topology& t) {
       if (!p.runnable && p.fits && !sharded) sharded = &p;  // the best utilization among them
     }
     if (smallest)
-      plan.reason = str_cat("nothing nebula can run today (shard = \"none\") fits: the smallest, ", label(smallest->candidate),
+      plan.reason = str_cat("nothing nebula can run today (shard = \"none\" or \"optimizer\") fits: the smallest, ",
+                            label(smallest->candidate),
                             ", ", smallest->misfit);
     else
-      plan.reason = "nothing: [candidates] shard has no \"none\", and nebula runs only shard = \"none\" today";
+      plan.reason = "nothing: [candidates] shard has neither \"none\" nor \"optimizer\", the modes nebula runs today";
     // Sharding cannot help when the activations alone are too big.
     double least_device = kUnlimited;
     for (const auto& s : t.sites)
@@ -701,7 +708,7 @@ std::string format_table(const Topology& t, const Plan& plan, size_t top) {
     }
     out << "  (" << plan.predictions.size() - shown << " more; --top 0 shows all)\n";
   }
-  if (sharded) out << "  * not runnable yet: nebula runs shard = \"none\" only\n";
+  if (sharded) out << "  * not runnable yet: nebula runs shard = \"none\" and \"optimizer\" (ZeRO-1)\n";
 
   // Memory by strategy and shard mode: where the bytes go.
   out << "\nmemory per worker, the gateway (it holds the most) of the site that needs the most; the least hungry "
@@ -714,7 +721,7 @@ std::string format_table(const Topology& t, const Plan& plan, size_t top) {
     const Memory& m = nd.memory;
     Candidate plain = c;
     plain.shard = "none";
-    const std::string shard = c.shard == "none" ? "none" : str_cat(c.shard, "*");
+    const std::string shard = runnable(c) ? c.shard : str_cat(c.shard, "*");
     std::snprintf(line, sizeof line, "  %-40s %-10s %10s %10s %10s %10s %10s | %10s %10s %10s %10s %10s %4s\n",
                   label(plain).c_str(), shard.c_str(), format_bytes(m.parameters).c_str(),
                   format_bytes(m.gradients).c_str(), format_bytes(m.optimizer).c_str(),
@@ -723,8 +730,8 @@ std::string format_table(const Topology& t, const Plan& plan, size_t top) {
                   format_bytes(m.host()).c_str(), fits_word(t, nd.misfit).c_str());
     out << line;
   }
-  out << "  * ZeRO-1/2/3 inside a site (optimizer / +gradients / +parameters), not runnable yet. Device: GPU; host: "
-         "nebula keeps communication and outer state there\n";
+  out << "  ZeRO-1/2/3 inside a site (optimizer / +gradients / +parameters); * = not runnable yet. Device: GPU; "
+         "host: nebula keeps communication and outer state there\n";
 
   if (plan.recommended) {
     const Prediction& r = plan.predictions[*plan.recommended];

@@ -31,11 +31,16 @@
 //            compute t and overlappable communication x takes t + max(0, x - o·t).
 //            [planner] overlap, default 2/3. Today's nebula sends one bucket for small models,
 //            so a model that fits one bucket should use overlap = 0.
+//  ZeRO-1    shard = "optimizer" adds, every step after the optimizer's, an all-gather of
+//            the parameters inside the site, as long as the broadcast half and not
+//            overlapped: t_ag(s) = t_bc(s) (0 otherwise; the planned "gradients" and "full" are
+//            costed as "none": their all-gathers and reduce-scatters are not modelled).
 //  Sites pace each other: t_c = max_s t_c(s), t_ar = max_s t_ar(s), t_bc = max_s t_bc(s).
 //
-//  sync       step = t_c + max(0, t_ar + t_x(P(n)) - o·t_c)
+//  sync       step = t_c + max(0, t_ar + t_x(P(n)) - o·t_c) + t_ag
 //             WAN bytes/step = S(S-1)·P(n)
-//  diloco H   inner step of site s: t_b(s) = t_c(s) + max(0, t_ar(s) - o·t_c(s)); t_b = max_s t_b(s).
+//  diloco H   inner step of site s: t_b(s) = t_c(s) + max(0, t_ar(s) - o·t_c(s)) + t_ag(s);
+//             t_b = max_s t_b(s).
 //             Every H steps a blocking exchange of the pseudo-gradient, then the gateway
 //             broadcasts the outer update inside its site:
 //             step = t_b + (t_x(P(n)) + t_bc) / H
@@ -71,7 +76,7 @@
 //              backward hooks take); AdamW's two moments 8t/d_O; activations (below).
 //            host, every worker: the flat all-reduce buffer 4t/d_G (sync: the pinned buffer
 //              its buckets are gathered into; diloco/streaming: only when N > 1);
-//              diloco/streaming outer state: θ_global + outer momentum 8t/d_O (summed over
+//              diloco/streaming outer state: θ_global + outer momentum 8t/d_G (summed over
 //              fragments) + θ_local at send, k·4m/d_P.
 //            host, the gateway only (S > 1), not sharded (one gateway encodes the whole site's
 //              update): codec error-feedback residual 4t (int8, int4, topk, powersgd,
@@ -91,8 +96,9 @@
 //            estimated (0, and the output says so).
 //  A candidate fits when, at every site, the device need is at most [[sites]] worker_memory
 //  and the gateway's host need at most host_memory (each checked where given). nebula runs
-//  shard = "none" today: the other modes are what a planned [parallel] shard (ZeRO-1/2/3
-//  inside a site) would give, shown but never recommended.
+//  [parallel] shard = "none" and "optimizer" (ZeRO-1; it shards AdamW's moments, not the
+//  outer state, hence 8t/d_G there) today: "gradients" and "full" are what ZeRO-2/3 would
+//  give, shown but never recommended.
 //
 //  Not modelled: encode/decode compute, stragglers, jitter, packet loss, TCP slow start, the
 //  loss penalty of compression or staleness (the recommendation only orders candidates by
@@ -209,12 +215,12 @@ struct Candidate {
   int64_t inner_steps = 1;  // H (1 for sync)
   int64_t fragments = 1;    // F (streaming)
   int64_t delay = 0;        // τ (streaming)
-  std::string shard = "none";  // none (what nebula runs) | optimizer | gradients | full (ZeRO-1/2/3)
+  std::string shard = "none";  // none | optimizer (what nebula runs) | gradients | full (ZeRO-1/2/3)
 };
 
 // Sharding modes, least sharded first: "none", "optimizer", "gradients", "full".
 const std::vector<std::string>& shard_modes();
-// Whether nebula can run the candidate today: shard = "none" only.
+// Whether nebula can run the candidate today: shard = "none" or "optimizer" (ZeRO-1).
 bool runnable(const Candidate& c);
 
 // Bytes one worker of a site holds (the formulas above). Device and host are apart: nebula
@@ -244,7 +250,7 @@ struct Prediction {
   double utilization = 0;          // compute utilization U in [0, 1]
   double tokens_per_s = 0;         // the whole job
   Memory memory;                   // the gateway of the site with the largest device need
-  bool runnable = true;            // shard = "none"
+  bool runnable = true;            // shard = "none" or "optimizer"
   bool fits = true;                // every given worker_memory / host_memory suffices
   std::string misfit;              // why not, e.g. "needs 1.27 TiB of device memory per worker at
                                    // site us-east, has 80.00 GiB"; empty when it fits

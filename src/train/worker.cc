@@ -28,6 +28,7 @@
 #include "train/site_comm.h"
 #include "train/checkpoint.h"
 #include "train/metrics.h"
+#include "train/inner_optimizer.h"
 #include "train/optimizer_state.h"
 #include "train/site_data.h"
 #include "train/task.h"
@@ -86,13 +87,12 @@ int64_t test_stop_step() {
 
 // Everything a worker needs to continue: the model (all of it: PEFT's frozen part too), the
 // optimizer, LibTorch's generator, the task's data position, the strategy and its codecs.
-Checkpoint capture(int64_t step, Task& task, const torch::optim::AdamW& optimizer,
-                   const std::vector<at::Tensor>& params, const strategy::Strategy& strategy) {
+Checkpoint capture(int64_t step, Task& task, const InnerOptimizer& optimizer, const strategy::Strategy& strategy) {
   Checkpoint k;
   k.step = step;
   for (const auto& item : task.module().named_parameters()) k.tensors["model/" + item.key()] = item.value().detach();
   for (const auto& item : task.module().named_buffers()) k.tensors["model/" + item.key()] = item.value();
-  save_optimizer(optimizer, params, k);
+  optimizer.save(k);
   save_torch_rng(k);
   task.save_state(k);
   strategy::StrategyState st;
@@ -102,8 +102,7 @@ Checkpoint capture(int64_t step, Task& task, const torch::optim::AdamW& optimize
   return k;
 }
 
-void restore(const Checkpoint& k, Task& task, torch::optim::AdamW& optimizer, const std::vector<at::Tensor>& params,
-             strategy::Strategy& strategy) {
+void restore(const Checkpoint& k, Task& task, InnerOptimizer& optimizer, strategy::Strategy& strategy) {
   at::NoGradGuard no_grad;
   auto load = [&](const std::string& name, at::Tensor t) {
     auto it = k.tensors.find("model/" + name);
@@ -115,7 +114,7 @@ void restore(const Checkpoint& k, Task& task, torch::optim::AdamW& optimizer, co
   };
   for (const auto& item : task.module().named_parameters()) load(item.key(), item.value());
   for (const auto& item : task.module().named_buffers()) load(item.key(), item.value());
-  load_optimizer(optimizer, params, k);
+  optimizer.load(k);
   load_torch_rng(k);
   task.load_state(k);
   strategy::StrategyState st;
@@ -195,7 +194,10 @@ int run_worker(const Config& c, const WorkerIdentity& who, bool resume, bool rej
       strategy::make_strategy(c.strategy, comm, timeout, training_names.size(), training_index, c.privacy);
   strategy->set_buffers(task->module().buffers());  // BatchNorm statistics ...: kept equal too
   strategy->init(params);
-  torch::optim::AdamW optimizer(params, torch::optim::AdamWOptions(c.model.lr).weight_decay(c.model.weight_decay));
+  InnerOptimizer optimizer(params, c.model.lr, c.model.weight_decay, c.parallel.shard, group);
+  if (optimizer.sharded() && who.local_rank == 0)
+    spdlog::info("inner optimizer: ZeRO-1 over the site's {} workers, AdamW moments for {} of {} parameters per worker",
+                 workers, optimizer.state_numel(), optimizer.total_numel());
   MetricsWriter metrics(c.job.run_dir + "/metrics.jsonl");
   int64_t tokens = 0;
   double window_loss = 0, window_predicted = 0, last_loss = 0, last_predicted = 0;
@@ -282,7 +284,7 @@ int run_worker(const Config& c, const WorkerIdentity& who, bool resume, bool rej
         throw DataError(str_cat(checkpoint_dir, ": no intact checkpoint of step ", target,
                                 ", the newest every other worker holds: resume is impossible from these "
                                 "checkpoints; start without --resume"));
-      restore(*newest, *task, optimizer, params, *strategy);
+      restore(*newest, *task, optimizer, *strategy);
       step = newest->step;
       const auto& w = newest->state.value("worker", nlohmann::json::object());
       tokens = w.value("tokens", int64_t{0});
@@ -297,7 +299,7 @@ int run_worker(const Config& c, const WorkerIdentity& who, bool resume, bool rej
   }
   if (!resumed && !rejoin && task->eval_at_start()) eval_start = evaluate_now(0);
   auto checkpoint_now = [&](int64_t steps_done) {
-    Checkpoint k = capture(steps_done, *task, optimizer, params, *strategy);
+    Checkpoint k = capture(steps_done, *task, optimizer, *strategy);
     k.state["worker"] = {{"tokens", tokens}, {"eval_start", eval_start}, {"site", site.name}, {"rank", who.local_rank}};
     save_checkpoint(checkpoint_dir, k, fingerprint, static_cast<int>(c.checkpoint.keep));
     spdlog::info("checkpoint of step {} written to {}", steps_done, checkpoint_dir);

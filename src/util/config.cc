@@ -320,6 +320,16 @@ Config build(const toml::table& root, const std::string& file) {
                                   c.strategy.inner_steps, " (a fragment must be merged before it is sent again)"));
     s.finish();
   }
+  if (auto* t = top.table("parallel")) {
+    Section s(*t, "parallel", file);
+    s.string("shard", c.parallel.shard, {"none", "optimizer", "gradients", "full"});
+    if (c.parallel.shard == "gradients" || c.parallel.shard == "full")
+      s.fail(t->get("shard") ? *t->get("shard") : static_cast<const toml::node&>(*t), "shard",
+             str_cat("\"", c.parallel.shard, "\" (ZeRO-", c.parallel.shard == "gradients" ? 2 : 3,
+                     ") is not built yet: nebula runs shard = \"none\" and \"optimizer\" (ZeRO-1, AdamW's "
+                     "moments sharded over the site's workers)"));
+    s.finish();
+  }
   if (auto* t = top.table("peft")) {
     Section s(*t, "peft", file);
     s.string("kind", c.peft.kind, {"none", "lora", "adapter"});
@@ -548,6 +558,7 @@ std::string to_toml(const Config& c) {
   root.insert("privacy", toml::table{{"clip", c.privacy.clip},
                                      {"noise_multiplier", c.privacy.noise_multiplier},
                                      {"delta", c.privacy.delta}});
+  root.insert("parallel", toml::table{{"shard", c.parallel.shard}});
   root.insert("security", toml::table{{"insecure", c.security.insecure},
                                       {"certs", c.security.certs},
                                       {"ca", c.security.ca},

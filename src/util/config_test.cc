@@ -89,8 +89,20 @@ TEST(Config, TrainingFingerprintIgnoresAddressesStepsAndEmulation) {
                            "job.timeout=\"9s\"", "checkpoint.every=5", "eval.every=3"})
     EXPECT_EQ(training_fingerprint(parse_config(kValid, "job.toml", {same})), h) << same;
   for (const char* other : {"model.dim=64", "job.seed=2", "strategy.kind=\"diloco\"", "sites.0.workers=3",
-                            "data.batch_size=8"})
+                            "data.batch_size=8", "parallel.shard=\"optimizer\""})
     EXPECT_NE(training_fingerprint(parse_config(kValid, "job.toml", {other})), h) << other;
+}
+
+TEST(Config, ParallelShard) {
+  EXPECT_EQ(parse_config(kValid, "job.toml").parallel.shard, "none");
+  const Config z = parse_config(kValid, "job.toml", {"parallel.shard=\"optimizer\""});
+  EXPECT_EQ(z.parallel.shard, "optimizer");
+  EXPECT_EQ(parse_config(to_toml(z), "again").parallel.shard, "optimizer");
+  expect_error(std::string(kValid) + "\n[parallel]\nshard = \"gradients\"\n",
+               {"job.toml", "parallel.shard", "ZeRO-2", "not built yet", "\"optimizer\""});
+  expect_error(std::string(kValid) + "\n[parallel]\nshard = \"full\"\n", {"parallel.shard", "ZeRO-3"});
+  expect_error(std::string(kValid) + "\n[parallel]\nshard = \"zero1\"\n", {"parallel.shard", "zero1"});
+  expect_error(std::string(kValid) + "\n[parallel]\nshards = \"none\"\n", {"shards"});
 }
 
 TEST(Config, ExamplesLoad) {

@@ -1,0 +1,64 @@
+// The inner optimizer of a worker: AdamW over the model's trainable parameters, whole or
+// sharded over the site's workers ([parallel] shard, nebula/config.h).
+//
+//  shard = "none"       AdamW over every parameter: each worker holds both moments in full.
+//  shard = "optimizer"  ZeRO-1. The parameters are seen as one flat vector of n elements,
+//                       padded to N equal shards of S = ceil(n / N) (N = the site's workers);
+//                       this worker's AdamW optimizes one tensor, its shard r = elements
+//                       [r S, (r + 1) S), so it holds 2 S moments instead of 2 n. step()
+//                       takes the shard's slice of the (already averaged) gradients, steps
+//                       it, and all-gathers the shards into every worker's parameters.
+//                       Elementwise, this is the same AdamW update as shard = "none". One
+//                       difference: a parameter without a gradient in a step is skipped by
+//                       the whole AdamW but gets a zero gradient here (moments decay, weight
+//                       decay applies); the strategies fill every gradient, so it does not
+//                       arise in nebula's own loop.
+//
+// Checkpoints (save/load through optimizer_state.h) hold this worker's moments only: with
+// shard = "optimizer" a checkpoint is sharded, one shard per rank directory, and resumes only
+// with the same number of workers (the fingerprint carries [parallel] and the workers).
+#pragma once
+
+#include <torch/optim/adamw.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "collective/site_group.h"
+#include "train/checkpoint.h"
+
+namespace nebula::train {
+
+class InnerOptimizer {
+ public:
+  // nebula::Error for an unknown `shard` ("gradients" and "full" are not built).
+  InnerOptimizer(std::vector<at::Tensor> params, double lr, double weight_decay, const std::string& shard,
+                 collective::SiteGroup& site);
+
+  void zero_grad();
+  // One AdamW step on the gradients in the parameters' .grad(); with shard = "optimizer" a
+  // site collective (every worker of the site calls it at the same step).
+  void step();
+
+  // Elements whose AdamW moments this worker holds (n, or S when sharded).
+  int64_t state_numel() const { return sharded_ ? shard_numel_ : total_numel_; }
+  int64_t total_numel() const { return total_numel_; }
+  bool sharded() const { return sharded_; }
+
+  void save(Checkpoint& out) const;
+  void load(const Checkpoint& in);
+
+ private:
+  std::vector<at::Tensor> params_;     // the model's (kept, not copied)
+  std::vector<at::Tensor> optimized_;  // what AdamW holds: params_, or {shard_}
+  collective::SiteGroup& site_;
+  bool sharded_ = false;
+  int64_t total_numel_ = 0, shard_numel_ = 0;
+  at::Tensor shard_;                   // this worker's S elements (sharded only)
+  at::Tensor flat_;                    // N S scratch: the gradients, then the gathered parameters
+  std::unique_ptr<torch::optim::AdamW> adamw_;
+};
+
+}  // namespace nebula::train

@@ -1,0 +1,109 @@
+#include "train/inner_optimizer.h"
+
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+
+#include <thread>
+
+#include "collective/testing.h"
+#include "nebula/error.h"
+
+namespace nebula::train {
+namespace {
+
+using namespace std::chrono_literals;
+
+// The same values on every thread (no shared generator): 46 elements, not a multiple of 3.
+std::vector<at::Tensor> make_params() {
+  return {at::cos(at::arange(35, at::kFloat).mul(1.3)).view({5, 7}).set_requires_grad(true),
+          at::cos(at::arange(11, at::kFloat).mul(0.7)).set_requires_grad(true)};
+}
+
+// The gradients of step `s` (the same on every worker: as after the strategy's averaging).
+void set_grads(std::vector<at::Tensor>& params, int s) {
+  for (size_t i = 0; i < params.size(); ++i)
+    params[i].mutable_grad() = at::sin(at::arange(params[i].numel(), at::kFloat).add(static_cast<double>(s * 7 + static_cast<int>(i)))).reshape(params[i].sizes()).clone();
+}
+
+// ZeRO-1 over 3 workers ends every step with the parameters of one AdamW over all of them;
+// each worker holds the moments of 16 of the 46 elements; a checkpoint of the shards resumes
+// exactly, and one taken with another sharding is refused, naming the setting.
+TEST(InnerOptimizer, ShardedAdamWEqualsTheWholeOneAndResumesFromItsShards) {
+  constexpr int kWorkers = 3, kSteps = 5;
+  std::vector<at::Tensor> reference = make_params();
+  {
+    collective::testing::StorePort solo_port;
+    collective::SiteGroup solo = collective::testing::join_group("solo", 0, 1, 30s, solo_port);
+    InnerOptimizer whole(reference, 1e-2, 0.1, "none", solo);
+    EXPECT_FALSE(whole.sharded());
+    EXPECT_EQ(whole.state_numel(), 46);
+    for (int s = 0; s < kSteps + 1; ++s) {
+      whole.zero_grad();
+      set_grads(reference, s);
+      whole.step();
+    }
+  }
+  collective::testing::StorePort port;
+  std::vector<std::thread> threads;
+  std::vector<std::exception_ptr> errors(kWorkers);
+  for (int r = 0; r < kWorkers; ++r) {
+    threads.emplace_back([&, r] {
+      try {
+        collective::SiteGroup site = collective::testing::join_group("zero1", r, kWorkers, 30s, port);
+        std::vector<at::Tensor> params = make_params();
+        Checkpoint k;
+        {
+          InnerOptimizer sharded(params, 1e-2, 0.1, "optimizer", site);
+          EXPECT_TRUE(sharded.sharded());
+          EXPECT_EQ(sharded.state_numel(), 16);
+          for (int s = 0; s < kSteps; ++s) {
+            sharded.zero_grad();
+            set_grads(params, s);
+            sharded.step();
+          }
+          sharded.save(k);
+        }
+        InnerOptimizer resumed(params, 1e-2, 0.1, "optimizer", site);
+        resumed.load(k);
+        resumed.zero_grad();
+        set_grads(params, kSteps);
+        resumed.step();
+        for (size_t i = 0; i < params.size(); ++i)
+          EXPECT_TRUE(at::allclose(params[i], reference[i], 1e-5, 1e-6))
+              << "rank " << r << " parameter " << i << ": max diff "
+              << (params[i] - reference[i]).abs().max().item<float>();
+
+        Checkpoint whole_state;
+        whole_state.state["optim"] = {{"steps", {1, 1}}};  // as written by shard = "none" (no "shard" entry)
+        try {
+          resumed.load(whole_state);
+          ADD_FAILURE() << "a checkpoint of another sharding was loaded";
+        } catch (const DataError& e) {
+          EXPECT_NE(std::string(e.what()).find("parallel.shard"), std::string::npos) << e.what();
+        }
+        site.barrier();
+      } catch (...) {
+        errors[static_cast<size_t>(r)] = std::current_exception();
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (auto& e : errors)
+    if (e) std::rethrow_exception(e);
+}
+
+TEST(InnerOptimizer, ZeroTwoAndThreeAreRefusedNamingTheKey) {
+  collective::testing::StorePort port;
+  collective::SiteGroup solo = collective::testing::join_group("solo", 0, 1, 30s, port);
+  for (const char* shard : {"gradients", "full", "zero4"}) {
+    try {
+      InnerOptimizer o(make_params(), 1e-3, 0, shard, solo);
+      ADD_FAILURE() << shard;
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("parallel.shard"), std::string::npos) << e.what();
+    }
+  }
+}
+
+}  // namespace
+}  // namespace nebula::train
