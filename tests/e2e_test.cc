@@ -843,6 +843,38 @@ TEST(EndToEnd, StopOrCrashThenResumeGivesTheSameWeightsAsAnUninterruptedRun) {
   fs::remove_all(dir);
 }
 
+// [2/5] ZeRO-1's checkpoints hold each worker's own shard of AdamW's moments: a run stopped
+// at step 15 and resumed ends with bit-identical weights, and resuming them with another
+// [parallel] shard is refused, naming what changed.
+TEST(EndToEnd, ZeroOneStopAndResumeFromShardedCheckpointsGivesTheSameWeights) {
+  const std::string dir = temp_run_dir("resume-zero1");
+  const std::string common =
+      "run examples/smoke.toml --set strategy.kind=\\\"diloco\\\" --set strategy.inner_steps=10 "
+      "--set strategy.heterogeneous=false --set sites.0.workers=2 --set job.steps=30 --set checkpoint.every=10 "
+      "--set job.run_dir=\\\"" + dir;
+  const std::string zero1 = " --set parallel.shard=\\\"optimizer\\\"";
+  Result whole = run(common + "/whole\\\"" + zero1);
+  ASSERT_EQ(whole.exit_code, 0) << whole.output;
+  Result stopped = run(common + "/stopped\\\"" + zero1, 600, "NEBULA_TEST_STOP_AT_STEP=15");
+  ASSERT_EQ(stopped.exit_code, 128 + 15) << stopped.output;
+  // Each rank of the two-worker site holds a different half of the moments.
+  const auto r0 = tensor_bytes(dir + "/stopped/checkpoints/alpha/rank-0/step-000000000015/tensors.safetensors");
+  const auto r1 = tensor_bytes(dir + "/stopped/checkpoints/alpha/rank-1/step-000000000015/tensors.safetensors");
+  ASSERT_TRUE(r0.count("optim/0/exp_avg") && r1.count("optim/0/exp_avg"));
+  EXPECT_FALSE(r0.count("optim/1/exp_avg")) << "one flat shard, not one entry per parameter";
+  EXPECT_EQ(r0.at("optim/0/exp_avg").size(), r1.at("optim/0/exp_avg").size());
+  EXPECT_NE(r0.at("optim/0/exp_avg"), r1.at("optim/0/exp_avg"));
+  Result other = run(common + "/stopped\\\" --resume");  // shard = "none"
+  EXPECT_NE(other.exit_code, 0) << other.output;
+  EXPECT_NE(other.output.find("config hash"), std::string::npos) << other.output;
+  Result resumed = run(common + "/stopped\\\" --resume" + zero1);
+  ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
+  const auto expected = tensor_bytes(dir + "/whole/model.safetensors");
+  ASSERT_FALSE(expected.empty());
+  EXPECT_EQ(tensor_bytes(dir + "/stopped/model.safetensors"), expected);
+  fs::remove_all(dir);
+}
+
 // sync: the same for plain data parallel with an error-feedback codec (the bucket residuals
 // are in the checkpoint).
 TEST(EndToEnd, SyncStopAndResumeGivesTheSameWeights) {

@@ -132,7 +132,10 @@ TEST(TorchScript, OtherStrategiesCodecsATracedModuleAndResumeWork) {
   // Other strategies and codecs train it too.
   for (const std::string& variant : {std::string("--set strategy.kind=sync --set strategy.codec=powersgd"),
                                      std::string("--set strategy.kind=streaming --set strategy.codec=int4 "
-                                                 "--set strategy.inner_steps=20 --set strategy.delay=2")}) {
+                                                 "--set strategy.inner_steps=20 --set strategy.delay=2"),
+                                     // [2/5] ZeRO-1 on a user's module: AdamW's moments sharded over 2 workers.
+                                     std::string("--set strategy.kind=diloco --set strategy.inner_steps=20 "
+                                                 "--set sites.0.workers=2 --set parallel.shard=optimizer")}) {
     SCOPED_TRACE(variant);
     const std::string dir = temp_run_dir("torchscript-variant");
     Result r = run(job_args(dir, data) + " --set job.steps=60 " + variant);

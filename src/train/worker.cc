@@ -234,6 +234,7 @@ int run_worker(const Config& c, const WorkerIdentity& who, bool resume, bool rej
                     stats.codec_bytes_out ? double(stats.codec_bytes_in) / double(stats.codec_bytes_out) : 1.0},
                    {"encode_seconds", stats.encode_seconds},
                    {"decode_seconds", stats.decode_seconds},
+                   {"adamw_state_values", 2 * optimizer.state_numel()},  // this worker's moments ([parallel] shard)
                    {"strategy", strategy->metrics()}});
     last_loss = window_loss;
     last_predicted = window_predicted;
