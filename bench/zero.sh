@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# ZeRO-1 inside a site against the whole optimizer, side by side: AdamW state per worker, step
-# time and validation loss of the same job (examples/mlm.toml: two sites of 2 and 1 workers,
-# the same steps, data and seed) with [parallel] shard = "none" and "optimizer".
+# ZeRO-1 inside a site against the whole optimizer, side by side: AdamW state and peak RSS
+# (VmHWM) of one worker of the 2-worker site, step time and validation loss of the same job
+# (examples/mlm.toml: two sites of 2 and 1 workers, the same steps, data and seed) with
+# [parallel] shard = "none" and "optimizer".
 #   bench/zero.sh [steps, default 150] [strategy, default diloco]
+#   EXTRA="--set model.dim=512 ..." bench/zero.sh ...   other options for both runs (a bigger model)
 #   BENCH_TINY=1 bench/zero.sh 6 diloco   (tiny mode, bench/common.sh)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -10,20 +12,21 @@ source bench/common.sh
 steps="${1:-150}"
 kind="${2:-diloco}"
 bench_out drop
-printf "%-10s %18s %10s %10s %12s\n" shard "AdamW values/wkr" "vs none" "s/step" "val loss"
+read -r -a extra <<< "${EXTRA:-}"
+printf "%-10s %18s %10s %14s %10s %12s\n" shard "AdamW values/wkr" "vs none" "peak RSS/wkr" "s/step" "val loss"
 for shard in none optimizer; do
   "$nebula" run examples/mlm.toml --set job.steps="$steps" --set strategy.kind="\"$kind\"" \
     --set strategy.inner_steps=10 --set strategy.heterogeneous=false --set parallel.shard="\"$shard\"" \
-    --set metrics.progress='"off"' --set job.run_dir="\"$out/$shard\"" "${tiny[@]}" > "$out/$shard.log" 2>&1 \
+    --set metrics.progress='"off"' --set job.run_dir="\"$out/$shard\"" "${extra[@]}" "${tiny[@]}" > "$out/$shard.log" 2>&1 \
     || { echo "$shard failed: see $out/$shard.log"; exit 1; }
   python3 - "$out" "$shard" <<'PY'
 import sys
 sys.path.insert(0, "bench")
 from rundir import summary, step_seconds, window
 out, shard = sys.argv[1], sys.argv[2]
-state = window(f"{out}/{shard}")[1]["adamw_state_values"]  # the first site's gateway: 1 of its 2 workers
-base = window(f"{out}/none")[1]["adamw_state_values"]
-print(f"{shard:<10} {state:18d} {state / base:9.2f}x {step_seconds(f'{out}/{shard}'):10.3f} "
-      f"{summary(f'{out}/{shard}')['final_val_loss']:12.4f}")
+last = window(f"{out}/{shard}")[1]  # the first site's gateway: 1 of its 2 workers
+state, base = last["adamw_state_values"], window(f"{out}/none")[1]["adamw_state_values"]
+print(f"{shard:<10} {state:18d} {state / base:9.2f}x {last['peak_rss_bytes'] / 2**20:10.0f} MiB "
+      f"{step_seconds(f'{out}/{shard}'):10.3f} {summary(f'{out}/{shard}')['final_val_loss']:12.4f}")
 PY
 done

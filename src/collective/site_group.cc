@@ -125,14 +125,22 @@ void SiteGroup::reduce_scatter_sum(at::Tensor& full, at::Tensor& shard) {
 
 void SiteGroup::all_gather(const at::Tensor& shard, at::Tensor& full) {
   const int64_t s = shard_numel(site_, "all_gather", full, shard, size_);
-  if (size_ == 1) {
-    full.copy_(shard);
-    return;
+  auto chunk = [&](int i) { return full.narrow(0, static_cast<int64_t>(((i % size_) + size_) % size_) * s, s); };
+  at::Tensor own = chunk(rank_);
+  if (own.data_ptr() != shard.data_ptr()) own.copy_(shard);
+  // A ring in place (Gloo's allgather would stage everything in a second full-size buffer):
+  // step k sends the shard of rank (rank - k) on and receives that of (rank - k - 1) straight
+  // into its place.
+  const int next = (rank_ + 1) % size_, prev = (rank_ + size_ - 1) % size_;
+  for (int k = 0; k + 1 < size_; ++k) {
+    std::vector<at::Tensor> out{chunk(rank_ - k)}, in{chunk(rank_ - k - 1)};
+    run(site_, "all_gather", [&] {
+      auto sent = impl_->pg->send(out, next, k);
+      auto got = impl_->pg->recv(in, prev, k);
+      sent->wait();
+      return got;
+    });
   }
-  std::vector<std::vector<at::Tensor>> outputs(1);
-  for (int i = 0; i < size_; ++i) outputs[0].push_back(full.narrow(0, i * s, s));
-  std::vector<at::Tensor> input{shard};
-  run(site_, "all_gather", [&] { return impl_->pg->allgather(outputs, input); });
 }
 
 void SiteGroup::barrier() {

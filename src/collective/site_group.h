@@ -53,7 +53,9 @@ class SiteGroup {
   // sending and receiving one shard per step, so (size() - 1) / size() of the data per rank
   // each way, as a ring all-reduce's first half.
   void reduce_scatter_sum(at::Tensor& full, at::Tensor& shard);
-  // all_gather: `full` becomes every rank's `shard`, in rank order (Gloo's allgather).
+  // all_gather: `full` becomes every rank's `shard`, in rank order: a ring over send/recv that
+  // writes each shard straight into its place (no second full-size buffer). `shard` may be
+  // `full`'s own chunk rank() (then nothing is copied).
   void all_gather(const at::Tensor& shard, at::Tensor& full);
 
  private:

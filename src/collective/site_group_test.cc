@@ -103,6 +103,7 @@ TEST(SiteGroup, ReduceScatterEqualsAllreduceThenSliceAndAllGatherConcatenates) {
   check_sharded_collectives(1, 5);
   check_sharded_collectives(2, 7);
   check_sharded_collectives(3, 1000);
+  check_sharded_collectives(4, 3);
 }
 
 }  // namespace

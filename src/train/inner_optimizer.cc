@@ -15,10 +15,21 @@ InnerOptimizer::InnerOptimizer(std::vector<at::Tensor> params, double lr, double
   for (const auto& p : params_) total_numel_ += p.numel();
   sharded_ = shard == "optimizer" && site_.size() > 1;
   if (sharded_) {
+    // The parameters move into one flat buffer of N S values (their storage from now on), and
+    // AdamW optimizes a leaf that shares this worker's S of it: its step writes the shard in
+    // place and the all-gather fills the others' in place, with no copy of the model.
+    at::NoGradGuard no_grad;
     const int64_t n = site_.size();
     shard_numel_ = (total_numel_ + n - 1) / n;
     flat_ = at::zeros({shard_numel_ * n});
-    shard_ = at::zeros({shard_numel_}).set_requires_grad(true);
+    int64_t offset = 0;
+    for (auto& p : params_) {
+      at::Tensor view = flat_.narrow(0, offset, p.numel()).view(p.sizes());
+      view.copy_(p);
+      p.set_data(view);
+      offset += p.numel();
+    }
+    shard_ = flat_.narrow(0, site_.rank() * shard_numel_, shard_numel_).detach().set_requires_grad(true);
     optimized_ = {shard_};
   } else {
     optimized_ = params_;
@@ -42,27 +53,20 @@ void InnerOptimizer::step() {
     return;
   }
   at::NoGradGuard no_grad;
+  // The shard's slice of the (already averaged) gradients; the parameters are already in
+  // place (flat_), whatever a strategy wrote into them since the last step.
   const int64_t begin = site_.rank() * shard_numel_;
-  // This worker's shard of the parameters as they are now (a strategy may have replaced them
-  // since the last step, e.g. DiLoCo's outer step) and of their gradients.
   at::Tensor grad = at::zeros({shard_numel_});
   int64_t offset = 0;
   for (const auto& p : params_) {
     const int64_t lo = std::max(offset, begin), hi = std::min(offset + p.numel(), begin + shard_numel_);
-    if (lo < hi) {
-      shard_.narrow(0, lo - begin, hi - lo).copy_(p.reshape({-1}).narrow(0, lo - offset, hi - lo));
-      if (p.grad().defined()) grad.narrow(0, lo - begin, hi - lo).copy_(p.grad().reshape({-1}).narrow(0, lo - offset, hi - lo));
-    }
+    if (lo < hi && p.grad().defined())
+      grad.narrow(0, lo - begin, hi - lo).copy_(p.grad().reshape({-1}).narrow(0, lo - offset, hi - lo));
     offset += p.numel();
   }
   shard_.mutable_grad() = grad;
   adamw_->step();
   site_.all_gather(shard_.detach(), flat_);
-  offset = 0;
-  for (auto& p : params_) {
-    p.copy_(flat_.narrow(0, offset, p.numel()).view_as(p));
-    offset += p.numel();
-  }
 }
 
 void InnerOptimizer::save(Checkpoint& out) const {

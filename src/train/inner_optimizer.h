@@ -5,9 +5,13 @@
 //  shard = "optimizer"  ZeRO-1. The parameters are seen as one flat vector of n elements,
 //                       padded to N equal shards of S = ceil(n / N) (N = the site's workers);
 //                       this worker's AdamW optimizes one tensor, its shard r = elements
-//                       [r S, (r + 1) S), so it holds 2 S moments instead of 2 n. step()
-//                       takes the shard's slice of the (already averaged) gradients, steps
-//                       it, and all-gathers the shards into every worker's parameters.
+//                       [r S, (r + 1) S), so it holds 2 S moments instead of 2 n. The
+//                       parameters' storage becomes one flat buffer of N S values (set_data:
+//                       the module's tensors stay the same objects), and AdamW's parameter is
+//                       this worker's S of it, so step() updates the shard in place, from the
+//                       shard's slice of the (already averaged) gradients, and the in-place
+//                       ring all-gather fills in the other workers' shards: no copy of the
+//                       model is made.
 //                       Elementwise, this is the same AdamW update as shard = "none". One
 //                       difference: a parameter without a gradient in a step is skipped by
 //                       the whole AdamW but gets a zero gradient here (moments decay, weight
@@ -56,8 +60,8 @@ class InnerOptimizer {
   collective::SiteGroup& site_;
   bool sharded_ = false;
   int64_t total_numel_ = 0, shard_numel_ = 0;
-  at::Tensor shard_;                   // this worker's S elements (sharded only)
-  at::Tensor flat_;                    // N S scratch: the gradients, then the gathered parameters
+  at::Tensor flat_;                    // N S: the parameters' storage (sharded only)
+  at::Tensor shard_;                   // a leaf sharing this worker's S of flat_
   std::unique_ptr<torch::optim::AdamW> adamw_;
 };
 

@@ -13,9 +13,11 @@ namespace {
 
 using namespace std::chrono_literals;
 
-// The same values on every thread (no shared generator): 46 elements, not a multiple of 3.
+// The same values on every thread (no shared generator): 47 elements (a multiple of none of
+// 2, 3, 4), with a 0- and a 1-element tensor among them.
 std::vector<at::Tensor> make_params() {
   return {at::cos(at::arange(35, at::kFloat).mul(1.3)).view({5, 7}).set_requires_grad(true),
+          at::zeros({0}).set_requires_grad(true), at::full({1}, 0.25f).set_requires_grad(true),
           at::cos(at::arange(11, at::kFloat).mul(0.7)).set_requires_grad(true)};
 }
 
@@ -25,18 +27,19 @@ void set_grads(std::vector<at::Tensor>& params, int s) {
     params[i].mutable_grad() = at::sin(at::arange(params[i].numel(), at::kFloat).add(static_cast<double>(s * 7 + static_cast<int>(i)))).reshape(params[i].sizes()).clone();
 }
 
-// ZeRO-1 over 3 workers ends every step with the parameters of one AdamW over all of them;
-// each worker holds the moments of 16 of the 46 elements; a checkpoint of the shards resumes
-// exactly, and one taken with another sharding is refused, naming the setting.
-TEST(InnerOptimizer, ShardedAdamWEqualsTheWholeOneAndResumesFromItsShards) {
-  constexpr int kWorkers = 3, kSteps = 5;
+// ZeRO-1 over 1 to 4 workers ends every step with the parameters of one AdamW over all of
+// them; each worker holds the moments of ceil(47 / N) elements; a checkpoint of the shards
+// resumes exactly, and one taken with another sharding is refused, naming the setting.
+void check_sharded_adamw(const int kWorkers) {
+  SCOPED_TRACE(str_cat(kWorkers, " workers"));
+  constexpr int kSteps = 5;
   std::vector<at::Tensor> reference = make_params();
   {
     collective::testing::StorePort solo_port;
     collective::SiteGroup solo = collective::testing::join_group("solo", 0, 1, 30s, solo_port);
     InnerOptimizer whole(reference, 1e-2, 0.1, "none", solo);
     EXPECT_FALSE(whole.sharded());
-    EXPECT_EQ(whole.state_numel(), 46);
+    EXPECT_EQ(whole.state_numel(), 47);
     for (int s = 0; s < kSteps + 1; ++s) {
       whole.zero_grad();
       set_grads(reference, s);
@@ -49,13 +52,14 @@ TEST(InnerOptimizer, ShardedAdamWEqualsTheWholeOneAndResumesFromItsShards) {
   for (int r = 0; r < kWorkers; ++r) {
     threads.emplace_back([&, r] {
       try {
-        collective::SiteGroup site = collective::testing::join_group("zero1", r, kWorkers, 30s, port);
+        collective::SiteGroup site =
+            collective::testing::join_group(str_cat("zero1-", kWorkers), r, kWorkers, 30s, port);
         std::vector<at::Tensor> params = make_params();
         Checkpoint k;
         {
           InnerOptimizer sharded(params, 1e-2, 0.1, "optimizer", site);
-          EXPECT_TRUE(sharded.sharded());
-          EXPECT_EQ(sharded.state_numel(), 16);
+          EXPECT_EQ(sharded.sharded(), kWorkers > 1);
+          EXPECT_EQ(sharded.state_numel(), (47 + kWorkers - 1) / kWorkers);
           for (int s = 0; s < kSteps; ++s) {
             sharded.zero_grad();
             set_grads(params, s);
@@ -73,13 +77,15 @@ TEST(InnerOptimizer, ShardedAdamWEqualsTheWholeOneAndResumesFromItsShards) {
               << "rank " << r << " parameter " << i << ": max diff "
               << (params[i] - reference[i]).abs().max().item<float>();
 
-        Checkpoint whole_state;
-        whole_state.state["optim"] = {{"steps", {1, 1}}};  // as written by shard = "none" (no "shard" entry)
-        try {
-          resumed.load(whole_state);
-          ADD_FAILURE() << "a checkpoint of another sharding was loaded";
-        } catch (const DataError& e) {
-          EXPECT_NE(std::string(e.what()).find("parallel.shard"), std::string::npos) << e.what();
+        if (kWorkers > 1) {
+          Checkpoint whole_state;
+          whole_state.state["optim"] = {{"steps", {1, 1, 1, 1}}};  // as written by shard = "none" (no "shard" entry)
+          try {
+            resumed.load(whole_state);
+            ADD_FAILURE() << "a checkpoint of another sharding was loaded";
+          } catch (const DataError& e) {
+            EXPECT_NE(std::string(e.what()).find("parallel.shard"), std::string::npos) << e.what();
+          }
         }
         site.barrier();
       } catch (...) {
@@ -90,6 +96,10 @@ TEST(InnerOptimizer, ShardedAdamWEqualsTheWholeOneAndResumesFromItsShards) {
   for (auto& t : threads) t.join();
   for (auto& e : errors)
     if (e) std::rethrow_exception(e);
+}
+
+TEST(InnerOptimizer, ShardedAdamWEqualsTheWholeOneAndResumesFromItsShards) {
+  for (int workers = 1; workers <= 4; ++workers) check_sharded_adamw(workers);
 }
 
 TEST(InnerOptimizer, ZeroTwoAndThreeAreRefusedNamingTheKey) {

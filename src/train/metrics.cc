@@ -11,10 +11,19 @@
 #include <chrono>
 #include <cstring>
 #include <cstdio>
+#include <cstdlib>
+#include <string>
 
 #include "nebula/error.h"
 
 namespace nebula::train {
+
+int64_t peak_rss_bytes() {
+  std::ifstream in("/proc/self/status");
+  for (std::string line; std::getline(in, line);)
+    if (line.rfind("VmHWM:", 0) == 0) return std::atoll(line.c_str() + 6) * 1024;  // "VmHWM:  123456 kB"
+  return 0;
+}
 
 MetricsWriter::MetricsWriter(const std::string& path) : path_(path) {
   fd_ = ::open(path.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);

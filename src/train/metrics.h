@@ -4,7 +4,9 @@
 //
 // Fields of a step line: time (unix s), elapsed (s since the worker started), site, rank, step,
 // loss (mean over the lines' window), tokens (this worker's, cumulative), tokens_per_s,
-// wan_bytes_sent, wan_bytes_received (the site gateway's cumulative WAN bytes; 0 elsewhere).
+// wan_bytes_sent, wan_bytes_received (the site gateway's cumulative WAN bytes; 0 elsewhere),
+// adamw_state_values (the inner optimizer's moments this worker holds), peak_rss_bytes (this
+// process's VmHWM so far), and the link, codec and strategy figures (worker.cc).
 #pragma once
 
 #include <nlohmann/json.hpp>
@@ -31,6 +33,10 @@ class MetricsWriter {
 void write_json_atomically(const std::string& path, const nlohmann::json& value);
 
 double unix_time();
+
+// This process's peak resident set (VmHWM in /proc/self/status), in bytes; 0 where it cannot
+// be read.
+int64_t peak_rss_bytes();
 
 // The lines of a metrics.jsonl file. A line that is not a JSON object is skipped with a
 // warning naming path:line (a run killed mid-write may leave a torn last line); `skipped`

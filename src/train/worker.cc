@@ -235,6 +235,7 @@ int run_worker(const Config& c, const WorkerIdentity& who, bool resume, bool rej
                    {"encode_seconds", stats.encode_seconds},
                    {"decode_seconds", stats.decode_seconds},
                    {"adamw_state_values", 2 * optimizer.state_numel()},  // this worker's moments ([parallel] shard)
+                   {"peak_rss_bytes", peak_rss_bytes()},
                    {"strategy", strategy->metrics()}});
     last_loss = window_loss;
     last_predicted = window_predicted;
