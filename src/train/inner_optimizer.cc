@@ -15,6 +15,10 @@ InnerOptimizer::InnerOptimizer(std::vector<at::Tensor> params, double lr, double
   for (const auto& p : params_) total_numel_ += p.numel();
   sharded_ = shard == "optimizer" && site_.size() > 1;
   if (sharded_) {
+    for (const auto& p : params_)
+      NEBULA_CHECK(p.scalar_type() == at::kFloat && p.device().is_cpu(), "parallel.shard = \"optimizer\" on site ",
+                   site_.site(), ": a trainable parameter is ", p.scalar_type(), " on ", p.device(),
+                   "; ZeRO-1 runs float32 parameters on CPU sites only (set shard = \"none\")");
     // The parameters move into one flat buffer of N S values (their storage from now on), and
     // AdamW optimizes a leaf that shares this worker's S of it: its step writes the shard in
     // place and the all-gather fills the others' in place, with no copy of the model.

@@ -323,6 +323,12 @@ Config build(const toml::table& root, const std::string& file) {
   if (auto* t = top.table("parallel")) {
     Section s(*t, "parallel", file);
     s.string("shard", c.parallel.shard, {"none", "optimizer", "gradients", "full"});
+    if (c.parallel.shard == "optimizer")
+      for (const auto& site : c.sites)
+        if (site.device.rfind("cuda", 0) == 0)
+          s.fail(t->get("shard") ? *t->get("shard") : static_cast<const toml::node&>(*t), "shard",
+                 str_cat("\"optimizer\" runs on CPU sites only, and site '", site.name, "' has device = \"",
+                         site.device, "\": set shard = \"none\" (GPU sites keep the whole optimizer)"));
     if (c.parallel.shard == "gradients" || c.parallel.shard == "full")
       s.fail(t->get("shard") ? *t->get("shard") : static_cast<const toml::node&>(*t), "shard",
              str_cat("\"", c.parallel.shard, "\" (ZeRO-", c.parallel.shard == "gradients" ? 2 : 3,

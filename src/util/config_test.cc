@@ -101,6 +101,8 @@ TEST(Config, ParallelShard) {
   expect_error(std::string(kValid) + "\n[parallel]\nshard = \"gradients\"\n",
                {"job.toml", "parallel.shard", "ZeRO-2", "not built yet", "\"optimizer\""});
   expect_error(std::string(kValid) + "\n[parallel]\nshard = \"full\"\n", {"parallel.shard", "ZeRO-3"});
+  expect_error(std::string(kValid) + "\n[parallel]\nshard = \"optimizer\"\n", {"parallel.shard", "CPU sites only", "'b'"},
+               {"sites.1.device=\"cuda\""});
   expect_error(std::string(kValid) + "\n[parallel]\nshard = \"zero1\"\n", {"parallel.shard", "zero1"});
   expect_error(std::string(kValid) + "\n[parallel]\nshards = \"none\"\n", {"shards"});
 }
