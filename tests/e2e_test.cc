@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include <csignal>
+#include <fstream>
 #include <thread>
 
 #include <algorithm>
@@ -337,6 +338,30 @@ TEST(EndToEnd, OneFailingWorkerStopsTheJobWithNonZeroExit) {
   EXPECT_NE(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("failed"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("/nonexistent/tok.model"), std::string::npos) << r.output;
+  fs::remove_all(dir);
+}
+
+// NEBULA_WORKER_PREFIX runs every worker under a tool (heaptrack, perf, valgrind): here a
+// script that records its arguments and execs them. The workers then fail fast, as above.
+TEST(EndToEnd, WorkerPrefixRunsEveryWorkerUnderTheTool) {
+  const std::string dir = temp_run_dir("prefix");
+  fs::create_directories(dir);
+  const std::string tool = dir + "/tool.sh", seen = dir + "/seen";
+  std::ofstream(tool) << "#!/bin/sh\necho \"$@\" >> " << seen << "\nexec \"$@\"\n";
+  fs::permissions(tool, fs::perms::owner_all);
+  const std::string args = "run examples/smoke.toml --set job.run_dir=\\\"" + dir +
+                           "/run\\\" --set data.tokenizer=\\\"/nonexistent/tok.model\\\"";
+  Result r = run(args, 120, "NEBULA_WORKER_PREFIX='" + tool + "'");
+  EXPECT_NE(r.exit_code, 0) << r.output;
+  std::ifstream in(seen);
+  std::vector<std::string> lines;
+  for (std::string l; std::getline(in, l);) lines.push_back(l);
+  ASSERT_GE(lines.size(), 1u) << r.output;  // the launcher stops the rest once one fails
+  for (const auto& l : lines) EXPECT_NE(l.find(" worker "), std::string::npos) << l;
+  // A tool that is not there: the worker's exec fails, saying what.
+  r = run(args, 120, "NEBULA_WORKER_PREFIX='/nonexistent/tool --flag'");
+  EXPECT_NE(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("exec /nonexistent/tool failed"), std::string::npos) << r.output;
   fs::remove_all(dir);
 }
 

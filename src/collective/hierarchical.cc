@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <span>
 
 #include "nebula/error.h"
 #include "wire/frame.h"
@@ -122,6 +123,18 @@ at::Tensor host_buffer(int64_t n, const std::vector<at::Tensor>& bucket) {
   return at::empty({n}, at::TensorOptions().dtype(at::kFloat).pinned_memory(gpu));
 }
 
+// target += scale · the float32 values in `bytes` (not aligned for float), in slices: no
+// copy of the whole.
+void add_raw_floats(at::Tensor target, std::span<const uint8_t> bytes, double scale) {
+  constexpr int64_t kSlice = 1 << 16;
+  at::Tensor slice = at::empty({std::min<int64_t>(kSlice, target.numel())}, at::kFloat);
+  for (int64_t at = 0; at < target.numel(); at += kSlice) {
+    const int64_t k = std::min<int64_t>(kSlice, target.numel() - at);
+    std::memcpy(slice.data_ptr<float>(), bytes.data() + at * sizeof(float), static_cast<size_t>(k) * sizeof(float));
+    target.narrow(0, at, k).add_(slice.narrow(0, 0, k), scale);
+  }
+}
+
 }  // namespace
 
 std::shared_ptr<Work> Hierarchy::allreduce_async(std::vector<at::Tensor> bucket, AllreduceOptions options) {
@@ -138,9 +151,13 @@ std::shared_ptr<Work> Hierarchy::exchange_async(std::vector<at::Tensor> bucket, 
                  [this, bucket = std::move(bucket), options](Work& work) {
                    int64_t n = 0;
                    for (const auto& t : bucket) n += t.numel();
-                   at::Tensor values = host_buffer(n, bucket);
+                   // One CPU tensor (diloco's pseudo-gradient) is exchanged in place; others
+                   // are gathered into one host buffer and written back.
+                   const bool in_place = bucket.size() == 1 && bucket[0].device().is_cpu();
+                   at::Tensor values = in_place ? bucket[0].view({-1}) : host_buffer(n, bucket);
                    int64_t offset = 0;
                    for (const auto& t : bucket) {
+                     if (in_place) break;
                      values.narrow(0, offset, t.numel()).copy_(t.reshape({-1}));
                      offset += t.numel();
                    }
@@ -152,6 +169,7 @@ std::shared_ptr<Work> Hierarchy::exchange_async(std::vector<at::Tensor> bucket, 
                        cross_site(values, bucket, options.weight, /*presummed=*/false, options, &work.rejected_);
                    offset = 0;
                    for (const auto& t : bucket) {
+                     if (in_place) break;
                      t.view({-1}).copy_(values.narrow(0, offset, t.numel()));
                      offset += t.numel();
                    }
@@ -254,8 +272,11 @@ std::vector<std::vector<double>> Hierarchy::cross_site(at::Tensor values, const 
   auto all = mesh_->all_gather(w.take());
 
   // Every gateway decodes the same bytes (its own included) and adds them in site order, so
-  // all sites compute exactly the same floats.
-  at::Tensor sum = at::zeros({n}, at::kFloat);
+  // all sites compute exactly the same floats. This site's values are in its bytes now: the
+  // sum is taken in their place (no other copy of the model), and each site's bytes are
+  // freed once added.
+  at::Tensor sum = values;
+  sum.zero_();
   double total_weight = 0;
   size_t left_out = 0;  // contributions the update guard rejected
   std::vector<std::vector<double>> info(all.size());
@@ -283,34 +304,39 @@ std::vector<std::vector<double>> Hierarchy::cross_site(at::Tensor values, const 
     // decodes a site's contribution whole first, for the update guard.
     const double scale = (!presummed && weighted) ? weight : 1.0;
     const bool guard = !presummed;
-    at::Tensor contribution = guard ? at::empty({n}, at::kFloat) : at::Tensor();
+    // A single decoded part is the contribution itself.
+    at::Tensor contribution = guard && !(coded && nparts == 1) ? at::empty({n}, at::kFloat) : at::Tensor();
     int64_t at = 0;
     for (uint32_t i = 0; i < nparts; ++i) {
       const int64_t numel = parts[i].numel();
       auto bytes = r.bytes(static_cast<size_t>(r.u64()));
-      at::Tensor target = guard ? contribution.narrow(0, at, numel) : sum.narrow(0, at, numel);
-      at::Tensor part;
       if (coded) {
         auto start = Clock::now();
-        part = options.codec->decode(bytes, numel).reshape({-1});
+        at::Tensor part = options.codec->decode(bytes, numel).reshape({-1});
         const double took = std::chrono::duration<double>(Clock::now() - start).count();
-        MutexLock lock(stats_mu_);
-        decode_seconds_ += took;
+        {
+          MutexLock lock(stats_mu_);
+          decode_seconds_ += took;
+        }
+        if (guard && nparts == 1)
+          contribution = part;
+        else if (guard)
+          contribution.narrow(0, at, numel).copy_(part);
+        else
+          sum.narrow(0, at, numel).add_(part, scale);
       } else {
         if (bytes.size() != static_cast<size_t>(numel) * sizeof(float))
           throw Error(str_cat("allreduce: site ", s, " sent ", bytes.size(), " bytes for ", numel, " floats"));
-        part = at::empty({numel}, at::kFloat);
-        if (numel) std::memcpy(part.data_ptr<float>(), bytes.data(), bytes.size());
+        if (guard) {
+          if (numel) std::memcpy(contribution.narrow(0, at, numel).data_ptr<float>(), bytes.data(), bytes.size());
+        } else {
+          add_raw_floats(sum.narrow(0, at, numel), bytes, scale);
+        }
       }
-      if (guard)
-        target.copy_(part);
-      else if (scale == 1.0)
-        target.add_(part);
-      else
-        target.add_(part, scale);
       at += numel;
     }
     r.expect_done();
+    std::vector<uint8_t>().swap(all[s]);
     if (guard) {
       std::string why = guard_verdict(contribution, options.max_norm);
       if (!why.empty()) {
@@ -318,10 +344,7 @@ std::vector<std::vector<double>> Hierarchy::cross_site(at::Tensor values, const 
         ++left_out;
         continue;  // left out: as if the site had weight 0
       }
-      if (scale == 1.0)
-        sum.add_(contribution);
-      else
-        sum.add_(contribution, scale);
+      sum.add_(contribution, scale);
     }
     total_weight += weight;
   }
@@ -330,7 +353,6 @@ std::vector<std::vector<double>> Hierarchy::cross_site(at::Tensor values, const 
     NEBULA_CHECK(total_weight > 0 || left_out > 0, "weighted allreduce with total weight ", total_weight);
     if (total_weight > 0) sum.div_(total_weight);
   }
-  values.copy_(sum);
   return info;
 }
 

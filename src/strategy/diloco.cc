@@ -20,6 +20,7 @@ namespace {
 // of lost sites its gateway has a fresh link from (elastic rejoin; 0 = this site sent nothing).
 constexpr size_t kInfo = 4;
 constexpr uint64_t kTagBase = 1000;  // exchange tags: kTagBase + fragment
+constexpr int64_t kSlice = 1 << 16;  // elementwise work on the whole model goes in slices of this many
 using Clock = std::chrono::steady_clock;
 }  // namespace
 
@@ -111,8 +112,8 @@ void DilocoStrategy::init(const std::vector<at::Tensor>& params) {
   std::vector<at::Tensor> state = params;
   state.insert(state.end(), buffers_.begin(), buffers_.end());
   make_replicas_equal(comm_, state);
-  at::Tensor flat = flatten(params);
-  total_numel_ = flat.numel();
+  total_numel_ = 0;
+  for (const auto& p : params) total_numel_ += p.numel();
   buffer_numel_ = 0;
   for (const auto& b : buffers_) buffer_numel_ += b.numel();
   if (buffer_numel_ > 0 && options_.dp_clip > 0 && comm_.is_gateway())
@@ -123,7 +124,7 @@ void DilocoStrategy::init(const std::vector<at::Tensor>& params) {
   // Fragments: F ranges of the flat parameter vector of n/F values each, up to half a row of
   // the tensor a cut falls in (cuts go between rows, so that a per-tensor codec gets matrices:
   // a row block of a large tensor, such as the token embedding, is a matrix of its own).
-  const int64_t total = flat.numel();
+  const int64_t total = total_numel_;
   const auto f = static_cast<size_t>(std::min<int64_t>(options_.fragments, std::max<int64_t>(total, 1)));
   if (static_cast<int64_t>(f) != options_.fragments)
     spdlog::warn("strategy.fragments = {} but the model has {} values: using {}", options_.fragments, total, f);
@@ -162,7 +163,7 @@ void DilocoStrategy::init(const std::vector<at::Tensor>& params) {
       }
       fr.pieces.push_back(std::move(pc));
     }
-    fr.global = flat.narrow(0, fr.offset, fr.numel).clone();
+    fr.global = read_params(fr);
     fr.momentum = at::zeros({fr.numel}, at::kFloat);
   }
   last_step_end_ = Clock::now();
@@ -344,13 +345,20 @@ void DilocoStrategy::send(size_t f) {
   Fragment& fr = fragments_[f];
   if (fr.in_flight) merge(f);  // a round shorter than the delay: merge before sending again
   at::NoGradGuard no_grad;
-  fr.sent_local = read_params(fr);
+  // θ_local at the send is needed at the merge only if training goes on in between (delay > 0).
+  if (options_.delay > 0) fr.sent_local = read_params(fr);
   fr.round = rounds_;
   fr.seq = next_seq_++;
   const double weight = site_weight_ - fr.weight_at_send;
   fr.weight_at_send = site_weight_;
   if (comm_.is_gateway()) {
-    fr.delta = fr.global - fr.sent_local;  // the pseudo-gradient
+    fr.delta = fr.global.clone();  // the pseudo-gradient θ_global - θ_local, without another copy of θ_local
+    const std::vector<at::Tensor> local = param_views(fr);
+    int64_t pos = 0;
+    for (const auto& v : local) {
+      fr.delta.narrow(0, pos, v.numel()).sub_(v);
+      pos += v.numel();
+    }
     if (options_.dp_clip > 0) privatize(fr.delta);
     std::vector<at::Tensor> bucket;
     const bool per_tensor = codec_ && codec_->id() == codec::CodecId::kPowerSgd;
@@ -399,7 +407,9 @@ void DilocoStrategy::merge(size_t f) {
   const int64_t info_len = static_cast<int64_t>(options_.num_sites * kInfo);
   const bool with_buffers = buffers_sent_.defined() && f + 1 == fragments_.size();
   const int64_t buffers_len = with_buffers ? buffer_numel_ : 0;
-  at::Tensor buf = at::zeros({fr.numel + info_len + buffers_len}, at::kFloat);
+  // The mean pseudo-gradient goes to the site's other workers in place (the gateway's
+  // exchanged fr.delta), the sites' info and the buffers in a small tensor of their own.
+  at::Tensor buf = at::zeros({info_len + buffers_len}, at::kFloat);
   if (comm_.is_gateway()) {
     fr.work->wait(Deadline::after(options_.timeout));
     // What this site sent (the hash is of θ_global at the send, unchanged until this merge).
@@ -408,7 +418,6 @@ void DilocoStrategy::merge(size_t f) {
     if (fr.work->seconds() > 0 && fr.work->wan_bytes_sent() > 0)
       exchange_bits_per_s_ = static_cast<double>(fr.work->wan_bytes_sent()) * 8 / fr.work->seconds() /
                              static_cast<double>(std::max<size_t>(options_.num_sites - 1, 1));  // per path
-    buf.narrow(0, 0, fr.numel).copy_(fr.delta);
     // The update guard left these out, the same on every site (the sender's own included).
     for (const auto& r : fr.work->rejected()) {
       ++rejected_updates_;
@@ -423,23 +432,27 @@ void DilocoStrategy::merge(size_t f) {
                  options_.num_sites);
     for (size_t s = 0; s < info.size(); ++s)
       for (size_t k = 0; k < kInfo && k < info[s].size(); ++k)
-        buf[fr.numel + static_cast<int64_t>(s * kInfo + k)] = static_cast<float>(info[s][k]);
+        buf[static_cast<int64_t>(s * kInfo + k)] = static_cast<float>(info[s][k]);
     fr.work.reset();
     if (with_buffers) {
       buffer_work_->wait(Deadline::after(options_.timeout));
-      buf.narrow(0, fr.numel + info_len, buffers_len).copy_(buffer_mean_);
+      buf.narrow(0, info_len, buffers_len).copy_(buffer_mean_);
       buffer_work_.reset();
     }
   }
-  if (comm_.site().size() > 1) comm_.site().broadcast_from_root(buf);
+  if (comm_.site().size() > 1) {
+    if (!comm_.is_gateway()) fr.delta = at::empty({fr.numel}, at::kFloat);
+    comm_.site().broadcast_from_root(fr.delta);
+    comm_.site().broadcast_from_root(buf);
+  }
   if (with_buffers) {  // the mean, plus what forward changed since the send (0 with delay 0)
     at::Tensor progress = flatten(buffers_) - buffers_sent_;
     if (!at::isfinite(progress).all().item<bool>()) progress.zero_();
-    unflatten_into(buf.narrow(0, fr.numel + info_len, buffers_len) + progress, buffers_);
+    unflatten_into(buf.narrow(0, info_len, buffers_len) + progress, buffers_);
     buffers_sent_ = at::Tensor();
   }
   if (f + 1 == fragments_.size()) {
-    at::Tensor tail = buf.narrow(0, fr.numel, info_len).contiguous();
+    at::Tensor tail = buf.narrow(0, 0, info_len).contiguous();
     if (info_of_round_.size() <= static_cast<size_t>(fr.round)) info_of_round_.resize(static_cast<size_t>(fr.round) + 1);
     info_of_round_[static_cast<size_t>(fr.round)].assign(tail.data_ptr<float>(), tail.data_ptr<float>() + info_len);
     // Lost sites that every site of this exchange has a fresh link from come back at the
@@ -452,24 +465,32 @@ void DilocoStrategy::merge(size_t f) {
     joiners_due_ = agreed == ~uint64_t{0} ? 0 : agreed;
   }
 
-  // The outer step, the same on every worker of every site.
-  at::Tensor avg = buf.narrow(0, 0, fr.numel);
+  // The outer step, the same on every worker of every site, in place: no copy of the model.
+  at::Tensor update = fr.delta;  // the sites' mean pseudo-gradient
   const double mu = options_.outer_momentum;
-  at::Tensor update;
   if (mu > 0) {
-    fr.momentum.mul_(mu).add_(avg);
-    update = options_.nesterov ? avg + fr.momentum * mu : fr.momentum;
-  } else {
-    update = avg;
+    fr.momentum.mul_(mu).add_(update);
+    if (options_.nesterov)  // update + (mu m), the product rounded first; in slices, not a copy of the model
+      for (int64_t at = 0; at < fr.numel; at += kSlice) {
+        const int64_t k = std::min(kSlice, fr.numel - at);
+        update.narrow(0, at, k).add_(fr.momentum.narrow(0, at, k) * mu);
+      }
+    else
+      update = fr.momentum;
   }
   fr.global.sub_(update, options_.outer_lr);
-  // Keep the inner progress made while the fragment was in flight (0 with delay 0), unless
-  // it is not finite (a diverged site restarts from the global weights).
-  at::Tensor progress = read_params(fr) - fr.sent_local;
-  if (!at::isfinite(progress).all().item<bool>()) progress.zero_();
-  write_params(fr, fr.global + progress);
+  fr.delta = at::Tensor();
+  if (!fr.sent_local.defined()) {  // delay 0: no training since the send
+    write_params(fr, fr.global);
+  } else {
+    // Keep the inner progress made while the fragment was in flight, unless it is not finite
+    // (a diverged site restarts from the global weights).
+    at::Tensor progress = read_params(fr).sub_(fr.sent_local);
+    fr.sent_local = at::Tensor();
+    if (!at::isfinite(progress).all().item<bool>()) progress.zero_();
+    write_params(fr, progress.add_(fr.global));
+  }
   fr.in_flight = false;
-  fr.sent_local = at::Tensor();
   ++outer_steps_;
 }
 

@@ -15,6 +15,7 @@
 #include <fstream>
 #include <map>
 #include <set>
+#include <sstream>
 #include <thread>
 
 #include "nebula/error.h"
@@ -44,6 +45,18 @@ struct Child {
 pid_t spawn(const std::string& exe, const std::vector<std::string>& args, const std::string& log, bool append) {
   int fd = ::open(log.c_str(), O_WRONLY | O_CREAT | (append ? O_APPEND : O_TRUNC) | O_CLOEXEC, 0644);
   if (fd < 0) throw Error(str_cat(log, ": cannot create worker log: ", std::strerror(errno)));
+  // NEBULA_WORKER_PREFIX="heaptrack" (or "perf record -g", "valgrind ..."): every worker runs
+  // under that tool, found on PATH (words split at spaces). Built before fork: the child only execs.
+  std::vector<std::string> prefix;
+  if (const char* p = std::getenv("NEBULA_WORKER_PREFIX")) {
+    std::istringstream words(p);
+    for (std::string w; words >> w;) prefix.push_back(w);
+  }
+  std::vector<char*> argv;
+  for (auto& w : prefix) argv.push_back(w.data());
+  argv.push_back(const_cast<char*>(exe.c_str()));
+  for (const auto& a : args) argv.push_back(const_cast<char*>(a.c_str()));
+  argv.push_back(nullptr);
   pid_t pid = ::fork();
   if (pid < 0) throw Error(str_cat("fork failed: ", std::strerror(errno)));
   if (pid == 0) {
@@ -53,12 +66,11 @@ pid_t spawn(const std::string& exe, const std::vector<std::string>& args, const 
     ::setenv("OMP_NUM_THREADS", "1", 1);
     ::setenv("OPENBLAS_NUM_THREADS", "1", 1);
     ::setenv("MKL_NUM_THREADS", "1", 1);
-    std::vector<char*> argv;
-    argv.push_back(const_cast<char*>(exe.c_str()));
-    for (const auto& a : args) argv.push_back(const_cast<char*>(a.c_str()));
-    argv.push_back(nullptr);
-    ::execv(exe.c_str(), argv.data());
-    std::fprintf(stderr, "exec %s failed: %s\n", exe.c_str(), std::strerror(errno));
+    if (prefix.empty())
+      ::execv(exe.c_str(), argv.data());
+    else
+      ::execvp(argv[0], argv.data());
+    std::fprintf(stderr, "exec %s failed: %s\n", argv[0], std::strerror(errno));
     ::_exit(127);
   }
   ::close(fd);
