@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# ZeRO-1 inside a site against the whole optimizer, side by side: AdamW state and peak RSS
-# (VmHWM) of one worker of the 2-worker site, step time and validation loss of the same job
-# (examples/mlm.toml: two sites of 2 and 1 workers, the same steps, data and seed) with
-# [parallel] shard = "none" and "optimizer".
+# ZeRO-1 and ZeRO-2 inside a site against the whole optimizer, side by side: AdamW state and
+# peak RSS (VmHWM) of one worker of the 2-worker site, step time and validation loss of the
+# same job (examples/mlm.toml: two sites of 2 and 1 workers, the same steps, data and seed)
+# with [parallel] shard = "none", "optimizer" and (not with sync) "gradients".
 #   bench/zero.sh [steps, default 150] [strategy, default diloco]
 #   EXTRA="--set model.dim=512 ..." bench/zero.sh ...   other options for both runs (a bigger model)
 #   BENCH_TINY=1 bench/zero.sh 6 diloco   (tiny mode, bench/common.sh)
@@ -14,7 +14,9 @@ kind="${2:-diloco}"
 bench_out drop
 read -r -a extra <<< "${EXTRA:-}"
 printf "%-10s %18s %10s %14s %10s %12s\n" shard "AdamW values/wkr" "vs none" "peak RSS/wkr" "s/step" "val loss"
-for shard in none optimizer; do
+shards=(none optimizer)
+[[ "$kind" != sync ]] && shards+=(gradients)
+for shard in "${shards[@]}"; do
   "$nebula" run examples/mlm.toml --set job.steps="$steps" --set strategy.kind="\"$kind\"" \
     --set strategy.inner_steps=10 --set strategy.heterogeneous=false --set parallel.shard="\"$shard\"" \
     --set metrics.progress='"off"' --set job.run_dir="\"$out/$shard\"" "${extra[@]}" "${tiny[@]}" > "$out/$shard.log" 2>&1 \

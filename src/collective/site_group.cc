@@ -120,7 +120,7 @@ void SiteGroup::reduce_scatter_sum(at::Tensor& full, at::Tensor& shard) {
       chunk(rank_ - k - 2).add_(incoming);
     }
   }
-  shard.copy_(chunk(rank_));
+  if (shard.data_ptr() != chunk(rank_).data_ptr()) shard.copy_(chunk(rank_));
 }
 
 void SiteGroup::all_gather(const at::Tensor& shard, at::Tensor& full) {

@@ -48,7 +48,8 @@ class SiteGroup {
   // Sharded collectives (ZeRO): `full` holds size() equal shards, shard i = elements
   // [i * S, (i + 1) * S) with S = full.numel() / size() (nebula::Error unless it divides).
   // reduce_scatter_sum: `shard` (S elements) becomes shard rank() of the sum of every rank's
-  // `full`; `full` is used as scratch and left undefined in value. A ring over Gloo's
+  // `full`; `full` is used as scratch and left undefined in value (but for `shard`, which may
+  // be `full`'s own chunk rank(): then the sum is taken in place). A ring over Gloo's
   // send/recv (LibTorch 1.13's Gloo has no reduce_scatter): size() - 1 steps, each rank
   // sending and receiving one shard per step, so (size() - 1) / size() of the data per rank
   // each way, as a ring all-reduce's first half.

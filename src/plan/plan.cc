@@ -204,7 +204,7 @@ int strategy_order(const std::string& s) { return s == "sync" ? 0 : s == "diloco
 double transfer_s(double bytes, double bits_per_s) { return bytes * 8 / bits_per_s; }
 
 struct SiteCost {
-  double compute = 0, allreduce = 0, broadcast = 0, gather = 0;  // gather: ZeRO-1's all-gather (t_ag)
+  double compute = 0, allreduce = 0, broadcast = 0, gather = 0;  // gather: ZeRO-1/2's all-gather (t_ag)
 };
 
 // Ring all-reduce of `bytes` among `w` workers and the broadcast half of it.
@@ -378,7 +378,9 @@ const std::vector<std::string>& shard_modes() {
   return modes;
 }
 
-bool runnable(const Candidate& c) { return c.shard == "none" || c.shard == "optimizer"; }
+bool runnable(const Candidate& c) {
+  return c.shard == "none" || c.shard == "optimizer" || (c.shard == "gradients" && c.strategy != "sync");
+}
 
 Memory gateway_memory(const Topology& t, size_t site, const Candidate& c) {
   NEBULA_CHECK(site < t.sites.size(), "site ", site, " of ", t.sites.size());
@@ -389,7 +391,9 @@ Memory gateway_memory(const Topology& t, size_t site, const Candidate& c) {
   const size_t level = static_cast<size_t>(mode - shard_modes().begin());
   const double N = static_cast<double>(t.sites[site].workers);
   const double S = static_cast<double>(t.sites.size());
-  const double d_opt = level >= 1 ? N : 1, d_grad = level >= 2 ? N : 1, d_param = level >= 3 ? N : 1;
+  // As built, "gradients" (ZeRO-2) reduce-scatters one flat gradient buffer that backward
+  // fills whole: it shards the traffic, not the gradients' memory; "full" is the plan.
+  const double d_opt = level >= 1 ? N : 1, d_grad = level >= 3 ? N : 1, d_param = level >= 3 ? N : 1;
   const double n = t.parameters, tr = t.trainable;
   const double F = streaming ? static_cast<double>(c.fragments) : 1;
   const double m = tr / F;  // values per exchange
@@ -406,11 +410,11 @@ Memory gateway_memory(const Topology& t, size_t site, const Candidate& c) {
     const double a = static_cast<double>(t.heads), seq = static_cast<double>(t.sequence);
     mem.activations = L * t.tokens_per_step_per_worker * (66 * h + 9 * a * seq);
   }
-  if (sync || N > 1) mem.buffers = 4 * tr / d_grad;
-  // The outer state: shard = "optimizer" as built (ZeRO-1) shards AdamW's moments only, and
-  // every worker keeps θ_global and the outer momentum whole; "gradients" and "full"
-  // (planned) would shard them too.
-  const double d_outer = c.shard == "gradients" || c.shard == "full" ? N : 1;
+  // The site's all-reduce stages the gradients in one flat buffer; ZeRO-2 reduces them in place.
+  if (sync || (N > 1 && c.shard != "gradients")) mem.buffers = 4 * tr / d_grad;
+  // The outer state: "optimizer" and "gradients" as built shard AdamW's moments only, and
+  // every worker keeps θ_global and the outer momentum whole; "full" (planned) would shard them too.
+  const double d_outer = c.shard == "full" ? N : 1;
   if (!sync) mem.outer = 8 * tr / d_outer + in_flight * 4 * m / d_param;
   if (S > 1) {
     if (keeps_residual(c.codec)) mem.codec_state = 4 * tr;
@@ -459,6 +463,10 @@ Prediction predict(const Topology& t, const Candidate& c) {
     site[s].compute = site_compute_s(t, t.sites[s]);
     std::tie(site[s].allreduce, site[s].broadcast) = lan_costs(t.sites[s], grad_bytes);
     if (c.shard == "optimizer") site[s].gather = site[s].broadcast;
+    if (c.shard == "gradients") {  // a reduce-scatter (a ring all-reduce's first half), then the all-gather
+      site[s].allreduce /= 2;
+      site[s].gather = site[s].broadcast;
+    }
     tag = std::max(tag, site[s].gather);
     workers += static_cast<double>(t.sites[s].workers);
     tc = std::max(tc, site[s].compute);
@@ -546,7 +554,7 @@ Plan make_plan(const Topology& t) {
       if (!p.runnable && p.fits && !sharded) sharded = &p;  // the best utilization among them
     }
     if (smallest)
-      plan.reason = str_cat("nothing nebula can run today (shard = \"none\" or \"optimizer\") fits: the smallest, ",
+      plan.reason = str_cat("nothing nebula can run today (shard = \"none\", \"optimizer\", or \"gradients\" without sync) fits: the smallest, ",
                             label(smallest->candidate),
                             ", ", smallest->misfit);
     else
@@ -709,7 +717,9 @@ std::string format_table(const Topology& t, const Plan& plan, size_t top) {
     }
     out << "  (" << plan.predictions.size() - shown << " more; --top 0 shows all)\n";
   }
-  if (sharded) out << "  * not runnable yet: nebula runs shard = \"none\" and \"optimizer\" (ZeRO-1)\n";
+  if (sharded)
+    out << "  * not runnable yet: nebula runs shard = \"none\", \"optimizer\" (ZeRO-1) and \"gradients\" (ZeRO-2, "
+           "not with sync)\n";
 
   // Memory by strategy and shard mode: where the bytes go.
   out << "\nmemory per worker, the gateway (it holds the most) of the site that needs the most; the least hungry "

@@ -302,19 +302,32 @@ TEST(PlanMemory, ZeroShardsInsideASite) {
   auto mem = [&](const std::string& shard) { return gateway_memory(t, 0, Candidate{"diloco", "none", 10, 1, 0, shard}); };
   EXPECT_EQ(mem("none").device(), 16e6);
   EXPECT_EQ(mem("optimizer").device(), 4e6 + 4e6 + 8e6 / 4);     // ZeRO-1
-  EXPECT_EQ(mem("gradients").device(), 4e6 + 4e6 / 4 + 8e6 / 4);  // ZeRO-2
+  EXPECT_EQ(mem("gradients").device(), 4e6 + 4e6 + 8e6 / 4);  // ZeRO-2 as built: backward fills the whole gradient
   EXPECT_EQ(mem("full").device(), 16e6 / 4);                      // ZeRO-3
   // Host: the flat all-reduce buffer (4 workers now) and the outer state shard along.
   EXPECT_EQ(mem("none").buffers, 4e6);
   EXPECT_EQ(mem("none").outer, 12e6);
   EXPECT_EQ(mem("optimizer").outer, 8e6 + 4e6);  // ZeRO-1 as built: the outer state stays whole
-  EXPECT_EQ(mem("gradients").outer, 8e6 / 4 + 4e6);
+  EXPECT_EQ(mem("gradients").outer, 8e6 + 4e6);
+  EXPECT_EQ(mem("gradients").buffers, 0);  // reduce-scattered in place
+  EXPECT_EQ(mem("optimizer").buffers, 4e6);
   EXPECT_EQ(mem("full").buffers, 1e6);
   EXPECT_EQ(mem("full").outer, 3e6);
   EXPECT_TRUE(runnable(Candidate{"diloco", "none", 10}));
   EXPECT_TRUE(runnable(Candidate{"diloco", "none", 10, 1, 0, "optimizer"}));
-  EXPECT_FALSE(runnable(Candidate{"diloco", "none", 10, 1, 0, "gradients"}));
+  EXPECT_TRUE(runnable(Candidate{"diloco", "none", 10, 1, 0, "gradients"}));
+  EXPECT_FALSE(runnable(Candidate{"sync", "none", 1, 1, 0, "gradients"}));
   EXPECT_FALSE(runnable(Candidate{"diloco", "none", 10, 1, 0, "full"}));
+}
+
+// ZeRO-2's reduce-scatter is the first half of the all-reduce ZeRO-1 runs whole, and both
+// then all-gather: ZeRO-2 moves what shard = "none" moves inside the site, ZeRO-1 half more.
+TEST(PlanMemory, ZeroTwoMovesLessInsideTheSiteThanZeroOne) {
+  Topology t = two({"sites.0.workers=4", "sites.1.workers=4", "sites.0.lan_bandwidth=\"1Gbit\"",
+                    "sites.1.lan_bandwidth=\"1Gbit\""});
+  auto step = [&](const std::string& shard) { return predict(t, Candidate{"diloco", "none", 10, 1, 0, shard}).step_s; };
+  EXPECT_GT(step("optimizer"), step("gradients"));
+  EXPECT_GE(step("gradients"), step("none"));
 }
 
 TEST(PlanMemory, GatewayCodecStateAndExchange) {
@@ -382,19 +395,22 @@ TEST(PlanMemory, RecommendsOnlyWhatRunsAndFits) {
     expect_sound(plan, t.tolerance);
     for (const auto& p : plan.predictions) {
       EXPECT_EQ(p.fits, p.memory.device() <= parse_size(memory)) << p.misfit;
-      EXPECT_EQ(p.runnable, p.candidate.shard == "none" || p.candidate.shard == "optimizer");
+      EXPECT_EQ(p.runnable, p.candidate.shard == "none" || p.candidate.shard == "optimizer" ||
+                                (p.candidate.shard == "gradients" && p.candidate.strategy != "sync"));
     }
   }
-  // 15 MB: nothing unsharded fits (diloco and streaming need 16 MB, sync 20 MB); ZeRO-1 does
-  // (4 + 4 + 8/4 = 10 MB), and nebula runs it, so it is the recommendation.
+  // 15 MB: nothing unsharded fits (diloco and streaming need 16 MB, sync 20 MB); ZeRO-1 and
+  // ZeRO-2 as built do (4 + 4 + 8/4 = 10 MB), nebula runs both, and one is the recommendation
+  // (this topology's site links cost nothing, so they tie).
   Plan zero1 = make_plan(two({all[0], all[1], all[2], "sites.0.worker_memory=\"15MB\"", "sites.1.worker_memory=\"15MB\""}));
   ASSERT_TRUE(zero1.recommended) << zero1.reason;
-  EXPECT_EQ(zero1.predictions[*zero1.recommended].candidate.shard, "optimizer");
-  // 8 MB: only ZeRO-2 (4 + 4/4 + 8/4 = 7 MB) and ZeRO-3 would fit, and nebula runs neither.
+  const std::string& pick = zero1.predictions[*zero1.recommended].candidate.shard;
+  EXPECT_TRUE(pick == "optimizer" || pick == "gradients") << pick;
+  // 8 MB: only ZeRO-3 (16/4 = 4 MB) would fit, and nebula does not run it.
   Topology tight = two({all[0], all[1], all[2], "sites.0.worker_memory=\"8MB\"", "sites.1.worker_memory=\"8MB\""});
   Plan none = make_plan(tight);
   EXPECT_FALSE(none.recommended);
-  EXPECT_NE(none.reason.find("nothing nebula can run today (shard = \"none\" or \"optimizer\") fits"),
+  EXPECT_NE(none.reason.find("nothing nebula can run today (shard = \"none\", \"optimizer\", or \"gradients\" without sync) fits"),
             std::string::npos)
       << none.reason;
   EXPECT_NE(none.reason.find("needs 9.54 MiB of device memory per worker at site a, has 7.63 MiB"), std::string::npos)

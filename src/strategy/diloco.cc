@@ -177,6 +177,25 @@ void DilocoStrategy::sync_gradients(const std::vector<at::Tensor>& params, doubl
     site_weight_ += weight;
     return;
   }
+  if (flat_grad_.defined()) {
+    // ZeRO-2: the weighted gradients are reduce-scattered where they are, and the weight and
+    // buffers all-reduced beside them; this worker's shard ends as the site's average.
+    at::NoGradGuard no_grad;
+    at::Tensor small = at::empty({1 + buffer_numel_}, at::kFloat);
+    small[0] = static_cast<float>(weight);
+    if (buffer_numel_ > 0) small.narrow(0, 1, buffer_numel_).copy_(flatten(buffers_)).mul_(weight);
+    flat_grad_.mul_(weight);
+    const int64_t s = flat_grad_.numel() / site.size();
+    at::Tensor shard = flat_grad_.narrow(0, site.rank() * s, s);
+    site.reduce_scatter_sum(flat_grad_, shard);
+    site.allreduce_sum(small);
+    const double total = small[0].item<double>();
+    NEBULA_CHECK(total > 0, "site ", site.site(), ": total weight ", total, " in a data parallel step");
+    site_weight_ += total;
+    shard.div_(total);
+    if (buffer_numel_ > 0) unflatten_into(small.narrow(0, 1, buffer_numel_).div(total), buffers_);
+    return;
+  }
   // Every step: the weighted gradients and the weight go straight into one buffer (no
   // intermediate flat copy), one all-reduce, and straight back.
   // The buffers (as forward left them this step) ride along, weighted alike.
@@ -208,6 +227,15 @@ void DilocoStrategy::sync_gradients(const std::vector<at::Tensor>& params, doubl
     p.mutable_grad().copy_(buf.narrow(0, offset, p.numel()).view_as(p));
     offset += p.numel();
   }
+}
+
+void DilocoStrategy::shard_gradients(const at::Tensor& flat) {
+  const int64_t n = comm_.site().size();
+  NEBULA_CHECK(flat.numel() % n == 0 && flat.numel() >= total_numel_ && flat.scalar_type() == at::kFloat &&
+                   flat.is_contiguous(),
+               "shard_gradients: ", flat.numel(), " values for ", total_numel_, " parameters over ", n,
+               " workers (want N equal shards covering them, float32, contiguous)");
+  flat_grad_ = flat;
 }
 
 bool DilocoStrategy::keep_training(int64_t /*step*/, int64_t steps) {

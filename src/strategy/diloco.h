@@ -87,6 +87,8 @@ class DilocoStrategy : public Strategy {
   void init(const std::vector<at::Tensor>& params) override;
   // The site's own data parallel step: gradients averaged over the site's workers, weighted.
   void sync_gradients(const std::vector<at::Tensor>& params, double weight) override;
+  // ZeRO-2: the site's gradients are reduce-scattered in place in `flat` (strategy.h).
+  void shard_gradients(const at::Tensor& flat) override;
   void after_step(int64_t step) override;
   bool keep_training(int64_t step, int64_t steps) override;
   void finish() override;
@@ -166,6 +168,7 @@ class DilocoStrategy : public Strategy {
   bool decided_ = false, decided_measured_ = false;  // the controller ran (with measurements)
   int64_t controller_h_ = 0;
   int64_t total_numel_ = 0;
+  at::Tensor flat_grad_;  // ZeRO-2 (shard_gradients): the gradients' flat buffer, N S values
   bool round_open_ = false;
   uint64_t next_seq_ = 0;
   std::vector<at::Tensor> params_;

@@ -59,6 +59,14 @@ class Strategy {
   virtual void before_backward(double weight) {}
   // Called after backward and before the optimizer step.
   virtual void sync_gradients(const std::vector<at::Tensor>& params, double weight) = 0;
+  // ZeRO-2 ([parallel] shard = "gradients", train/inner_optimizer.h), after init(): every
+  // parameter's .grad is a view of `flat` (N S values, N = the site's workers), and from now
+  // on sync_gradients leaves the site's average in this worker's S of it only (a
+  // reduce-scatter instead of an all-reduce). Strategies that cannot throw ConfigError.
+  virtual void shard_gradients(const at::Tensor& flat) {
+    throw ConfigError(str_cat("parallel.shard = \"gradients\" does not run with strategy.kind = \"", name(),
+                              "\" (its gradients cross the WAN every step, whole): use shard = \"optimizer\""));
+  }
   // Called after the optimizer step `step` (0-based).
   virtual void after_step(int64_t step) {}
   // Whether to run step `step` (0-based) of a job of `steps` steps. Strategies whose sites

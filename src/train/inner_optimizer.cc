@@ -10,15 +10,16 @@ namespace nebula::train {
 InnerOptimizer::InnerOptimizer(std::vector<at::Tensor> params, double lr, double weight_decay,
                                const std::string& shard, collective::SiteGroup& site)
     : params_(std::move(params)), site_(site) {
-  NEBULA_CHECK(shard == "none" || shard == "optimizer", "parallel.shard = \"", shard,
-               "\": the inner optimizer runs \"none\" or \"optimizer\" (ZeRO-1) only");
+  NEBULA_CHECK(shard == "none" || shard == "optimizer" || shard == "gradients", "parallel.shard = \"", shard,
+               "\": the inner optimizer runs \"none\", \"optimizer\" (ZeRO-1) or \"gradients\" (ZeRO-2)");
   for (const auto& p : params_) total_numel_ += p.numel();
-  sharded_ = shard == "optimizer" && site_.size() > 1;
+  sharded_ = shard != "none" && site_.size() > 1;
+  gradients_sharded_ = sharded_ && shard == "gradients";
   if (sharded_) {
     for (const auto& p : params_)
-      NEBULA_CHECK(p.scalar_type() == at::kFloat && p.device().is_cpu(), "parallel.shard = \"optimizer\" on site ",
+      NEBULA_CHECK(p.scalar_type() == at::kFloat && p.device().is_cpu(), "parallel.shard = \"", shard, "\" on site ",
                    site_.site(), ": a trainable parameter is ", p.scalar_type(), " on ", p.device(),
-                   "; ZeRO-1 runs float32 parameters on CPU sites only (set shard = \"none\")");
+                   "; sharding runs float32 parameters on CPU sites only (set shard = \"none\")");
     // The parameters move into one flat buffer of N S values (their storage from now on), and
     // AdamW optimizes a leaf that shares this worker's S of it: its step writes the shard in
     // place and the all-gather fills the others' in place, with no copy of the model.
@@ -26,14 +27,20 @@ InnerOptimizer::InnerOptimizer(std::vector<at::Tensor> params, double lr, double
     const int64_t n = site_.size();
     shard_numel_ = (total_numel_ + n - 1) / n;
     flat_ = at::zeros({shard_numel_ * n});
+    flat_grad_ = at::zeros({shard_numel_ * n});
     int64_t offset = 0;
     for (auto& p : params_) {
       at::Tensor view = flat_.narrow(0, offset, p.numel()).view(p.sizes());
       view.copy_(p);
       p.set_data(view);
+      // Backward accumulates into a defined .grad in place: the gradients stay views of
+      // flat_grad_ (zero_grad zeroes them, never drops them).
+      grad_views_.push_back(flat_grad_.narrow(0, offset, p.numel()).view(p.sizes()));
+      p.mutable_grad() = grad_views_.back();
       offset += p.numel();
     }
     shard_ = flat_.narrow(0, site_.rank() * shard_numel_, shard_numel_).detach().set_requires_grad(true);
+    shard_.mutable_grad() = flat_grad_.narrow(0, site_.rank() * shard_numel_, shard_numel_);
     optimized_ = {shard_};
   } else {
     optimized_ = params_;
@@ -47,8 +54,21 @@ void InnerOptimizer::zero_grad() {
     adamw_->zero_grad();
     return;
   }
-  for (auto& p : params_)
-    if (p.grad().defined()) p.mutable_grad().zero_();
+  flat_grad_.zero_();
+  rebind_grads();
+}
+
+void InnerOptimizer::rebind_grads() {
+  // A caller that replaced a .grad (or dropped it) gets its values copied in (or zeros).
+  for (size_t i = 0; i < params_.size(); ++i) {
+    at::Tensor& p = params_[i];
+    if (p.grad().defined() && p.grad().data_ptr() == grad_views_[i].data_ptr()) continue;
+    if (p.grad().defined())
+      grad_views_[i].copy_(p.grad());
+    else
+      grad_views_[i].zero_();
+    p.mutable_grad() = grad_views_[i];
+  }
 }
 
 void InnerOptimizer::step() {
@@ -57,18 +77,10 @@ void InnerOptimizer::step() {
     return;
   }
   at::NoGradGuard no_grad;
-  // The shard's slice of the (already averaged) gradients; the parameters are already in
-  // place (flat_), whatever a strategy wrote into them since the last step.
-  const int64_t begin = site_.rank() * shard_numel_;
-  at::Tensor grad = at::zeros({shard_numel_});
-  int64_t offset = 0;
-  for (const auto& p : params_) {
-    const int64_t lo = std::max(offset, begin), hi = std::min(offset + p.numel(), begin + shard_numel_);
-    if (lo < hi && p.grad().defined())
-      grad.narrow(0, lo - begin, hi - lo).copy_(p.grad().reshape({-1}).narrow(0, lo - offset, hi - lo));
-    offset += p.numel();
-  }
-  shard_.mutable_grad() = grad;
+  // AdamW's gradient is the shard's slice of flat_grad_, averaged by the strategy (all of it:
+  // ZeRO-1; this shard alone: ZeRO-2); the parameters are in place (flat_), whatever a
+  // strategy wrote into them since the last step.
+  if (!gradients_sharded_) rebind_grads();
   adamw_->step();
   site_.all_gather(shard_.detach(), flat_);
 }

@@ -17,9 +17,16 @@
 //                       the whole AdamW but gets a zero gradient here (moments decay, weight
 //                       decay applies); the strategies fill every gradient, so it does not
 //                       arise in nebula's own loop.
+//                       The gradients live in one flat buffer of the same layout (every
+//                       .grad a view of it), so AdamW reads the shard's slice in place.
+//  shard = "gradients"  ZeRO-2: as "optimizer", but the strategy reduce-scatters the flat
+//                       gradients (Strategy::shard_gradients): only this worker's shard of
+//                       flat_grad() holds the site's average, the rest is scratch. The same
+//                       update up to the summation order of the site's gradients (bit-
+//                       identical with 2 workers, whose sums are a + b either way).
 //
 // Checkpoints (save/load through optimizer_state.h) hold this worker's moments only: with
-// shard = "optimizer" a checkpoint is sharded, one shard per rank directory, and resumes only
+// shard = "optimizer" or "gradients" a checkpoint is sharded, one shard per rank directory, and resumes only
 // with the same number of workers (the fingerprint carries [parallel] and the workers).
 #pragma once
 
@@ -37,12 +44,12 @@ namespace nebula::train {
 
 class InnerOptimizer {
  public:
-  // nebula::Error for an unknown `shard` ("gradients" and "full" are not built).
+  // nebula::Error for an unknown `shard` ("full" is not built).
   InnerOptimizer(std::vector<at::Tensor> params, double lr, double weight_decay, const std::string& shard,
                  collective::SiteGroup& site);
 
   void zero_grad();
-  // One AdamW step on the gradients in the parameters' .grad(); with shard = "optimizer" a
+  // One AdamW step on the gradients in the parameters' .grad(); when sharded a
   // site collective (every worker of the site calls it at the same step).
   void step();
 
@@ -50,6 +57,10 @@ class InnerOptimizer {
   int64_t state_numel() const { return sharded_ ? shard_numel_ : total_numel_; }
   int64_t total_numel() const { return total_numel_; }
   bool sharded() const { return sharded_; }
+  // ZeRO-2: the strategy must leave the site's average in this worker's shard of flat_grad()
+  // (N S values, every parameter's .grad a view of it).
+  bool gradients_sharded() const { return gradients_sharded_; }
+  const at::Tensor& flat_grad() const { return flat_grad_; }
 
   void save(Checkpoint& out) const;
   void load(const Checkpoint& in);
@@ -58,10 +69,14 @@ class InnerOptimizer {
   std::vector<at::Tensor> params_;     // the model's (kept, not copied)
   std::vector<at::Tensor> optimized_;  // what AdamW holds: params_, or {shard_}
   collective::SiteGroup& site_;
-  bool sharded_ = false;
+  void rebind_grads();  // every .grad back to its view of flat_grad_
+
+  bool sharded_ = false, gradients_sharded_ = false;
   int64_t total_numel_ = 0, shard_numel_ = 0;
   at::Tensor flat_;                    // N S: the parameters' storage (sharded only)
-  at::Tensor shard_;                   // a leaf sharing this worker's S of flat_
+  at::Tensor flat_grad_;               // N S: the parameters' gradients (sharded only)
+  std::vector<at::Tensor> grad_views_;  // each parameter's view of flat_grad_
+  at::Tensor shard_;                   // a leaf sharing this worker's S of flat_ (grad: of flat_grad_)
   std::unique_ptr<torch::optim::AdamW> adamw_;
 };
 

@@ -21,17 +21,39 @@ std::vector<at::Tensor> make_params() {
           at::cos(at::arange(11, at::kFloat).mul(0.7)).set_requires_grad(true)};
 }
 
-// The gradients of step `s` (the same on every worker: as after the strategy's averaging).
-void set_grads(std::vector<at::Tensor>& params, int s) {
-  for (size_t i = 0; i < params.size(); ++i)
-    params[i].mutable_grad() = at::sin(at::arange(params[i].numel(), at::kFloat).add(static_cast<double>(s * 7 + static_cast<int>(i)))).reshape(params[i].sizes()).clone();
+// The gradients of step `s` (the same on every worker: as after the strategy's averaging),
+// written into the existing .grad as backward does, or (`replace`) as new tensors, as a
+// caller's own loop might.
+void set_grads(std::vector<at::Tensor>& params, int s, bool replace = false) {
+  for (size_t i = 0; i < params.size(); ++i) {
+    at::Tensor g = at::sin(at::arange(params[i].numel(), at::kFloat).add(static_cast<double>(s * 7 + static_cast<int>(i))))
+                       .reshape(params[i].sizes());
+    if (params[i].grad().defined() && !replace)
+      params[i].mutable_grad().copy_(g);
+    else
+      params[i].mutable_grad() = g.clone();
+  }
 }
 
-// ZeRO-1 over 1 to 4 workers ends every step with the parameters of one AdamW over all of
-// them; each worker holds the moments of ceil(47 / N) elements; a checkpoint of the shards
-// resumes exactly, and one taken with another sharding is refused, naming the setting.
-void check_sharded_adamw(const int kWorkers) {
-  SCOPED_TRACE(str_cat(kWorkers, " workers"));
+// ZeRO-1 and ZeRO-2 over 1 to 4 workers end every step with the parameters of one AdamW over
+// all of them; each worker holds the moments of ceil(47 / N) elements; a checkpoint of the
+// shards resumes exactly, and one taken with another sharding is refused, naming the setting.
+// ZeRO-2: each step, rank 0's gradients and everyone else's zeros are reduce-scattered in the
+// optimizer's flat_grad() (what DilocoStrategy does), so each shard holds exactly the reference's.
+void check_sharded_adamw(const int kWorkers, const std::string& mode) {
+  SCOPED_TRACE(str_cat(kWorkers, " workers, shard = ", mode));
+  auto sharded_step = [&](InnerOptimizer& o, collective::SiteGroup& site, std::vector<at::Tensor>& params, int s) {
+    o.zero_grad();
+    set_grads(params, s, mode == "optimizer" && s % 2 == 1);
+    if (o.gradients_sharded()) {
+      at::Tensor flat = o.flat_grad();
+      if (site.rank() != 0) flat.zero_();
+      const int64_t n = flat.numel() / site.size();
+      at::Tensor shard = flat.narrow(0, site.rank() * n, n);
+      site.reduce_scatter_sum(flat, shard);
+    }
+    o.step();
+  };
   constexpr int kSteps = 5;
   std::vector<at::Tensor> reference = make_params();
   {
@@ -53,25 +75,20 @@ void check_sharded_adamw(const int kWorkers) {
     threads.emplace_back([&, r] {
       try {
         collective::SiteGroup site =
-            collective::testing::join_group(str_cat("zero1-", kWorkers), r, kWorkers, 30s, port);
+            collective::testing::join_group(str_cat("zero-", mode, "-", kWorkers), r, kWorkers, 30s, port);
         std::vector<at::Tensor> params = make_params();
         Checkpoint k;
         {
-          InnerOptimizer sharded(params, 1e-2, 0.1, "optimizer", site);
+          InnerOptimizer sharded(params, 1e-2, 0.1, mode, site);
           EXPECT_EQ(sharded.sharded(), kWorkers > 1);
+          EXPECT_EQ(sharded.gradients_sharded(), kWorkers > 1 && mode == "gradients");
           EXPECT_EQ(sharded.state_numel(), (47 + kWorkers - 1) / kWorkers);
-          for (int s = 0; s < kSteps; ++s) {
-            sharded.zero_grad();
-            set_grads(params, s);
-            sharded.step();
-          }
+          for (int s = 0; s < kSteps; ++s) sharded_step(sharded, site, params, s);
           sharded.save(k);
         }
-        InnerOptimizer resumed(params, 1e-2, 0.1, "optimizer", site);
+        InnerOptimizer resumed(params, 1e-2, 0.1, mode, site);
         resumed.load(k);
-        resumed.zero_grad();
-        set_grads(params, kSteps);
-        resumed.step();
+        sharded_step(resumed, site, params, kSteps);
         for (size_t i = 0; i < params.size(); ++i)
           EXPECT_TRUE(at::allclose(params[i], reference[i], 1e-5, 1e-6))
               << "rank " << r << " parameter " << i << ": max diff "
@@ -99,13 +116,17 @@ void check_sharded_adamw(const int kWorkers) {
 }
 
 TEST(InnerOptimizer, ShardedAdamWEqualsTheWholeOneAndResumesFromItsShards) {
-  for (int workers = 1; workers <= 4; ++workers) check_sharded_adamw(workers);
+  for (int workers = 1; workers <= 4; ++workers) check_sharded_adamw(workers, "optimizer");
 }
 
-TEST(InnerOptimizer, ZeroTwoAndThreeAreRefusedNamingTheKey) {
+TEST(InnerOptimizer, ZeroTwoEqualsTheWholeOneAndResumesFromItsShards) {
+  for (int workers = 1; workers <= 4; ++workers) check_sharded_adamw(workers, "gradients");
+}
+
+TEST(InnerOptimizer, ZeroThreeAndUnknownModesAreRefusedNamingTheKey) {
   collective::testing::StorePort port;
   collective::SiteGroup solo = collective::testing::join_group("solo", 0, 1, 30s, port);
-  for (const char* shard : {"gradients", "full", "zero4"}) {
+  for (const char* shard : {"full", "zero4"}) {
     try {
       InnerOptimizer o(make_params(), 1e-3, 0, shard, solo);
       ADD_FAILURE() << shard;

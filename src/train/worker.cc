@@ -195,9 +195,10 @@ int run_worker(const Config& c, const WorkerIdentity& who, bool resume, bool rej
   strategy->set_buffers(task->module().buffers());  // BatchNorm statistics ...: kept equal too
   strategy->init(params);
   InnerOptimizer optimizer(params, c.model.lr, c.model.weight_decay, c.parallel.shard, group);
+  if (optimizer.gradients_sharded()) strategy->shard_gradients(optimizer.flat_grad());
   if (optimizer.sharded() && who.local_rank == 0)
-    spdlog::info("inner optimizer: ZeRO-1 over the site's {} workers, AdamW moments for {} of {} parameters per worker",
-                 workers, optimizer.state_numel(), optimizer.total_numel());
+    spdlog::info("inner optimizer: ZeRO-{} over the site's {} workers, AdamW moments for {} of {} parameters per worker",
+                 optimizer.gradients_sharded() ? 2 : 1, workers, optimizer.state_numel(), optimizer.total_numel());
   MetricsWriter metrics(c.job.run_dir + "/metrics.jsonl");
   int64_t tokens = 0;
   double window_loss = 0, window_predicted = 0, last_loss = 0, last_predicted = 0;

@@ -98,9 +98,14 @@ TEST(Config, ParallelShard) {
   const Config z = parse_config(kValid, "job.toml", {"parallel.shard=\"optimizer\""});
   EXPECT_EQ(z.parallel.shard, "optimizer");
   EXPECT_EQ(parse_config(to_toml(z), "again").parallel.shard, "optimizer");
+  // ZeRO-2: with diloco and streaming (inside the site), not with sync.
+  EXPECT_EQ(parse_config(kValid, "job.toml", {"parallel.shard=\"gradients\"", "strategy.kind=\"diloco\""}).parallel.shard,
+            "gradients");
   expect_error(std::string(kValid) + "\n[parallel]\nshard = \"gradients\"\n",
-               {"job.toml", "parallel.shard", "ZeRO-2", "not built yet", "\"optimizer\""});
-  expect_error(std::string(kValid) + "\n[parallel]\nshard = \"full\"\n", {"parallel.shard", "ZeRO-3"});
+               {"job.toml", "parallel.shard", "ZeRO-2", "sync", "\"optimizer\""}, {"strategy.kind=\"sync\""});
+  expect_error(std::string(kValid) + "\n[parallel]\nshard = \"gradients\"\n", {"parallel.shard", "CPU sites only", "'b'"},
+               {"sites.1.device=\"cuda\"", "strategy.kind=\"diloco\""});
+  expect_error(std::string(kValid) + "\n[parallel]\nshard = \"full\"\n", {"parallel.shard", "ZeRO-3", "not built yet"});
   expect_error(std::string(kValid) + "\n[parallel]\nshard = \"optimizer\"\n", {"parallel.shard", "CPU sites only", "'b'"},
                {"sites.1.device=\"cuda\""});
   expect_error(std::string(kValid) + "\n[parallel]\nshard = \"zero1\"\n", {"parallel.shard", "zero1"});
