@@ -228,7 +228,7 @@ double max_relative_difference(const std::map<std::string, std::string>& a, cons
   return worst;
 }
 
-// ZeRO-1 (sync, diloco) and ZeRO-2 (diloco) against the whole optimizer on the same data and
+// ZeRO-1 (sync, diloco) and ZeRO-2 (diloco, streaming) against the whole optimizer on the same data and
 // seeds: the same final weights within 1e-6 relative (the same AdamW elementwise; ZeRO-2 sums
 // the site's gradients by reduce-scatter, in another order than Gloo's all-reduce with more
 // than 2 workers), with 2 workers on one site and 3 on the other (shards padded unless 3
@@ -236,11 +236,13 @@ double max_relative_difference(const std::map<std::string, std::string>& a, cons
 TEST(EndToEnd, ZeroOneShardsTheOptimizerAndTrainsAsTheWholeOne) {
   const std::string dir = temp_run_dir("zero1");
   const std::vector<std::pair<std::string, std::string>> runs = {
-      {"sync", "none"}, {"sync", "optimizer"}, {"diloco", "none"}, {"diloco", "optimizer"}, {"diloco", "gradients"}};
+      {"sync", "none"},   {"sync", "optimizer"},      {"diloco", "none"},
+      {"diloco", "optimizer"}, {"diloco", "gradients"}, {"streaming", "none"}, {"streaming", "gradients"}};
   for (const auto& [kind, shard] : runs) {
     const std::string name = nebula::str_cat(kind, "-", shard);
     Result r = run(nebula::str_cat("run examples/smoke.toml --set sites.0.workers=2 --set sites.1.workers=3 --set strategy.kind=",
                                    kind, " --set strategy.inner_steps=10 --set strategy.heterogeneous=false --set job.steps=40",
+                                   kind == "streaming" ? " --set strategy.fragments=2 --set strategy.delay=2" : "",
                                    " --set parallel.shard=", shard, " --set job.run_dir=\\\"", dir, "/", name, "\\\""));
     ASSERT_EQ(r.exit_code, 0) << name << "\n" << r.output;
     const std::string log = read_file(dir + "/" + name + "/logs/alpha-0.log");
