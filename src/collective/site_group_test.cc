@@ -61,42 +61,34 @@ TEST(SiteGroup, WaitingForAnUnpublishedPortIsBounded) {
 // then slice (exactly, on integers-valued floats), all_gather is every shard in rank order;
 // and bad shapes are errors naming the sizes.
 void check_sharded_collectives(int size, int64_t shard) {
-  testing::StorePort port;
-  std::vector<std::thread> threads;
-  std::vector<std::exception_ptr> errors(static_cast<size_t>(size));
-  for (int r = 0; r < size; ++r) {
-    threads.emplace_back([&, r] {
-      try {
-        SiteGroup g = testing::join_group("ring", r, size, 30s, port);
-        at::Tensor mine = at::arange(size * shard, at::kFloat).mul_(r + 1).add_(r * 1000);
-        at::Tensor reference = mine.clone();
-        g.allreduce_sum(reference);
-        at::Tensor scratch = mine.clone(), got = at::empty({shard});
-        g.reduce_scatter_sum(scratch, got);
-        EXPECT_TRUE(at::equal(got, reference.narrow(0, r * shard, shard))) << "rank " << r << " of " << size;
+  testing::run_site("ring", size, [&](SiteGroup& g) {
+    const int r = g.rank();
+    at::Tensor mine = at::arange(size * shard, at::kFloat).mul_(r + 1).add_(r * 1000);
+    at::Tensor reference = mine.clone();
+    g.allreduce_sum(reference);
+    at::Tensor scratch = mine.clone(), got = at::empty({shard});
+    g.reduce_scatter_sum(scratch, got);
+    EXPECT_TRUE(at::equal(got, reference.narrow(0, r * shard, shard))) << "rank " << r << " of " << size;
+    // In place: the shard is the full tensor's own chunk (ZeRO-2's flat gradients).
+    at::Tensor in_place = mine.clone();
+    at::Tensor own = in_place.narrow(0, r * shard, shard);
+    g.reduce_scatter_sum(in_place, own);
+    EXPECT_TRUE(at::equal(own, reference.narrow(0, r * shard, shard))) << "in place, rank " << r << " of " << size;
 
-        at::Tensor piece = at::full({shard}, static_cast<float>(r + 1)), full = at::empty({size * shard});
-        g.all_gather(piece, full);
-        for (int i = 0; i < size; ++i)
-          EXPECT_TRUE(at::equal(full.narrow(0, i * shard, shard), at::full({shard}, float(i + 1))))
-              << "shard " << i << " on rank " << r;
+    at::Tensor piece = at::full({shard}, static_cast<float>(r + 1)), full = at::empty({size * shard});
+    g.all_gather(piece, full);
+    for (int i = 0; i < size; ++i)
+      EXPECT_TRUE(at::equal(full.narrow(0, i * shard, shard), at::full({shard}, float(i + 1))))
+          << "shard " << i << " on rank " << r;
 
-        at::Tensor odd = at::zeros({size * shard + 1}), small = at::empty({shard});
-        try {
-          g.reduce_scatter_sum(odd, small);
-          ADD_FAILURE() << "an indivisible tensor was reduce-scattered";
-        } catch (const Error& e) {
-          EXPECT_NE(std::string(e.what()).find("pad it to a multiple"), std::string::npos) << e.what();
-        }
-        g.barrier();
-      } catch (...) {
-        errors[static_cast<size_t>(r)] = std::current_exception();
-      }
-    });
-  }
-  for (auto& t : threads) t.join();
-  for (auto& e : errors)
-    if (e) std::rethrow_exception(e);
+    at::Tensor odd = at::zeros({size * shard + 1}), small = at::empty({shard});
+    try {
+      g.reduce_scatter_sum(odd, small);
+      ADD_FAILURE() << "an indivisible tensor was reduce-scattered";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("pad it to a multiple"), std::string::npos) << e.what();
+    }
+  });
 }
 
 TEST(SiteGroup, ReduceScatterEqualsAllreduceThenSliceAndAllGatherConcatenates) {

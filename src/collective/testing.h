@@ -67,6 +67,29 @@ inline SiteGroup join_group(const std::string& group, int rank, int size, std::c
   }
 }
 
+// One site of `size` workers, each a thread joined to group `name` on loopback, calling
+// body(group) (group.rank() tells which). Ends with a barrier; rethrows the first exception
+// of any thread after all have finished.
+inline void run_site(const std::string& name, int size, const std::function<void(SiteGroup&)>& body,
+                     std::chrono::milliseconds timeout = std::chrono::seconds(30)) {
+  StorePort port;
+  std::vector<std::thread> threads;
+  std::vector<std::exception_ptr> errors(static_cast<size_t>(size));
+  for (int r = 0; r < size; ++r)
+    threads.emplace_back([&, r] {
+      try {
+        SiteGroup group = join_group(name, r, size, timeout, port);
+        body(group);
+        group.barrier();
+      } catch (...) {
+        errors[static_cast<size_t>(r)] = std::current_exception();
+      }
+    });
+  for (auto& t : threads) t.join();
+  for (auto& e : errors)
+    if (e) std::rethrow_exception(e);
+}
+
 struct Rank {
   size_t site;
   int local_rank;

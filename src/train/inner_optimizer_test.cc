@@ -68,51 +68,36 @@ void check_sharded_adamw(const int kWorkers, const std::string& mode) {
       whole.step();
     }
   }
-  collective::testing::StorePort port;
-  std::vector<std::thread> threads;
-  std::vector<std::exception_ptr> errors(kWorkers);
-  for (int r = 0; r < kWorkers; ++r) {
-    threads.emplace_back([&, r] {
-      try {
-        collective::SiteGroup site =
-            collective::testing::join_group(str_cat("zero-", mode, "-", kWorkers), r, kWorkers, 30s, port);
-        std::vector<at::Tensor> params = make_params();
-        Checkpoint k;
-        {
-          InnerOptimizer sharded(params, 1e-2, 0.1, mode, site);
-          EXPECT_EQ(sharded.sharded(), kWorkers > 1);
-          EXPECT_EQ(sharded.gradients_sharded(), kWorkers > 1 && mode == "gradients");
-          EXPECT_EQ(sharded.state_numel(), (47 + kWorkers - 1) / kWorkers);
-          for (int s = 0; s < kSteps; ++s) sharded_step(sharded, site, params, s);
-          sharded.save(k);
-        }
-        InnerOptimizer resumed(params, 1e-2, 0.1, mode, site);
-        resumed.load(k);
-        sharded_step(resumed, site, params, kSteps);
-        for (size_t i = 0; i < params.size(); ++i)
-          EXPECT_TRUE(at::allclose(params[i], reference[i], 1e-5, 1e-6))
-              << "rank " << r << " parameter " << i << ": max diff "
-              << (params[i] - reference[i]).abs().max().item<float>();
+  collective::testing::run_site(str_cat("zero-", mode, "-", kWorkers), kWorkers, [&](collective::SiteGroup& site) {
+    const int r = site.rank();
+    std::vector<at::Tensor> params = make_params();
+    Checkpoint k;
+    {
+      InnerOptimizer sharded(params, 1e-2, 0.1, mode, site);
+      EXPECT_EQ(sharded.sharded(), kWorkers > 1);
+      EXPECT_EQ(sharded.gradients_sharded(), kWorkers > 1 && mode == "gradients");
+      EXPECT_EQ(sharded.state_numel(), (47 + kWorkers - 1) / kWorkers);
+      for (int s = 0; s < kSteps; ++s) sharded_step(sharded, site, params, s);
+      sharded.save(k);
+    }
+    InnerOptimizer resumed(params, 1e-2, 0.1, mode, site);
+    resumed.load(k);
+    sharded_step(resumed, site, params, kSteps);
+    for (size_t i = 0; i < params.size(); ++i)
+      EXPECT_TRUE(at::allclose(params[i], reference[i], 1e-5, 1e-6))
+          << "rank " << r << " parameter " << i << ": max diff " << (params[i] - reference[i]).abs().max().item<float>();
 
-        if (kWorkers > 1) {
-          Checkpoint whole_state;
-          whole_state.state["optim"] = {{"steps", {1, 1, 1, 1}}};  // as written by shard = "none" (no "shard" entry)
-          try {
-            resumed.load(whole_state);
-            ADD_FAILURE() << "a checkpoint of another sharding was loaded";
-          } catch (const DataError& e) {
-            EXPECT_NE(std::string(e.what()).find("parallel.shard"), std::string::npos) << e.what();
-          }
-        }
-        site.barrier();
-      } catch (...) {
-        errors[static_cast<size_t>(r)] = std::current_exception();
+    if (kWorkers > 1) {
+      Checkpoint whole_state;
+      whole_state.state["optim"] = {{"steps", {1, 1, 1, 1}}};  // as written by shard = "none" (no "shard" entry)
+      try {
+        resumed.load(whole_state);
+        ADD_FAILURE() << "a checkpoint of another sharding was loaded";
+      } catch (const DataError& e) {
+        EXPECT_NE(std::string(e.what()).find("parallel.shard"), std::string::npos) << e.what();
       }
-    });
-  }
-  for (auto& t : threads) t.join();
-  for (auto& e : errors)
-    if (e) std::rethrow_exception(e);
+    }
+  });
 }
 
 TEST(InnerOptimizer, ShardedAdamWEqualsTheWholeOneAndResumesFromItsShards) {
