@@ -13,7 +13,7 @@ steps="${1:-150}"
 kind="${2:-diloco}"
 bench_out drop
 read -r -a extra <<< "${EXTRA:-}"
-printf "%-10s %18s %10s %14s %10s %12s\n" shard "AdamW values/wkr" "vs none" "peak RSS/wkr" "s/step" "val loss"
+printf "%-10s %18s %10s %14s %10s %16s %12s\n" shard "AdamW values/wkr" "vs none" "peak RSS/wkr" "s/step" "steps/s vs none" "val loss"
 shards=(none optimizer)
 [[ "$kind" != sync ]] && shards+=(gradients)
 for shard in "${shards[@]}"; do
@@ -28,7 +28,8 @@ from rundir import summary, step_seconds, window
 out, shard = sys.argv[1], sys.argv[2]
 last = window(f"{out}/{shard}")[1]  # the first site's gateway: 1 of its 2 workers
 state, base = last["adamw_state_values"], window(f"{out}/none")[1]["adamw_state_values"]
+seconds = step_seconds(f"{out}/{shard}")
 print(f"{shard:<10} {state:18d} {state / base:9.2f}x {last['peak_rss_bytes'] / 2**20:10.0f} MiB "
-      f"{step_seconds(f'{out}/{shard}'):10.3f} {summary(f'{out}/{shard}')['final_val_loss']:12.4f}")
+      f"{seconds:10.3f} {step_seconds(f'{out}/none') / seconds:15.2f}x {summary(f'{out}/{shard}')['final_val_loss']:12.4f}")
 PY
 done
