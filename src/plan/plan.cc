@@ -573,8 +573,8 @@ Plan make_plan(const Topology& t) {
       plan.reason += str_cat(". With shard = \"", sharded->candidate.shard, "\" (", zero_name(sharded->candidate.shard),
                              ", not runnable yet) ", label(sharded->candidate), " would fit");
     else if (std::find(t.shards.begin(), t.shards.end(), "full") == t.shards.end())
-      plan.reason += ". The memory table shows what sharding would need (ZeRO-1 runs: add \"optimizer\" to "
-                     "[candidates] shard; ZeRO-2/3 do not yet)";
+      plan.reason += ". The memory table shows what sharding would need (ZeRO-1 and ZeRO-2 run: add \"optimizer\" "
+                     "or \"gradients\" to [candidates] shard; ZeRO-3 does not yet)";
     else
       plan.reason += ". No shard mode fits either";
     return plan;
