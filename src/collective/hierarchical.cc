@@ -156,11 +156,11 @@ std::shared_ptr<Work> Hierarchy::exchange_async(std::vector<at::Tensor> bucket, 
                    const bool in_place = bucket.size() == 1 && bucket[0].device().is_cpu();
                    at::Tensor values = in_place ? bucket[0].view({-1}) : host_buffer(n, bucket);
                    int64_t offset = 0;
-                   for (const auto& t : bucket) {
-                     if (in_place) break;
-                     values.narrow(0, offset, t.numel()).copy_(t.reshape({-1}));
-                     offset += t.numel();
-                   }
+                   if (!in_place)
+                     for (const auto& t : bucket) {
+                       values.narrow(0, offset, t.numel()).copy_(t.reshape({-1}));
+                       offset += t.numel();
+                     }
                    {
                      MutexLock lock(stats_mu_);
                      ++allreduces_;
@@ -168,11 +168,11 @@ std::shared_ptr<Work> Hierarchy::exchange_async(std::vector<at::Tensor> bucket, 
                    work.site_info_ =
                        cross_site(values, bucket, options.weight, /*presummed=*/false, options, &work.rejected_);
                    offset = 0;
-                   for (const auto& t : bucket) {
-                     if (in_place) break;
-                     t.view({-1}).copy_(values.narrow(0, offset, t.numel()));
-                     offset += t.numel();
-                   }
+                   if (!in_place)
+                     for (const auto& t : bucket) {
+                       t.view({-1}).copy_(values.narrow(0, offset, t.numel()));
+                       offset += t.numel();
+                     }
                  });
 }
 

@@ -177,28 +177,35 @@ void DilocoStrategy::sync_gradients(const std::vector<at::Tensor>& params, doubl
     site_weight_ += weight;
     return;
   }
+  at::NoGradGuard no_grad;
+  // The weight and the weighted buffers (as forward left them this step) travel beside the
+  // gradients as a tail [w, b·w]; summed, it gives the site's total weight and buffer mean.
+  auto pack_tail = [&](at::Tensor tail) {
+    tail[0] = static_cast<float>(weight);
+    if (buffer_numel_ > 0) tail.narrow(0, 1, buffer_numel_).copy_(flatten(buffers_)).mul_(weight);
+  };
+  auto unpack_tail = [&](const at::Tensor& tail) {
+    const double total = tail[0].item<double>();
+    NEBULA_CHECK(total > 0, "site ", site.site(), ": total weight ", total, " in a data parallel step");
+    site_weight_ += total;
+    if (buffer_numel_ > 0) unflatten_into(tail.narrow(0, 1, buffer_numel_).div(total), buffers_);
+    return total;
+  };
   if (flat_grad_.defined()) {
-    // ZeRO-2: the weighted gradients are reduce-scattered where they are, and the weight and
-    // buffers all-reduced beside them; this worker's shard ends as the site's average.
-    at::NoGradGuard no_grad;
-    at::Tensor small = at::empty({1 + buffer_numel_}, at::kFloat);
-    small[0] = static_cast<float>(weight);
-    if (buffer_numel_ > 0) small.narrow(0, 1, buffer_numel_).copy_(flatten(buffers_)).mul_(weight);
+    // ZeRO-2: the weighted gradients are reduce-scattered where they are, the tail all-reduced
+    // beside them; this worker's shard ends as the site's average.
+    at::Tensor tail = at::empty({1 + buffer_numel_}, at::kFloat);
+    pack_tail(tail);
     flat_grad_.mul_(weight);
     const int64_t s = flat_grad_.numel() / site.size();
     at::Tensor shard = flat_grad_.narrow(0, site.rank() * s, s);
     site.reduce_scatter_sum(flat_grad_, shard);
-    site.allreduce_sum(small);
-    const double total = small[0].item<double>();
-    NEBULA_CHECK(total > 0, "site ", site.site(), ": total weight ", total, " in a data parallel step");
-    site_weight_ += total;
-    shard.div_(total);
-    if (buffer_numel_ > 0) unflatten_into(small.narrow(0, 1, buffer_numel_).div(total), buffers_);
+    site.allreduce_sum(tail);
+    shard.div_(unpack_tail(tail));
     return;
   }
-  // Every step: the weighted gradients and the weight go straight into one buffer (no
+  // Every step: the weighted gradients and the tail go straight into one buffer (no
   // intermediate flat copy), one all-reduce, and straight back.
-  // The buffers (as forward left them this step) ride along, weighted alike.
   const int64_t n = total_numel_;
   at::Tensor buf = at::empty({n + 1 + buffer_numel_}, at::kFloat);
   int64_t offset = 0;
@@ -210,17 +217,9 @@ void DilocoStrategy::sync_gradients(const std::vector<at::Tensor>& params, doubl
       slice.zero_();
     offset += p.numel();
   }
-  buf[n] = static_cast<float>(weight);
-  if (buffer_numel_ > 0) buf.narrow(0, n + 1, buffer_numel_).copy_(flatten(buffers_)).mul_(weight);
+  pack_tail(buf.narrow(0, n, 1 + buffer_numel_));
   site.allreduce_sum(buf);
-  const double total = buf[n].item<double>();
-  NEBULA_CHECK(total > 0, "site ", site.site(), ": total weight ", total, " in a data parallel step");
-  site_weight_ += total;
-  buf.narrow(0, 0, n).div_(total);
-  if (buffer_numel_ > 0) {
-    at::NoGradGuard no_grad;
-    unflatten_into(buf.narrow(0, n + 1, buffer_numel_).div(total), buffers_);
-  }
+  buf.narrow(0, 0, n).div_(unpack_tail(buf.narrow(0, n, 1 + buffer_numel_)));
   offset = 0;
   for (auto& p : params_) {
     if (!p.grad().defined()) p.mutable_grad() = at::zeros_like(p);
