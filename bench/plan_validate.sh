@@ -14,7 +14,10 @@
 # window holds start-up and the initial broadcast of the weights). For diloco/streaming use
 # STEPS of several H (and job.log_every dividing H) so that the window holds whole rounds:
 # EXTRA="--set strategy.inner_steps=10" passes more --set options to every run.
-#   BENCH_TINY=1 STEPS=6 CODECS=int8 EXTRA="--set strategy.inner_steps=2" bench/plan_validate.sh sync diloco
+#   BENCH_TINY=1 STEPS=6 CODECS=int8 EXTRA="--set strategy.inner_steps=2 --set strategy.heterogeneous=false" \
+#     bench/plan_validate.sh sync diloco
+#   (heterogeneous = false: sites whose measured speeds differ would run different inner steps,
+#   and the window compares the sites at the same steps)
 #   (tiny mode, bench/common.sh)
 set -euo pipefail
 cd "$(dirname "$0")/.."
