@@ -54,15 +54,20 @@ SiteGroup::SiteGroup(const std::string& site, const std::string& store_host, uin
 SiteGroup::~SiteGroup() = default;
 
 namespace {
+// Runs `f` (which posts and waits for c10d work), turning c10d's errors into PeerLost.
 template <typename F>
-void run(const std::string& site, const char* op, F&& f) {
+void guarded(const std::string& site, const char* op, F&& f) {
   try {
-    f()->wait();
+    f();
   } catch (const c10::Error& e) {
     throw PeerLost(site, str_cat("site ", site, ": intra-site ", op, " failed: ", e.what_without_backtrace()));
   } catch (const std::exception& e) {
     throw PeerLost(site, str_cat("site ", site, ": intra-site ", op, " failed: ", e.what()));
   }
+}
+template <typename F>
+void run(const std::string& site, const char* op, F&& f) {
+  guarded(site, op, [&] { f()->wait(); });
 }
 }  // namespace
 
@@ -125,22 +130,105 @@ void SiteGroup::reduce_scatter_sum(at::Tensor& full, at::Tensor& shard) {
 
 void SiteGroup::all_gather(const at::Tensor& shard, at::Tensor& full) {
   const int64_t s = shard_numel(site_, "all_gather", full, shard, size_);
-  auto chunk = [&](int i) { return full.narrow(0, static_cast<int64_t>(((i % size_) + size_) % size_) * s, s); };
-  at::Tensor own = chunk(rank_);
+  at::Tensor own = full.narrow(0, rank_ * s, s);
   if (own.data_ptr() != shard.data_ptr()) own.copy_(shard);
+  all_gather_parts(full, std::vector<int64_t>(static_cast<size_t>(size_), s));
+}
+
+namespace {
+// Each rank's offset in a tensor of parts (the last entry: the total), after checking the
+// parts against the tensor.
+std::vector<int64_t> part_offsets(const std::string& site, const char* op, const at::Tensor& full,
+                                  const std::vector<int64_t>& counts, int size) {
+  NEBULA_CHECK(counts.size() == static_cast<size_t>(size), "site ", site, ": ", op, " with ", counts.size(),
+               " part sizes for ", size, " ranks");
+  std::vector<int64_t> at(counts.size() + 1, 0);
+  for (size_t i = 0; i < counts.size(); ++i) {
+    NEBULA_CHECK(counts[i] >= 0, "site ", site, ": ", op, ": part ", i, " has ", counts[i], " values");
+    at[i + 1] = at[i] + counts[i];
+  }
+  NEBULA_CHECK(full.is_contiguous() && full.dim() == 1 && full.numel() == at.back(), "site ", site, ": ", op,
+               " of parts summing to ", at.back(), " values into a tensor of shape ", full.sizes(),
+               " (want 1-D, contiguous, as many values)");
+  return at;
+}
+}  // namespace
+
+void SiteGroup::all_gather_parts(const at::Tensor& full, const std::vector<int64_t>& counts) {
+  const std::vector<int64_t> at = part_offsets(site_, "all_gather", full, counts, size_);
+  auto part = [&](int i) {
+    const auto k = static_cast<size_t>(((i % size_) + size_) % size_);
+    return full.narrow(0, at[k], counts[k]);
+  };
   // A ring in place (Gloo's allgather would stage everything in a second full-size buffer):
-  // step k sends the shard of rank (rank - k) on and receives that of (rank - k - 1) straight
-  // into its place.
+  // step k sends the part of rank (rank - k) on and receives that of (rank - k - 1) straight
+  // into its place; a part of no values is neither sent nor awaited.
   const int next = (rank_ + 1) % size_, prev = (rank_ + size_ - 1) % size_;
   for (int k = 0; k + 1 < size_; ++k) {
-    std::vector<at::Tensor> out{chunk(rank_ - k)}, in{chunk(rank_ - k - 1)};
-    run(site_, "all_gather", [&] {
-      auto sent = impl_->pg->send(out, next, k);
-      auto got = impl_->pg->recv(in, prev, k);
-      sent->wait();
-      return got;
+    std::vector<at::Tensor> out{part(rank_ - k)}, in{part(rank_ - k - 1)};
+    guarded(site_, "all_gather", [&] {
+      c10::intrusive_ptr<c10d::Work> sent, got;
+      if (out[0].numel() > 0) sent = impl_->pg->send(out, next, k);
+      if (in[0].numel() > 0) got = impl_->pg->recv(in, prev, k);
+      if (sent) sent->wait();
+      if (got) got->wait();
     });
   }
+}
+
+void SiteGroup::gather_parts_to_root(const at::Tensor& part, const at::Tensor& full,
+                                     const std::vector<int64_t>& counts) {
+  NEBULA_CHECK(counts.size() == static_cast<size_t>(size_) && part.numel() == counts[static_cast<size_t>(rank_)] &&
+                   part.is_contiguous(),
+               "site ", site_, ": gather of a ", part.numel(), "-value part on rank ", rank_, " (want counts[rank], contiguous)");
+  constexpr int kTag = 1 << 20;  // apart from the rings' step tags
+  if (rank_ != 0) {
+    if (part.numel() == 0) return;
+    std::vector<at::Tensor> out{part};
+    run(site_, "gather", [&] { return impl_->pg->send(out, 0, kTag); });
+    return;
+  }
+  const std::vector<int64_t> at = part_offsets(site_, "gather", full, counts, size_);
+  at::Tensor own = full.narrow(0, 0, counts[0]);
+  if (counts[0] > 0 && own.data_ptr() != part.data_ptr()) own.copy_(part);
+  guarded(site_, "gather", [&] {
+    std::vector<std::vector<at::Tensor>> in(counts.size());
+    std::vector<c10::intrusive_ptr<c10d::Work>> works;
+    for (size_t i = 1; i < counts.size(); ++i) {
+      if (counts[i] == 0) continue;
+      in[i] = {full.narrow(0, at[i], counts[i])};
+      works.push_back(impl_->pg->recv(in[i], static_cast<int>(i), kTag));
+    }
+    for (auto& w : works) w->wait();
+  });
+}
+
+void SiteGroup::scatter_parts_from_root(const at::Tensor& full, const at::Tensor& part,
+                                        const std::vector<int64_t>& counts) {
+  NEBULA_CHECK(counts.size() == static_cast<size_t>(size_) && part.numel() == counts[static_cast<size_t>(rank_)] &&
+                   part.is_contiguous(),
+               "site ", site_, ": scatter into a ", part.numel(), "-value part on rank ", rank_,
+               " (want counts[rank], contiguous)");
+  constexpr int kTag = (1 << 20) + 1;
+  if (rank_ != 0) {
+    if (part.numel() == 0) return;
+    std::vector<at::Tensor> in{part};
+    run(site_, "scatter", [&] { return impl_->pg->recv(in, 0, kTag); });
+    return;
+  }
+  const std::vector<int64_t> at = part_offsets(site_, "scatter", full, counts, size_);
+  at::Tensor own = full.narrow(0, 0, counts[0]);
+  if (counts[0] > 0 && own.data_ptr() != part.data_ptr()) part.copy_(own);
+  guarded(site_, "scatter", [&] {
+    std::vector<std::vector<at::Tensor>> out(counts.size());
+    std::vector<c10::intrusive_ptr<c10d::Work>> works;
+    for (size_t i = 1; i < counts.size(); ++i) {
+      if (counts[i] == 0) continue;
+      out[i] = {full.narrow(0, at[i], counts[i])};
+      works.push_back(impl_->pg->send(out[i], static_cast<int>(i), kTag));
+    }
+    for (auto& w : works) w->wait();
+  });
 }
 
 void SiteGroup::barrier() {

@@ -9,6 +9,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <vector>
 
 namespace nebula::collective {
 
@@ -58,6 +59,19 @@ class SiteGroup {
   // writes each shard straight into its place (no second full-size buffer). `shard` may be
   // `full`'s own chunk rank() (then nothing is copied).
   void all_gather(const at::Tensor& shard, at::Tensor& full);
+
+  // Parts of any sizes (the sharded outer state of diloco: a fragment's range cut by the
+  // shard boundaries): `full` (1-D, contiguous) is rank 0's counts[0] values, then rank 1's
+  // counts[1], ... (counts.size() == size(), summing to full.numel()); counts may be 0.
+  // all_gather_parts: in place; each rank's own part must be in `full` already, and ends with
+  // every rank's. A ring as all_gather's, empty parts skipped.
+  void all_gather_parts(const at::Tensor& full, const std::vector<int64_t>& counts);
+  // gather_parts_to_root: rank 0's `full` receives every rank's `part` (counts[rank()] values)
+  // in its place; `full` is ignored on the other ranks. scatter_parts_from_root: the reverse,
+  // each rank's `part` receives its values of rank 0's `full`. On rank 0 `part` may be
+  // `full`'s own part (then nothing is copied).
+  void gather_parts_to_root(const at::Tensor& part, const at::Tensor& full, const std::vector<int64_t>& counts);
+  void scatter_parts_from_root(const at::Tensor& full, const at::Tensor& part, const std::vector<int64_t>& counts);
 
  private:
   struct Impl;

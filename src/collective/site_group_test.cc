@@ -98,5 +98,58 @@ TEST(SiteGroup, ReduceScatterEqualsAllreduceThenSliceAndAllGatherConcatenates) {
   check_sharded_collectives(4, 3);
 }
 
+// Parts of any sizes, 0 included (diloco's sharded outer state: a fragment cut by the shard
+// boundaries): all-gather, gather to rank 0 and scatter from it against the concatenation of
+// the parts; bad part sizes are errors naming them.
+void check_part_collectives(const std::vector<int64_t>& counts) {
+  const int size = static_cast<int>(counts.size());
+  std::vector<int64_t> at(counts.size() + 1, 0);
+  for (size_t i = 0; i < counts.size(); ++i) at[i + 1] = at[i] + counts[i];
+  // Rank i's part: the values 1000 i + 0, 1, 2, ...
+  at::Tensor expected = at::empty({at.back()});
+  for (int i = 0; i < size; ++i)
+    expected.narrow(0, at[i], counts[i]).copy_(at::arange(counts[i], at::kFloat).add_(1000 * i));
+  testing::run_site("parts", size, [&](SiteGroup& g) {
+    const int r = g.rank();
+    const std::string where = str_cat("rank ", r, " of counts ", at::IntArrayRef(counts));
+    at::Tensor mine = expected.narrow(0, at[r], counts[r]).clone();
+
+    at::Tensor full = at::full({at.back()}, -1.0f);
+    full.narrow(0, at[r], counts[r]).copy_(mine);
+    g.all_gather_parts(full, counts);
+    EXPECT_TRUE(at::equal(full, expected)) << "all_gather_parts, " << where;
+
+    at::Tensor gathered = r == 0 ? at::full({at.back()}, -1.0f) : at::Tensor();
+    g.gather_parts_to_root(mine, gathered, counts);
+    if (r == 0) {
+      EXPECT_TRUE(at::equal(gathered, expected)) << "gather_parts_to_root";
+    }
+
+    at::Tensor source = r == 0 ? expected.clone() : at::Tensor(), got = at::full({counts[r]}, -1.0f);
+    g.scatter_parts_from_root(source, got, counts);
+    EXPECT_TRUE(at::equal(got, mine)) << "scatter_parts_from_root, " << where;
+
+    std::vector<int64_t> wrong = counts;
+    wrong[0] += 1;
+    at::Tensor bad = at::zeros({at.back()});
+    try {
+      g.all_gather_parts(bad, wrong);
+      ADD_FAILURE() << "parts that do not sum to the tensor's size were gathered";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("parts summing to"), std::string::npos) << e.what();
+    }
+  });
+}
+
+TEST(SiteGroup, PartCollectivesOfAnySizesEqualTheConcatenation) {
+  check_part_collectives({5});
+  check_part_collectives({0});
+  check_part_collectives({3, 0});
+  check_part_collectives({0, 1});
+  check_part_collectives({7, 1, 1000});
+  check_part_collectives({2, 0, 5, 1});
+  check_part_collectives({0, 0, 0, 4});
+}
+
 }  // namespace
 }  // namespace nebula::collective

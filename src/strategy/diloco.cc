@@ -84,8 +84,47 @@ void DilocoStrategy::write_params(const Fragment& fr, const at::Tensor& flat) co
   unflatten_into(flat, param_views(fr));
 }
 
+std::vector<at::Tensor> DilocoStrategy::part_views(const Fragment& fr) const {
+  if (shard_numel_ == 0) return param_views(fr);
+  return {flat_params_.narrow(0, fr.offset + fr.part_at, fr.part_len)};
+}
+
+std::vector<int64_t> DilocoStrategy::part_counts(const Fragment& fr) const {
+  const int64_t n = comm_.site().size();
+  std::vector<int64_t> counts(static_cast<size_t>(n), 0);
+  for (int64_t q = 0; q < n; ++q) {
+    const int64_t lo = std::clamp(q * shard_numel_ - fr.offset, int64_t{0}, fr.numel);
+    const int64_t hi = std::clamp((q + 1) * shard_numel_ - fr.offset, int64_t{0}, fr.numel);
+    counts[static_cast<size_t>(q)] = hi - lo;
+  }
+  return counts;
+}
+
+void DilocoStrategy::spread_part(const Fragment& fr) {
+  if (shard_numel_ > 0) comm_.site().all_gather_parts(flat_params_.narrow(0, fr.offset, fr.numel), part_counts(fr));
+}
+
 void DilocoStrategy::with_global_weights(const std::function<void()>& fn) {
   at::NoGradGuard no_grad;
+  if (shard_numel_ > 0) {  // each worker writes its shard of θ_global; the site all-gathers, twice
+    collective::SiteGroup& site = comm_.site();
+    at::Tensor shard = flat_params_.narrow(0, site.rank() * shard_numel_, shard_numel_);
+    const at::Tensor local = shard.clone();
+    for (const Fragment& fr : fragments_) write_part(fr, fr.global);
+    site.all_gather(shard, flat_params_);
+    auto restore = [&] {
+      shard.copy_(local);
+      site.all_gather(shard, flat_params_);
+    };
+    try {
+      fn();
+    } catch (...) {
+      restore();
+      throw;
+    }
+    restore();
+    return;
+  }
   std::vector<at::Tensor> local;
   for (const Fragment& fr : fragments_) {
     local.push_back(read_params(fr));
@@ -163,6 +202,8 @@ void DilocoStrategy::init(const std::vector<at::Tensor>& params) {
       }
       fr.pieces.push_back(std::move(pc));
     }
+    fr.part_at = 0;
+    fr.part_len = fr.numel;
     fr.global = read_params(fr);
     fr.momentum = at::zeros({fr.numel}, at::kFloat);
   }
@@ -228,13 +269,40 @@ void DilocoStrategy::sync_gradients(const std::vector<at::Tensor>& params, doubl
   }
 }
 
-void DilocoStrategy::shard_gradients(const at::Tensor& flat) {
-  const int64_t n = comm_.site().size();
-  NEBULA_CHECK(flat.numel() % n == 0 && flat.numel() >= total_numel_ && flat.scalar_type() == at::kFloat &&
-                   flat.is_contiguous(),
-               "shard_gradients: ", flat.numel(), " values for ", total_numel_, " parameters over ", n,
-               " workers (want N equal shards covering them, float32, contiguous)");
-  flat_grad_ = flat;
+void DilocoStrategy::set_sharding(const Sharding& shards) {
+  collective::SiteGroup& site = comm_.site();
+  const int64_t n = site.size();
+  NEBULA_CHECK(n > 1 && !fragments_.empty() && shard_numel_ == 0 && can_save(),
+               "set_sharding: once, after init() and before the first step, on a site of more than one worker");
+  auto check = [&](const at::Tensor& flat, const char* what) {
+    NEBULA_CHECK(flat.numel() % n == 0 && flat.numel() >= total_numel_ && flat.scalar_type() == at::kFloat &&
+                     flat.is_contiguous() && flat.dim() == 1,
+                 "set_sharding: ", flat.numel(), " ", what, " for ", total_numel_, " parameters over ", n,
+                 " workers (want N equal shards covering them, 1-D float32, contiguous)");
+  };
+  check(shards.params, "parameter values");
+  int64_t offset = 0;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    NEBULA_CHECK(params_[i].numel() == 0 || params_[i].data_ptr() == shards.params.narrow(0, offset, 1).data_ptr(),
+                 "set_sharding: parameter #", i, " is not the flat buffer's values from ", offset);
+    offset += params_[i].numel();
+  }
+  if (shards.grads.defined()) {
+    check(shards.grads, "gradient values");
+    flat_grad_ = shards.grads;
+  }
+  flat_params_ = shards.params;
+  shard_numel_ = shards.params.numel() / n;
+  // This worker's part of each fragment: the fragment's range cut by the shard [r S, (r + 1) S).
+  at::NoGradGuard no_grad;
+  for (Fragment& fr : fragments_) {
+    const std::vector<int64_t> counts = part_counts(fr);
+    fr.part_at = 0;
+    for (int q = 0; q < site.rank(); ++q) fr.part_at += counts[static_cast<size_t>(q)];
+    fr.part_len = counts[static_cast<size_t>(site.rank())];
+    fr.global = fr.global.narrow(0, fr.part_at, fr.part_len).clone();
+    fr.momentum = fr.momentum.narrow(0, fr.part_at, fr.part_len).clone();
+  }
 }
 
 bool DilocoStrategy::keep_training(int64_t /*step*/, int64_t steps) {
@@ -373,19 +441,33 @@ void DilocoStrategy::send(size_t f) {
   if (fr.in_flight) merge(f);  // a round shorter than the delay: merge before sending again
   at::NoGradGuard no_grad;
   // θ_local at the send is needed at the merge only if training goes on in between (delay > 0).
-  if (options_.delay > 0) fr.sent_local = read_params(fr);
+  if (options_.delay > 0) fr.sent_local = read_part(fr);
   fr.round = rounds_;
   fr.seq = next_seq_++;
   const double weight = site_weight_ - fr.weight_at_send;
   fr.weight_at_send = site_weight_;
+  const double hash = global_hash(f);  // of θ_global at the send, unchanged until the merge
+  // The pseudo-gradient θ_global - θ_local of this worker's part, written where it goes (no
+  // other copy of θ_local): the gateway's part of fr.delta. Sharded, the gateway gathers the
+  // other workers' parts into the rest of it.
+  const bool sharded = shard_numel_ > 0;
+  at::Tensor part;
   if (comm_.is_gateway()) {
-    fr.delta = fr.global.clone();  // the pseudo-gradient θ_global - θ_local, without another copy of θ_local
-    const std::vector<at::Tensor> local = param_views(fr);
+    fr.delta = at::empty({fr.numel}, at::kFloat);
+    part = fr.delta.narrow(0, fr.part_at, fr.part_len);
+  } else if (sharded) {
+    part = at::empty({fr.part_len}, at::kFloat);
+  }
+  if (part.defined()) {
+    part.copy_(fr.global);
     int64_t pos = 0;
-    for (const auto& v : local) {
-      fr.delta.narrow(0, pos, v.numel()).sub_(v);
+    for (const auto& v : part_views(fr)) {
+      part.narrow(0, pos, v.numel()).sub_(v);
       pos += v.numel();
     }
+  }
+  if (sharded) comm_.site().gather_parts_to_root(part, fr.delta, part_counts(fr));
+  if (comm_.is_gateway()) {
     if (options_.dp_clip > 0) privatize(fr.delta);
     std::vector<at::Tensor> bucket;
     const bool per_tensor = codec_ && codec_->id() == codec::CodecId::kPowerSgd;
@@ -408,7 +490,7 @@ void DilocoStrategy::send(size_t f) {
     // The outer step's id and the hash of the global weights it starts from: every site must
     // send the same (checked at the merge).
     o.site_info.push_back(static_cast<double>(fr.seq));
-    o.site_info.push_back(global_hash(f));
+    o.site_info.push_back(hash);
     o.max_norm = options_.max_update_norm;
     fr.work = comm_.exchange_async(std::move(bucket), std::move(o));
   }
@@ -467,11 +549,16 @@ void DilocoStrategy::merge(size_t f) {
       buffer_work_.reset();
     }
   }
-  if (comm_.site().size() > 1) {
-    if (!comm_.is_gateway()) fr.delta = at::empty({fr.numel}, at::kFloat);
+  // The sites' mean pseudo-gradient for this worker's part (sharded: scattered, else all of it).
+  at::Tensor update = fr.delta;
+  if (shard_numel_ > 0) {
+    update = comm_.is_gateway() ? fr.delta.narrow(0, fr.part_at, fr.part_len) : at::empty({fr.part_len}, at::kFloat);
+    comm_.site().scatter_parts_from_root(fr.delta, update, part_counts(fr));
+  } else if (comm_.site().size() > 1) {
+    if (!comm_.is_gateway()) update = fr.delta = at::empty({fr.numel}, at::kFloat);
     comm_.site().broadcast_from_root(fr.delta);
-    comm_.site().broadcast_from_root(buf);
   }
+  if (comm_.site().size() > 1) comm_.site().broadcast_from_root(buf);
   if (with_buffers) {  // the mean, plus what forward changed since the send (0 with delay 0)
     at::Tensor progress = flatten(buffers_) - buffers_sent_;
     if (!at::isfinite(progress).all().item<bool>()) progress.zero_();
@@ -493,30 +580,32 @@ void DilocoStrategy::merge(size_t f) {
   }
 
   // The outer step, the same on every worker of every site, in place: no copy of the model.
-  at::Tensor update = fr.delta;  // the sites' mean pseudo-gradient
   const double mu = options_.outer_momentum;
   if (mu > 0) {
     fr.momentum.mul_(mu).add_(update);
     if (options_.nesterov)  // update + (mu m), the product rounded first; in slices, not a copy of the model
-      for (int64_t at = 0; at < fr.numel; at += kSlice) {
-        const int64_t k = std::min(kSlice, fr.numel - at);
+      for (int64_t at = 0; at < fr.part_len; at += kSlice) {
+        const int64_t k = std::min(kSlice, fr.part_len - at);
         update.narrow(0, at, k).add_(fr.momentum.narrow(0, at, k) * mu);
       }
     else
       update = fr.momentum;
   }
   fr.global.sub_(update, options_.outer_lr);
-  fr.delta = at::Tensor();
+  update = fr.delta = at::Tensor();
   if (!fr.sent_local.defined()) {  // delay 0: no training since the send
-    write_params(fr, fr.global);
+    write_part(fr, fr.global);
   } else {
     // Keep the inner progress made while the fragment was in flight, unless it is not finite
-    // (a diverged site restarts from the global weights).
-    at::Tensor progress = read_params(fr).sub_(fr.sent_local);
+    // (a diverged site restarts from the global weights; sharded, the site decides together).
+    at::Tensor progress = read_part(fr).sub_(fr.sent_local);
     fr.sent_local = at::Tensor();
-    if (!at::isfinite(progress).all().item<bool>()) progress.zero_();
-    write_params(fr, progress.add_(fr.global));
+    at::Tensor diverged = at::full({1}, at::isfinite(progress).all().item<bool>() ? 0.0f : 1.0f);
+    if (shard_numel_ > 0) comm_.site().allreduce_sum(diverged);
+    if (diverged.item<float>() > 0) progress.zero_();
+    write_part(fr, progress.add_(fr.global));
   }
+  spread_part(fr);
   fr.in_flight = false;
   ++outer_steps_;
 }
@@ -565,28 +654,53 @@ void DilocoStrategy::drain() {
 void DilocoStrategy::finish() {
   drain();
   // The last merges are checked too: one small exchange of ids and hashes.
+  const double hash = global_hash(fragments_.size());
   if (comm_.is_gateway()) {
-    const auto info = exchange_positions();
+    const auto info = exchange_positions(hash);
     const auto& mine = info.at(options_.site_index);
     check_agreement(info, mine.at(0), mine.at(1),
                     str_cat("the end of training (after outer step ", static_cast<int64_t>(next_seq_) - 1, ")"));
   }
 }
 
-std::vector<std::vector<double>> DilocoStrategy::exchange_positions() {
+std::vector<std::vector<double>> DilocoStrategy::exchange_positions(double hash) {
   collective::AllreduceOptions o;
-  o.site_info = {static_cast<double>(next_seq_), global_hash(fragments_.size())};
+  o.site_info = {static_cast<double>(next_seq_), hash};
   auto work = comm_.exchange_async({at::empty({0}, at::kFloat)}, std::move(o));
   work->wait(Deadline::after(options_.timeout));
   return work->site_info();
 }
 
-double DilocoStrategy::global_hash(size_t f) const {
+double DilocoStrategy::global_hash(size_t f) {
   const bool all = f == fragments_.size();
+  const size_t begin = all ? 0 : f, end = all ? fragments_.size() : f + 1;
+  auto crc_of = [](uint32_t crc, const at::Tensor& values) {
+    const at::Tensor g = values.contiguous();
+    return wire::crc32(crc, {static_cast<const uint8_t*>(g.data_ptr()), static_cast<size_t>(g.numel()) * sizeof(float)});
+  };
+  if (shard_numel_ == 0) {
+    if (!comm_.is_gateway()) return 0;
+    uint32_t crc = 0;
+    for (size_t j = begin; j < end; ++j) crc = crc_of(crc, fragments_[j].global);
+    return static_cast<double>(crc);
+  }
+  // Sharded: each worker's CRC of its part of each fragment, summed to the gateway (one slot
+  // per worker and fragment: exact in double), combined there in order.
+  collective::SiteGroup& site = comm_.site();
+  const auto n = static_cast<size_t>(site.size());
+  at::Tensor crcs = at::zeros({static_cast<int64_t>((end - begin) * n)}, at::kDouble);
+  for (size_t j = begin; j < end; ++j)
+    crcs[static_cast<int64_t>((j - begin) * n + static_cast<size_t>(site.rank()))] =
+        static_cast<double>(crc_of(0, fragments_[j].global));
+  site.reduce_sum_to_root(crcs);
+  if (!comm_.is_gateway()) return 0;
   uint32_t crc = 0;
-  for (size_t j = all ? 0 : f; j < (all ? fragments_.size() : f + 1); ++j) {
-    const at::Tensor g = fragments_[j].global.contiguous();
-    crc = wire::crc32(crc, {static_cast<const uint8_t*>(g.data_ptr()), static_cast<size_t>(g.numel()) * sizeof(float)});
+  const double* c = crcs.data_ptr<double>();
+  for (size_t j = begin; j < end; ++j) {
+    const std::vector<int64_t> counts = part_counts(fragments_[j]);
+    for (size_t q = 0; q < n; ++q)
+      crc = wire::crc32_combine(crc, static_cast<uint32_t>(c[(j - begin) * n + q]),
+                                static_cast<uint64_t>(counts[q]) * sizeof(float));
   }
   return static_cast<double>(crc);
 }
@@ -678,9 +792,10 @@ void DilocoStrategy::load_state(const StrategyState& in) {
     Fragment& fr = fragments_[j];
     for (auto [name, target] : {std::pair{"global", &fr.global}, std::pair{"momentum", &fr.momentum}}) {
       auto it = in.tensors.find(str_cat("f", j, "/", name));
-      if (it == in.tensors.end() || it->second.numel() != fr.numel || it->second.scalar_type() != at::kFloat)
+      if (it == in.tensors.end() || it->second.numel() != fr.part_len || it->second.scalar_type() != at::kFloat)
         throw DataError(str_cat("the checkpoint's strategy state has no ", name, " of fragment ", j, " with ",
-                                fr.numel, " float32 values"));
+                                fr.part_len, " float32 values (this worker's part of its ", fr.numel,
+                                ": the state is sharded like [parallel] shard and the site's workers)"));
       *target = it->second.reshape({-1}).clone();
     }
     fr.weight_at_send = number(str_cat("f", j, "/weight_at_send"));
@@ -729,8 +844,9 @@ void DilocoStrategy::reconcile() {
   const size_t me = options_.site_index;
   // Gateways: every site's position. Then, inside the site: [leader, any site differs, this one does].
   at::Tensor verdict = at::zeros({3}, at::kFloat);
+  const double hash = global_hash(fragments_.size());
   if (comm_.is_gateway()) {
-    const auto info = exchange_positions();
+    const auto info = exchange_positions(hash);
     size_t leader = me;
     for (size_t s = 0; s < info.size(); ++s)  // lost sites (elastic) sent nothing
       if (!info[s].empty() && (info[s][0] > info[leader].at(0) || (info[s][0] == info[leader][0] && s < leader)))
@@ -752,13 +868,28 @@ void DilocoStrategy::reconcile() {
 
   // The leader's global weights and momentum, exactly (weight 1 there, 0 elsewhere), and its
   // position: counters (double on the WAN and inside the site), and the info decisions rest on.
-  std::vector<at::Tensor> parts;
-  for (const auto& fr : fragments_) parts.push_back(fr.global);
-  for (const auto& fr : fragments_) parts.push_back(fr.momentum);
   // A site behind takes the leader's buffers too (not with [privacy]: they never leave a site).
   const int64_t buffers_len = buffers_cross_sites() ? buffer_numel_ : 0;
-  if (buffers_len > 0) parts.push_back(flatten(buffers_));
-  at::Tensor values = at::cat(parts);
+  const bool sharded = shard_numel_ > 0;
+  collective::SiteGroup& site = comm_.site();
+  at::Tensor values;
+  if (!sharded) {
+    std::vector<at::Tensor> parts;
+    for (const auto& fr : fragments_) parts.push_back(fr.global);
+    for (const auto& fr : fragments_) parts.push_back(fr.momentum);
+    if (buffers_len > 0) parts.push_back(flatten(buffers_));
+    values = at::cat(parts);
+  } else {  // the gateway gathers the workers' parts
+    values = at::empty({comm_.is_gateway() ? 2 * total_numel_ + buffers_len : 0}, at::kFloat);
+    int64_t at = 0;
+    for (at::Tensor Fragment::*field : {&Fragment::global, &Fragment::momentum})
+      for (const auto& fr : fragments_) {
+        site.gather_parts_to_root(fr.*field, comm_.is_gateway() ? values.narrow(0, at, fr.numel) : at::Tensor(),
+                                  part_counts(fr));
+        at += fr.numel;
+      }
+    if (comm_.is_gateway() && buffers_len > 0) values.narrow(0, at, buffers_len).copy_(flatten(buffers_));
+  }
   std::vector<double> position = {static_cast<double>(next_seq_), static_cast<double>(rounds_),
                                   static_cast<double>(outer_steps_), static_cast<double>(nominal_done_),
                                   round_open_ ? 1.0 : 0.0, static_cast<double>(nominal_h_),
@@ -784,22 +915,28 @@ void DilocoStrategy::reconcile() {
     NEBULA_CHECK(theirs.size() <= 1024, "position of ", theirs.size(), " values");
     std::copy(theirs.begin(), theirs.end(), pos.data_ptr<double>());
   }
-  if (comm_.site().size() > 1) {
-    comm_.site().broadcast_from_root(values);
-    comm_.site().broadcast_from_root(pos);
+  if (site.size() > 1) {
+    if (!sharded) site.broadcast_from_root(values);
+    site.broadcast_from_root(pos);
   }
-  if (!adopt) return;
+  if (!adopt) return;  // the same on every worker of the site
   const double* p = pos.data_ptr<double>();
   int64_t at = 0;
-  for (auto& fr : fragments_) {
-    fr.global.copy_(values.narrow(0, at, fr.numel));
-    at += fr.numel;
+  for (at::Tensor Fragment::*field : {&Fragment::global, &Fragment::momentum})
+    for (auto& fr : fragments_) {
+      if (sharded)  // each worker's part, from the gateway
+        site.scatter_parts_from_root(comm_.is_gateway() ? values.narrow(0, at, fr.numel) : at::Tensor(), fr.*field,
+                                     part_counts(fr));
+      else
+        (fr.*field).copy_(values.narrow(0, at, fr.numel));
+      at += fr.numel;
+    }
+  if (buffers_len > 0) {
+    at::Tensor buffers = comm_.is_gateway() || !sharded ? values.narrow(0, at, buffers_len).contiguous()
+                                                        : at::empty({buffers_len}, at::kFloat);
+    if (sharded) site.broadcast_from_root(buffers);
+    unflatten_into(buffers, buffers_);
   }
-  for (auto& fr : fragments_) {
-    fr.momentum.copy_(values.narrow(0, at, fr.numel));
-    at += fr.numel;
-  }
-  if (buffers_len > 0) unflatten_into(values.narrow(0, at, buffers_len), buffers_);
   next_seq_ = static_cast<uint64_t>(p[0]);
   rounds_ = static_cast<int64_t>(p[1]);
   outer_steps_ = static_cast<int64_t>(p[2]);
@@ -824,7 +961,8 @@ void DilocoStrategy::reconcile() {
   }
   // The local weights start again from the global ones; the tokens count from here.
   for (Fragment& fr : fragments_) {
-    write_params(fr, fr.global);
+    write_part(fr, fr.global);
+    spread_part(fr);
     fr.weight_at_send = site_weight_;
   }
   decisions_.push_back(str_cat("resume: took the global state of site #", leader, " at outer step ", next_seq_));

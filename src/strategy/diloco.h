@@ -87,8 +87,12 @@ class DilocoStrategy : public Strategy {
   void init(const std::vector<at::Tensor>& params) override;
   // The site's own data parallel step: gradients averaged over the site's workers, weighted.
   void sync_gradients(const std::vector<at::Tensor>& params, double weight) override;
-  // ZeRO-2: the site's gradients are reduce-scattered in place in `flat` (strategy.h).
-  void shard_gradients(const at::Tensor& flat) override;
+  // ZeRO: this worker keeps its shard of θ_global and the outer momentum (and of θ_local at a
+  // send, with a delay); the gateway gathers the site's pseudo-gradient from the shards for
+  // the WAN and scatters the sites' mean back, every worker steps its own shard and the site
+  // all-gathers the parameters. ZeRO-2: the site's gradients are reduce-scattered in place.
+  // The same arithmetic as unsharded, elementwise: bit-identical weights (strategy.h).
+  void set_sharding(const Sharding& shards) override;
   void after_step(int64_t step) override;
   bool keep_training(int64_t step, int64_t steps) override;
   void finish() override;
@@ -138,10 +142,13 @@ class DilocoStrategy : public Strategy {
   struct Fragment {
     int64_t offset = 0, numel = 0;   // in the flat parameter vector
     std::vector<Piece> pieces;       // in parameter order
-    at::Tensor global;               // θ_global of this fragment (flat, float32)
+    // This worker's part of the fragment: values [part_at, part_at + part_len) of it, the
+    // whole fragment unless the outer state is sharded (set_sharding).
+    int64_t part_at = 0, part_len = 0;
+    at::Tensor global;               // θ_global of this worker's part (flat, float32)
     at::Tensor momentum;
-    at::Tensor sent_local;           // θ_local when last sent
-    at::Tensor delta;                // being exchanged (gateway)
+    at::Tensor sent_local;           // θ_local of the part when last sent (delay > 0)
+    at::Tensor delta;                // the whole fragment's, being exchanged (gateway)
     std::shared_ptr<collective::Work> work;  // in flight (gateway)
     bool in_flight = false;          // sent, not merged (every worker)
     int64_t merge_at = 0;            // local step at which to merge
@@ -157,6 +164,14 @@ class DilocoStrategy : public Strategy {
   at::Tensor read_params(const Fragment& fr) const;
   void write_params(const Fragment& fr, const at::Tensor& flat) const;
   std::vector<at::Tensor> param_views(const Fragment& fr) const;  // flat views into params_
+  // Views of the parameters of this worker's part of fr (its whole, unsharded), and their
+  // values as one vector and back; after a write, spread_part() all-gathers the fragment's
+  // parameters over the site (nothing unsharded).
+  std::vector<at::Tensor> part_views(const Fragment& fr) const;
+  at::Tensor read_part(const Fragment& fr) const { return flatten(part_views(fr)); }
+  void write_part(const Fragment& fr, const at::Tensor& values) const { unflatten_into(values, part_views(fr)); }
+  void spread_part(const Fragment& fr);
+  std::vector<int64_t> part_counts(const Fragment& fr) const;  // every rank's part_len
   std::vector<double> site_info() const;
   std::vector<float> known_info() const;  // every site's info, as of the last sure merge
 
@@ -168,7 +183,9 @@ class DilocoStrategy : public Strategy {
   bool decided_ = false, decided_measured_ = false;  // the controller ran (with measurements)
   int64_t controller_h_ = 0;
   int64_t total_numel_ = 0;
-  at::Tensor flat_grad_;  // ZeRO-2 (shard_gradients): the gradients' flat buffer, N S values
+  at::Tensor flat_params_;  // ZeRO (set_sharding): the parameters' flat buffer, N S values
+  int64_t shard_numel_ = 0;  // S; 0 = the outer state is whole
+  at::Tensor flat_grad_;    // ZeRO-2: the gradients' flat buffer, N S values
   bool round_open_ = false;
   uint64_t next_seq_ = 0;
   std::vector<at::Tensor> params_;
@@ -186,9 +203,12 @@ class DilocoStrategy : public Strategy {
   // Gateway: every site's outer step id and global hash (site_info after kInfo) must equal
   // this site's; Error naming the site and outer step otherwise.
   void check_agreement(const std::vector<std::vector<double>>& info, double seq, double hash, const std::string& what);
-  double global_hash(size_t f) const;  // CRC-32 of fragment f's θ_global (f = #fragments: all)
-  // Gateway: one small exchange of every site's (next outer step id, hash of all θ_global).
-  std::vector<std::vector<double>> exchange_positions();
+  // CRC-32 of fragment f's θ_global (f = #fragments: all), valid on the gateway. A site
+  // collective when the state is sharded (the parts' CRCs combined in order: the same value
+  // for any number of workers), so every worker of the site calls it.
+  double global_hash(size_t f);
+  // Gateway: one small exchange of every site's (next outer step id, `hash` of all θ_global).
+  std::vector<std::vector<double>> exchange_positions(double hash);
   // Differential privacy (gateway).
   void privatize(at::Tensor& delta);
   // Noise standard deviation over the L2 sensitivity 2·dp_clip (see DilocoOptions).

@@ -59,13 +59,21 @@ class Strategy {
   virtual void before_backward(double weight) {}
   // Called after backward and before the optimizer step.
   virtual void sync_gradients(const std::vector<at::Tensor>& params, double weight) = 0;
-  // ZeRO-2 ([parallel] shard = "gradients", train/inner_optimizer.h), after init(): every
-  // parameter's .grad is a view of `flat` (N S values, N = the site's workers), and from now
-  // on sync_gradients leaves the site's average in this worker's S of it only (a
-  // reduce-scatter instead of an all-reduce). Strategies that cannot throw ConfigError.
-  virtual void shard_gradients(const at::Tensor& flat) {
-    throw ConfigError(str_cat("parallel.shard = \"gradients\" does not run with strategy.kind = \"", name(),
-                              "\" (its gradients cross the WAN every step, whole): use shard = \"optimizer\""));
+  // ZeRO ([parallel] shard, train/inner_optimizer.h), after init() and before the first step,
+  // on every worker of a site of N > 1 workers: the parameters are views of `params` (N S
+  // values, this worker's shard the S from rank · S). A strategy with outer state per
+  // parameter keeps only this worker's shard of it (diloco and streaming: θ_global, the outer
+  // momentum); sync keeps none. With `grads` defined (shard = "gradients", ZeRO-2) every
+  // .grad is a view of it, laid out alike, and from now on sync_gradients leaves the site's
+  // average in this worker's S of it only (a reduce-scatter instead of an all-reduce);
+  // strategies that cannot throw ConfigError.
+  struct Sharding {
+    at::Tensor params, grads;
+  };
+  virtual void set_sharding(const Sharding& shards) {
+    if (shards.grads.defined())
+      throw ConfigError(str_cat("parallel.shard = \"gradients\" does not run with strategy.kind = \"", name(),
+                                "\" (its gradients cross the WAN every step, whole): use shard = \"optimizer\""));
   }
   // Called after the optimizer step `step` (0-based).
   virtual void after_step(int64_t step) {}
@@ -77,7 +85,8 @@ class Strategy {
   // Runs `fn` (an evaluation) with the parameters holding the model every site agrees on, and
   // puts this worker's own back after it: diloco and streaming evaluate θ_global, not the
   // local replica halfway through a round; sync's replicas are the global model already.
-  // Touches no collective; the training thread's, between steps.
+  // Every worker of the site calls it at the same step (sharded, it is a site collective);
+  // the training thread's, between steps.
   virtual void with_global_weights(const std::function<void()>& fn) { fn(); }
   // The decisions made while running (adaptive controller, per-site inner steps), one line
   // each, for the log and summary.json.

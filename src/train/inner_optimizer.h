@@ -20,7 +20,7 @@
 //                       The gradients live in one flat buffer of the same layout (every
 //                       .grad a view of it), so AdamW reads the shard's slice in place.
 //  shard = "gradients"  ZeRO-2: as "optimizer", but the strategy reduce-scatters the flat
-//                       gradients (Strategy::shard_gradients): only this worker's shard of
+//                       gradients (Strategy::set_sharding): only this worker's shard of
 //                       flat_grad() holds the site's average, the rest is scratch. The same
 //                       update up to the summation order of the site's gradients (bit-
 //                       identical with 2 workers, whose sums are a + b either way).
@@ -61,6 +61,8 @@ class InnerOptimizer {
   // (N S values, every parameter's .grad a view of it).
   bool gradients_sharded() const { return gradients_sharded_; }
   const at::Tensor& flat_grad() const { return flat_grad_; }
+  // Sharded: the parameters' storage, N S values (Strategy::set_sharding); undefined otherwise.
+  const at::Tensor& flat_params() const { return flat_; }
 
   void save(Checkpoint& out) const;
   void load(const Checkpoint& in);

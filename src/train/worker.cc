@@ -195,7 +195,8 @@ int run_worker(const Config& c, const WorkerIdentity& who, bool resume, bool rej
   strategy->set_buffers(task->module().buffers());  // BatchNorm statistics ...: kept equal too
   strategy->init(params);
   InnerOptimizer optimizer(params, c.model.lr, c.model.weight_decay, c.parallel.shard, group);
-  if (optimizer.gradients_sharded()) strategy->shard_gradients(optimizer.flat_grad());
+  if (optimizer.sharded())  // the strategy keeps its shard of the outer state (and ZeRO-2's gradients)
+    strategy->set_sharding({optimizer.flat_params(), optimizer.gradients_sharded() ? optimizer.flat_grad() : at::Tensor()});
   if (optimizer.sharded() && who.local_rank == 0)
     spdlog::info("inner optimizer: ZeRO-{} over the site's {} workers, AdamW moments for {} of {} parameters per worker",
                  optimizer.gradients_sharded() ? 2 : 1, workers, optimizer.state_numel(), optimizer.total_numel());

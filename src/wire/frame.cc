@@ -1,5 +1,7 @@
 #include "wire/frame.h"
 
+#include <zlib.h>
+
 #include <isa-l/crc.h>
 
 #include <algorithm>
@@ -7,6 +9,8 @@
 #include <bit>
 #include <cstdio>
 #include <limits>
+#include <stdexcept>
+#include <string>
 
 namespace nebula::wire {
 namespace {
@@ -73,6 +77,12 @@ std::array<uint8_t, kHeaderSize> encode_header(const FrameHeader& h) {
   store_le<uint64_t>(&b[kPayloadLenOffset], h.payload_len);
   store_le<uint32_t>(&b[kChecksumOffset], h.checksum);
   return b;
+}
+
+uint32_t crc32_combine(uint32_t crc_a, uint32_t crc_b, uint64_t length_b) {
+  if (length_b > static_cast<uint64_t>(std::numeric_limits<z_off_t>::max()))
+    throw std::invalid_argument("crc32_combine: a part of " + std::to_string(length_b) + " bytes, above zlib's z_off_t");
+  return static_cast<uint32_t>(::crc32_combine(crc_a, crc_b, static_cast<z_off_t>(length_b)));
 }
 
 uint32_t compute_checksum(const FrameHeader& header, std::span<const uint8_t> payload) {

@@ -97,6 +97,9 @@ struct Frame {
 // CRC-32 (the same values as zlib's crc32(crc, ...)) of `bytes`, continuing from `crc`
 // (0 to start). Every checksum on the wire is this one.
 uint32_t crc32(uint32_t crc, std::span<const uint8_t> bytes);
+// The CRC-32 of bytes A then B from crc32(0, A), crc32(0, B) and B's length (zlib's
+// crc32_combine): a checksum of parts held in different places, as of one whole.
+uint32_t crc32_combine(uint32_t crc_a, uint32_t crc_b, uint64_t length_b);
 
 // CRC-32 over the first kChecksumOffset bytes of the encoded `header` (its own checksum
 // field excluded), then over `payload`. Payloads above 4 GiB are fine.

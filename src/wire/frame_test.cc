@@ -38,6 +38,21 @@ constexpr uint64_t kMax = 1 << 20;
 
 TEST(FrameTest, HeaderSizeIs40) { EXPECT_EQ(kHeaderSize, 40u); }
 
+// Parts' CRCs combine into the whole's, at every cut (empty parts included): what diloco's
+// sharded global-weight hash rests on.
+TEST(FrameTest, Crc32OfPartsCombinesToTheWhole) {
+  std::vector<uint8_t> bytes(1000);
+  for (size_t i = 0; i < bytes.size(); ++i) bytes[i] = static_cast<uint8_t>(i * 131 + 7);
+  const uint32_t whole = crc32(0, bytes);
+  for (size_t cut : {size_t{0}, size_t{1}, size_t{499}, size_t{999}, size_t{1000}}) {
+    const std::span<const uint8_t> all(bytes);
+    const uint32_t a = crc32(0, all.first(cut)), b = crc32(0, all.subspan(cut));
+    EXPECT_EQ(crc32_combine(a, b, bytes.size() - cut), whole) << "cut at " << cut;
+  }
+  bytes[500] ^= 1;
+  EXPECT_NE(crc32(0, bytes), whole);
+}
+
 TEST(FrameTest, HeaderRoundTrip) {
   FrameHeader h;
   h.type = FrameType::kHeartbeat;
