@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # ZeRO-1 and ZeRO-2 inside a site against the whole optimizer, side by side: AdamW state and
-# peak RSS (VmHWM) of one worker of the 2-worker site, step time and validation loss of the
-# same job (examples/mlm.toml: two sites of 2 and 1 workers, the same steps, data and seed)
+# peak RSS (VmHWM) of both workers of the 2-worker site (the gateway and worker 1), step time
+# and validation loss of the same job (examples/mlm.toml: two sites of 2 and 1 workers, the
+# same steps, data and seed)
 # with [parallel] shard = "none", "optimizer" and (not with sync) "gradients".
 #   bench/zero.sh [steps, default 150] [strategy, default diloco]
 #   EXTRA="--set model.dim=512 ..." bench/zero.sh ...   other options for both runs (a bigger model)
@@ -13,7 +14,8 @@ steps="${1:-150}"
 kind="${2:-diloco}"
 bench_out drop
 read -r -a extra <<< "${EXTRA:-}"
-printf "%-10s %18s %10s %14s %10s %16s %12s\n" shard "AdamW values/wkr" "vs none" "peak RSS/wkr" "s/step" "steps/s vs none" "val loss"
+printf "%-10s %18s %10s %14s %14s %10s %16s %12s\n" shard "AdamW values/wkr" "vs none" "RSS gateway" "RSS worker 1" "s/step" \
+  "steps/s vs none" "val loss"
 shards=(none optimizer)
 [[ "$kind" != sync ]] && shards+=(gradients)
 for shard in "${shards[@]}"; do
@@ -24,12 +26,15 @@ for shard in "${shards[@]}"; do
   python3 - "$out" "$shard" <<'PY'
 import sys
 sys.path.insert(0, "bench")
-from rundir import summary, step_seconds, window
+from rundir import job, summary, step_seconds, training_lines, window
 out, shard = sys.argv[1], sys.argv[2]
-last = window(f"{out}/{shard}")[1]  # the first site's gateway: 1 of its 2 workers
+run = f"{out}/{shard}"
+last = window(run)[1]  # the first site's gateway: 1 of its 2 workers
 state, base = last["adamw_state_values"], window(f"{out}/none")[1]["adamw_state_values"]
-seconds = step_seconds(f"{out}/{shard}")
-print(f"{shard:<10} {state:18d} {state / base:9.2f}x {last['peak_rss_bytes'] / 2**20:10.0f} MiB "
+site = job(run)["sites"][0]["name"]
+other = max(l["peak_rss_bytes"] for l in training_lines(run) if l["site"] == site and l["rank"] == 1)
+seconds = step_seconds(run)
+print(f"{shard:<10} {state:18d} {state / base:9.2f}x {last['peak_rss_bytes'] / 2**20:10.0f} MiB {other / 2**20:10.0f} MiB "
       f"{seconds:10.3f} {step_seconds(f'{out}/none') / seconds:15.2f}x {summary(f'{out}/{shard}')['final_val_loss']:12.4f}")
 PY
 done

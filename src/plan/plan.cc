@@ -412,10 +412,9 @@ Memory gateway_memory(const Topology& t, size_t site, const Candidate& c) {
   }
   // The site's all-reduce stages the gradients in one flat buffer; ZeRO-2 reduces them in place.
   if (sync || (N > 1 && c.shard != "gradients")) mem.buffers = 4 * tr / d_grad;
-  // The outer state: "optimizer" and "gradients" as built shard AdamW's moments only, and
-  // every worker keeps θ_global and the outer momentum whole; "full" (planned) would shard them too.
-  const double d_outer = c.shard == "full" ? N : 1;
-  if (!sync) mem.outer = 8 * tr / d_outer + in_flight * 4 * m / d_param;
+  // The outer state (θ_global, outer momentum, θ_local at a send) shards with the optimizer:
+  // each worker keeps its part of every fragment.
+  if (!sync) mem.outer = 8 * tr / d_opt + in_flight * 4 * m / d_opt;
   if (S > 1) {
     if (keeps_residual(c.codec)) mem.codec_state = 4 * tr;
     mem.exchange = in_flight * ((sync ? 0 : 4 * m) + S * payload_bytes(c.codec, m, t.codec) + 4 * m);

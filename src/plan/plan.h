@@ -76,8 +76,8 @@
 //              backward hooks take); AdamW's two moments 8t/d_O; activations (below).
 //            host, every worker: the flat all-reduce buffer 4t/d_G (sync: the pinned buffer
 //              its buckets are gathered into; diloco/streaming: only when N > 1);
-//              diloco/streaming outer state: θ_global + outer momentum 8t/d_G (summed over
-//              fragments) + θ_local at send, k·4m/d_P.
+//              diloco/streaming outer state: θ_global + outer momentum 8t/d_O (summed over
+//              fragments) + θ_local at send, k·4m/d_O (each worker keeps its shard's part).
 //            host, the gateway only (S > 1), not sharded (one gateway encodes the whole site's
 //              update): codec error-feedback residual 4t (int8, int4, topk, powersgd,
 //              sparseloco; none/fp16/bf16 keep none); per exchange in flight, the
@@ -96,9 +96,8 @@
 //            estimated (0, and the output says so).
 //  A candidate fits when, at every site, the device need is at most [[sites]] worker_memory
 //  and the gateway's host need at most host_memory (each checked where given). nebula runs
-//  [parallel] shard = "none" and "optimizer" (ZeRO-1; it shards AdamW's moments, not the
-//  outer state, hence 8t/d_G there) today: "gradients" and "full" are what ZeRO-2/3 would
-//  give, shown but never recommended.
+//  [parallel] shard = "none", "optimizer" (ZeRO-1) and "gradients" (ZeRO-2, not with sync)
+//  today: "full" is what ZeRO-3 would give, shown but never recommended.
 //
 //  Not modelled: encode/decode compute, stragglers, jitter, packet loss, TCP slow start, the
 //  loss penalty of compression or staleness (the recommendation only orders candidates by

@@ -307,8 +307,8 @@ TEST(PlanMemory, ZeroShardsInsideASite) {
   // Host: the flat all-reduce buffer (4 workers now) and the outer state shard along.
   EXPECT_EQ(mem("none").buffers, 4e6);
   EXPECT_EQ(mem("none").outer, 12e6);
-  EXPECT_EQ(mem("optimizer").outer, 8e6 + 4e6);  // ZeRO-1 as built: the outer state stays whole
-  EXPECT_EQ(mem("gradients").outer, 8e6 + 4e6);
+  EXPECT_EQ(mem("optimizer").outer, 3e6);  // each worker keeps its part of the outer state
+  EXPECT_EQ(mem("gradients").outer, 3e6);
   EXPECT_EQ(mem("gradients").buffers, 0);  // reduce-scattered in place
   EXPECT_EQ(mem("optimizer").buffers, 4e6);
   EXPECT_EQ(mem("full").buffers, 1e6);
