@@ -898,10 +898,10 @@ TEST(EndToEnd, StopOrCrashThenResumeGivesTheSameWeightsAsAnUninterruptedRun) {
   fs::remove_all(dir);
 }
 
-// [2/5] ZeRO-1's checkpoints hold each worker's own shard of AdamW's moments: a run stopped
-// at step 15 and resumed ends with bit-identical weights, and resuming them with another
-// [parallel] shard is refused, naming what changed.
-// ZeRO-1 and ZeRO-2 checkpoints are sharded: stop, resume, the weights of an uninterrupted run.
+// [2/5] ZeRO-1's and ZeRO-2's checkpoints hold each worker's own shard of AdamW's moments and
+// of diloco's outer state: a run stopped at step 15 and resumed ends with bit-identical
+// weights; resumed unsharded (the shards joined) too; resumed on 3 workers instead of 2 it
+// reshards and the sites' global weights still agree at every merge.
 TEST(EndToEnd, ZeroOneStopAndResumeFromShardedCheckpointsGivesTheSameWeights) {
   for (const char* mode : {"optimizer", "gradients"}) {
     SCOPED_TRACE(mode);
@@ -922,14 +922,31 @@ TEST(EndToEnd, ZeroOneStopAndResumeFromShardedCheckpointsGivesTheSameWeights) {
     EXPECT_FALSE(r0.count("optim/1/exp_avg")) << "one flat shard, not one entry per parameter";
     EXPECT_EQ(r0.at("optim/0/exp_avg").size(), r1.at("optim/0/exp_avg").size());
     EXPECT_NE(r0.at("optim/0/exp_avg"), r1.at("optim/0/exp_avg"));
-    Result other = run(common + "/stopped\\\" --resume");  // shard = "none"
-    EXPECT_NE(other.exit_code, 0) << other.output;
-    EXPECT_NE(other.output.find("config hash"), std::string::npos) << other.output;
+    fs::copy(dir + "/stopped", dir + "/unsharded", fs::copy_options::recursive);
+    fs::copy(dir + "/stopped", dir + "/three", fs::copy_options::recursive);
     Result resumed = run(common + "/stopped\\\" --resume" + zero);
     ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
     const auto expected = tensor_bytes(dir + "/whole/model.safetensors");
     ASSERT_FALSE(expected.empty());
     EXPECT_EQ(tensor_bytes(dir + "/stopped/model.safetensors"), expected);
+    // The same checkpoints resumed unsharded: the shards are joined (moments, θ_global,
+    // momentum), every worker keeps its data position, and the run ends as the whole one did.
+    // (The copies share the stopped run's vocabulary, which its fingerprint names by path.)
+    const std::string vocabulary = " --set data.tokenizer=\\\"" + dir + "/stopped/tokenizer.model\\\"";
+    Result unsharded = run(common + "/unsharded\\\" --resume" + vocabulary);
+    ASSERT_EQ(unsharded.exit_code, 0) << unsharded.output;
+    const std::string unsharded_log = read_file(dir + "/unsharded/logs/alpha-1.log");
+    EXPECT_NE(unsharded_log.find("resharded the checkpoint of step 15 from 2 workers onto 2"), std::string::npos)
+        << unsharded_log;
+    EXPECT_EQ(tensor_bytes(dir + "/unsharded/model.safetensors"), expected);
+    // On three workers: resharded 2 -> 3 (the data partitioned anew, so other weights), and
+    // every merge's hash check across the sites passes (site 0's θ_global rejoined exactly).
+    Result three = run(common + "/three\\\" --resume --set sites.0.workers=3" + zero + vocabulary);
+    ASSERT_EQ(three.exit_code, 0) << three.output;
+    const std::string three_log = read_file(dir + "/three/logs/alpha-2.log");
+    EXPECT_NE(three_log.find("resharded the checkpoint of step 15 from 2 workers onto 3"), std::string::npos)
+        << three_log;
+    EXPECT_EQ(nlohmann::json::parse(read_file(dir + "/three/summary.json"))["workers"].get<int>(), 4);
     fs::remove_all(dir);
   }
 }

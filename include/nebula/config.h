@@ -268,8 +268,9 @@ Config parse_config(const std::string& text, const std::string& name,
 std::string to_toml(const Config& config);
 
 // A fingerprint (hex) of everything that shapes the training math: model, data, strategy,
-// PEFT, distillation, privacy, the seed and the sites' names, workers and data. Not job.steps
-// (a run may be extended), timeouts, addresses, WAN emulation, security, metrics or eval.
+// PEFT, distillation, privacy, the seed and the sites' names and data. Not job.steps (a run
+// may be extended), timeouts, addresses, WAN emulation, security, metrics or eval, nor a
+// site's workers or [parallel] shard (a resume under another layout reshards the checkpoint).
 // Checkpoints carry it; resuming under another one is refused.
 std::string training_fingerprint(const Config& config);
 

@@ -744,6 +744,7 @@ void DilocoStrategy::save_state(StrategyState& out) const {
   save_codec_states(comm_, out);
   auto& n = out.numbers;
   n["fragments"] = static_cast<double>(fragments_.size());
+  n["parts"] = shard_numel_ > 0 ? static_cast<double>(comm_.site().size()) : 1.0;  // each worker's part, or whole
   for (size_t j = 0; j < fragments_.size(); ++j) {
     const Fragment& fr = fragments_[j];
     out.tensors[str_cat("f", j, "/global")] = fr.global;
@@ -792,11 +793,14 @@ void DilocoStrategy::load_state(const StrategyState& in) {
     Fragment& fr = fragments_[j];
     for (auto [name, target] : {std::pair{"global", &fr.global}, std::pair{"momentum", &fr.momentum}}) {
       auto it = in.tensors.find(str_cat("f", j, "/", name));
-      if (it == in.tensors.end() || it->second.numel() != fr.part_len || it->second.scalar_type() != at::kFloat)
+      // This worker's part, or the whole fragment (load_resharded) to take it from.
+      if (it == in.tensors.end() || (it->second.numel() != fr.part_len && it->second.numel() != fr.numel) ||
+          it->second.scalar_type() != at::kFloat)
         throw DataError(str_cat("the checkpoint's strategy state has no ", name, " of fragment ", j, " with ",
                                 fr.part_len, " float32 values (this worker's part of its ", fr.numel,
                                 ": the state is sharded like [parallel] shard and the site's workers)"));
-      *target = it->second.reshape({-1}).clone();
+      const at::Tensor values = it->second.reshape({-1});
+      *target = (values.numel() == fr.part_len ? values : values.narrow(0, fr.part_at, fr.part_len)).clone();
     }
     fr.weight_at_send = number(str_cat("f", j, "/weight_at_send"));
     fr.round = integer(str_cat("f", j, "/round"));
@@ -837,6 +841,30 @@ void DilocoStrategy::load_state(const StrategyState& in) {
   load_codec_states(comm_, in);
   // θ_local at the checkpoint is in the parameters (the worker loads them).
   last_step_end_ = Clock::now();
+}
+
+void DilocoStrategy::load_resharded(const std::vector<StrategyState>& ranks) {
+  NEBULA_CHECK(!ranks.empty(), "load_resharded without states");
+  auto parts_it = ranks[0].numbers.find("parts");
+  const auto parts = static_cast<size_t>(parts_it == ranks[0].numbers.end() ? 1.0 : parts_it->second);
+  if (parts <= 1) return load_state(ranks[0]);  // every worker holds the whole state
+  if (parts != ranks.size())
+    throw DataError(str_cat("the checkpoint's strategy state is cut into ", parts, " parts, but ", ranks.size(),
+                            " workers' checkpoints were found"));
+  StrategyState whole = ranks[0];
+  for (size_t j = 0; j < fragments_.size(); ++j)
+    for (const char* name : {"global", "momentum"}) {
+      const std::string key = str_cat("f", j, "/", name);
+      std::vector<at::Tensor> pieces;
+      for (size_t q = 0; q < ranks.size(); ++q) {
+        auto it = ranks[q].tensors.find(key);
+        if (it == ranks[q].tensors.end())
+          throw DataError(str_cat("the checkpoint of rank ", q, " has no strategy tensor ", key));
+        pieces.push_back(it->second.reshape({-1}));
+      }
+      whole.tensors[key] = at::cat(pieces);
+    }
+  load_state(whole);
 }
 
 void DilocoStrategy::reconcile() {

@@ -107,6 +107,8 @@ class DilocoStrategy : public Strategy {
   void drain() override;
   void save_state(StrategyState& out) const override;
   void load_state(const StrategyState& in) override;
+  // The parts of a sharded state joined into whole fragments; this worker takes its part.
+  void load_resharded(const std::vector<StrategyState>& ranks) override;
   // The sites compare how many outer steps they have taken; a site behind (its newest
   // checkpoint is older) takes the global weights, momentum and round position from the
   // site furthest ahead (the lowest-numbered one among equals), in one exchange.

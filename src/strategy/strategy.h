@@ -103,6 +103,10 @@ class Strategy {
   virtual void drain() {}
   virtual void save_state(StrategyState& out) const = 0;
   virtual void load_state(const StrategyState& in) = 0;
+  // Resume under another layout ([parallel] shard or the site's workers changed since the
+  // checkpoint): the states of every worker of the site that wrote it, in rank order. The
+  // default takes rank 0's (a state that is the same on every worker, or the gateway's alone).
+  virtual void load_resharded(const std::vector<StrategyState>& ranks) { load_state(ranks.at(0)); }
   // After a resume, on every worker of every site: brings the sites to one global state if
   // their checkpoints differ (e.g. one site's newest checkpoint is a round behind).
   virtual void reconcile() {}

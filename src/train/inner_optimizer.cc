@@ -101,4 +101,79 @@ void InnerOptimizer::load(const Checkpoint& in) {
   load_optimizer(*adamw_, optimized_, in);
 }
 
+void InnerOptimizer::load_resharded(const std::vector<const Checkpoint*>& ranks) {
+  NEBULA_CHECK(!ranks.empty(), "load_resharded without checkpoints");
+  const Checkpoint& first = *ranks[0];
+  auto optim_of = [](const Checkpoint& k) {
+    return k.state.contains("optim") ? k.state["optim"] : nlohmann::json::object();
+  };
+  const nlohmann::json optim = optim_of(first);
+  const int64_t of = optim.contains("shard") ? optim["shard"].value("of", int64_t{1}) : 1;
+  if (of != static_cast<int64_t>(ranks.size()) && of != 1)
+    throw DataError(str_cat("checkpoint of step ", first.step, ": its optimizer state is cut into ", of,
+                            " shards, but ", ranks.size(), " workers' checkpoints were found"));
+  auto steps_of = [&](const Checkpoint& k) {
+    const nlohmann::json o = optim_of(k);
+    if (!o.contains("steps") || !o["steps"].is_array())
+      throw DataError(str_cat("checkpoint of step ", k.step, ": no optimizer steps"));
+    return o["steps"].get<std::vector<int64_t>>();
+  };
+  auto tensor = [&](const Checkpoint& k, const std::string& name) {
+    auto it = k.tensors.find(name);
+    if (it == k.tensors.end()) throw DataError(str_cat("checkpoint of step ", k.step, ": no optimizer tensor ", name));
+    return it->second.reshape({-1}).to(at::kFloat);
+  };
+  // The whole moments over the flat parameter vector, and the one step count they share.
+  const std::vector<int64_t> first_steps = steps_of(first);
+  int64_t step = first_steps.empty() ? 0 : first_steps[0];
+  for (int64_t s : first_steps)
+    if (s != step)
+      throw DataError(str_cat("checkpoint of step ", first.step, ": its parameters took different numbers of AdamW "
+                              "steps (", s, " and ", step, "), so its state cannot be resharded"));
+  Checkpoint now;
+  now.step = first.step;
+  std::vector<int64_t> now_steps(optimized_.size(), step);
+  if (step > 0) {
+    std::vector<at::Tensor> avg, sq;
+    if (of == 1) {  // one entry per parameter
+      NEBULA_CHECK(first_steps.size() == params_.size(), "checkpoint of step ", first.step, ": optimizer state for ",
+                   first_steps.size(), " parameters, this model has ", params_.size());
+      for (size_t i = 0; i < params_.size(); ++i) {
+        avg.push_back(tensor(first, str_cat("optim/", i, "/exp_avg")));
+        sq.push_back(tensor(first, str_cat("optim/", i, "/exp_avg_sq")));
+      }
+    } else {  // one flat shard per worker, in rank order
+      for (const Checkpoint* k : ranks) {
+        if (steps_of(*k) != first_steps)
+          throw DataError(str_cat("checkpoint of step ", k->step, ": the workers' shards took different AdamW steps"));
+        avg.push_back(tensor(*k, "optim/0/exp_avg"));
+        sq.push_back(tensor(*k, "optim/0/exp_avg_sq"));
+      }
+    }
+    at::Tensor whole_avg = at::cat(avg), whole_sq = at::cat(sq);
+    if (whole_avg.numel() < total_numel_ || (of == 1 && whole_avg.numel() != total_numel_))
+      throw DataError(str_cat("checkpoint of step ", first.step, ": optimizer state of ", whole_avg.numel(),
+                              " values for a model of ", total_numel_, " parameters: the model changed"));
+    whole_avg = whole_avg.narrow(0, 0, total_numel_);
+    whole_sq = whole_sq.narrow(0, 0, total_numel_);
+    if (sharded_) {  // this worker's part of the whole, padded like flat_
+      at::Tensor a = at::zeros({shard_numel_ * site_.size()}), q = at::zeros({shard_numel_ * site_.size()});
+      a.narrow(0, 0, total_numel_).copy_(whole_avg);
+      q.narrow(0, 0, total_numel_).copy_(whole_sq);
+      now.tensors["optim/0/exp_avg"] = a.narrow(0, site_.rank() * shard_numel_, shard_numel_).clone();
+      now.tensors["optim/0/exp_avg_sq"] = q.narrow(0, site_.rank() * shard_numel_, shard_numel_).clone();
+    } else {
+      int64_t offset = 0;
+      for (size_t i = 0; i < params_.size(); ++i) {
+        const int64_t n = params_[i].numel();
+        now.tensors[str_cat("optim/", i, "/exp_avg")] = whole_avg.narrow(0, offset, n).view(params_[i].sizes()).clone();
+        now.tensors[str_cat("optim/", i, "/exp_avg_sq")] = whole_sq.narrow(0, offset, n).view(params_[i].sizes()).clone();
+        offset += n;
+      }
+    }
+  }
+  now.state["optim"] = {{"steps", now_steps}, {"shard", {{"numel", state_numel()}}}};
+  load(now);
+}
+
 }  // namespace nebula::train

@@ -26,8 +26,8 @@
 //                       identical with 2 workers, whose sums are a + b either way).
 //
 // Checkpoints (save/load through optimizer_state.h) hold this worker's moments only: with
-// shard = "optimizer" or "gradients" a checkpoint is sharded, one shard per rank directory, and resumes only
-// with the same number of workers (the fingerprint carries [parallel] and the workers).
+// shard = "optimizer" or "gradients" a checkpoint is sharded, one shard per rank directory.
+// load_resharded resumes them under another shard mode or number of workers.
 #pragma once
 
 #include <torch/optim/adamw.h>
@@ -66,6 +66,12 @@ class InnerOptimizer {
 
   void save(Checkpoint& out) const;
   void load(const Checkpoint& in);
+  // Resume under another layout ([parallel] shard or the site's workers changed since the
+  // checkpoint): `ranks` are the checkpoints of every worker of the site that wrote them, in
+  // rank order, all of one step. Their moments are joined into the whole flat vector and this
+  // worker takes its part (all of it unsharded): elementwise the same AdamW state.
+  // DataError naming what does not fit.
+  void load_resharded(const std::vector<const Checkpoint*>& ranks);
 
  private:
   std::vector<at::Tensor> params_;     // the model's (kept, not copied)

@@ -3,6 +3,7 @@
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
+#include <mutex>
 #include <thread>
 
 #include "collective/testing.h"
@@ -106,6 +107,89 @@ TEST(InnerOptimizer, ShardedAdamWEqualsTheWholeOneAndResumesFromItsShards) {
 
 TEST(InnerOptimizer, ZeroTwoEqualsTheWholeOneAndResumesFromItsShards) {
   for (int workers = 1; workers <= 4; ++workers) check_sharded_adamw(workers, "gradients");
+}
+
+// Resharding: checkpoints written by one number of workers and shard mode, resumed under
+// another (the moments joined, each worker taking its part), step on as the whole AdamW does.
+void check_resharded(int from, const std::string& from_mode, int to, const std::string& to_mode) {
+  SCOPED_TRACE(str_cat(from, " workers (", from_mode, ") -> ", to, " workers (", to_mode, ")"));
+  constexpr int kSteps = 4;
+  auto step_once = [](InnerOptimizer& o, collective::SiteGroup& site, std::vector<at::Tensor>& params, int s) {
+    o.zero_grad();
+    set_grads(params, s);
+    if (o.gradients_sharded()) {  // rank 0's gradients, everyone else's zeros, reduce-scattered
+      at::Tensor flat = o.flat_grad();
+      if (site.rank() != 0) flat.zero_();
+      const int64_t n = flat.numel() / site.size();
+      at::Tensor shard = flat.narrow(0, site.rank() * n, n);
+      site.reduce_scatter_sum(flat, shard);
+    }
+    o.step();
+  };
+  std::vector<at::Tensor> reference = make_params();
+  {
+    collective::testing::StorePort port;
+    collective::SiteGroup solo = collective::testing::join_group("solo", 0, 1, 30s, port);
+    InnerOptimizer whole(reference, 1e-2, 0.1, "none", solo);
+    for (int s = 0; s < kSteps + 1; ++s) step_once(whole, solo, reference, s);
+  }
+  std::mutex mu;
+  std::vector<Checkpoint> written(static_cast<size_t>(from));
+  std::vector<at::Tensor> at_checkpoint;
+  collective::testing::run_site(str_cat("from-", from), from, [&](collective::SiteGroup& site) {
+    std::vector<at::Tensor> params = make_params();
+    InnerOptimizer o(params, 1e-2, 0.1, from_mode, site);
+    for (int s = 0; s < kSteps; ++s) step_once(o, site, params, s);
+    Checkpoint k;
+    o.save(k);
+    std::lock_guard<std::mutex> lock(mu);
+    written[static_cast<size_t>(site.rank())] = k;
+    if (site.rank() == 0)
+      for (const auto& p : params) at_checkpoint.push_back(p.detach().clone());
+  });
+  std::vector<const Checkpoint*> ranks;
+  for (const auto& k : written) ranks.push_back(&k);
+  collective::testing::run_site(str_cat("to-", to), to, [&](collective::SiteGroup& site) {
+    std::vector<at::Tensor> params = make_params();
+    {
+      at::NoGradGuard no_grad;
+      for (size_t i = 0; i < params.size(); ++i) params[i].copy_(at_checkpoint[i]);  // the model, as restored
+    }
+    InnerOptimizer o(params, 1e-2, 0.1, to_mode, site);
+    o.load_resharded(ranks);
+    step_once(o, site, params, kSteps);
+    for (size_t i = 0; i < params.size(); ++i)
+      EXPECT_TRUE(at::allclose(params[i], reference[i], 1e-5, 1e-6))
+          << "rank " << site.rank() << " parameter " << i << ": max diff "
+          << (params[i] - reference[i]).abs().max().item<float>();
+  });
+}
+
+TEST(InnerOptimizer, ReshardedCheckpointsResumeOnAnotherLayout) {
+  check_resharded(2, "optimizer", 3, "optimizer");
+  check_resharded(3, "optimizer", 2, "gradients");
+  check_resharded(4, "gradients", 1, "none");
+  check_resharded(2, "none", 4, "optimizer");
+  check_resharded(2, "optimizer", 2, "none");
+  // The shards of fewer workers than wrote them cannot be joined.
+  collective::testing::StorePort port;
+  collective::SiteGroup solo = collective::testing::join_group("solo", 0, 1, 30s, port);
+  std::vector<Checkpoint> two(2);
+  collective::testing::run_site("pair", 2, [&](collective::SiteGroup& site) {
+    std::vector<at::Tensor> params = make_params();
+    InnerOptimizer o(params, 1e-2, 0.1, "optimizer", site);
+    o.zero_grad();
+    set_grads(params, 0);
+    o.step();
+    o.save(two[static_cast<size_t>(site.rank())]);
+  });
+  InnerOptimizer o(make_params(), 1e-2, 0.1, "none", solo);
+  try {
+    o.load_resharded({&two[0]});
+    ADD_FAILURE() << "one of two shards was taken for the whole";
+  } catch (const DataError& e) {
+    EXPECT_NE(std::string(e.what()).find("cut into 2 shards"), std::string::npos) << e.what();
+  }
 }
 
 TEST(InnerOptimizer, ZeroThreeAndUnknownModesAreRefusedNamingTheKey) {

@@ -102,7 +102,7 @@ Checkpoint capture(int64_t step, Task& task, const InnerOptimizer& optimizer, co
   return k;
 }
 
-void restore(const Checkpoint& k, Task& task, InnerOptimizer& optimizer, strategy::Strategy& strategy) {
+void load_model(const Checkpoint& k, Task& task) {
   at::NoGradGuard no_grad;
   auto load = [&](const std::string& name, at::Tensor t) {
     auto it = k.tensors.find("model/" + name);
@@ -114,9 +114,9 @@ void restore(const Checkpoint& k, Task& task, InnerOptimizer& optimizer, strateg
   };
   for (const auto& item : task.module().named_parameters()) load(item.key(), item.value());
   for (const auto& item : task.module().named_buffers()) load(item.key(), item.value());
-  optimizer.load(k);
-  load_torch_rng(k);
-  task.load_state(k);
+}
+
+strategy::StrategyState strategy_state(const Checkpoint& k) {
   strategy::StrategyState st;
   for (const auto& [name, t] : k.tensors)
     if (name.rfind("strategy/", 0) == 0) st.tensors[name.substr(9)] = t;
@@ -124,7 +124,38 @@ void restore(const Checkpoint& k, Task& task, InnerOptimizer& optimizer, strateg
   if (js.contains("numbers")) st.numbers = js["numbers"].get<std::map<std::string, double>>();
   if (js.contains("strings")) st.strings = js["strings"].get<std::map<std::string, std::string>>();
   if (js.contains("decisions")) st.decisions = js["decisions"].get<std::vector<std::string>>();
-  strategy.load_state(st);
+  return st;
+}
+
+void restore(const Checkpoint& k, Task& task, InnerOptimizer& optimizer, strategy::Strategy& strategy) {
+  load_model(k, task);
+  optimizer.load(k);
+  load_torch_rng(k);
+  task.load_state(k);
+  strategy.load_state(strategy_state(k));
+}
+
+// Resharding: `ranks` are the checkpoints of every worker of the site that wrote them (another
+// number of workers, or another [parallel] shard, than now), all of one step. The model (the
+// same on every worker) comes from rank 0's; the optimizer's and strategy's sharded state is
+// joined and this worker takes its part. With the same number of workers this worker also
+// continues its own data position and generator (so changing only the shard mode resumes
+// exactly); with another number the site's data is partitioned anew, and each worker's
+// position starts over (its generator: that of the old rank of its index, if there was one).
+void restore_resharded(const std::vector<Checkpoint>& ranks, int rank, bool same_workers, Task& task,
+                       InnerOptimizer& optimizer, strategy::Strategy& strategy) {
+  load_model(ranks.at(0), task);
+  std::vector<const Checkpoint*> pointers;
+  std::vector<strategy::StrategyState> states;
+  for (const auto& k : ranks) {
+    pointers.push_back(&k);
+    states.push_back(strategy_state(k));
+  }
+  optimizer.load_resharded(pointers);
+  const auto own = static_cast<size_t>(rank);
+  if (own < ranks.size()) load_torch_rng(ranks[own]);
+  if (same_workers) task.load_state(ranks.at(own));
+  strategy.load_resharded(states);
 }
 
 }  // namespace
@@ -269,10 +300,35 @@ int run_worker(const Config& c, const WorkerIdentity& who, bool resume, bool rej
   bool resumed = false;
   if (resume || rejoin) {
     std::optional<Checkpoint> newest = load_latest_checkpoint(checkpoint_dir, fingerprint);
+    // The layout the site's checkpoints were written in, as rank 0's newest one says: another
+    // number of workers or [parallel] shard than now means resharding, from every old rank's.
+    at::Tensor layout = at::full({2}, static_cast<float>(workers));  // [old workers, 1 if the shard mode changed]
+    layout[1] = 0.0f;
+    if (who.local_rank == 0 && newest) {
+      const auto& w = newest->state.value("worker", nlohmann::json::object());
+      layout[0] = static_cast<float>(w.value("workers", workers));
+      layout[1] = w.value("shard", c.parallel.shard) != c.parallel.shard ? 1.0f : 0.0f;
+    }
+    if (workers > 1) group.broadcast_from_root(layout);
+    const int old_workers = static_cast<int>(layout[0].item<float>());
+    const bool reshard = old_workers != workers || layout[1].item<float>() > 0;
+    auto rank_dir = [&](int q) { return str_cat(c.checkpoint.dir, "/", site.name, "/rank-", q); };
+    std::vector<std::optional<Checkpoint>> olds;  // resharding: each old rank's newest
+    int64_t have = newest ? newest->step : -1;    // the newest step this worker can restore
+    if (reshard) {
+      for (int q = 0; q < old_workers; ++q) {
+        olds.push_back(q == who.local_rank ? newest : load_latest_checkpoint(rank_dir(q), fingerprint));
+        have = olds.back() ? (q == 0 ? olds.back()->step : std::min(have, olds.back()->step)) : -1;
+        if (have < 0) break;
+      }
+      spdlog::info("--resume: the site's checkpoints were written by {} workers with parallel.shard {}, this run has {} "
+                   "with \"{}\": resharding", old_workers, layout[1].item<float>() > 0 ? "changed" : "unchanged",
+                   workers, c.parallel.shard);
+    }
     size_t first = 0;  // this worker's global index, and the range that must agree
     for (size_t s = 0; s < who.site; ++s) first += static_cast<size_t>(c.sites[s].workers);
     std::vector<double> mine(static_cast<size_t>(c.total_workers()), 0.0);
-    mine[first + static_cast<size_t>(who.local_rank)] = newest ? static_cast<double>(newest->step + 1) : 0.0;
+    mine[first + static_cast<size_t>(who.local_rank)] = static_cast<double>(have + 1);
     const std::vector<double> all = sum_over_job(comm, mine);  // step + 1 per worker, 0 = none
     const bool per_site = c.strategy.kind != "sync";
     const size_t begin = per_site ? first : 0, end = per_site ? first + static_cast<size_t>(workers) : all.size();
@@ -280,17 +336,44 @@ int run_worker(const Config& c, const WorkerIdentity& who, bool resume, bool rej
                                             all.begin() + static_cast<std::ptrdiff_t>(end)) - 1;
     if (common < 0) {
       spdlog::warn("--resume: {} has no checkpoint every worker of the {} holds: starting from step 0",
-                   checkpoint_dir, per_site ? "site" : "job");
+                   reshard ? str_cat(c.checkpoint.dir, "/", site.name) : checkpoint_dir, per_site ? "site" : "job");
     } else {
       const auto target = static_cast<int64_t>(common);
-      if (newest && newest->step != target) newest = load_latest_checkpoint(checkpoint_dir, fingerprint, target);
-      if (!newest || newest->step != target)
-        throw DataError(str_cat(checkpoint_dir, ": no intact checkpoint of step ", target,
-                                ", the newest every other worker holds: resume is impossible from these "
-                                "checkpoints; start without --resume"));
-      restore(*newest, *task, optimizer, *strategy);
-      step = newest->step;
-      const auto& w = newest->state.value("worker", nlohmann::json::object());
+      const Checkpoint* own = nullptr;
+      if (!reshard) {
+        if (newest && newest->step != target) newest = load_latest_checkpoint(checkpoint_dir, fingerprint, target);
+        if (!newest || newest->step != target)
+          throw DataError(str_cat(checkpoint_dir, ": no intact checkpoint of step ", target,
+                                  ", the newest every other worker holds: resume is impossible from these "
+                                  "checkpoints; start without --resume"));
+        restore(*newest, *task, optimizer, *strategy);
+        own = &*newest;
+      } else {
+        std::vector<Checkpoint> ranks;
+        for (int q = 0; q < old_workers; ++q) {
+          auto& k = olds[static_cast<size_t>(q)];
+          if (!k || k->step != target) k = load_latest_checkpoint(rank_dir(q), fingerprint, target);
+          if (!k || k->step != target)
+            throw DataError(str_cat(rank_dir(q), ": no intact checkpoint of step ", target, ", which resharding the "
+                                    "site's ", old_workers, " workers' checkpoints needs (every worker must be able "
+                                    "to read every old rank's directory: a checkpoint.dir they share)"));
+          ranks.push_back(std::move(*k));
+        }
+        restore_resharded(ranks, who.local_rank, old_workers == workers, *task, optimizer, *strategy);
+        // The tokens so far: each worker's own with the same workers, else all of them on rank 0.
+        int64_t so_far = 0;
+        for (int q = 0; q < old_workers; ++q)
+          if (old_workers == workers ? q == who.local_rank : who.local_rank == 0)
+            so_far += ranks[static_cast<size_t>(q)].state.value("worker", nlohmann::json::object()).value("tokens", int64_t{0});
+        olds.clear();
+        newest = std::move(ranks[0]);
+        newest->state["worker"]["tokens"] = so_far;
+        own = &*newest;
+        spdlog::info("resharded the checkpoint of step {} from {} workers onto {}{}", target, old_workers, workers,
+                     old_workers == workers ? "" : " (the site's data is partitioned anew: each worker's position starts over)");
+      }
+      step = own->step;
+      const auto& w = own->state.value("worker", nlohmann::json::object());
       tokens = w.value("tokens", int64_t{0});
       if (w.contains("eval_start")) eval_start = w["eval_start"].get<std::vector<double>>();
       resumed = true;
@@ -304,7 +387,8 @@ int run_worker(const Config& c, const WorkerIdentity& who, bool resume, bool rej
   if (!resumed && !rejoin && task->eval_at_start()) eval_start = evaluate_now(0);
   auto checkpoint_now = [&](int64_t steps_done) {
     Checkpoint k = capture(steps_done, *task, optimizer, *strategy);
-    k.state["worker"] = {{"tokens", tokens}, {"eval_start", eval_start}, {"site", site.name}, {"rank", who.local_rank}};
+    k.state["worker"] = {{"tokens", tokens},          {"eval_start", eval_start}, {"site", site.name},
+                         {"rank", who.local_rank}, {"workers", workers},       {"shard", c.parallel.shard}};
     save_checkpoint(checkpoint_dir, k, fingerprint, static_cast<int>(c.checkpoint.keep));
     spdlog::info("checkpoint of step {} written to {}", steps_done, checkpoint_dir);
   };

@@ -611,7 +611,9 @@ void check_peft(const ModelConfig& model, const PeftConfig& peft) {
 
 std::string training_fingerprint(const Config& c) {
   toml::table t = toml_reader::parse(to_toml(c), "the resolved config");
-  for (const char* section : {"eval", "wan", "security", "metrics", "checkpoint"}) t.erase(section);
+  // [parallel] and a site's workers may change between a checkpoint and its resume: the worker
+  // reshards (train/worker.cc).
+  for (const char* section : {"eval", "wan", "security", "metrics", "checkpoint", "parallel"}) t.erase(section);
   if (auto* job = t["job"].as_table()) {
     const int64_t seed = static_cast<int64_t>(c.job.seed);
     job->clear();
@@ -620,7 +622,7 @@ std::string training_fingerprint(const Config& c) {
   if (auto* sites = t["sites"].as_array())
     for (auto& s : *sites)
       if (auto* site = s.as_table())
-        for (const char* key : {"gateway", "store", "slowdown", "device"}) site->erase(key);
+        for (const char* key : {"gateway", "store", "slowdown", "device", "workers"}) site->erase(key);
   std::ostringstream out;
   out << t;
   uint64_t h = 1469598103934665603ull;  // FNV-1a, 64 bits

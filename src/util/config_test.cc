@@ -81,15 +81,17 @@ TEST(Config, CheckpointKeys) {
 }
 
 // The fingerprint checkpoints carry changes with what shapes training, not with where or how long it runs.
-TEST(Config, TrainingFingerprintIgnoresAddressesStepsAndEmulation) {
+TEST(Config, TrainingFingerprintIgnoresAddressesStepsEmulationAndLayout) {
   const Config c = parse_config(kValid, "job.toml");
   const std::string h = training_fingerprint(c);
   EXPECT_EQ(h.size(), 16u);
+  // A site's workers and [parallel] shard may change too: the resume reshards (train/worker.cc).
   for (const char* same : {"sites.0.gateway=\"127.0.0.1:4000\"", "job.steps=70", "wan.rtt=\"5ms\"",
-                           "job.timeout=\"9s\"", "checkpoint.every=5", "eval.every=3"})
+                           "job.timeout=\"9s\"", "checkpoint.every=5", "eval.every=3", "sites.0.workers=3",
+                           "parallel.shard=\"optimizer\""})
     EXPECT_EQ(training_fingerprint(parse_config(kValid, "job.toml", {same})), h) << same;
-  for (const char* other : {"model.dim=64", "job.seed=2", "strategy.kind=\"diloco\"", "sites.0.workers=3",
-                            "data.batch_size=8", "parallel.shard=\"optimizer\""})
+  for (const char* other : {"model.dim=64", "job.seed=2", "strategy.kind=\"diloco\"", "data.batch_size=8",
+                            "sites.1.name=\"gamma\""})
     EXPECT_NE(training_fingerprint(parse_config(kValid, "job.toml", {other})), h) << other;
 }
 
