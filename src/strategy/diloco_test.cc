@@ -382,9 +382,10 @@ TEST(Streaming, DelayedMergesKeepInnerProgressAndCountEveryFragment) {
 // shows it, equal the unsharded run's bit for bit, on sites of 3 and 2 workers (whose parts
 // differ, so the global-weight hash checked at every merge must combine the parts' CRCs into
 // one value independent of the workers).
-void check_sharded_outer_state(int64_t fragments, int64_t delay, const std::string& codec) {
-  SCOPED_TRACE(str_cat(fragments, " fragments, delay ", delay, ", codec ", codec));
-  const std::vector<int> sites{3, 2};
+void check_sharded_outer_state(int64_t fragments, int64_t delay, const std::string& codec,
+                               const std::vector<int>& sites = {3, 2}) {
+  SCOPED_TRACE(str_cat(fragments, " fragments, delay ", delay, ", codec ", codec, ", ", sites[0], " + ", sites[1],
+                       " workers"));
   const int64_t h = 4, steps = 12;
   using Trace = std::map<std::pair<int, int64_t>, at::Tensor>;  // (global rank, step) -> flat weights
   auto run = [&](bool sharded, Trace& trace, Trace& global) {
@@ -451,9 +452,15 @@ void check_sharded_outer_state(int64_t fragments, int64_t delay, const std::stri
   EXPECT_FALSE(at::equal(whole.at({0, 0}), whole.at({0, steps - 1})));  // training moved the weights
 }
 
-TEST(Diloco, ShardedOuterStateEqualsTheWholeBitForBit) { check_sharded_outer_state(1, 0, "none"); }
+TEST(Diloco, ShardedOuterStateEqualsTheWholeBitForBit) {
+  check_sharded_outer_state(1, 0, "none");
+  check_sharded_outer_state(1, 0, "none", {4, 1});
+}
 TEST(Diloco, ShardedOuterStateWithALossyCodec) { check_sharded_outer_state(1, 0, "int8"); }
-TEST(Streaming, ShardedOuterStateWithFragmentsAndDelay) { check_sharded_outer_state(3, 1, "none"); }
+TEST(Streaming, ShardedOuterStateWithFragmentsAndDelay) {
+  check_sharded_outer_state(3, 1, "none");
+  check_sharded_outer_state(4, 1, "int8", {2, 4});  // fragments smaller than a shard: some parts are empty
+}
 
 // Heterogeneous sites: a site three times faster runs three times the inner steps per round
 // once the sites have exchanged their step times; both run the same number of rounds.
