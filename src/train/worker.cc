@@ -377,7 +377,8 @@ int run_worker(const Config& c, const WorkerIdentity& who, bool resume, bool rej
       tokens = w.value("tokens", int64_t{0});
       if (w.contains("eval_start")) eval_start = w["eval_start"].get<std::vector<double>>();
       resumed = true;
-      spdlog::info("resumed from {}/step-{} ({} tokens so far)", checkpoint_dir, step, tokens);
+      spdlog::info("resumed from {}/step-{} ({} tokens so far)",
+                   reshard ? str_cat(c.checkpoint.dir, "/", site.name, "/rank-*") : checkpoint_dir, step, tokens);
     }
     if (rejoin)
       strategy->join();  // the others admit this site at their next round and hand it their state
