@@ -176,59 +176,47 @@ void SiteGroup::all_gather_parts(const at::Tensor& full, const std::vector<int64
   }
 }
 
-void SiteGroup::gather_parts_to_root(const at::Tensor& part, const at::Tensor& full,
-                                     const std::vector<int64_t>& counts) {
+void SiteGroup::parts_with_root(bool to_root, const at::Tensor& part, const at::Tensor& full,
+                                const std::vector<int64_t>& counts) {
+  const char* op = to_root ? "gather" : "scatter";
   NEBULA_CHECK(counts.size() == static_cast<size_t>(size_) && part.numel() == counts[static_cast<size_t>(rank_)] &&
                    part.is_contiguous(),
-               "site ", site_, ": gather of a ", part.numel(), "-value part on rank ", rank_, " (want counts[rank], contiguous)");
-  constexpr int kTag = 1 << 20;  // apart from the rings' step tags
+               "site ", site_, ": ", op, " of a ", part.numel(), "-value part on rank ", rank_,
+               " (want counts[rank], contiguous)");
+  const int tag = (1 << 20) + (to_root ? 0 : 1);  // apart from the rings' step tags
+  // A rank's part goes to (gather) or comes from (scatter) rank 0 in one send/recv pair.
+  auto post = [&](std::vector<at::Tensor>& t, int peer) {
+    return to_root == (rank_ != 0) ? impl_->pg->send(t, peer, tag) : impl_->pg->recv(t, peer, tag);
+  };
   if (rank_ != 0) {
     if (part.numel() == 0) return;
-    std::vector<at::Tensor> out{part};
-    run(site_, "gather", [&] { return impl_->pg->send(out, 0, kTag); });
+    std::vector<at::Tensor> mine{part};
+    run(site_, op, [&] { return post(mine, 0); });
     return;
   }
-  const std::vector<int64_t> at = part_offsets(site_, "gather", full, counts, size_);
+  const std::vector<int64_t> at = part_offsets(site_, op, full, counts, size_);
   at::Tensor own = full.narrow(0, 0, counts[0]);
-  if (counts[0] > 0 && own.data_ptr() != part.data_ptr()) own.copy_(part);
-  guarded(site_, "gather", [&] {
-    std::vector<std::vector<at::Tensor>> in(counts.size());
+  if (counts[0] > 0 && own.data_ptr() != part.data_ptr()) (to_root ? own : part).copy_(to_root ? part : own);
+  guarded(site_, op, [&] {
+    std::vector<std::vector<at::Tensor>> theirs(counts.size());
     std::vector<c10::intrusive_ptr<c10d::Work>> works;
     for (size_t i = 1; i < counts.size(); ++i) {
       if (counts[i] == 0) continue;
-      in[i] = {full.narrow(0, at[i], counts[i])};
-      works.push_back(impl_->pg->recv(in[i], static_cast<int>(i), kTag));
+      theirs[i] = {full.narrow(0, at[i], counts[i])};
+      works.push_back(post(theirs[i], static_cast<int>(i)));
     }
     for (auto& w : works) w->wait();
   });
 }
 
+void SiteGroup::gather_parts_to_root(const at::Tensor& part, const at::Tensor& full,
+                                     const std::vector<int64_t>& counts) {
+  parts_with_root(true, part, full, counts);
+}
+
 void SiteGroup::scatter_parts_from_root(const at::Tensor& full, const at::Tensor& part,
                                         const std::vector<int64_t>& counts) {
-  NEBULA_CHECK(counts.size() == static_cast<size_t>(size_) && part.numel() == counts[static_cast<size_t>(rank_)] &&
-                   part.is_contiguous(),
-               "site ", site_, ": scatter into a ", part.numel(), "-value part on rank ", rank_,
-               " (want counts[rank], contiguous)");
-  constexpr int kTag = (1 << 20) + 1;
-  if (rank_ != 0) {
-    if (part.numel() == 0) return;
-    std::vector<at::Tensor> in{part};
-    run(site_, "scatter", [&] { return impl_->pg->recv(in, 0, kTag); });
-    return;
-  }
-  const std::vector<int64_t> at = part_offsets(site_, "scatter", full, counts, size_);
-  at::Tensor own = full.narrow(0, 0, counts[0]);
-  if (counts[0] > 0 && own.data_ptr() != part.data_ptr()) part.copy_(own);
-  guarded(site_, "scatter", [&] {
-    std::vector<std::vector<at::Tensor>> out(counts.size());
-    std::vector<c10::intrusive_ptr<c10d::Work>> works;
-    for (size_t i = 1; i < counts.size(); ++i) {
-      if (counts[i] == 0) continue;
-      out[i] = {full.narrow(0, at[i], counts[i])};
-      works.push_back(impl_->pg->send(out[i], static_cast<int>(i), kTag));
-    }
-    for (auto& w : works) w->wait();
-  });
+  parts_with_root(false, part, full, counts);
 }
 
 void SiteGroup::barrier() {

@@ -74,6 +74,8 @@ class SiteGroup {
   void scatter_parts_from_root(const at::Tensor& full, const at::Tensor& part, const std::vector<int64_t>& counts);
 
  private:
+  // gather_parts_to_root (to_root) and scatter_parts_from_root: the same pairs, either way.
+  void parts_with_root(bool to_root, const at::Tensor& part, const at::Tensor& full, const std::vector<int64_t>& counts);
   struct Impl;
   std::unique_ptr<Impl> impl_;
   std::string site_;

@@ -106,32 +106,24 @@ void DilocoStrategy::spread_part(const Fragment& fr) {
 
 void DilocoStrategy::with_global_weights(const std::function<void()>& fn) {
   at::NoGradGuard no_grad;
-  if (shard_numel_ > 0) {  // each worker writes its shard of θ_global; the site all-gathers, twice
-    collective::SiteGroup& site = comm_.site();
-    at::Tensor shard = flat_params_.narrow(0, site.rank() * shard_numel_, shard_numel_);
-    const at::Tensor local = shard.clone();
-    for (const Fragment& fr : fragments_) write_part(fr, fr.global);
-    site.all_gather(shard, flat_params_);
-    auto restore = [&] {
-      shard.copy_(local);
-      site.all_gather(shard, flat_params_);
-    };
-    try {
-      fn();
-    } catch (...) {
-      restore();
-      throw;
-    }
-    restore();
-    return;
-  }
+  // Sharded, each worker writes its shard of θ_global and the site all-gathers (and again to
+  // put the replica back); else every worker writes all of it.
+  const bool sharded = shard_numel_ > 0;
+  at::Tensor shard = sharded ? flat_params_.narrow(0, comm_.site().rank() * shard_numel_, shard_numel_) : at::Tensor();
   std::vector<at::Tensor> local;
+  if (sharded) local.push_back(shard.clone());
   for (const Fragment& fr : fragments_) {
-    local.push_back(read_params(fr));
-    write_params(fr, fr.global);
+    if (!sharded) local.push_back(read_params(fr));
+    write_part(fr, fr.global);
   }
+  if (sharded) comm_.site().all_gather(shard, flat_params_);
   auto restore = [&] {
-    for (size_t f = 0; f < fragments_.size(); ++f) write_params(fragments_[f], local[f]);
+    if (!sharded) {
+      for (size_t f = 0; f < fragments_.size(); ++f) write_params(fragments_[f], local[f]);
+      return;
+    }
+    shard.copy_(local[0]);
+    comm_.site().all_gather(shard, flat_params_);
   };
   try {
     fn();

@@ -51,10 +51,13 @@ DilocoOptions options(int64_t h, size_t sites, size_t site) {
 }
 
 // The training loop of src/train/worker.cc, reduced to its strategy calls.
+// `setup` runs after init(), before the first step (e.g. the worker's set_sharding).
 template <typename AfterStep>
-void train(Strategy& strategy, model::MlmEncoder& m, model::MlmBatcher& data, int64_t steps, AfterStep after) {
+void train(Strategy& strategy, model::MlmEncoder& m, model::MlmBatcher& data, int64_t steps, AfterStep after,
+           const std::function<void(std::vector<at::Tensor>&)>& setup = {}) {
   auto params = m->parameters();
   strategy.init(params);
+  if (setup) setup(params);
   torch::optim::AdamW opt(params, torch::optim::AdamWOptions(1e-2));
   for (int64_t step = 0; strategy.keep_training(step, steps); ++step) {
     model::MlmBatch b = data.next();
@@ -399,15 +402,14 @@ void check_sharded_outer_state(int64_t fragments, int64_t delay, const std::stri
       o.delay = delay;
       o.codec = codec;
       DilocoStrategy s(*r.hierarchy, o);
-      std::vector<at::Tensor> params = m->parameters();
-      s.init(params);
       collective::SiteGroup& site = r.hierarchy->site();
-      if (sharded && site.size() > 1) {  // the parameters' storage as InnerOptimizer makes it
+      auto shard = [&](std::vector<at::Tensor>& params) {  // the parameters' storage as InnerOptimizer makes it
+        if (!sharded || site.size() == 1) return;
         at::NoGradGuard no_grad;
         int64_t total = 0;
         for (const auto& p : params) total += p.numel();
-        const int64_t n = site.size(), shard = (total + n - 1) / n;
-        at::Tensor flat = at::zeros({shard * n});
+        const int64_t n = site.size(), part = (total + n - 1) / n;
+        at::Tensor flat = at::zeros({part * n});
         int64_t offset = 0;
         for (auto& p : params) {
           at::Tensor view = flat.narrow(0, offset, p.numel()).view(p.sizes());
@@ -417,21 +419,16 @@ void check_sharded_outer_state(int64_t fragments, int64_t delay, const std::stri
         }
         s.set_sharding({flat, at::Tensor()});
         EXPECT_THROW(s.set_sharding({flat, at::Tensor()}), Error);  // once
-      }
-      torch::optim::AdamW opt(params, torch::optim::AdamWOptions(1e-2));
-      for (int64_t step = 0; s.keep_training(step, steps); ++step) {
-        model::MlmBatch b = data.next();
-        at::Tensor loss = m->loss(b.ids, b.labels);
-        opt.zero_grad();
-        loss.backward();
-        s.sync_gradients(params, static_cast<double>(b.predicted));
-        opt.step();
-        s.after_step(step);
-        at::Tensor now = flatten(params).clone();
-        std::lock_guard<std::mutex> lock(mu);
-        trace[{r.global_rank, step}] = now;
-      }
-      s.finish();
+      };
+      std::vector<at::Tensor> params = m->parameters();
+      train(
+          s, m, data, steps,
+          [&](int64_t step) {
+            at::Tensor now = flatten(params).clone();
+            std::lock_guard<std::mutex> lock(mu);
+            trace[{r.global_rank, step}] = now;
+          },
+          shard);
       EXPECT_EQ(s.outer_steps(), steps / h * fragments);
       const at::Tensor replica = flatten(params).clone();
       at::Tensor theta;

@@ -36,24 +36,30 @@ void set_grads(std::vector<at::Tensor>& params, int s, bool replace = false) {
   }
 }
 
+// One step as the worker runs it: the gradients of step `s`, ZeRO-2's reduce-scatter (rank
+// 0's gradients, everyone else's zeros, as DilocoStrategy sums the site's), the optimizer.
+void step_site(InnerOptimizer& o, collective::SiteGroup& site, std::vector<at::Tensor>& params, int s,
+               bool replace = false) {
+  o.zero_grad();
+  set_grads(params, s, replace);
+  if (o.gradients_sharded()) {
+    at::Tensor flat = o.flat_grad();
+    if (site.rank() != 0) flat.zero_();
+    const int64_t n = flat.numel() / site.size();
+    at::Tensor shard = flat.narrow(0, site.rank() * n, n);
+    site.reduce_scatter_sum(flat, shard);
+  }
+  o.step();
+}
+
 // ZeRO-1 and ZeRO-2 over 1 to 4 workers end every step with the parameters of one AdamW over
 // all of them; each worker holds the moments of ceil(47 / N) elements; a checkpoint of the
 // shards resumes exactly, and one taken with another sharding is refused, naming the setting.
-// ZeRO-2: each step, rank 0's gradients and everyone else's zeros are reduce-scattered in the
-// optimizer's flat_grad() (what DilocoStrategy does), so each shard holds exactly the reference's.
+// ZeRO-2 (step_site): each shard of flat_grad() holds exactly the reference's gradients.
 void check_sharded_adamw(const int kWorkers, const std::string& mode) {
   SCOPED_TRACE(str_cat(kWorkers, " workers, shard = ", mode));
   auto sharded_step = [&](InnerOptimizer& o, collective::SiteGroup& site, std::vector<at::Tensor>& params, int s) {
-    o.zero_grad();
-    set_grads(params, s, mode == "optimizer" && s % 2 == 1);
-    if (o.gradients_sharded()) {
-      at::Tensor flat = o.flat_grad();
-      if (site.rank() != 0) flat.zero_();
-      const int64_t n = flat.numel() / site.size();
-      at::Tensor shard = flat.narrow(0, site.rank() * n, n);
-      site.reduce_scatter_sum(flat, shard);
-    }
-    o.step();
+    step_site(o, site, params, s, mode == "optimizer" && s % 2 == 1);
   };
   constexpr int kSteps = 5;
   std::vector<at::Tensor> reference = make_params();
@@ -114,24 +120,12 @@ TEST(InnerOptimizer, ZeroTwoEqualsTheWholeOneAndResumesFromItsShards) {
 void check_resharded(int from, const std::string& from_mode, int to, const std::string& to_mode) {
   SCOPED_TRACE(str_cat(from, " workers (", from_mode, ") -> ", to, " workers (", to_mode, ")"));
   constexpr int kSteps = 4;
-  auto step_once = [](InnerOptimizer& o, collective::SiteGroup& site, std::vector<at::Tensor>& params, int s) {
-    o.zero_grad();
-    set_grads(params, s);
-    if (o.gradients_sharded()) {  // rank 0's gradients, everyone else's zeros, reduce-scattered
-      at::Tensor flat = o.flat_grad();
-      if (site.rank() != 0) flat.zero_();
-      const int64_t n = flat.numel() / site.size();
-      at::Tensor shard = flat.narrow(0, site.rank() * n, n);
-      site.reduce_scatter_sum(flat, shard);
-    }
-    o.step();
-  };
   std::vector<at::Tensor> reference = make_params();
   {
     collective::testing::StorePort port;
     collective::SiteGroup solo = collective::testing::join_group("solo", 0, 1, 30s, port);
     InnerOptimizer whole(reference, 1e-2, 0.1, "none", solo);
-    for (int s = 0; s < kSteps + 1; ++s) step_once(whole, solo, reference, s);
+    for (int s = 0; s < kSteps + 1; ++s) step_site(whole, solo, reference, s);
   }
   std::mutex mu;
   std::vector<Checkpoint> written(static_cast<size_t>(from));
@@ -139,7 +133,7 @@ void check_resharded(int from, const std::string& from_mode, int to, const std::
   collective::testing::run_site(str_cat("from-", from), from, [&](collective::SiteGroup& site) {
     std::vector<at::Tensor> params = make_params();
     InnerOptimizer o(params, 1e-2, 0.1, from_mode, site);
-    for (int s = 0; s < kSteps; ++s) step_once(o, site, params, s);
+    for (int s = 0; s < kSteps; ++s) step_site(o, site, params, s);
     Checkpoint k;
     o.save(k);
     std::lock_guard<std::mutex> lock(mu);
@@ -157,7 +151,7 @@ void check_resharded(int from, const std::string& from_mode, int to, const std::
     }
     InnerOptimizer o(params, 1e-2, 0.1, to_mode, site);
     o.load_resharded(ranks);
-    step_once(o, site, params, kSteps);
+    step_site(o, site, params, kSteps);
     for (size_t i = 0; i < params.size(); ++i)
       EXPECT_TRUE(at::allclose(params[i], reference[i], 1e-5, 1e-6))
           << "rank " << site.rank() << " parameter " << i << ": max diff "
