@@ -228,38 +228,47 @@ double max_relative_difference(const std::map<std::string, std::string>& a, cons
   return worst;
 }
 
-// ZeRO-1 (sync, diloco) and ZeRO-2 (diloco, streaming) against the whole optimizer on the same data and
-// seeds: the same final weights within 1e-6 relative (the same AdamW elementwise; ZeRO-2 sums
-// the site's gradients by reduce-scatter, in another order than Gloo's all-reduce with more
-// than 2 workers), with 2 workers on one site and 3 on the other (shards padded unless 3
-// divides the parameter count).
+// ZeRO-1 (sync, diloco), ZeRO-2 and ZeRO-3 (diloco, streaming) against the whole optimizer on the
+// same data and seeds: the same final weights within 1e-6 relative (the same AdamW elementwise;
+// ZeRO-2 and -3 sum the site's gradients by reduce-scatter, in another order than Gloo's
+// all-reduce with more than 2 workers), with 2 workers on one site and 3 on the other (shards
+// padded unless 3 divides the parameter count). ZeRO-3 ends bit-identical to ZeRO-2, also with
+// dropout (its layers, recomputed in backward, draw the same masks again).
 TEST(EndToEnd, ZeroOneShardsTheOptimizerAndTrainsAsTheWholeOne) {
   const std::string dir = temp_run_dir("zero1");
   const std::vector<std::pair<std::string, std::string>> runs = {
-      {"sync", "none"},   {"sync", "optimizer"},      {"diloco", "none"},
-      {"diloco", "optimizer"}, {"diloco", "gradients"}, {"streaming", "none"}, {"streaming", "gradients"}};
+      {"sync", "none"},          {"sync", "optimizer"},      {"diloco", "none"},           {"diloco", "optimizer"},
+      {"diloco", "gradients"},   {"diloco", "full"},         {"streaming", "none"},        {"streaming", "gradients"},
+      {"streaming", "full"},     {"dropout", "gradients"},   {"dropout", "full"}};
   for (const auto& [kind, shard] : runs) {
     const std::string name = nebula::str_cat(kind, "-", shard);
+    const std::string strategy = kind == "dropout" ? "diloco --set model.dropout=0.1" : kind;
     Result r = run(nebula::str_cat("run examples/smoke.toml --set sites.0.workers=2 --set sites.1.workers=3 --set strategy.kind=",
-                                   kind, " --set strategy.inner_steps=10 --set strategy.heterogeneous=false --set job.steps=40",
+                                   strategy, " --set strategy.inner_steps=10 --set strategy.heterogeneous=false --set job.steps=40",
                                    kind == "streaming" ? " --set strategy.fragments=2 --set strategy.delay=2" : "",
                                    " --set parallel.shard=", shard, " --set job.run_dir=\\\"", dir, "/", name, "\\\""));
     ASSERT_EQ(r.exit_code, 0) << name << "\n" << r.output;
     const std::string log = read_file(dir + "/" + name + "/logs/alpha-0.log");
-    const char* zero = shard == "optimizer" ? "ZeRO-1" : shard == "gradients" ? "ZeRO-2" : "ZeRO-";
+    const char* zero = shard == "optimizer" ? "ZeRO-1" : shard == "gradients" ? "ZeRO-2" : shard == "full" ? "ZeRO-3" : "ZeRO-";
     EXPECT_EQ(log.find(zero) != std::string::npos, shard != "none") << name << "\n" << log;
   }
+  auto weights = [&](const std::string& kind, const std::string& shard) {
+    return tensor_bytes(dir + "/" + kind + "-" + shard + "/model.safetensors");
+  };
   for (const auto& [kind, shard] : runs) {
-    if (shard == "none") continue;
-    const double d = max_relative_difference(tensor_bytes(dir + "/" + kind + "-none/model.safetensors"),
-                                             tensor_bytes(dir + "/" + kind + "-" + shard + "/model.safetensors"));
+    if (shard == "none" || kind == "dropout") continue;
+    const double d = max_relative_difference(weights(kind, "none"), weights(kind, shard));
     std::printf("%s: shard = %s ends %.3g (relative) from shard = none\n", kind.c_str(), shard.c_str(), d);
     EXPECT_LE(d, shard == "optimizer" ? 0.0 : 1e-6) << kind << " " << shard;  // ZeRO-1: the same all-reduce
   }
-  // ZeRO-2 with sync is refused, naming the key.
-  Result r = run("run examples/smoke.toml --set strategy.kind=sync --set parallel.shard=gradients", 60);
-  EXPECT_EQ(r.exit_code, 2) << r.output;
-  EXPECT_NE(r.output.find("parallel.shard"), std::string::npos) << r.output;
+  for (const char* kind : {"diloco", "streaming", "dropout"})
+    EXPECT_EQ(weights(kind, "full"), weights(kind, "gradients")) << kind << ": ZeRO-3 and ZeRO-2 end apart";
+  // ZeRO-2 and -3 with sync are refused, naming the key.
+  for (const char* shard : {"gradients", "full"}) {
+    Result r = run(nebula::str_cat("run examples/smoke.toml --set strategy.kind=sync --set parallel.shard=", shard), 60);
+    EXPECT_EQ(r.exit_code, 2) << r.output;
+    EXPECT_NE(r.output.find("parallel.shard"), std::string::npos) << r.output;
+  }
   fs::remove_all(dir);
 }
 
@@ -898,12 +907,13 @@ TEST(EndToEnd, StopOrCrashThenResumeGivesTheSameWeightsAsAnUninterruptedRun) {
   fs::remove_all(dir);
 }
 
-// [2/5] ZeRO-1's and ZeRO-2's checkpoints hold each worker's own shard of AdamW's moments and
-// of diloco's outer state: a run stopped at step 15 and resumed ends with bit-identical
-// weights; resumed unsharded (the shards joined) too; resumed on 3 workers instead of 2 it
-// reshards and the sites' global weights still agree at every merge.
+// [2/5] ZeRO-1's, -2's and -3's checkpoints hold each worker's own shard of AdamW's moments and
+// of diloco's outer state (ZeRO-3: and the whole model, gathered for the checkpoint): a run
+// stopped at step 15 and resumed ends with bit-identical weights; resumed unsharded (the shards
+// joined) too; resumed on 3 workers instead of 2 it reshards and the sites' global weights
+// still agree at every merge.
 TEST(EndToEnd, ZeroOneStopAndResumeFromShardedCheckpointsGivesTheSameWeights) {
-  for (const char* mode : {"optimizer", "gradients"}) {
+  for (const char* mode : {"optimizer", "gradients", "full"}) {
     SCOPED_TRACE(mode);
     const std::string dir = temp_run_dir(nebula::str_cat("resume-", mode));
     const std::string common =

@@ -205,7 +205,10 @@ struct PeftConfig {
 //          "optimizer"  ZeRO-1: each worker keeps AdamW's moments for 1/N of the flattened
 //                       parameters (N = the site's workers), steps only that shard, and the
 //                       site all-gathers the parameters after every step;
-//          "gradients", "full" (ZeRO-2, -3): not built yet (a ConfigError says so).
+//          "gradients"  ZeRO-2: as "optimizer", and the gradients are reduce-scattered (diloco,
+//                       streaming);
+//          "full"       ZeRO-3: the parameters are sharded too and gathered layer by layer
+//                       (train/full_shard.h; built-in models with diloco and streaming).
 struct ParallelConfig {
   std::string shard = "none";
 };

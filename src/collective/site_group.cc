@@ -1,5 +1,7 @@
 #include "collective/site_group.h"
 
+#include <algorithm>
+
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
@@ -107,25 +109,9 @@ int64_t shard_numel(const std::string& site, const char* op, const at::Tensor& f
 
 void SiteGroup::reduce_scatter_sum(at::Tensor& full, at::Tensor& shard) {
   const int64_t s = shard_numel(site_, "reduce_scatter", full, shard, size_);
-  auto chunk = [&](int i) { return full.narrow(0, static_cast<int64_t>(((i % size_) + size_) % size_) * s, s); };
-  if (size_ > 1) {
-    // Step k: send the partial sum of shard (rank - k - 1) to the next rank, take the previous
-    // rank's partial sum of shard (rank - k - 2) and add this rank's own; after size - 1
-    // steps the shard received last, rank's own, holds every rank's contribution.
-    const int next = (rank_ + 1) % size_, prev = (rank_ + size_ - 1) % size_;
-    at::Tensor incoming = at::empty_like(shard);
-    for (int k = 0; k + 1 < size_; ++k) {
-      std::vector<at::Tensor> out{chunk(rank_ - k - 1).contiguous()}, in{incoming};
-      run(site_, "reduce_scatter", [&] {
-        auto sent = impl_->pg->send(out, next, k);
-        auto got = impl_->pg->recv(in, prev, k);
-        sent->wait();
-        return got;
-      });
-      chunk(rank_ - k - 2).add_(incoming);
-    }
-  }
-  if (shard.data_ptr() != chunk(rank_).data_ptr()) shard.copy_(chunk(rank_));
+  reduce_scatter_parts(full, std::vector<int64_t>(static_cast<size_t>(size_), s));
+  at::Tensor own = full.narrow(0, rank_ * s, s);
+  if (shard.data_ptr() != own.data_ptr()) shard.copy_(own);
 }
 
 void SiteGroup::all_gather(const at::Tensor& shard, at::Tensor& full) {
@@ -173,6 +159,29 @@ void SiteGroup::all_gather_parts(const at::Tensor& full, const std::vector<int64
       if (sent) sent->wait();
       if (got) got->wait();
     });
+  }
+}
+
+void SiteGroup::reduce_scatter_parts(const at::Tensor& full, const std::vector<int64_t>& counts) {
+  const std::vector<int64_t> at = part_offsets(site_, "reduce_scatter", full, counts, size_);
+  if (size_ == 1) return;
+  auto index = [&](int i) { return static_cast<size_t>(((i % size_) + size_) % size_); };
+  auto part = [&](int i) { return full.narrow(0, at[index(i)], counts[index(i)]); };
+  // Step k sends the partial sum of part (rank - k - 1) to the next rank and adds the previous
+  // rank's partial sum of part (rank - k - 2) to this rank's own; after size - 1 steps the part
+  // received last, rank's own, holds every rank's contribution. Empty parts are skipped.
+  const int next = (rank_ + 1) % size_, prev = (rank_ + size_ - 1) % size_;
+  at::Tensor incoming = at::empty({*std::max_element(counts.begin(), counts.end())}, full.options());
+  for (int k = 0; k + 1 < size_; ++k) {
+    std::vector<at::Tensor> out{part(rank_ - k - 1)}, in{incoming.narrow(0, 0, counts[index(rank_ - k - 2)])};
+    guarded(site_, "reduce_scatter", [&] {
+      c10::intrusive_ptr<c10d::Work> sent, got;
+      if (out[0].numel() > 0) sent = impl_->pg->send(out, next, k);
+      if (in[0].numel() > 0) got = impl_->pg->recv(in, prev, k);
+      if (sent) sent->wait();
+      if (got) got->wait();
+    });
+    if (in[0].numel() > 0) part(rank_ - k - 2).add_(in[0]);
   }
 }
 

@@ -66,6 +66,11 @@ class SiteGroup {
   // all_gather_parts: in place; each rank's own part must be in `full` already, and ends with
   // every rank's. A ring as all_gather's, empty parts skipped.
   void all_gather_parts(const at::Tensor& full, const std::vector<int64_t>& counts);
+  // reduce_scatter_parts: in place; every rank passes its `full`, and each rank's own part of
+  // it ends as the sum of that part over every rank (the rest is left as scratch). The ring of
+  // reduce_scatter_sum (which is this with equal parts), empty parts skipped; each element is
+  // summed in the same order as there (from the rank after its owner round to the owner).
+  void reduce_scatter_parts(const at::Tensor& full, const std::vector<int64_t>& counts);
   // gather_parts_to_root: rank 0's `full` receives every rank's `part` (counts[rank()] values)
   // in its place; `full` is ignored on the other ranks. scatter_parts_from_root: the reverse,
   // each rank's `part` receives its values of rank 0's `full`. On rank 0 `part` may be

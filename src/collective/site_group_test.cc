@@ -99,8 +99,8 @@ TEST(SiteGroup, ReduceScatterEqualsAllreduceThenSliceAndAllGatherConcatenates) {
 }
 
 // Parts of any sizes, 0 included (diloco's sharded outer state: a fragment cut by the shard
-// boundaries): all-gather, gather to rank 0 and scatter from it against the concatenation of
-// the parts; bad part sizes are errors naming them.
+// boundaries; ZeRO-3's layers): all-gather, gather to rank 0 and scatter from it against the
+// concatenation of the parts, reduce-scatter against the sum; bad part sizes are errors naming them.
 void check_part_collectives(const std::vector<int64_t>& counts) {
   const int size = static_cast<int>(counts.size());
   std::vector<int64_t> at(counts.size() + 1, 0);
@@ -128,6 +128,13 @@ void check_part_collectives(const std::vector<int64_t>& counts) {
     at::Tensor source = r == 0 ? expected.clone() : at::Tensor(), got = at::full({counts[r]}, -1.0f);
     g.scatter_parts_from_root(source, got, counts);
     EXPECT_TRUE(at::equal(got, mine)) << "scatter_parts_from_root, " << where;
+
+    // Every rank's contribution: rank q's tensor holds (q + 1) times the values of `expected`
+    // (small integers: the sum is exact), so each part must end as Σ (q + 1) = size (size + 1) / 2 times.
+    at::Tensor contribution = expected.mul(r + 1);
+    g.reduce_scatter_parts(contribution, counts);
+    EXPECT_TRUE(at::equal(contribution.narrow(0, at[r], counts[r]), mine.mul(size * (size + 1) / 2)))
+        << "reduce_scatter_parts, " << where;
 
     std::vector<int64_t> wrong = counts;
     wrong[0] += 1;

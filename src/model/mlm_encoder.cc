@@ -32,7 +32,10 @@ at::Tensor MlmEncoderImpl::encode(const at::Tensor& input) {
   at::Tensor pos = at::arange(seq, ids.options());
   at::Tensor x = tokens_(ids) * std::sqrt(static_cast<double>(dim_)) + positions_(pos).unsqueeze(0);
   at::Tensor pad_mask = ids.eq(pad_id_);
-  for (auto& layer : layers_) x = layer(x, pad_mask);
+  for (const EncoderLayer& layer : layers_)
+    x = run_layer(gather_, *layer.ptr(), {x}, [layer, pad_mask](const std::vector<at::Tensor>& in) {
+      return EncoderLayer(layer)(in[0], pad_mask);
+    });
   return norm_(x);
 }
 

@@ -12,6 +12,7 @@
 
 #include <vector>
 
+#include "model/layer_gather.h"
 #include "model/transformer.h"
 #include "nebula/config.h"
 
@@ -42,9 +43,14 @@ class MlmEncoderImpl : public torch::nn::Module {
   // order). Without PEFT that is all of them.
   std::vector<at::Tensor> trainable_parameters() const;
 
+  // ZeRO-3 (model/layer_gather.h): encode() runs each layer through `gather` (null: directly).
+  // Not owned; it must outlive its use.
+  void set_layer_gather(LayerGather* gather) { gather_ = gather; }
+
  private:
   ModelConfig config_;
   int64_t pad_id_, max_len_, dim_;
+  LayerGather* gather_ = nullptr;
   torch::nn::Embedding tokens_{nullptr}, positions_{nullptr};
   std::vector<EncoderLayer> layers_;  // registered as "layers.<i>"
   torch::nn::LayerNorm norm_{nullptr};

@@ -75,7 +75,10 @@ at::Tensor Seq2SeqImpl::decode(const at::Tensor& memory, const at::Tensor& src, 
   at::Tensor pos = at::arange(tgt_in.size(1), tgt_in.options());
   at::Tensor h = tokens(tgt_in) * std::sqrt(static_cast<double>(config_.dim)) + positions_(pos).unsqueeze(0);
   const at::Tensor tgt_pad = tgt_in.eq(ids_.pad), src_pad = src.eq(ids_.pad);
-  for (auto& layer : layers_) h = layer(h, memory, tgt_pad, src_pad);
+  for (const DecoderLayer& layer : layers_)
+    h = run_layer(gather_, *layer.ptr(), {h, memory}, [layer, tgt_pad, src_pad](const std::vector<at::Tensor>& in) {
+      return DecoderLayer(layer)(in[0], in[1], tgt_pad, src_pad);
+    });
   return at::matmul(norm_(h), tokens->weight.t());
 }
 

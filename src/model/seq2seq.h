@@ -95,10 +95,18 @@ class Seq2SeqImpl : public torch::nn::Module {
   int64_t vocab_size() const { return vocab_size_; }
   int64_t max_len() const { return config_.max_len; }
 
+  // ZeRO-3 (model/layer_gather.h): the encoder's and the decoder's layers run through `gather`
+  // (null: directly). Not owned; it must outlive its use.
+  void set_layer_gather(LayerGather* gather) {
+    gather_ = gather;
+    encoder_->set_layer_gather(gather);
+  }
+
  private:
   void check_decode_args(const at::Tensor& src, int64_t max_len) const;
 
   ModelConfig config_;
+  LayerGather* gather_ = nullptr;
   SpecialIds ids_;
   int64_t vocab_size_;
   MlmEncoder encoder_{nullptr};

@@ -86,7 +86,8 @@ void DilocoStrategy::write_params(const Fragment& fr, const at::Tensor& flat) co
 
 std::vector<at::Tensor> DilocoStrategy::part_views(const Fragment& fr) const {
   if (shard_numel_ == 0) return param_views(fr);
-  return {flat_params_.narrow(0, fr.offset + fr.part_at, fr.part_len)};
+  if (fr.part_len == 0) return {flat_params_.narrow(0, 0, 0)};  // ZeRO-3: the part may lie past this worker's shard
+  return {flat_params_.narrow(0, fr.offset + fr.part_at - flat_begin_, fr.part_len)};
 }
 
 std::vector<int64_t> DilocoStrategy::part_counts(const Fragment& fr) const {
@@ -101,29 +102,33 @@ std::vector<int64_t> DilocoStrategy::part_counts(const Fragment& fr) const {
 }
 
 void DilocoStrategy::spread_part(const Fragment& fr) {
-  if (shard_numel_ > 0) comm_.site().all_gather_parts(flat_params_.narrow(0, fr.offset, fr.numel), part_counts(fr));
+  // ZeRO-3 keeps the parameters sharded: its layers gather them when they run.
+  if (shard_numel_ > 0 && gathered_)
+    comm_.site().all_gather_parts(flat_params_.narrow(0, fr.offset, fr.numel), part_counts(fr));
 }
 
 void DilocoStrategy::with_global_weights(const std::function<void()>& fn) {
   at::NoGradGuard no_grad;
   // Sharded, each worker writes its shard of θ_global and the site all-gathers (and again to
-  // put the replica back); else every worker writes all of it.
+  // put the replica back; ZeRO-3 gathers where the model runs); else every worker writes all of it.
   const bool sharded = shard_numel_ > 0;
-  at::Tensor shard = sharded ? flat_params_.narrow(0, comm_.site().rank() * shard_numel_, shard_numel_) : at::Tensor();
+  at::Tensor shard = !sharded   ? at::Tensor()
+                     : gathered_ ? flat_params_.narrow(0, comm_.site().rank() * shard_numel_, shard_numel_)
+                                 : flat_params_;
   std::vector<at::Tensor> local;
   if (sharded) local.push_back(shard.clone());
   for (const Fragment& fr : fragments_) {
     if (!sharded) local.push_back(read_params(fr));
     write_part(fr, fr.global);
   }
-  if (sharded) comm_.site().all_gather(shard, flat_params_);
+  if (sharded && gathered_) comm_.site().all_gather(shard, flat_params_);
   auto restore = [&] {
     if (!sharded) {
       for (size_t f = 0; f < fragments_.size(); ++f) write_params(fragments_[f], local[f]);
       return;
     }
     shard.copy_(local[0]);
-    comm_.site().all_gather(shard, flat_params_);
+    if (gathered_) comm_.site().all_gather(shard, flat_params_);
   };
   try {
     fn();
@@ -226,13 +231,16 @@ void DilocoStrategy::sync_gradients(const std::vector<at::Tensor>& params, doubl
   };
   if (flat_grad_.defined()) {
     // ZeRO-2: the weighted gradients are reduce-scattered where they are, the tail all-reduced
-    // beside them; this worker's shard ends as the site's average.
+    // beside them; this worker's shard ends as the site's average. ZeRO-3's layers did the
+    // weighting and the reduce-scatter in backward already.
     at::Tensor tail = at::empty({1 + buffer_numel_}, at::kFloat);
     pack_tail(tail);
-    flat_grad_.mul_(weight);
-    const int64_t s = flat_grad_.numel() / site.size();
-    at::Tensor shard = flat_grad_.narrow(0, site.rank() * s, s);
-    site.reduce_scatter_sum(flat_grad_, shard);
+    at::Tensor shard = flat_grad_;
+    if (gathered_) {
+      flat_grad_.mul_(weight);
+      shard = flat_grad_.narrow(0, site.rank() * shard_numel_, shard_numel_);
+      site.reduce_scatter_sum(flat_grad_, shard);
+    }
     site.allreduce_sum(tail);
     shard.div_(unpack_tail(tail));
     return;
@@ -266,15 +274,18 @@ void DilocoStrategy::set_sharding(const Sharding& shards) {
   const int64_t n = site.size();
   NEBULA_CHECK(n > 1 && !fragments_.empty() && shard_numel_ == 0 && can_save(),
                "set_sharding: once, after init() and before the first step, on a site of more than one worker");
+  const int64_t shards_held = shards.gathered ? n : 1;  // ZeRO-3: this worker's only
   auto check = [&](const at::Tensor& flat, const char* what) {
-    NEBULA_CHECK(flat.numel() % n == 0 && flat.numel() >= total_numel_ && flat.scalar_type() == at::kFloat &&
+    NEBULA_CHECK(flat.numel() % shards_held == 0 && flat.numel() / shards_held * n >= total_numel_ &&
+                     flat.scalar_type() == at::kFloat &&
                      flat.is_contiguous() && flat.dim() == 1,
                  "set_sharding: ", flat.numel(), " ", what, " for ", total_numel_, " parameters over ", n,
-                 " workers (want N equal shards covering them, 1-D float32, contiguous)");
+                 " workers (want ", shards.gathered ? "N equal shards" : "one of N equal shards",
+                 " covering them, 1-D float32, contiguous)");
   };
   check(shards.params, "parameter values");
   int64_t offset = 0;
-  for (size_t i = 0; i < params_.size(); ++i) {
+  for (size_t i = 0; i < params_.size() && shards.gathered; ++i) {
     NEBULA_CHECK(params_[i].numel() == 0 || params_[i].data_ptr() == shards.params.narrow(0, offset, 1).data_ptr(),
                  "set_sharding: parameter #", i, " is not the flat buffer's values from ", offset);
     offset += params_[i].numel();
@@ -284,7 +295,9 @@ void DilocoStrategy::set_sharding(const Sharding& shards) {
     flat_grad_ = shards.grads;
   }
   flat_params_ = shards.params;
-  shard_numel_ = shards.params.numel() / n;
+  gathered_ = shards.gathered;
+  shard_numel_ = shards.params.numel() / shards_held;
+  flat_begin_ = gathered_ ? 0 : site.rank() * shard_numel_;
   // This worker's part of each fragment: the fragment's range cut by the shard [r S, (r + 1) S).
   at::NoGradGuard no_grad;
   for (Fragment& fr : fragments_) {

@@ -185,7 +185,9 @@ class DilocoStrategy : public Strategy {
   bool decided_ = false, decided_measured_ = false;  // the controller ran (with measurements)
   int64_t controller_h_ = 0;
   int64_t total_numel_ = 0;
-  at::Tensor flat_params_;  // ZeRO (set_sharding): the parameters' flat buffer, N S values
+  at::Tensor flat_params_;  // ZeRO (set_sharding): the parameters' flat buffer, N S values (ZeRO-3: this worker's S)
+  int64_t flat_begin_ = 0;  // the flat vector's index of flat_params_[0]: 0, or rank · S with ZeRO-3
+  bool gathered_ = true;    // flat_params_ holds every shard (ZeRO-1/2), else this worker's only (ZeRO-3)
   int64_t shard_numel_ = 0;  // S; 0 = the outer state is whole
   at::Tensor flat_grad_;    // ZeRO-2: the gradients' flat buffer, N S values
   bool round_open_ = false;

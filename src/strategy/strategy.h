@@ -67,12 +67,18 @@ class Strategy {
   // .grad is a view of it, laid out alike, and from now on sync_gradients leaves the site's
   // average in this worker's S of it only (a reduce-scatter instead of an all-reduce);
   // strategies that cannot throw ConfigError.
+  // With `gathered` false (shard = "full", ZeRO-3, train/full_shard.h) `params` and `grads` are
+  // this worker's S values only (the flat vector's values from rank · S), the parameters are
+  // gathered layer by layer where they run, and when sync_gradients runs `grads` holds the sum
+  // over the site's workers of weight · gradient already (the layers reduce-scatter in backward).
   struct Sharding {
     at::Tensor params, grads;
+    bool gathered = true;
   };
   virtual void set_sharding(const Sharding& shards) {
     if (shards.grads.defined())
-      throw ConfigError(str_cat("parallel.shard = \"gradients\" does not run with strategy.kind = \"", name(),
+      throw ConfigError(str_cat("parallel.shard = \"", shards.gathered ? "gradients" : "full",
+                                "\" does not run with strategy.kind = \"", name(),
                                 "\" (its gradients cross the WAN every step, whole): use shard = \"optimizer\""));
   }
   // Called after the optimizer step `step` (0-based).

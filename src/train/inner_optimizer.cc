@@ -8,14 +8,25 @@
 namespace nebula::train {
 
 InnerOptimizer::InnerOptimizer(std::vector<at::Tensor> params, double lr, double weight_decay,
-                               const std::string& shard, collective::SiteGroup& site)
-    : params_(std::move(params)), site_(site) {
-  NEBULA_CHECK(shard == "none" || shard == "optimizer" || shard == "gradients", "parallel.shard = \"", shard,
-               "\": the inner optimizer runs \"none\", \"optimizer\" (ZeRO-1) or \"gradients\" (ZeRO-2)");
-  for (const auto& p : params_) total_numel_ += p.numel();
+                               const std::string& shard, collective::SiteGroup& site, FullShard* full)
+    : params_(std::move(params)), site_(site), full_(full) {
+  NEBULA_CHECK(shard == "none" || shard == "optimizer" || shard == "gradients" || shard == "full",
+               "parallel.shard = \"", shard, "\": the inner optimizer runs \"none\", \"optimizer\" (ZeRO-1), "
+               "\"gradients\" (ZeRO-2) or \"full\" (ZeRO-3)");
+  NEBULA_CHECK((shard == "full" && site_.size() > 1) == (full != nullptr), "parallel.shard = \"", shard, "\" on a site of ",
+               site_.size(), " workers: ZeRO-3's FullShard must be given exactly when the site shards its parameters");
   sharded_ = shard != "none" && site_.size() > 1;
-  gradients_sharded_ = sharded_ && shard == "gradients";
-  if (sharded_) {
+  gradients_sharded_ = sharded_ && shard != "optimizer";
+  if (full_) {  // ZeRO-3: the parameters are sharded already; AdamW optimizes this worker's shard
+    total_numel_ = full_->total_numel();
+    shard_numel_ = full_->shard_numel();
+    shard_ = full_->shard();
+    flat_grad_ = full_->shard_grad();
+    optimized_ = {shard_};
+  } else {
+    for (const auto& p : params_) total_numel_ += p.numel();
+  }
+  if (sharded_ && !full_) {
     for (const auto& p : params_)
       NEBULA_CHECK(p.scalar_type() == at::kFloat && p.device().is_cpu(), "parallel.shard = \"", shard, "\" on site ",
                    site_.site(), ": a trainable parameter is ", p.scalar_type(), " on ", p.device(),
@@ -42,7 +53,7 @@ InnerOptimizer::InnerOptimizer(std::vector<at::Tensor> params, double lr, double
     shard_ = flat_.narrow(0, site_.rank() * shard_numel_, shard_numel_).detach().set_requires_grad(true);
     shard_.mutable_grad() = flat_grad_.narrow(0, site_.rank() * shard_numel_, shard_numel_);
     optimized_ = {shard_};
-  } else {
+  } else if (!full_) {
     optimized_ = params_;
   }
   adamw_ = std::make_unique<torch::optim::AdamW>(optimized_,
@@ -55,7 +66,7 @@ void InnerOptimizer::zero_grad() {
     return;
   }
   flat_grad_.zero_();
-  rebind_grads();
+  if (!full_) rebind_grads();
 }
 
 void InnerOptimizer::rebind_grads() {
@@ -82,7 +93,7 @@ void InnerOptimizer::step() {
   // strategy wrote into them since the last step.
   if (!gradients_sharded_) rebind_grads();
   adamw_->step();
-  site_.all_gather(shard_.detach(), flat_);
+  if (!full_) site_.all_gather(shard_.detach(), flat_);  // ZeRO-3 gathers layer by layer when they run
 }
 
 void InnerOptimizer::save(Checkpoint& out) const {

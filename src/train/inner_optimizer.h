@@ -24,6 +24,11 @@
 //                       flat_grad() holds the site's average, the rest is scratch. The same
 //                       update up to the summation order of the site's gradients (bit-
 //                       identical with 2 workers, whose sums are a + b either way).
+//  shard = "full"       ZeRO-3 (train/full_shard.h): the parameters themselves are sharded in
+//                       the same layout and gathered layer by layer; AdamW optimizes the
+//                       FullShard's shard in place, from its gradient shard (summed by the
+//                       layers' reduce-scatters in backward, averaged by the strategy), and
+//                       nothing is all-gathered after the step.
 //
 // Checkpoints (save/load through optimizer_state.h) hold this worker's moments only: with
 // shard = "optimizer" or "gradients" a checkpoint is sharded, one shard per rank directory.
@@ -39,14 +44,16 @@
 
 #include "collective/site_group.h"
 #include "train/checkpoint.h"
+#include "train/full_shard.h"
 
 namespace nebula::train {
 
 class InnerOptimizer {
  public:
-  // nebula::Error for an unknown `shard` ("full" is not built).
+  // nebula::Error for an unknown `shard`. `full`: ZeRO-3's sharded parameters (not owned), given
+  // exactly when shard = "full" on a site of more than one worker.
   InnerOptimizer(std::vector<at::Tensor> params, double lr, double weight_decay, const std::string& shard,
-                 collective::SiteGroup& site);
+                 collective::SiteGroup& site, FullShard* full = nullptr);
 
   void zero_grad();
   // One AdamW step on the gradients in the parameters' .grad(); when sharded a
@@ -58,11 +65,14 @@ class InnerOptimizer {
   int64_t total_numel() const { return total_numel_; }
   bool sharded() const { return sharded_; }
   // ZeRO-2: the strategy must leave the site's average in this worker's shard of flat_grad()
-  // (N S values, every parameter's .grad a view of it).
+  // (N S values, every parameter's .grad a view of it). ZeRO-3: flat_grad() is this worker's S
+  // gradient values only, which the strategy divides by the site's weight.
   bool gradients_sharded() const { return gradients_sharded_; }
   const at::Tensor& flat_grad() const { return flat_grad_; }
-  // Sharded: the parameters' storage, N S values (Strategy::set_sharding); undefined otherwise.
-  const at::Tensor& flat_params() const { return flat_; }
+  // Sharded: the parameters' storage, N S values (Strategy::set_sharding); ZeRO-3: this
+  // worker's S of them (params_gathered() false); undefined otherwise.
+  const at::Tensor& flat_params() const { return full_ ? shard_ : flat_; }
+  bool params_gathered() const { return full_ == nullptr; }
 
   void save(Checkpoint& out) const;
   void load(const Checkpoint& in);
@@ -77,6 +87,7 @@ class InnerOptimizer {
   std::vector<at::Tensor> params_;     // the model's (kept, not copied)
   std::vector<at::Tensor> optimized_;  // what AdamW holds: params_, or {shard_}
   collective::SiteGroup& site_;
+  FullShard* full_;
   void rebind_grads();  // every .grad back to its view of flat_grad_
 
   bool sharded_ = false, gradients_sharded_ = false;

@@ -3,6 +3,7 @@
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
+#include <functional>
 #include <mutex>
 #include <thread>
 
@@ -186,17 +187,24 @@ TEST(InnerOptimizer, ReshardedCheckpointsResumeOnAnotherLayout) {
   }
 }
 
-TEST(InnerOptimizer, ZeroThreeAndUnknownModesAreRefusedNamingTheKey) {
-  collective::testing::StorePort port;
-  collective::SiteGroup solo = collective::testing::join_group("solo", 0, 1, 30s, port);
-  for (const char* shard : {"full", "zero4"}) {
+// An unknown mode is refused naming the key; "full" (ZeRO-3) needs its FullShard exactly when
+// the site has more than one worker (on one worker it is the whole optimizer).
+TEST(InnerOptimizer, UnknownModesAndZeroThreeWithoutItsShardsAreRefusedNamingTheKey) {
+  auto refused = [](const std::function<void()>& make) {
     try {
-      InnerOptimizer o(make_params(), 1e-3, 0, shard, solo);
-      ADD_FAILURE() << shard;
+      make();
+      ADD_FAILURE() << "accepted";
     } catch (const Error& e) {
       EXPECT_NE(std::string(e.what()).find("parallel.shard"), std::string::npos) << e.what();
     }
-  }
+  };
+  collective::testing::StorePort port;
+  collective::SiteGroup solo = collective::testing::join_group("solo", 0, 1, 30s, port);
+  refused([&] { InnerOptimizer o(make_params(), 1e-3, 0, "zero4", solo); });
+  EXPECT_FALSE(InnerOptimizer(make_params(), 1e-3, 0, "full", solo).sharded());
+  collective::testing::run_site("zero3-refused", 2, [&](collective::SiteGroup& site) {
+    refused([&] { InnerOptimizer o(make_params(), 1e-3, 0, "full", site); });
+  });
 }
 
 }  // namespace

@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "data/tokenizer.h"
+#include "model/layer_gather.h"
 #include "model/mlm_batch.h"
 #include "nebula/config.h"
 #include "train/checkpoint.h"
@@ -51,6 +52,11 @@ class Task {
   virtual torch::nn::Module& module() = 0;
   // What the optimizer and the strategy get (PEFT: the unfrozen part).
   virtual std::vector<at::Tensor> trainable() = 0;
+  // ZeRO-3 ([parallel] shard = "full", train/full_shard.h): the modules the model runs through
+  // a model::LayerGather, and the setter (null: run them directly). Empty: the model cannot
+  // (a user's TorchScript module).
+  virtual std::vector<torch::nn::Module*> layers() { return {}; }
+  virtual void set_layer_gather(model::LayerGather* gather) {}
 
   struct Step {
     at::Tensor loss;      // to call backward() on

@@ -28,6 +28,7 @@
 #include "train/site_comm.h"
 #include "train/checkpoint.h"
 #include "train/metrics.h"
+#include "train/full_shard.h"
 #include "train/inner_optimizer.h"
 #include "train/optimizer_state.h"
 #include "train/site_data.h"
@@ -225,12 +226,31 @@ int run_worker(const Config& c, const WorkerIdentity& who, bool resume, bool rej
       strategy::make_strategy(c.strategy, comm, timeout, training_names.size(), training_index, c.privacy);
   strategy->set_buffers(task->module().buffers());  // BatchNorm statistics ...: kept equal too
   strategy->init(params);
-  InnerOptimizer optimizer(params, c.model.lr, c.model.weight_decay, c.parallel.shard, group);
-  if (optimizer.sharded())  // the strategy keeps its shard of the outer state (and ZeRO-2's gradients)
-    strategy->set_sharding({optimizer.flat_params(), optimizer.gradients_sharded() ? optimizer.flat_grad() : at::Tensor()});
+  // ZeRO-3: from here on this worker holds its shard of the parameters only; the model gathers
+  // each layer where it runs, and whole() gathers all of them for evaluation and checkpoints.
+  std::unique_ptr<FullShard> full;
+  if (c.parallel.shard == "full" && workers > 1) {
+    const std::vector<torch::nn::Module*> layers = task->layers();
+    if (layers.empty())
+      throw ConfigError(str_cat(c.source_path, ": parallel.shard = \"full\" needs a built-in model that runs layer by "
+                                "layer (model.kind = \"", c.model.kind, "\" does not): use shard = \"gradients\""));
+    full = std::make_unique<FullShard>(params, layers, group);
+    task->set_layer_gather(full.get());
+  }
+  auto whole = [&](const std::function<void()>& fn) {
+    if (full)
+      full->with_full_model(fn);
+    else
+      fn();
+  };
+  InnerOptimizer optimizer(params, c.model.lr, c.model.weight_decay, c.parallel.shard, group, full.get());
+  if (optimizer.sharded())  // the strategy keeps its shard of the outer state (and ZeRO-2/3's gradients)
+    strategy->set_sharding({optimizer.flat_params(), optimizer.gradients_sharded() ? optimizer.flat_grad() : at::Tensor(),
+                            optimizer.params_gathered()});
   if (optimizer.sharded() && who.local_rank == 0)
-    spdlog::info("inner optimizer: ZeRO-{} over the site's {} workers, AdamW moments for {} of {} parameters per worker",
-                 optimizer.gradients_sharded() ? 2 : 1, workers, optimizer.state_numel(), optimizer.total_numel());
+    spdlog::info("inner optimizer: ZeRO-{} over the site's {} workers, AdamW moments for {} of {} parameters per worker{}",
+                 full ? 3 : optimizer.gradients_sharded() ? 2 : 1, workers, optimizer.state_numel(),
+                 optimizer.total_numel(), full ? "; the parameters sharded too, gathered layer by layer" : "");
   MetricsWriter metrics(c.job.run_dir + "/metrics.jsonl");
   int64_t tokens = 0;
   double window_loss = 0, window_predicted = 0, last_loss = 0, last_predicted = 0;
@@ -346,7 +366,7 @@ int run_worker(const Config& c, const WorkerIdentity& who, bool resume, bool rej
           throw DataError(str_cat(checkpoint_dir, ": no intact checkpoint of step ", target,
                                   ", the newest every other worker holds: resume is impossible from these "
                                   "checkpoints; start without --resume"));
-        restore(*newest, *task, optimizer, *strategy);
+        whole([&] { restore(*newest, *task, optimizer, *strategy); });
         own = &*newest;
       } else {
         std::vector<Checkpoint> ranks;
@@ -359,7 +379,7 @@ int run_worker(const Config& c, const WorkerIdentity& who, bool resume, bool rej
                                     "to read every old rank's directory: a checkpoint.dir they share)"));
           ranks.push_back(std::move(*k));
         }
-        restore_resharded(ranks, who.local_rank, old_workers == workers, *task, optimizer, *strategy);
+        whole([&] { restore_resharded(ranks, who.local_rank, old_workers == workers, *task, optimizer, *strategy); });
         // The tokens so far: each worker's own with the same workers, else all of them on rank 0.
         int64_t so_far = 0;
         for (int q = 0; q < old_workers; ++q)
@@ -385,12 +405,14 @@ int run_worker(const Config& c, const WorkerIdentity& who, bool resume, bool rej
     else
       strategy->reconcile();
   }
-  if (!resumed && !rejoin && task->eval_at_start()) eval_start = evaluate_now(0);
+  if (!resumed && !rejoin && task->eval_at_start()) whole([&] { eval_start = evaluate_now(0); });
   auto checkpoint_now = [&](int64_t steps_done) {
-    Checkpoint k = capture(steps_done, *task, optimizer, *strategy);
-    k.state["worker"] = {{"tokens", tokens},          {"eval_start", eval_start}, {"site", site.name},
-                         {"rank", who.local_rank}, {"workers", workers},       {"shard", c.parallel.shard}};
-    save_checkpoint(checkpoint_dir, k, fingerprint, static_cast<int>(c.checkpoint.keep));
+    whole([&] {  // ZeRO-3: every rank's checkpoint holds the whole model, as with the other modes
+      Checkpoint k = capture(steps_done, *task, optimizer, *strategy);
+      k.state["worker"] = {{"tokens", tokens},          {"eval_start", eval_start}, {"site", site.name},
+                           {"rank", who.local_rank}, {"workers", workers},       {"shard", c.parallel.shard}};
+      save_checkpoint(checkpoint_dir, k, fingerprint, static_cast<int>(c.checkpoint.keep));
+    });
     spdlog::info("checkpoint of step {} written to {}", steps_done, checkpoint_dir);
   };
 
@@ -407,10 +429,13 @@ int run_worker(const Config& c, const WorkerIdentity& who, bool resume, bool rej
 
   for (; strategy->keep_training(step, c.job.steps); ++step) {
     const auto step_start = Clock::now();
+    if (full) full->begin_step();
     Task::Step batch = task->forward(step);
     optimizer.zero_grad();
     strategy->before_backward(batch.weight);
+    if (full) full->set_grad_weight(batch.weight);
     batch.loss.backward();  // gradient buckets start crossing the WAN while this runs
+    if (full) full->end_backward();
     strategy->sync_gradients(params, batch.weight);
     optimizer.step();
     strategy->after_step(step);
@@ -423,7 +448,7 @@ int run_worker(const Config& c, const WorkerIdentity& who, bool resume, bool rej
     window_predicted += batch.weight;
     if ((step + 1) % c.job.log_every == 0) write_metrics(step + 1);
     if (c.eval.every > 0 && (step + 1) % c.eval.every == 0)  // on the merged model, not the replica mid-round
-      strategy->with_global_weights([&] { evaluate_now(step + 1); });
+      strategy->with_global_weights([&] { whole([&] { evaluate_now(step + 1); }); });
 
     float stop = g_stop_signal.load() != 0 ? static_cast<float>(g_stop_signal.load()) : 0.0f;
     if (step + 1 == stop_at) stop = SIGTERM;
@@ -460,71 +485,74 @@ int run_worker(const Config& c, const WorkerIdentity& who, bool resume, bool rej
   task->finish();
   if (window_predicted > 0) write_metrics(step);
 
-  // End of run: validation loss, evaluation, and job-wide totals for the summary, in one collective.
-  const auto wan = comm.stats();  // before the totals exchange itself
-  auto [val_sum, val_predicted] = task->validate(c.job.eval_batches);
-  std::vector<double> eval_end = evaluate_now(step);
-  std::vector<double> counters = {static_cast<double>(tokens), static_cast<double>(wan.wan_bytes_sent),
-                                  static_cast<double>(wan.wan_bytes_received), last_loss,
-                                  last_predicted, val_sum, val_predicted};
-  constexpr size_t kFixed = 7;
-  counters.insert(counters.end(), eval_start.begin(), eval_start.end());
-  counters.insert(counters.end(), eval_end.begin(), eval_end.end());
-  std::vector<double> totals = sum_over_job(comm, counters);
-  auto total = [&](int i) { return totals[static_cast<size_t>(i)]; };
-  auto eval_part = [&](size_t k) {
-    const auto begin = totals.begin() + static_cast<std::ptrdiff_t>(kFixed + k * task->eval_size());
-    return std::vector<double>(begin, begin + static_cast<std::ptrdiff_t>(task->eval_size()));
-  };
-  // The first site still in the job (elastic: site 0 may be lost) writes the summary and model.
-  const bool writer = mesh && mesh->site_index() == mesh->first_live();
-  if (writer) {
-    nlohmann::json summary = {
-        {"job", c.job.name},
-        {"strategy", strategy->name()},
-        {"decisions", strategy->decisions()},
-        {"codec", c.strategy.codec},
-        {"compression_ratio", wan.codec_bytes_out ? double(wan.codec_bytes_in) / double(wan.codec_bytes_out) : 1.0},
-        {"sites", c.sites.size()},
-        {"workers", c.total_workers()},
-        {"steps", c.job.steps},
-        {"local_steps_site0", step},
-        {"tokens", total(0)},
-        {"wall_seconds", std::chrono::duration<double>(Clock::now() - start).count()},
-        {"final_train_loss", total(4) > 0 ? total(3) / total(4) : 0.0},
-        {"final_val_loss", total(6) > 0 ? nlohmann::json(total(5) / total(6)) : nlohmann::json(nullptr)},
-        {"model_kind", c.model.kind},
-        {"model", c.job.run_dir + "/model.safetensors"},
-        {"wan_bytes", total(1)},
-        {"wan_bytes_sent", total(1)},
-        {"wan_bytes_received", total(2)},
-        {"security", c.security.insecure ? "plaintext" : "mutual TLS 1.3"},
-        {"wan_streams", c.wan.streams},
-        {"wan_links_seen_from_" + site.name, [&] {
-           nlohmann::json links = nlohmann::json::object();
-           for (size_t j = 0; j < wan.links.size(); ++j)
-             if (j != training_index)
-               links[training_names[j]] = {{"rtt_ms", wan.links[j].rtt_s * 1e3},
-                                         {"bandwidth_bits_per_s", wan.links[j].bandwidth_bits_per_s}};
-           return links;
-         }()},
-        {"wan_emulation", {{"bandwidth_bits_per_s", c.wan.path.bandwidth_bits},
-                           {"rtt_ms", std::chrono::duration<double, std::milli>(c.wan.path.rtt).count()}}}};
-    if (task->eval_at_start()) summary["eval_start"] = task->eval_json(eval_part(0));
-    summary["eval"] = task->eval_json(eval_part(1));
-    summary["strategy_metrics"] = strategy->metrics();  // rejected updates; privacy spent
-    nlohmann::json lost = nlohmann::json::array();
-    for (const auto& [j, why] : mesh->lost()) lost.push_back({{"site", training_names[j]}, {"reason", why}});
-    summary["sites_lost"] = lost;
-    nlohmann::json rejoined = nlohmann::json::array();
-    for (size_t j : mesh->rejoined()) rejoined.push_back(training_names[j]);
-    summary["sites_rejoined"] = rejoined;
-    summary.update(task->summary());
-    write_json_atomically(c.job.run_dir + "/summary.json", summary);
-    auto meta = task->model_metadata();
-    meta["steps"] = std::to_string(step);
-    task->save_model(c.job.run_dir, meta);
-  }
+  // End of run: validation loss, evaluation, and job-wide totals for the summary, in one collective
+  // (ZeRO-3: with the whole model gathered for it).
+  whole([&] {
+    const auto wan = comm.stats();  // before the totals exchange itself
+    auto [val_sum, val_predicted] = task->validate(c.job.eval_batches);
+    std::vector<double> eval_end = evaluate_now(step);
+    std::vector<double> counters = {static_cast<double>(tokens), static_cast<double>(wan.wan_bytes_sent),
+                                    static_cast<double>(wan.wan_bytes_received), last_loss,
+                                    last_predicted, val_sum, val_predicted};
+    constexpr size_t kFixed = 7;
+    counters.insert(counters.end(), eval_start.begin(), eval_start.end());
+    counters.insert(counters.end(), eval_end.begin(), eval_end.end());
+    std::vector<double> totals = sum_over_job(comm, counters);
+    auto total = [&](int i) { return totals[static_cast<size_t>(i)]; };
+    auto eval_part = [&](size_t k) {
+      const auto begin = totals.begin() + static_cast<std::ptrdiff_t>(kFixed + k * task->eval_size());
+      return std::vector<double>(begin, begin + static_cast<std::ptrdiff_t>(task->eval_size()));
+    };
+    // The first site still in the job (elastic: site 0 may be lost) writes the summary and model.
+    const bool writer = mesh && mesh->site_index() == mesh->first_live();
+    if (writer) {
+      nlohmann::json summary = {
+          {"job", c.job.name},
+          {"strategy", strategy->name()},
+          {"decisions", strategy->decisions()},
+          {"codec", c.strategy.codec},
+          {"compression_ratio", wan.codec_bytes_out ? double(wan.codec_bytes_in) / double(wan.codec_bytes_out) : 1.0},
+          {"sites", c.sites.size()},
+          {"workers", c.total_workers()},
+          {"steps", c.job.steps},
+          {"local_steps_site0", step},
+          {"tokens", total(0)},
+          {"wall_seconds", std::chrono::duration<double>(Clock::now() - start).count()},
+          {"final_train_loss", total(4) > 0 ? total(3) / total(4) : 0.0},
+          {"final_val_loss", total(6) > 0 ? nlohmann::json(total(5) / total(6)) : nlohmann::json(nullptr)},
+          {"model_kind", c.model.kind},
+          {"model", c.job.run_dir + "/model.safetensors"},
+          {"wan_bytes", total(1)},
+          {"wan_bytes_sent", total(1)},
+          {"wan_bytes_received", total(2)},
+          {"security", c.security.insecure ? "plaintext" : "mutual TLS 1.3"},
+          {"wan_streams", c.wan.streams},
+          {"wan_links_seen_from_" + site.name, [&] {
+             nlohmann::json links = nlohmann::json::object();
+             for (size_t j = 0; j < wan.links.size(); ++j)
+               if (j != training_index)
+                 links[training_names[j]] = {{"rtt_ms", wan.links[j].rtt_s * 1e3},
+                                           {"bandwidth_bits_per_s", wan.links[j].bandwidth_bits_per_s}};
+             return links;
+           }()},
+          {"wan_emulation", {{"bandwidth_bits_per_s", c.wan.path.bandwidth_bits},
+                             {"rtt_ms", std::chrono::duration<double, std::milli>(c.wan.path.rtt).count()}}}};
+      if (task->eval_at_start()) summary["eval_start"] = task->eval_json(eval_part(0));
+      summary["eval"] = task->eval_json(eval_part(1));
+      summary["strategy_metrics"] = strategy->metrics();  // rejected updates; privacy spent
+      nlohmann::json lost = nlohmann::json::array();
+      for (const auto& [j, why] : mesh->lost()) lost.push_back({{"site", training_names[j]}, {"reason", why}});
+      summary["sites_lost"] = lost;
+      nlohmann::json rejoined = nlohmann::json::array();
+      for (size_t j : mesh->rejoined()) rejoined.push_back(training_names[j]);
+      summary["sites_rejoined"] = rejoined;
+      summary.update(task->summary());
+      write_json_atomically(c.job.run_dir + "/summary.json", summary);
+      auto meta = task->model_metadata();
+      meta["steps"] = std::to_string(step);
+      task->save_model(c.job.run_dir, meta);
+    }
+  });
   group.barrier();  // nobody closes its links while another still needs them
   spdlog::info("done: {} steps, {} tokens", step, tokens);
   return 0;

@@ -324,20 +324,21 @@ Config build(const toml::table& root, const std::string& file) {
     Section s(*t, "parallel", file);
     s.string("shard", c.parallel.shard, {"none", "optimizer", "gradients", "full"});
     const toml::node& key = t->get("shard") ? *t->get("shard") : static_cast<const toml::node&>(*t);
-    if (c.parallel.shard == "optimizer" || c.parallel.shard == "gradients")
+    if (c.parallel.shard != "none")
       for (const auto& site : c.sites)
         if (site.device.rfind("cuda", 0) == 0)
           s.fail(key, "shard",
                  str_cat("\"", c.parallel.shard, "\" runs on CPU sites only, and site '", site.name,
                          "' has device = \"", site.device, "\": set shard = \"none\" (GPU sites keep the whole optimizer)"));
-    if (c.parallel.shard == "gradients" && c.strategy.kind == "sync")
+    if ((c.parallel.shard == "gradients" || c.parallel.shard == "full") && c.strategy.kind == "sync")
       s.fail(key, "shard",
-             "\"gradients\" (ZeRO-2) runs with strategy.kind = \"diloco\" or \"streaming\" (inside the site); "
-             "sync's gradients cross the WAN every step, whole: use shard = \"optimizer\" with sync");
-    if (c.parallel.shard == "full")
+             str_cat("\"", c.parallel.shard, "\" (ZeRO-", c.parallel.shard == "full" ? 3 : 2,
+                     ") runs with strategy.kind = \"diloco\" or \"streaming\" (inside the site); sync's gradients "
+                     "cross the WAN every step, whole: use shard = \"optimizer\" with sync"));
+    if (c.parallel.shard == "full" && c.model.kind == "torchscript")
       s.fail(key, "shard",
-             "\"full\" (ZeRO-3) is not built yet: nebula runs shard = \"none\", \"optimizer\" (ZeRO-1, AdamW's "
-             "moments sharded over the site's workers) and \"gradients\" (ZeRO-2, the gradients reduce-scattered too)");
+             "\"full\" (ZeRO-3) gathers the parameters layer by layer, which only the built-in models "
+             "(mlm_encoder, seq2seq) can do; a TorchScript module runs shard = \"optimizer\" or \"gradients\"");
     s.finish();
   }
   if (auto* t = top.table("peft")) {

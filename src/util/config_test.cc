@@ -107,7 +107,14 @@ TEST(Config, ParallelShard) {
                {"job.toml", "parallel.shard", "ZeRO-2", "sync", "\"optimizer\""}, {"strategy.kind=\"sync\""});
   expect_error(std::string(kValid) + "\n[parallel]\nshard = \"gradients\"\n", {"parallel.shard", "CPU sites only", "'b'"},
                {"sites.1.device=\"cuda\"", "strategy.kind=\"diloco\""});
-  expect_error(std::string(kValid) + "\n[parallel]\nshard = \"full\"\n", {"parallel.shard", "ZeRO-3", "not built yet"});
+  // ZeRO-3: the built-in models with diloco and streaming; not with sync, not a TorchScript module.
+  EXPECT_EQ(parse_config(kValid, "job.toml", {"parallel.shard=\"full\"", "strategy.kind=\"diloco\""}).parallel.shard,
+            "full");
+  expect_error(std::string(kValid) + "\n[parallel]\nshard = \"full\"\n", {"job.toml", "parallel.shard", "ZeRO-3", "sync"},
+               {"strategy.kind=\"sync\""});
+  expect_error(std::string(kValid) + "\n[parallel]\nshard = \"full\"\n", {"parallel.shard", "TorchScript"},
+               {"strategy.kind=\"diloco\"", "model.kind=torchscript", "model.script=\"m.pt\"", "data.source=tensors",
+                "data.path=\"shards\""});
   expect_error(std::string(kValid) + "\n[parallel]\nshard = \"optimizer\"\n", {"parallel.shard", "CPU sites only", "'b'"},
                {"sites.1.device=\"cuda\""});
   expect_error(std::string(kValid) + "\n[parallel]\nshard = \"zero1\"\n", {"parallel.shard", "zero1"});
