@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# ZeRO-1 and ZeRO-2 inside a site against the whole optimizer, side by side: AdamW state and
+# ZeRO-1, -2 and -3 inside a site against the whole optimizer, side by side: AdamW state and
 # peak RSS (VmHWM) of the first site's gateway and of its worker 1, step time and validation
 # loss of the same job (examples/mlm.toml: two sites of WORKERS and 1 workers, the same steps,
-# data and seed) with [parallel] shard = "none", "optimizer" and (not with sync) "gradients".
+# data and seed) with [parallel] shard = "none", "optimizer" and (not with sync) "gradients"
+# and "full".
 #   bench/zero.sh [steps, default 150] [strategy, default diloco]
 #   EXTRA="--set model.dim=512 ..." bench/zero.sh ...   other options for both runs (a bigger model)
 #   WORKERS=4 bench/zero.sh ...   the first site's workers (default 2; 1 runs shard = "none" only:
@@ -22,7 +23,7 @@ workers="${WORKERS:-2}"
 shards=(none)
 if ((workers > 1)); then
   shards+=(optimizer)
-  [[ "$kind" != sync ]] && shards+=(gradients)
+  [[ "$kind" != sync ]] && shards+=(gradients full)
 fi
 for shard in "${shards[@]}"; do
   "$nebula" run examples/mlm.toml --set job.steps="$steps" --set strategy.kind="\"$kind\"" \

@@ -379,7 +379,7 @@ const std::vector<std::string>& shard_modes() {
 }
 
 bool runnable(const Candidate& c) {
-  return c.shard == "none" || c.shard == "optimizer" || (c.shard == "gradients" && c.strategy != "sync");
+  return c.shard == "none" || c.shard == "optimizer" || c.strategy != "sync";
 }
 
 Memory gateway_memory(const Topology& t, size_t site, const Candidate& c) {
@@ -392,7 +392,8 @@ Memory gateway_memory(const Topology& t, size_t site, const Candidate& c) {
   const double N = static_cast<double>(t.sites[site].workers);
   const double S = static_cast<double>(t.sites.size());
   // As built, "gradients" (ZeRO-2) reduce-scatters one flat gradient buffer that backward
-  // fills whole: it shards the traffic, not the gradients' memory; "full" is the plan.
+  // fills whole: it shards the traffic, not the gradients' memory; "full" (ZeRO-3) shards
+  // parameters and gradients (a layer's are gathered while it runs, small next to the rest).
   const double d_opt = level >= 1 ? N : 1, d_grad = level >= 3 ? N : 1, d_param = level >= 3 ? N : 1;
   const double n = t.parameters, tr = t.trainable;
   const double F = streaming ? static_cast<double>(c.fragments) : 1;
@@ -411,6 +412,7 @@ Memory gateway_memory(const Topology& t, size_t site, const Candidate& c) {
     mem.activations = L * t.tokens_per_step_per_worker * (66 * h + 9 * a * seq);
   }
   // The site's all-reduce stages the gradients in one flat buffer; ZeRO-2 reduces them in place.
+  // (ZeRO-3's whole-model gather for evaluation and checkpoints is not a training step's: not counted.)
   if (sync || (N > 1 && c.shard != "gradients")) mem.buffers = 4 * tr / d_grad;
   // The outer state (θ_global, outer momentum, θ_local at a send) shards with the optimizer:
   // each worker keeps its part of every fragment.
@@ -465,6 +467,13 @@ Prediction predict(const Topology& t, const Candidate& c) {
     if (c.shard == "gradients") {  // a reduce-scatter (a ring all-reduce's first half), then the all-gather
       site[s].allreduce /= 2;
       site[s].gather = site[s].broadcast;
+    }
+    if (c.shard == "full" && t.sites[s].workers > 1) {
+      // ZeRO-3: the layers' reduce-scatter, and their all-gather twice (forward, and again for
+      // the recomputation in backward), which costs one more forward: a third more compute.
+      site[s].allreduce /= 2;
+      site[s].gather = 2 * site[s].broadcast;
+      site[s].compute *= 4.0 / 3.0;
     }
     tag = std::max(tag, site[s].gather);
     workers += static_cast<double>(t.sites[s].workers);
@@ -553,7 +562,7 @@ Plan make_plan(const Topology& t) {
       if (!p.runnable && p.fits && !sharded) sharded = &p;  // the best utilization among them
     }
     if (smallest)
-      plan.reason = str_cat("nothing nebula can run today (shard = \"none\", \"optimizer\", or \"gradients\" without sync) fits: the smallest, ",
+      plan.reason = str_cat("nothing nebula can run today (shard = \"none\", \"optimizer\", or \"gradients\" or \"full\" without sync) fits: the smallest, ",
                             label(smallest->candidate),
                             ", ", smallest->misfit);
     else
@@ -570,10 +579,10 @@ Plan make_plan(const Topology& t) {
                              "checkpointing (not in nebula) would");
     if (sharded)
       plan.reason += str_cat(". With shard = \"", sharded->candidate.shard, "\" (", zero_name(sharded->candidate.shard),
-                             ", not runnable yet) ", label(sharded->candidate), " would fit");
+                             ", not runnable) ", label(sharded->candidate), " would fit");
     else if (std::find(t.shards.begin(), t.shards.end(), "full") == t.shards.end())
-      plan.reason += ". The memory table shows what sharding would need (ZeRO-1 and ZeRO-2 run: add \"optimizer\" "
-                     "or \"gradients\" to [candidates] shard; ZeRO-3 does not yet)";
+      plan.reason += ". The memory table shows what sharding would need (add \"optimizer\", \"gradients\" or "
+                     "\"full\" to [candidates] shard)";
     else
       plan.reason += ". No shard mode fits either";
     return plan;
@@ -717,8 +726,7 @@ std::string format_table(const Topology& t, const Plan& plan, size_t top) {
     out << "  (" << plan.predictions.size() - shown << " more; --top 0 shows all)\n";
   }
   if (sharded)
-    out << "  * not runnable yet: nebula runs shard = \"none\", \"optimizer\" (ZeRO-1) and \"gradients\" (ZeRO-2, "
-           "not with sync)\n";
+    out << "  * not runnable: \"gradients\" (ZeRO-2) and \"full\" (ZeRO-3) do not run with sync\n";
 
   // Memory by strategy and shard mode: where the bytes go.
   out << "\nmemory per worker, the gateway (it holds the most) of the site that needs the most; the least hungry "
@@ -740,7 +748,7 @@ std::string format_table(const Topology& t, const Plan& plan, size_t top) {
                   format_bytes(m.host()).c_str(), fits_word(t, nd.misfit).c_str());
     out << line;
   }
-  out << "  ZeRO-1/2/3 inside a site (optimizer / +gradients / +parameters); * = not runnable yet. Device: GPU; "
+  out << "  ZeRO-1/2/3 inside a site (optimizer / +gradients / +parameters); * = not runnable (ZeRO-2/3 with sync). Device: GPU; "
          "host: nebula keeps communication and outer state there\n";
 
   if (plan.recommended) {

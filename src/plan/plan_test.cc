@@ -317,7 +317,8 @@ TEST(PlanMemory, ZeroShardsInsideASite) {
   EXPECT_TRUE(runnable(Candidate{"diloco", "none", 10, 1, 0, "optimizer"}));
   EXPECT_TRUE(runnable(Candidate{"diloco", "none", 10, 1, 0, "gradients"}));
   EXPECT_FALSE(runnable(Candidate{"sync", "none", 1, 1, 0, "gradients"}));
-  EXPECT_FALSE(runnable(Candidate{"diloco", "none", 10, 1, 0, "full"}));
+  EXPECT_TRUE(runnable(Candidate{"diloco", "none", 10, 1, 0, "full"}));
+  EXPECT_FALSE(runnable(Candidate{"sync", "none", 1, 1, 0, "full"}));
 }
 
 // ZeRO-2's reduce-scatter is the first half of the all-reduce ZeRO-1 runs whole, and both
@@ -396,7 +397,7 @@ TEST(PlanMemory, RecommendsOnlyWhatRunsAndFits) {
     for (const auto& p : plan.predictions) {
       EXPECT_EQ(p.fits, p.memory.device() <= parse_size(memory)) << p.misfit;
       EXPECT_EQ(p.runnable, p.candidate.shard == "none" || p.candidate.shard == "optimizer" ||
-                                (p.candidate.shard == "gradients" && p.candidate.strategy != "sync"));
+                                p.candidate.strategy != "sync");
     }
   }
   // 15 MB: nothing unsharded fits (diloco and streaming need 16 MB, sync 20 MB); ZeRO-1 and
@@ -406,16 +407,21 @@ TEST(PlanMemory, RecommendsOnlyWhatRunsAndFits) {
   ASSERT_TRUE(zero1.recommended) << zero1.reason;
   const std::string& pick = zero1.predictions[*zero1.recommended].candidate.shard;
   EXPECT_TRUE(pick == "optimizer" || pick == "gradients") << pick;
-  // 8 MB: only ZeRO-3 (16/4 = 4 MB) would fit, and nebula does not run it.
-  Topology tight = two({all[0], all[1], all[2], "sites.0.worker_memory=\"8MB\"", "sites.1.worker_memory=\"8MB\""});
+  // 8 MB: only ZeRO-3 (16/4 = 4 MB) fits, and it is the recommendation (not with sync).
+  Plan three = make_plan(two({all[0], all[1], all[2], "sites.0.worker_memory=\"8MB\"", "sites.1.worker_memory=\"8MB\""}));
+  ASSERT_TRUE(three.recommended) << three.reason;
+  EXPECT_EQ(three.predictions[*three.recommended].candidate.shard, "full");
+  EXPECT_NE(three.predictions[*three.recommended].candidate.strategy, "sync");
+  // Without "full" among the candidates nothing fits, and the plan says so.
+  Topology tight = two({"candidates.shard=[\"none\", \"optimizer\", \"gradients\"]", all[1], all[2],
+                        "sites.0.worker_memory=\"8MB\"", "sites.1.worker_memory=\"8MB\""});
   Plan none = make_plan(tight);
   EXPECT_FALSE(none.recommended);
-  EXPECT_NE(none.reason.find("nothing nebula can run today (shard = \"none\", \"optimizer\", or \"gradients\" without sync) fits"),
+  EXPECT_NE(none.reason.find("nothing nebula can run today (shard = \"none\", \"optimizer\", or \"gradients\" or \"full\" without sync) fits"),
             std::string::npos)
       << none.reason;
   EXPECT_NE(none.reason.find("needs 9.54 MiB of device memory per worker at site a, has 7.63 MiB"), std::string::npos)
       << none.reason;
-  EXPECT_NE(none.reason.find("not runnable yet"), std::string::npos) << none.reason;
   const std::string table = format_table(tight, none);
   EXPECT_NE(table.find("recommended: nothing"), std::string::npos) << table;
   EXPECT_EQ(table.find("\n* "), std::string::npos) << table;  // no row marked recommended

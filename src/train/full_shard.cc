@@ -249,20 +249,29 @@ void FullShard::end_backward() {
   calls_.clear();
 }
 
-void FullShard::with_full_model(const std::function<void()>& fn) {
-  if (full_.defined()) {
+void FullShard::with_full_model(const std::function<void()>& fn, bool root_only) {
+  if (full_.defined() || root_only_) {
     fn();
     return;
   }
-  NEBULA_CHECK(rest_buffers_.empty(), "FullShard::with_full_model inside a training step");
+  NEBULA_CHECK(rest_buffers_.empty(), "FullShard::with_full_model inside a training step or with_rest");
+  const bool here = !root_only || site_.rank() == 0;  // this worker holds the model during fn
   {
     at::NoGradGuard no_grad;
-    full_ = at::empty({shard_numel_ * site_.size()}, at::kFloat);
-    site_.all_gather(shard_.detach(), full_);
-    for (size_t i = 0; i < params_.size(); ++i)
-      params_[i].set_data(full_.narrow(0, start_[i], start_[i + 1] - start_[i]).view(shapes_[i]));
+    const std::vector<int64_t> counts(static_cast<size_t>(site_.size()), shard_numel_);
+    if (here) full_ = at::empty({shard_numel_ * site_.size()}, at::kFloat);
+    if (!root_only)
+      site_.all_gather(shard_.detach(), full_);
+    else
+      site_.gather_parts_to_root(shard_.detach(), full_, counts);
+    if (here)
+      for (size_t i = 0; i < params_.size(); ++i)
+        params_[i].set_data(full_.narrow(0, start_[i], start_[i + 1] - start_[i]).view(shapes_[i]));
+    root_only_ = !here;
   }
   auto done = [&] {
+    root_only_ = false;
+    if (!here) return;
     at::NoGradGuard no_grad;
     shard_.detach().copy_(full_.narrow(0, site_.rank() * shard_numel_, shard_numel_));
     for (auto& p : params_) p.set_data(no_values());
@@ -277,9 +286,29 @@ void FullShard::with_full_model(const std::function<void()>& fn) {
   done();
 }
 
+void FullShard::with_rest(const std::function<void()>& fn) {
+  NEBULA_CHECK(rest_buffers_.empty() && !full_.defined() && !root_only_,
+               "FullShard::with_rest inside a training step or with_full_model");
+  rest_buffers_.resize(rest_.size());
+  for (size_t k = 0; k < rest_.size(); ++k) gather_range(rest_[k], rest_buffers_[k]);
+  auto done = [&] {
+    for (const Range& r : rest_) drop_range(r);
+    rest_buffers_.clear();
+  };
+  try {
+    fn();
+  } catch (...) {
+    done();
+    throw;
+  }
+  done();
+}
+
 at::Tensor FullShard::run(torch::nn::Module& layer, const std::vector<at::Tensor>& inputs, const Body& body) {
   auto it = unit_of_.find(&layer);
   NEBULA_CHECK(it != unit_of_.end(), "parallel.shard = \"full\": the model ran a layer it did not declare");
+  NEBULA_CHECK(!root_only_, "parallel.shard = \"full\": the model ran on worker ", site_.rank(),
+               " inside the gateway's evaluation, where only the gateway holds it");
   if (full_.defined()) return body(inputs);
   if (!at::GradMode::is_enabled()) {  // e.g. a no-grad forward inside a step: gather, run, free
     gather(it->second);

@@ -26,8 +26,9 @@
 // site's weight. The cost: one more forward of every layer (activation recomputation, about a
 // third more compute per step) and two all-gathers of the model per step instead of one.
 //
-// Outside a step (evaluation, checkpoints, the model file) with_full_model() gathers every
-// parameter for a while: one model-sized copy, no gradients or moments.
+// Outside a step, validation runs layer by layer too (with_rest); checkpoints gather every
+// parameter for a while on every worker, and the gateway's evaluation and the model file on
+// the gateway only (with_full_model): one model-sized copy, no gradients or moments.
 //
 // One thread (the training thread) uses it, as the model. CPU float32 parameters only.
 #pragma once
@@ -67,8 +68,14 @@ class FullShard : public model::LayerGather {
 
   // fn() with every parameter gathered (site collective: every worker calls it at the same
   // point). What fn writes into the parameters (a checkpoint's weights) is kept: this worker's
-  // shard is taken from them afterwards. Nested calls gather once.
-  void with_full_model(const std::function<void()>& fn);
+  // shard is taken from them afterwards. Nested calls gather once. `root_only`: only rank 0
+  // gathers (the others send it their shards, and their fn must not use the model): the
+  // gateway's evaluation and model file, with no model-sized copy on the other workers.
+  void with_full_model(const std::function<void()>& fn, bool root_only = false);
+  // fn() with the parameters outside the layers gathered, on every worker, for forwards
+  // without autograd that gather each layer as it runs (validation): every worker must run
+  // the same layers in the same order.
+  void with_rest(const std::function<void()>& fn);
 
   at::Tensor run(torch::nn::Module& layer, const std::vector<at::Tensor>& inputs, const Body& body) override;
 
@@ -108,6 +115,7 @@ class FullShard : public model::LayerGather {
   std::vector<at::Tensor> rest_buffers_, rest_grads_;  // per run, during a step
   at::Tensor shard_, shard_grad_;
   at::Tensor full_;                   // with_full_model: every value (N S)
+  bool root_only_ = false;            // with_full_model on a rank other than 0: nothing gathered here
   int full_depth_ = 0;
   double weight_ = 1;
   std::vector<Call> calls_;           // this step's layer calls

@@ -179,8 +179,9 @@ TEST(FullShard, TrainsAsZeroTwoAndAsTheWholeModel) {
 }
 
 // with_full_model: what fn writes into the parameters becomes the shards (a checkpoint's
-// weights), and a layer the model did not declare is an error, not a silent whole run.
-TEST(FullShard, WithFullModelKeepsWhatIsWrittenAndUnknownLayersAreRefused) {
+// weights); root-only, only the gateway holds them; with_rest runs the model layer by layer
+// without autograd (validation); a layer the model did not declare is an error.
+TEST(FullShard, WholeModelGathersAndLayerByLayerValidation) {
   collective::testing::run_site("zero3-full-model", 3, [&](collective::SiteGroup& site) {
     Net net = make_net("mlm");
     std::vector<at::Tensor> params = net.module->parameters();
@@ -196,6 +197,23 @@ TEST(FullShard, WithFullModelKeepsWhatIsWrittenAndUnknownLayersAreRefused) {
     full.with_full_model([&] {
       for (size_t i = 0; i < params.size(); ++i) EXPECT_TRUE(at::equal(params[i], expected[i])) << "parameter " << i;
     });
+    // Only the gateway holds the model in a root-only gather; a no-grad forward layer by layer
+    // (with_rest, every worker) gives what the whole model gives.
+    full.with_full_model([&] {
+      for (const auto& p : params) EXPECT_EQ(p.numel() > 0, site.rank() == 0);
+    }, /*root_only=*/true);
+    net.set_gather(&full);
+    at::Tensor whole, layered;
+    {
+      at::NoGradGuard no_grad;
+      full.with_full_model([&] { whole = net.loss(site.rank(), 0); });
+      full.with_rest([&] {
+        EXPECT_GT(params[0].numel(), 0) << "the token embedding is outside the layers";
+        layered = net.loss(site.rank(), 0);
+      });
+    }
+    EXPECT_TRUE(at::equal(whole, layered)) << whole.item<float>() << " vs " << layered.item<float>();
+    for (const auto& p : params) EXPECT_EQ(p.numel(), 0);
     torch::nn::Linear stranger(2, 2);
     EXPECT_THROW(full.run(*stranger, {at::zeros({1, 2})}, [&](const std::vector<at::Tensor>& in) { return in[0]; }),
                  Error);

@@ -64,6 +64,7 @@ class MlmTask : public Task {
     return {model_->loss(b.ids, b.labels), static_cast<double>(b.predicted), b.tokens};
   }
 
+  bool has_validation() const override { return valid_ != nullptr; }
   std::pair<double, double> validate(int64_t batches) override {
     if (!valid_) return {0.0, 0.0};
     at::NoGradGuard no_grad;

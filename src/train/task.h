@@ -67,6 +67,8 @@ class Task {
   virtual Step forward(int64_t step) = 0;
   // Loss sum and weight over `batches` fixed held-out batches of this worker's share.
   virtual std::pair<double, double> validate(int64_t batches) = 0;
+  // Whether validate() runs the model (false: this worker's share has no held-out data).
+  virtual bool has_validation() const { return true; }
 
   // Evaluation on the gateway (local rank 0) of each site: eval_size() counts, the same on
   // every worker; the job sums them and eval_json() turns the sums into summary values.

@@ -126,6 +126,7 @@ class TranslationTask : public Task {
     return {ce * (1 - alpha) + kd * alpha, static_cast<double>(b.target_tokens), b.src.numel()};
   }
 
+  bool has_validation() const override { return valid_ != nullptr; }
   std::pair<double, double> validate(int64_t batches) override {
     if (!valid_) return {0.0, 0.0};
     at::NoGradGuard no_grad;

@@ -237,11 +237,29 @@ int run_worker(const Config& c, const WorkerIdentity& who, bool resume, bool rej
     full = std::make_unique<FullShard>(params, layers, group);
     task->set_layer_gather(full.get());
   }
-  auto whole = [&](const std::function<void()>& fn) {
+  // `gateway`: only the gateway needs the model (its evaluation, the model file).
+  auto whole = [&](const std::function<void()>& fn, bool gateway = false) {
     if (full)
-      full->with_full_model(fn);
+      full->with_full_model(fn, gateway);
     else
       fn();
+  };
+  // Validation runs on every worker: ZeRO-3 gathers layer by layer, as in training, when every
+  // worker of the site has validation data (the same forwards everywhere), else the whole model.
+  auto validate_now = [&] {
+    std::pair<double, double> out;
+    auto run = [&] { out = task->validate(c.job.eval_batches); };
+    if (!full) {
+      run();
+      return out;
+    }
+    at::Tensor all = at::full({1}, task->has_validation() ? 1.0f : 0.0f);
+    group.allreduce_sum(all);
+    if (all.item<float>() == static_cast<float>(workers))
+      full->with_rest(run);
+    else
+      full->with_full_model(run);
+    return out;
   };
   InnerOptimizer optimizer(params, c.model.lr, c.model.weight_decay, c.parallel.shard, group, full.get());
   if (optimizer.sharded())  // the strategy keeps its shard of the outer state (and ZeRO-2/3's gradients)
@@ -405,7 +423,7 @@ int run_worker(const Config& c, const WorkerIdentity& who, bool resume, bool rej
     else
       strategy->reconcile();
   }
-  if (!resumed && !rejoin && task->eval_at_start()) whole([&] { eval_start = evaluate_now(0); });
+  if (!resumed && !rejoin && task->eval_at_start()) whole([&] { eval_start = evaluate_now(0); }, true);
   auto checkpoint_now = [&](int64_t steps_done) {
     whole([&] {  // ZeRO-3: every rank's checkpoint holds the whole model, as with the other modes
       Checkpoint k = capture(steps_done, *task, optimizer, *strategy);
@@ -448,7 +466,7 @@ int run_worker(const Config& c, const WorkerIdentity& who, bool resume, bool rej
     window_predicted += batch.weight;
     if ((step + 1) % c.job.log_every == 0) write_metrics(step + 1);
     if (c.eval.every > 0 && (step + 1) % c.eval.every == 0)  // on the merged model, not the replica mid-round
-      strategy->with_global_weights([&] { whole([&] { evaluate_now(step + 1); }); });
+      strategy->with_global_weights([&] { whole([&] { evaluate_now(step + 1); }, true); });
 
     float stop = g_stop_signal.load() != 0 ? static_cast<float>(g_stop_signal.load()) : 0.0f;
     if (step + 1 == stop_at) stop = SIGTERM;
@@ -486,14 +504,14 @@ int run_worker(const Config& c, const WorkerIdentity& who, bool resume, bool rej
   if (window_predicted > 0) write_metrics(step);
 
   // End of run: validation loss, evaluation, and job-wide totals for the summary, in one collective
-  // (ZeRO-3: with the whole model gathered for it).
+  // (ZeRO-3: the gateway gathers the whole model for its evaluation and the model file).
+  const std::pair<double, double> validation = validate_now();
   whole([&] {
     const auto wan = comm.stats();  // before the totals exchange itself
-    auto [val_sum, val_predicted] = task->validate(c.job.eval_batches);
     std::vector<double> eval_end = evaluate_now(step);
     std::vector<double> counters = {static_cast<double>(tokens), static_cast<double>(wan.wan_bytes_sent),
                                     static_cast<double>(wan.wan_bytes_received), last_loss,
-                                    last_predicted, val_sum, val_predicted};
+                                    last_predicted, validation.first, validation.second};
     constexpr size_t kFixed = 7;
     counters.insert(counters.end(), eval_start.begin(), eval_start.end());
     counters.insert(counters.end(), eval_end.begin(), eval_end.end());
@@ -552,7 +570,7 @@ int run_worker(const Config& c, const WorkerIdentity& who, bool resume, bool rej
       meta["steps"] = std::to_string(step);
       task->save_model(c.job.run_dir, meta);
     }
-  });
+  }, true);
   group.barrier();  // nobody closes its links while another still needs them
   spdlog::info("done: {} steps, {} tokens", step, tokens);
   return 0;
