@@ -140,6 +140,17 @@ std::vector<int64_t> part_offsets(const std::string& site, const char* op, const
 }
 }  // namespace
 
+void SiteGroup::ring_step(const char* op, const at::Tensor& out, int next, const at::Tensor& in, int prev, int tag) {
+  std::vector<at::Tensor> o{out}, i{in};
+  guarded(site_, op, [&] {
+    c10::intrusive_ptr<c10d::Work> sent, got;
+    if (out.numel() > 0) sent = impl_->pg->send(o, next, tag);
+    if (in.numel() > 0) got = impl_->pg->recv(i, prev, tag);
+    if (sent) sent->wait();
+    if (got) got->wait();
+  });
+}
+
 void SiteGroup::all_gather_parts(const at::Tensor& full, const std::vector<int64_t>& counts) {
   const std::vector<int64_t> at = part_offsets(site_, "all_gather", full, counts, size_);
   auto part = [&](int i) {
@@ -151,14 +162,7 @@ void SiteGroup::all_gather_parts(const at::Tensor& full, const std::vector<int64
   // into its place; a part of no values is neither sent nor awaited.
   const int next = (rank_ + 1) % size_, prev = (rank_ + size_ - 1) % size_;
   for (int k = 0; k + 1 < size_; ++k) {
-    std::vector<at::Tensor> out{part(rank_ - k)}, in{part(rank_ - k - 1)};
-    guarded(site_, "all_gather", [&] {
-      c10::intrusive_ptr<c10d::Work> sent, got;
-      if (out[0].numel() > 0) sent = impl_->pg->send(out, next, k);
-      if (in[0].numel() > 0) got = impl_->pg->recv(in, prev, k);
-      if (sent) sent->wait();
-      if (got) got->wait();
-    });
+    ring_step("all_gather", part(rank_ - k), next, part(rank_ - k - 1), prev, k);
   }
 }
 
@@ -173,15 +177,9 @@ void SiteGroup::reduce_scatter_parts(const at::Tensor& full, const std::vector<i
   const int next = (rank_ + 1) % size_, prev = (rank_ + size_ - 1) % size_;
   at::Tensor incoming = at::empty({*std::max_element(counts.begin(), counts.end())}, full.options());
   for (int k = 0; k + 1 < size_; ++k) {
-    std::vector<at::Tensor> out{part(rank_ - k - 1)}, in{incoming.narrow(0, 0, counts[index(rank_ - k - 2)])};
-    guarded(site_, "reduce_scatter", [&] {
-      c10::intrusive_ptr<c10d::Work> sent, got;
-      if (out[0].numel() > 0) sent = impl_->pg->send(out, next, k);
-      if (in[0].numel() > 0) got = impl_->pg->recv(in, prev, k);
-      if (sent) sent->wait();
-      if (got) got->wait();
-    });
-    if (in[0].numel() > 0) part(rank_ - k - 2).add_(in[0]);
+    at::Tensor in = incoming.narrow(0, 0, counts[index(rank_ - k - 2)]);
+    ring_step("reduce_scatter", part(rank_ - k - 1), next, in, prev, k);
+    if (in.numel() > 0) part(rank_ - k - 2).add_(in);
   }
 }
 

@@ -79,6 +79,9 @@ class SiteGroup {
   void scatter_parts_from_root(const at::Tensor& full, const at::Tensor& part, const std::vector<int64_t>& counts);
 
  private:
+  // One step of the part rings: sends `out` to `next` while receiving `in` from `prev`
+  // (an empty tensor is neither sent nor awaited), both with `tag`.
+  void ring_step(const char* op, const at::Tensor& out, int next, const at::Tensor& in, int prev, int tag);
   // gather_parts_to_root (to_root) and scatter_parts_from_root: the same pairs, either way.
   void parts_with_root(bool to_root, const at::Tensor& part, const at::Tensor& full, const std::vector<int64_t>& counts);
   struct Impl;

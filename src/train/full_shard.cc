@@ -27,6 +27,18 @@ void set_generator_state(const at::Tensor& state) {
 
 at::Tensor no_values() { return at::empty({0}, at::kFloat); }
 
+// fn(), then done(), whether fn returns or throws.
+template <typename Done>
+void run_then(const std::function<void()>& fn, Done&& done) {
+  try {
+    fn();
+  } catch (...) {
+    done();
+    throw;
+  }
+  done();
+}
+
 // One layer call of a training forward: runs without autograd (the parameters gathered for it
 // and freed after it), and in backward gathers them again and recomputes the layer with
 // autograd to get the gradients (FullShard's comment).
@@ -277,13 +289,7 @@ void FullShard::with_full_model(const std::function<void()>& fn, bool root_only)
     for (auto& p : params_) p.set_data(no_values());
     full_ = at::Tensor();
   };
-  try {
-    fn();
-  } catch (...) {
-    done();
-    throw;
-  }
-  done();
+  run_then(fn, done);
 }
 
 void FullShard::with_rest(const std::function<void()>& fn) {
@@ -295,13 +301,7 @@ void FullShard::with_rest(const std::function<void()>& fn) {
     for (const Range& r : rest_) drop_range(r);
     rest_buffers_.clear();
   };
-  try {
-    fn();
-  } catch (...) {
-    done();
-    throw;
-  }
-  done();
+  run_then(fn, done);
 }
 
 at::Tensor FullShard::run(torch::nn::Module& layer, const std::vector<at::Tensor>& inputs, const Body& body) {
