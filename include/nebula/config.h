@@ -94,6 +94,9 @@ struct SiteConfig {
   std::string device = "cpu";
   std::string gateway = "127.0.0.1:0";  // WAN listen address of the site's gateway (rank 0)
   std::string store = "127.0.0.1:0";    // intra-site rendezvous (c10d TCPStore on rank 0)
+  // wan.mode = "every_worker": the WAN listen addresses of ranks 1 .. workers-1, in rank order
+  // (rank 0 listens at `gateway`). Local mode picks them; a deployment must set them.
+  std::vector<std::string> worker_addresses;
   std::vector<std::string> languages;   // this site's shard; empty = a slice of the whole corpus
   double slowdown = 1.0;                // emulated slower hardware: each step takes this many times longer
   int64_t max_pairs_per_language = 0;   // this site holds at most this many training pairs per language (0 = data's)
@@ -139,7 +142,14 @@ struct WanFaultConfig {                 // [[wan.faults]]: scheduled faults (emu
 };
 
 struct WanConfig {
+  // Who carries a site's WAN traffic: "gateway" (local rank 0 holds the site's links) or
+  // "every_worker" (each worker links to every worker of the other sites and exchanges its
+  // own part of the model state itself; diloco/streaming only).
+  std::string mode = "gateway";
   WanPathConfig path;                   // every pair not named in `pairs`
+  // Emulation: each host's (worker process's) own egress limit, shared by all of its links,
+  // in front of the site pair's `bandwidth`; 0 = unlimited.
+  double host_bandwidth_bits = 0;
   std::vector<WanPairConfig> pairs;
   std::vector<WanFaultConfig> faults;
   int64_t streams = 1;                  // parallel TCP connections per site pair (striping)
@@ -152,6 +162,7 @@ struct WanConfig {
   // The path between sites a and b (order does not matter).
   WanPathConfig path_between(const std::string& a, const std::string& b) const;
   bool emulated() const;                // any bandwidth, delay or fault configured
+  bool every_worker() const { return mode == "every_worker"; }
 };
 
 struct StrategyConfig {

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <future>
+#include <iterator>
 
 #include <spdlog/spdlog.h>
 
@@ -9,7 +10,18 @@
 #include "wire/frame.h"
 
 namespace nebula::collective {
+namespace {
+std::vector<std::shared_ptr<transport::Link>> shared(std::vector<std::unique_ptr<transport::Link>> links) {
+  std::vector<std::shared_ptr<transport::Link>> out(std::make_move_iterator(links.begin()),
+                                                    std::make_move_iterator(links.end()));
+  return out;
+}
+}  // namespace
+
 GatewayMesh::GatewayMesh(MeshOptions options, std::vector<std::unique_ptr<transport::Link>> links)
+    : GatewayMesh(std::move(options), shared(std::move(links))) {}
+
+GatewayMesh::GatewayMesh(MeshOptions options, std::vector<std::shared_ptr<transport::Link>> links)
     : options_(std::move(options)) {
   const size_t n = options_.site_names.size(), me = options_.site_index;
   NEBULA_CHECK(me < n && links.size() == n, "site index ", me, " of ", n, " sites, ", links.size(), " links");

@@ -45,6 +45,8 @@ class GatewayMesh {
  public:
   // links[j] is the Link to site j (null for this site).
   GatewayMesh(MeshOptions options, std::vector<std::unique_ptr<transport::Link>> links);
+  // The same over links shared with rank 0's WorkerMesh (wan.mode = "every_worker").
+  GatewayMesh(MeshOptions options, std::vector<std::shared_ptr<transport::Link>> links);
   ~GatewayMesh();
 
   size_t num_sites() const { return options_.site_names.size(); }

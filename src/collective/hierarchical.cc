@@ -3,6 +3,7 @@
 #include <ATen/ATen.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <span>
 
@@ -26,9 +27,21 @@ std::string guard_verdict(const at::Tensor& x, double max_norm) {
 }  // namespace
 
 
-Hierarchy::Hierarchy(SiteGroup& site, GatewayMesh* mesh) : site_(site), mesh_(mesh) {
+Hierarchy::Hierarchy(SiteGroup& site, GatewayMesh* mesh, WorkerMesh* workers, SiteGroup* comm_group)
+    : site_(site), mesh_(mesh), workers_(workers), comm_group_(comm_group) {
   NEBULA_CHECK((site.rank() == 0) == (mesh != nullptr), "site ", site.site(), " rank ", site.rank(),
                ": the gateway mesh belongs to local rank 0 only");
+  NEBULA_CHECK((workers == nullptr) == (comm_group == nullptr), "site ", site.site(), " rank ", site.rank(),
+               ": every_worker needs both the worker mesh and a second site group");
+}
+
+uint64_t Hierarchy::wan_bytes_sent_now() const {
+  return workers_ ? workers_->bytes_sent() : mesh_ ? mesh_->bytes_sent() : 0;
+}
+
+std::vector<int64_t> Hierarchy::workers_per_site() const {
+  NEBULA_CHECK(workers_, "workers_per_site: wan.mode is not every_worker");
+  return workers_->workers_per_site();
 }
 
 void Work::wait(Deadline deadline) {
@@ -85,10 +98,10 @@ std::shared_ptr<Work> Hierarchy::enqueue(std::string what, std::function<void(Wo
     queue_.push_back([this, op = std::move(op), work] {
       try {
         const auto start = Clock::now();
-        const uint64_t sent = mesh_ ? mesh_->bytes_sent() : 0;
+        const uint64_t sent = wan_bytes_sent_now();
         op(*work);
         work->seconds_ = std::chrono::duration<double>(Clock::now() - start).count();
-        work->wan_bytes_sent_ = mesh_ ? mesh_->bytes_sent() - sent : 0;
+        work->wan_bytes_sent_ = wan_bytes_sent_now() - sent;
         work->finish(nullptr);
       } catch (...) {
         work->finish(std::current_exception());
@@ -356,6 +369,200 @@ std::vector<std::vector<double>> Hierarchy::cross_site(at::Tensor values, const 
   return info;
 }
 
+std::shared_ptr<Work> Hierarchy::exchange_parts_async(at::Tensor part, std::vector<std::vector<int64_t>> cuts,
+                                                      AllreduceOptions options) {
+  NEBULA_CHECK(workers_ != nullptr, "site ", site_.site(), " rank ", site_.rank(),
+               ": exchange_parts_async needs wan.mode = \"every_worker\"");
+  NEBULA_CHECK(options.weight >= 0 && std::isfinite(options.weight), "weight ", options.weight);
+  NEBULA_CHECK(part.scalar_type() == at::kFloat && part.is_contiguous() && part.device().is_cpu() && part.dim() == 1,
+               "exchange_parts needs a contiguous 1-D float32 CPU tensor, got ", part.toString());
+  NEBULA_CHECK(!options.per_tensor, "exchange_parts encodes flat segments: per_tensor codecs (PowerSGD) cannot run");
+  return enqueue(str_cat("site ", site_.site(), " rank ", site_.rank(), ": exchange of ", options.tag),
+                 [this, part, cuts = std::move(cuts), options](Work& work) {
+                   {
+                     MutexLock lock(stats_mu_);
+                     ++allreduces_;
+                   }
+                   run_exchange_parts(part, cuts, options, work);
+                 });
+}
+
+void Hierarchy::run_exchange_parts(at::Tensor part, const std::vector<std::vector<int64_t>>& cuts,
+                                   const AllreduceOptions& options, Work& work) {
+  const auto& slots = workers_->slots();
+  const size_t me_site = slots[workers_->self()].site;
+  const int me_rank = slots[workers_->self()].rank;
+  const std::vector<int64_t> workers = workers_->workers_per_site();
+  const size_t num_sites = workers.size();
+  NEBULA_CHECK(cuts.size() == num_sites, "exchange_parts: cuts for ", cuts.size(), " sites, the job has ", num_sites);
+  const int64_t n = cuts[0].empty() ? 0 : cuts[0].back();
+  for (size_t s = 0; s < num_sites; ++s) {
+    const auto& c = cuts[s];
+    NEBULA_CHECK(static_cast<int64_t>(c.size()) == workers[s] + 1 && c.front() == 0 && c.back() == n &&
+                     std::is_sorted(c.begin(), c.end()),
+                 "exchange_parts: site #", s, "'s cuts must be ", workers[s] + 1, " non-decreasing offsets from 0 to ", n);
+  }
+  const int64_t lo = cuts[me_site][static_cast<size_t>(me_rank)], hi = cuts[me_site][static_cast<size_t>(me_rank) + 1];
+  NEBULA_CHECK(part.numel() == hi - lo, "exchange_parts: this worker's part has ", part.numel(), " values, its cut ",
+               hi - lo);
+  // The segments of this part: cut at every site's boundaries. holder(t, a): the rank of site
+  // t whose range holds value a.
+  std::vector<int64_t> points{lo, hi};
+  for (const auto& c : cuts)
+    for (int64_t x : c)
+      if (x > lo && x < hi) points.push_back(x);
+  std::sort(points.begin(), points.end());
+  points.erase(std::unique(points.begin(), points.end()), points.end());
+  auto holder = [&](size_t t, int64_t a) {
+    const auto& c = cuts[t];
+    return static_cast<int>(std::upper_bound(c.begin(), c.end(), a) - c.begin()) - 1;
+  };
+  const size_t nseg = points.size() - 1;
+  const bool coded = options.codec != nullptr;
+
+  // Each segment encoded once; this site's own contribution is decoded from the same bytes.
+  std::vector<std::vector<uint8_t>> encoded(nseg);
+  for (size_t k = 0; k < nseg; ++k) {
+    at::Tensor x = part.narrow(0, points[k] - lo, points[k + 1] - points[k]);
+    if (coded) {
+      const auto start = Clock::now();
+      encoded[k] = options.codec->encode(x, codec_state_[{options.tag, static_cast<size_t>(points[k])}]);
+      MutexLock lock(stats_mu_);
+      encode_seconds_ += std::chrono::duration<double>(Clock::now() - start).count();
+      codec_bytes_out_ += encoded[k].size();
+    } else {
+      const auto* p = reinterpret_cast<const uint8_t*>(x.data_ptr<float>());
+      encoded[k].assign(p, p + x.numel() * static_cast<int64_t>(sizeof(float)));
+      MutexLock lock(stats_mu_);
+      codec_bytes_out_ += encoded[k].size();
+    }
+  }
+  {
+    MutexLock lock(stats_mu_);
+    codec_bytes_in_ += static_cast<uint64_t>(hi - lo) * sizeof(float);
+  }
+  // To each worker of another site: the header, then the segments it holds too.
+  std::vector<std::vector<uint8_t>> to(slots.size());
+  for (size_t j = 0; j < slots.size(); ++j) {
+    if (slots[j].site == me_site) continue;
+    wire::ByteWriter w;
+    w.put_u64(static_cast<uint64_t>(n));
+    w.put_f64(options.weight);
+    w.put_u32(static_cast<uint32_t>(options.site_info.size()));
+    for (double v : options.site_info) w.put_f64(v);
+    w.put_u8(coded ? 1 : 0);
+    std::vector<size_t> shared;
+    for (size_t k = 0; k < nseg; ++k)
+      if (holder(slots[j].site, points[k]) == slots[j].rank) shared.push_back(k);
+    w.put_u32(static_cast<uint32_t>(shared.size()));
+    for (size_t k : shared) {
+      w.put_u64(static_cast<uint64_t>(points[k]));
+      w.put_u64(encoded[k].size());
+      w.put_bytes(encoded[k]);
+    }
+    to[j] = w.take();
+  }
+  auto from = workers_->exchange(std::move(to));
+
+  // Every site's contribution to this part, decoded, and its weight.
+  std::vector<at::Tensor> contribution(num_sites);
+  std::vector<double> weight(num_sites, -1);
+  std::vector<std::vector<double>> info(num_sites);
+  auto decode_into = [&](at::Tensor target, std::span<const uint8_t> bytes, const std::string& who) {
+    if (coded) {
+      const auto start = Clock::now();
+      target.copy_(options.codec->decode(bytes, target.numel()).reshape({-1}));
+      MutexLock lock(stats_mu_);
+      decode_seconds_ += std::chrono::duration<double>(Clock::now() - start).count();
+    } else {
+      if (bytes.size() != static_cast<size_t>(target.numel()) * sizeof(float))
+        throw Error(str_cat("exchange: ", who, " sent ", bytes.size(), " bytes for ", target.numel(), " floats"));
+      if (target.numel()) std::memcpy(target.data_ptr<float>(), bytes.data(), bytes.size());
+    }
+  };
+  contribution[me_site] = at::empty({hi - lo}, at::kFloat);
+  for (size_t k = 0; k < nseg; ++k)
+    decode_into(contribution[me_site].narrow(0, points[k] - lo, points[k + 1] - points[k]), encoded[k], "this worker");
+  encoded.clear();
+  weight[me_site] = options.weight;
+  info[me_site] = options.site_info;
+  for (size_t j = 0; j < slots.size(); ++j) {
+    if (slots[j].site == me_site) continue;
+    const size_t t = slots[j].site;
+    const std::string& who = slots[j].name;
+    wire::ByteReader r(from[j], "exchange payload from worker " + who);
+    if (r.u64() != static_cast<uint64_t>(n))
+      throw Error(str_cat("exchange: worker ", who, " exchanges a vector of another size: the sites' models differ"));
+    const double w = r.f64();
+    if (weight[t] >= 0 && w != weight[t])
+      throw Error(str_cat("exchange: worker ", who, " sent weight ", w, ", another worker of its site ", weight[t]));
+    weight[t] = w;
+    const uint32_t ninfo = r.u32();
+    if (ninfo > 1024) throw Error(str_cat("exchange: worker ", who, " sent ", ninfo, " site_info values (at most 1024)"));
+    std::vector<double> site_info;
+    for (uint32_t i = 0; i < ninfo; ++i) site_info.push_back(r.f64());
+    if (slots[j].rank == 0) info[t] = std::move(site_info);
+    if ((r.u8() != 0) != coded)
+      throw Error(str_cat("exchange: worker ", who, " sent ", coded ? "raw floats" : "encoded values",
+                          ": the sites' [strategy] codec settings differ"));
+    if (!contribution[t].defined()) contribution[t] = at::empty({hi - lo}, at::kFloat);
+    const uint32_t count = r.u32();
+    std::vector<size_t> expected;
+    for (size_t k = 0; k < nseg; ++k)
+      if (holder(t, points[k]) == slots[j].rank) expected.push_back(k);
+    if (count != expected.size())
+      throw Error(str_cat("exchange: worker ", who, " sent ", count, " segments, ", expected.size(),
+                          " expected: the sites cut the vector differently (different worker counts in their configs?)"));
+    for (size_t k : expected) {
+      if (r.u64() != static_cast<uint64_t>(points[k]))
+        throw Error(str_cat("exchange: worker ", who, " sent a segment other than the one at ", points[k]));
+      decode_into(contribution[t].narrow(0, points[k] - lo, points[k + 1] - points[k]),
+                  r.bytes(static_cast<size_t>(r.u64())), who);
+    }
+    r.expect_done();
+    std::vector<uint8_t>().swap(from[j]);
+  }
+  // The update guard on each site's whole contribution: this worker's share of its NaN and
+  // infinity counts and squared norm, summed over the site (every worker of every site then
+  // holds the same totals; the norm's to the rounding of a sum taken in another order).
+  at::Tensor totals = at::zeros({static_cast<int64_t>(3 * num_sites)}, at::kDouble);
+  for (size_t t = 0; t < num_sites; ++t) {
+    const at::Tensor& x = contribution[t];
+    totals[static_cast<int64_t>(3 * t)] = static_cast<double>(at::isnan(x).sum().item<int64_t>());
+    totals[static_cast<int64_t>(3 * t + 1)] = static_cast<double>(at::isinf(x).sum().item<int64_t>());
+    totals[static_cast<int64_t>(3 * t + 2)] = x.to(at::kDouble).square().sum().item<double>();
+  }
+  comm_group_->allreduce_sum(totals);
+  const double* tot = totals.data_ptr<double>();
+  at::Tensor sum = part;
+  sum.zero_();
+  double total_weight = 0;
+  size_t left_out = 0;
+  for (size_t t = 0; t < num_sites; ++t) {
+    std::string why;
+    if (tot[3 * t] + tot[3 * t + 1] > 0)
+      why = str_cat("non-finite values (", static_cast<int64_t>(tot[3 * t]), " NaN, ", static_cast<int64_t>(tot[3 * t + 1]),
+                    " infinite)");
+    else if (options.max_norm > 0 && std::sqrt(tot[3 * t + 2]) > options.max_norm)
+      why = str_cat("L2 norm ", std::sqrt(tot[3 * t + 2]), " above the bound ", options.max_norm,
+                    " (strategy.max_update_norm)");
+    if (!why.empty()) {
+      work.rejected_.push_back({t, why});
+      ++left_out;
+      continue;
+    }
+    const double scale = options.op == ReduceOp::kWeightedMean ? weight[t] : 1.0;
+    sum.add_(contribution[t], scale);
+    contribution[t] = at::Tensor();
+    total_weight += weight[t];
+  }
+  if (options.op == ReduceOp::kWeightedMean) {
+    NEBULA_CHECK(total_weight > 0 || left_out > 0, "weighted exchange with total weight ", total_weight);
+    if (total_weight > 0) sum.div_(total_weight);
+  }
+  if (me_rank == 0) work.site_info_ = std::move(info);
+}
+
 void Hierarchy::broadcast_from_first(at::Tensor& t) {
   // A weighted mean where only global rank 0 has weight: exact (x·1 + 0)/1 = x.
   // The mesh lives on local rank 0 only; elastic: the first site still (or, joining, so far) in it.
@@ -373,9 +580,13 @@ CommStats Hierarchy::stats() const {
     s.wan_bytes_received = mesh_->bytes_received();
     s.links = mesh_->estimates();
   }
+  if (workers_) {  // a superset of the gateway mesh's links on rank 0
+    s.wan_bytes_sent = workers_->bytes_sent();
+    s.wan_bytes_received = workers_->bytes_received();
+  }
   MutexLock lock(stats_mu_);
   s.allreduces = allreduces_;
-  if (mesh_) {
+  if (mesh_ || workers_) {
     s.codec_bytes_in = codec_bytes_in_;
     s.codec_bytes_out = codec_bytes_out_;
     s.encode_seconds = encode_seconds_;

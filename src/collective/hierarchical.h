@@ -21,6 +21,7 @@
 #include "codec/codec.h"
 #include "collective/gateway_mesh.h"
 #include "collective/site_group.h"
+#include "collective/worker_mesh.h"
 #include "util/thread_annotations.h"
 
 namespace nebula::collective {
@@ -60,7 +61,9 @@ struct Rejection {
 };
 
 struct CommStats {
-  uint64_t wan_bytes_sent = 0;      // this gateway's WAN bytes, headers included; 0 off-gateway
+  // This worker's WAN bytes, headers included: the gateway's, or with wan.mode =
+  // "every_worker" each worker's own (0 off-gateway in gateway mode).
+  uint64_t wan_bytes_sent = 0;
   uint64_t wan_bytes_received = 0;
   uint64_t allreduces = 0;
   // The inter-site leg on the gateway: float32 bytes this site's contributions would have
@@ -110,8 +113,10 @@ class Work {
 
 class Hierarchy {
  public:
-  // `mesh` is required on the gateway (local rank 0) and must be null elsewhere.
-  Hierarchy(SiteGroup& site, GatewayMesh* mesh);
+  // `mesh` is required on the gateway (local rank 0) and must be null elsewhere. With
+  // wan.mode = "every_worker", every worker passes its WorkerMesh and `comm_group`, a second
+  // group of its site (SiteGroup::fork) for the communication thread's site sums.
+  Hierarchy(SiteGroup& site, GatewayMesh* mesh, WorkerMesh* workers = nullptr, SiteGroup* comm_group = nullptr);
 
   // In place, on a contiguous float32 tensor of any size (0 included); every worker of
   // every site must call it with the same numel, in the same order. CPU or CUDA: a bucket
@@ -137,6 +142,25 @@ class Hierarchy {
   // so the training thread may use the site group meanwhile; broadcasting the result inside
   // the site is the caller's. Several may be in flight; they run in the order queued.
   std::shared_ptr<Work> exchange_async(std::vector<at::Tensor> bucket, AllreduceOptions options);
+
+  // wan.mode = "every_worker": exchange_async's WAN leg, run by every worker of every site on
+  // its own part. The exchanged vector (n values) is cut over each site's workers: `cuts[s]`
+  // holds site s's workers(s) + 1 boundaries (0, ..., n, non-decreasing), worker q of site s
+  // holding values [cuts[s][q], cuts[s][q + 1]). `part` is this worker's values (contiguous
+  // float32 on the CPU) and ends as Σ_s W_s x_s / Σ_s W_s over them, W_s = options.weight (the
+  // same on every worker of a site). The vector is cut at every site's boundaries into
+  // segments; each segment is encoded once by the worker that holds it and sent to the worker
+  // of each other site that holds it, which decode the same bytes and add them in site order:
+  // every site computes the same floats, whatever its number of workers, and with the exact
+  // codec the same as exchange_async. The update guard decides on each site's whole
+  // contribution: NaN/infinity counts and squared norms are summed over the site's workers.
+  // Work::site_info() is valid on rank 0 (the sites' rank 0s send it). Codec state is kept
+  // per (tag, segment start).
+  std::shared_ptr<Work> exchange_parts_async(at::Tensor part, std::vector<std::vector<int64_t>> cuts,
+                                             AllreduceOptions options);
+  bool every_worker() const { return workers_ != nullptr; }
+  // Workers per site (every_worker only).
+  std::vector<int64_t> workers_per_site() const;
 
   // Makes every worker's `t` equal to global rank 0's (site 0, local rank 0).
   void broadcast_from_first(at::Tensor& t);
@@ -170,10 +194,15 @@ class Hierarchy {
   std::vector<std::vector<double>> cross_site(at::Tensor values, const std::vector<at::Tensor>& bucket,
                                               double site_weight, bool presummed, const AllreduceOptions& options,
                                               std::vector<Rejection>* rejected = nullptr);
+  void run_exchange_parts(at::Tensor part, const std::vector<std::vector<int64_t>>& cuts,
+                          const AllreduceOptions& options, Work& work);
   void comm_main();
+  uint64_t wan_bytes_sent_now() const;
 
   SiteGroup& site_;
   GatewayMesh* mesh_;
+  WorkerMesh* workers_;
+  SiteGroup* comm_group_;
   // The communication thread and its queue (started by the first collective).
   Mutex queue_mu_;
   std::condition_variable_any queue_cv_;
@@ -181,7 +210,7 @@ class Hierarchy {
   bool stopping_ GUARDED_BY(queue_mu_) = false;
   std::thread comm_thread_ GUARDED_BY(queue_mu_);
   // Owned by the communication thread, or by the caller while nothing is queued (above).
-  CodecStates codec_state_;  // by (tag, tensor); gateway only
+  CodecStates codec_state_;  // by (tag, tensor); gateway only (every_worker: by (tag, segment start), every worker)
   // Counters the communication thread adds to and stats() reads from any thread.
   mutable Mutex stats_mu_;
   uint64_t allreduces_ GUARDED_BY(stats_mu_) = 0;

@@ -216,6 +216,112 @@ TEST(Hierarchical, UpdateGuardLeavesOutNonFiniteAndOversizeContributionsOnEveryS
   }
 }
 
+// wan.mode = "every_worker": each worker exchanges only its cut of the vector, with the workers
+// of the other sites whose cuts overlap it, over its own links. Sites of different worker
+// counts; sizes 37, 1 and 0. Exact: every worker's part equals the definition computed the way
+// the gateway computes it (Σ_s W_s x_s in site order, then / Σ_s W_s), bit for bit. int8: every
+// site assembles the same floats, close to the exact mean. Every worker sends bytes.
+std::vector<std::vector<int64_t>> zero_cuts(const std::vector<int>& sites, int64_t n) {
+  std::vector<std::vector<int64_t>> cuts;
+  for (int w : sites) {
+    const int64_t shard = (n + w - 1) / w;
+    std::vector<int64_t> c;
+    for (int q = 0; q <= w; ++q) c.push_back(std::min<int64_t>(q * shard, n));
+    cuts.push_back(c);
+  }
+  return cuts;
+}
+
+TEST(Hierarchical, EveryWorkerExchangesItsOwnPartsAsTheGatewayWould) {
+  auto int8 = codec::make_codec({"int8"});
+  for (const std::vector<int>& sites : {std::vector<int>{2, 3}, std::vector<int>{1, 3, 2}, std::vector<int>{4, 1}})
+    for (int64_t n : {int64_t{37}, int64_t{1}, int64_t{0}})
+      for (const codec::Codec* codec : std::vector<const codec::Codec*>{nullptr, int8.get()}) {
+        SCOPED_TRACE(::testing::Message() << sites.size() << " sites, n " << n << (codec ? ", int8" : ", exact"));
+        const auto cuts = zero_cuts(sites, n);
+        at::Tensor expected = at::zeros({n});
+        double total = 0;
+        for (size_t s = 0; s < sites.size(); ++s) {
+          expected.add_(data_of(static_cast<int>(s), n), 1.0 + static_cast<double>(s));
+          total += 1.0 + static_cast<double>(s);
+        }
+        expected.div_(total);
+        std::mutex mu;
+        std::vector<at::Tensor> assembled(sites.size());
+        for (size_t s = 0; s < sites.size(); ++s) assembled[s] = at::full({n}, NAN);
+        testing::run_cluster(
+            sites,
+            [&](testing::Rank& r) {
+              const int64_t lo = cuts[r.site][static_cast<size_t>(r.local_rank)];
+              const int64_t hi = cuts[r.site][static_cast<size_t>(r.local_rank) + 1];
+              at::Tensor part = data_of(static_cast<int>(r.site), n).narrow(0, lo, hi - lo).clone();
+              AllreduceOptions o;
+              o.weight = 1.0 + static_cast<double>(r.site);
+              o.codec = codec;
+              o.tag = 3;
+              if (r.local_rank == 0) o.site_info = {static_cast<double>(r.site) * 10};
+              auto work = r.hierarchy->exchange_parts_async(part, cuts, o);
+              work->wait(Deadline::after(std::chrono::seconds(30)));
+              EXPECT_GT(r.hierarchy->stats().wan_bytes_sent, 0u) << "worker " << r.site << "/" << r.local_rank;
+              if (r.local_rank == 0) {
+                ASSERT_EQ(work->site_info().size(), sites.size());
+                for (size_t t = 0; t < sites.size(); ++t)
+                  EXPECT_EQ(work->site_info()[t], std::vector<double>{static_cast<double>(t) * 10});
+              }
+              std::lock_guard<std::mutex> lock(mu);
+              assembled[r.site].narrow(0, lo, hi - lo).copy_(part);
+            },
+            std::chrono::seconds(60), /*every_worker=*/true);
+        for (size_t s = 0; s < sites.size(); ++s) {
+          EXPECT_TRUE(at::equal(assembled[s], assembled[0])) << "site " << s << " differs from site 0";
+          if (!codec) EXPECT_TRUE(at::equal(assembled[s], expected)) << assembled[s] << expected;
+        }
+        if (codec && n > 1) EXPECT_LT((assembled[0] - expected).abs().max().item<float>(), 0.05f);
+      }
+}
+
+// The update guard decides on a site's whole contribution, though each worker holds a part of
+// it: a NaN in one worker's part rejects the whole site on every worker of every site, and so
+// does a norm that only the site's parts together exceed.
+TEST(Hierarchical, EveryWorkerUpdateGuardDecidesOnTheWholeSite) {
+  const std::vector<int> sites{2, 3, 1};
+  const int64_t n = 30;
+  const auto cuts = zero_cuts(sites, n);
+  std::mutex mu;
+  std::vector<at::Tensor> assembled(sites.size());
+  for (auto& a : assembled) a = at::full({n}, NAN);
+  std::vector<std::vector<std::vector<Rejection>>> rejected(sites.size(), std::vector<std::vector<Rejection>>(3));
+  testing::run_cluster(
+      sites,
+      [&](testing::Rank& r) {
+        at::Tensor x = at::full({n}, r.site == 2 ? 1.0f : 3.0f);  // site 2's norm √30 = 5.5
+        if (r.site == 1) x[2] = NAN;  // in worker 0's part only (cuts of 10)
+        // Site 0: each of its two parts has norm 3√15 = 11.6, the site's 3√30 = 16.4.
+        const int64_t lo = cuts[r.site][static_cast<size_t>(r.local_rank)];
+        const int64_t hi = cuts[r.site][static_cast<size_t>(r.local_rank) + 1];
+        at::Tensor part = x.narrow(0, lo, hi - lo).clone();
+        AllreduceOptions o;
+        o.max_norm = 15;
+        auto work = r.hierarchy->exchange_parts_async(part, cuts, o);
+        work->wait(Deadline::after(std::chrono::seconds(30)));
+        std::lock_guard<std::mutex> lock(mu);
+        assembled[r.site].narrow(0, lo, hi - lo).copy_(part);
+        rejected[r.site][static_cast<size_t>(r.local_rank)] = work->rejected();
+      },
+      std::chrono::seconds(60), /*every_worker=*/true);
+  for (size_t s = 0; s < sites.size(); ++s) {
+    EXPECT_TRUE(at::equal(assembled[s], at::ones({n}))) << "site " << s << ": " << assembled[s];
+    for (int q = 0; q < sites[s]; ++q) {
+      const auto& rj = rejected[s][static_cast<size_t>(q)];
+      ASSERT_EQ(rj.size(), 2u) << "worker " << s << "/" << q;
+      EXPECT_EQ(rj[0].site, 0u);
+      EXPECT_NE(rj[0].reason.find("above the bound 15"), std::string::npos) << rj[0].reason;
+      EXPECT_EQ(rj[1].site, 1u);
+      EXPECT_NE(rj[1].reason.find("1 NaN"), std::string::npos) << rj[1].reason;
+    }
+  }
+}
+
 TEST(Hierarchical, MismatchedSizesAreAnErrorNotAHang) {
   EXPECT_THROW(testing::run_cluster({1, 1},
                                     [&](testing::Rank& r) {

@@ -12,6 +12,7 @@ namespace nebula::collective {
 
 struct SiteGroup::Impl {
   c10::intrusive_ptr<c10d::Store> store;
+  c10::intrusive_ptr<c10d::ProcessGroupGloo::Options> options;
   c10::intrusive_ptr<c10d::ProcessGroupGloo> pg;
 };
 
@@ -46,11 +47,28 @@ SiteGroup::SiteGroup(const std::string& site, const std::string& store_host, uin
                                 ? c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1")
                                 : c10d::ProcessGroupGloo::createDefaultDevice());
     gloo->threads = 1;
+    impl_->options = gloo;
     impl_->pg = c10::make_intrusive<c10d::ProcessGroupGloo>(impl_->store, rank, size, gloo);
   } catch (const c10::Error& e) {
     throw Timeout(site, str_cat("site ", site, " rank ", rank, "/", size, ": rendezvous at ", store_host, ":",
                                 store_port_, " failed: ", e.what_without_backtrace()));
   }
+}
+
+SiteGroup::SiteGroup(std::unique_ptr<Impl> impl, std::string site, int rank, int size, uint16_t store_port)
+    : impl_(std::move(impl)), site_(std::move(site)), rank_(rank), size_(size), store_port_(store_port) {}
+
+std::unique_ptr<SiteGroup> SiteGroup::fork(const std::string& name) {
+  auto impl = std::make_unique<Impl>();
+  impl->options = impl_->options;
+  impl->store = c10::make_intrusive<c10d::PrefixStore>("fork/" + name, impl_->store);
+  try {
+    impl->pg = c10::make_intrusive<c10d::ProcessGroupGloo>(impl->store, rank_, size_, impl->options);
+  } catch (const c10::Error& e) {
+    throw Timeout(site_, str_cat("site ", site_, " rank ", rank_, "/", size_, ": second group '", name,
+                                 "' failed to form: ", e.what_without_backtrace()));
+  }
+  return std::unique_ptr<SiteGroup>(new SiteGroup(std::move(impl), site_, rank_, size_, store_port_));
 }
 
 SiteGroup::~SiteGroup() = default;

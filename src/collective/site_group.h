@@ -33,6 +33,12 @@ class SiteGroup {
   SiteGroup(const SiteGroup&) = delete;
   SiteGroup& operator=(const SiteGroup&) = delete;
 
+  // A second group of the same ranks over the same store, for another thread's collectives
+  // (e.g. the communication thread's, while the training thread uses this one): c10d runs one
+  // group's operations in the order posted, so two threads must not share one. Collective:
+  // every rank calls it with the same `name`, once.
+  std::unique_ptr<SiteGroup> fork(const std::string& name);
+
   int rank() const { return rank_; }
   int size() const { return size_; }
   const std::string& site() const { return site_; }
@@ -85,6 +91,7 @@ class SiteGroup {
   // gather_parts_to_root (to_root) and scatter_parts_from_root: the same pairs, either way.
   void parts_with_root(bool to_root, const at::Tensor& part, const at::Tensor& full, const std::vector<int64_t>& counts);
   struct Impl;
+  SiteGroup(std::unique_ptr<Impl> impl, std::string site, int rank, int size, uint16_t store_port);
   std::unique_ptr<Impl> impl_;
   std::string site_;
   int rank_;

@@ -17,6 +17,7 @@
 #include "collective/gateway_mesh.h"
 #include "collective/hierarchical.h"
 #include "collective/site_group.h"
+#include "collective/worker_mesh.h"
 #include "nebula/error.h"
 #include "transport/site_connector.h"
 #include "transport/tcp_link.h"
@@ -99,45 +100,75 @@ struct Rank {
 };
 
 // Builds sites with workers_per_site[i] workers each and calls body(rank) on every worker's
-// thread. Rethrows the first exception of any thread after all have finished.
+// thread. Rethrows the first exception of any thread after all have finished. `every_worker`:
+// each worker links to every worker of the other sites (wan.mode = "every_worker"), and the
+// gateways' mesh runs over rank 0's links to the other rank 0s, as train/site_comm.cc builds it.
 inline void run_cluster(const std::vector<int>& workers_per_site, const std::function<void(Rank&)>& body,
-                        std::chrono::milliseconds timeout = std::chrono::seconds(60)) {
+                        std::chrono::milliseconds timeout = std::chrono::seconds(60), bool every_worker = false) {
   const size_t n = workers_per_site.size();
-  std::vector<std::string> names, addresses;
+  std::vector<std::string> names;
+  std::vector<transport::SiteAddress> endpoints;  // the gateways, or every worker
+  std::vector<WorkerSlot> slots;
   std::vector<std::unique_ptr<transport::TcpListener>> listeners;
   std::vector<StorePort> store_ports(n);
   for (size_t s = 0; s < n; ++s) {
     names.push_back("site" + std::to_string(s));
-    listeners.push_back(std::make_unique<transport::TcpListener>("127.0.0.1", 0));
-    addresses.push_back("127.0.0.1:" + std::to_string(listeners.back()->port()));
+    for (int r = 0; r < (every_worker ? workers_per_site[s] : 1); ++r) {
+      listeners.push_back(std::make_unique<transport::TcpListener>("127.0.0.1", 0));
+      const std::string address = "127.0.0.1:" + std::to_string(listeners.back()->port());
+      if (every_worker) {
+        endpoints.push_back({names[s] + "/" + std::to_string(r), address, names[s]});
+        slots.push_back({s, r, endpoints.back().name});
+      } else {
+        endpoints.push_back({names[s], address, ""});
+      }
+    }
   }
   int world = 0;
   for (int w : workers_per_site) world += w;
   std::vector<std::thread> threads;
   std::vector<std::exception_ptr> errors(world);
   int global = 0;
+  size_t endpoint = 0;
   for (size_t s = 0; s < n; ++s) {
     for (int r = 0; r < workers_per_site[s]; ++r, ++global) {
-      threads.emplace_back([&, s, r, global] {
+      const size_t self = every_worker ? endpoint++ : s;
+      threads.emplace_back([&, s, r, global, self] {
         try {
           SiteGroup group = join_group(names[s], r, workers_per_site[s], timeout, store_ports[s]);
+          std::unique_ptr<SiteGroup> comm_group = every_worker ? group.fork("comm") : nullptr;
           std::unique_ptr<transport::SiteConnector> connector;
+          std::unique_ptr<WorkerMesh> workers;
           std::unique_ptr<GatewayMesh> mesh;
-          if (r == 0) {
+          if (r == 0 || every_worker) {
             // Plaintext, unemulated links: this helper tests the collectives, not the WAN.
             transport::ConnectorOptions o;
             o.job = "test";
-            o.self = s;
-            for (size_t j = 0; j < n; ++j) o.sites.push_back({names[j], addresses[j]});
+            o.self = self;
+            o.sites = endpoints;
             o.reconnect_timeout = timeout;
-            connector = std::make_unique<transport::SiteConnector>(std::move(o), std::move(listeners[s]));
-            mesh = std::make_unique<GatewayMesh>(MeshOptions{s, names, timeout},
-                                                 connector->connect_all(Deadline::after(timeout)));
+            connector = std::make_unique<transport::SiteConnector>(std::move(o), std::move(listeners[self]));
+            auto links = connector->connect_all(Deadline::after(timeout));
+            if (every_worker) {
+              workers = std::make_unique<WorkerMesh>(
+                  self, slots,
+                  std::vector<std::shared_ptr<transport::Link>>(std::make_move_iterator(links.begin()),
+                                                                std::make_move_iterator(links.end())),
+                  timeout);
+              if (r == 0) {
+                std::vector<std::shared_ptr<transport::Link>> gateways(n);
+                for (size_t j = 0; j < n; ++j)
+                  if (j != s) gateways[j] = workers->link(workers->slot(j, 0));
+                mesh = std::make_unique<GatewayMesh>(MeshOptions{s, names, timeout}, std::move(gateways));
+              }
+            } else {
+              mesh = std::make_unique<GatewayMesh>(MeshOptions{s, names, timeout}, std::move(links));
+            }
           }
-          Hierarchy h(group, mesh.get());
+          Hierarchy h(group, mesh.get(), workers.get(), comm_group.get());
           Rank rank{s, r, global, world, &h};
           body(rank);
-          group.barrier();  // keep the gateway alive until its site is done with it
+          group.barrier();  // keep the links alive until the site is done with them
         } catch (...) {
           errors[global] = std::current_exception();
         }

@@ -151,6 +151,7 @@ Topology build(const toml::table& root, const std::string& file) {
     read_rate(s, "bandwidth", t.wan.bandwidth_bits);
     read_duration(s, "rtt", t.wan.rtt_s);
     s.boolean("shared_uplink", t.shared_uplink);
+    read_rate(s, "host_bandwidth", t.host_bandwidth_bits);
     s.tables("pairs", [&](Section& p, const toml::table& pt) {
       WanPairPlan pair;
       pair.path = t.wan;
@@ -177,6 +178,7 @@ Topology build(const toml::table& root, const std::string& file) {
     s.integers("fragments", t.fragments, 1, 1 << 16);
     s.integers("delay", t.delays, 0, 1 << 20);
     s.strings("shard", t.shards, shard_modes());
+    s.strings("wan_modes", t.wan_modes, {"gateway", "every_worker"});
     s.integer("codec_block", t.codec.block, 2, 1 << 24);
     s.number("codec_density", t.codec.density, 1e-6, 1.0);
     s.number("powersgd_ratio", t.codec.powersgd_ratio, 1.0, 1e9);
@@ -215,12 +217,15 @@ std::pair<double, double> lan_costs(const SitePlan& s, double bytes) {
   return {2 * half, half};
 }
 
-// One all-gather of `payload` bytes per gateway among all sites; `latency` false gives only
-// the time the uplinks are busy.
-double exchange_s(const Topology& t, double payload, bool latency) {
+// One all-gather of `payload` bytes per site among all sites; `latency` false gives only the
+// time the uplinks are busy. Each host's egress bounds its site's term: the gateway sends the
+// whole payload to each other site, with every_worker each of the site's w workers 1/w of it.
+double exchange_s(const Topology& t, double payload, bool latency, const std::string& wan_mode) {
   const size_t S = t.sites.size();
   double worst = 0;
   for (size_t i = 0; i < S; ++i) {
+    const double per_host = wan_mode == "every_worker" ? payload / static_cast<double>(t.sites[i].workers) : payload;
+    const double host = static_cast<double>(S - 1) * transfer_s(per_host, t.host_bandwidth_bits);
     double lat = 0, serial = 0;
     for (size_t j = 0; j < S; ++j) {
       if (j == i) continue;
@@ -231,10 +236,10 @@ double exchange_s(const Topology& t, double payload, bool latency) {
         lat = std::max(lat, one_way);
         serial += x;
       } else {
-        worst = std::max(worst, one_way + x);
+        worst = std::max(worst, one_way + std::max(x, host));
       }
     }
-    if (t.shared_uplink) worst = std::max(worst, lat + serial);
+    if (t.shared_uplink && S > 1) worst = std::max(worst, lat + std::max(serial, host));
   }
   return worst;
 }
@@ -269,7 +274,8 @@ std::string count(double v) {
 }
 
 std::string label(const Candidate& c) {
-  const std::string shard = c.shard == "none" ? "" : str_cat(" shard=", c.shard);
+  const std::string shard = str_cat(c.shard == "none" ? "" : str_cat(" shard=", c.shard),
+                                    c.wan_mode == "gateway" ? "" : str_cat(" ", c.wan_mode));
   if (c.strategy == "sync") return str_cat("sync/", c.codec, shard);
   if (c.strategy == "diloco") return str_cat("diloco/", c.codec, " H=", c.inner_steps, shard);
   return str_cat("streaming/", c.codec, " H=", c.inner_steps, " F=", c.fragments, " delay=", c.delay, shard);
@@ -379,6 +385,7 @@ const std::vector<std::string>& shard_modes() {
 }
 
 bool runnable(const Candidate& c) {
+  if (c.wan_mode == "every_worker" && (c.strategy == "sync" || c.codec == "powersgd")) return false;
   return c.shard == "none" || c.shard == "optimizer" || c.strategy != "sync";
 }
 
@@ -417,30 +424,32 @@ Memory gateway_memory(const Topology& t, size_t site, const Candidate& c) {
   // The outer state (θ_global, outer momentum, θ_local at a send) shards with the optimizer:
   // each worker keeps its part of every fragment.
   if (!sync) mem.outer = 8 * tr / d_opt + in_flight * 4 * m / d_opt;
-  if (S > 1) {
-    if (keeps_residual(c.codec)) mem.codec_state = 4 * tr;
-    mem.exchange = in_flight * ((sync ? 0 : 4 * m) + S * payload_bytes(c.codec, m, t.codec) + 4 * m);
+  if (S > 1) {  // with every_worker each worker encodes and exchanges its own cut
+    const double d_wan = c.wan_mode == "every_worker" ? N : 1;
+    if (keeps_residual(c.codec)) mem.codec_state = 4 * tr / d_wan;
+    mem.exchange = in_flight * ((sync ? 0 : 4 * m) + S * payload_bytes(c.codec, m, t.codec) + 4 * m) / d_wan;
   }
   return mem;
 }
 
 std::vector<Candidate> enumerate_candidates(const Topology& t) {
   std::vector<Candidate> out;
+  for (const auto& mode : t.wan_modes)
   for (const auto& shard : t.shards) {
     for (const auto& strategy : t.strategies) {
       for (const auto& codec : t.codecs) {
         if (strategy == "sync") {
-          if (codec != "sparseloco") out.push_back({strategy, codec, 1, 1, 0, shard});
+          if (codec != "sparseloco") out.push_back({strategy, codec, 1, 1, 0, shard, mode});
           continue;
         }
         for (int64_t h : t.inner_steps) {
           if (strategy == "diloco") {
-            out.push_back({strategy, codec, h, 1, 0, shard});
+            out.push_back({strategy, codec, h, 1, 0, shard, mode});
             continue;
           }
           for (int64_t f : t.fragments)
             for (int64_t d : t.delays)
-              if (f <= h && d < h) out.push_back({strategy, codec, h, f, d, shard});
+              if (f <= h && d < h) out.push_back({strategy, codec, h, f, d, shard, mode});
         }
       }
     }
@@ -492,7 +501,7 @@ Prediction predict(const Topology& t, const Candidate& c) {
   // busy[s]: compute seconds per worker of site s per step of the slowest site.
   std::vector<double> steps_per_step(t.sites.size(), 1.0);
   if (c.strategy == "sync") {
-    p.wan_exchange_s = exchange_s(t, payload, true);
+    p.wan_exchange_s = exchange_s(t, payload, true, c.wan_mode);
     p.step_s = tc + std::max(0.0, tar + p.wan_exchange_s - o * tc) + tag;
     p.wan_bytes_per_step = S * (S - 1) * payload;
   } else if (c.strategy == "diloco" || c.strategy == "streaming") {
@@ -503,16 +512,16 @@ Prediction predict(const Topology& t, const Candidate& c) {
       tb_max = std::max(tb_max, tb[s]);
     }
     if (c.strategy == "diloco") {
-      p.wan_exchange_s = exchange_s(t, payload, true);
+      p.wan_exchange_s = exchange_s(t, payload, true, c.wan_mode);
       p.step_s = tb_max + (p.wan_exchange_s + tbc) / H;
       p.wan_bytes_per_step = S * (S - 1) * payload / H;
     } else {
       const double fragment = payload_bytes(c.codec, n / F, t.codec);
       double tbc_fragment = 0;
       for (const auto& s : t.sites) tbc_fragment = std::max(tbc_fragment, lan_costs(s, grad_bytes / F).second);
-      p.wan_exchange_s = exchange_s(t, fragment, true);
+      p.wan_exchange_s = exchange_s(t, fragment, true, c.wan_mode);
       const double stall = std::max(0.0, p.wan_exchange_s - static_cast<double>(c.delay) * tb_max);
-      p.step_s = std::max(tb_max + (F * stall + F * tbc_fragment) / H, F * exchange_s(t, fragment, false) / H);
+      p.step_s = std::max(tb_max + (F * stall + F * tbc_fragment) / H, F * exchange_s(t, fragment, false, c.wan_mode) / H);
       p.wan_bytes_per_step = S * (S - 1) * F * fragment / H;
     }
     if (t.heterogeneous)
@@ -779,6 +788,7 @@ std::string format_json(const Topology& t, const Plan& plan) {
                           {"fragments", p.candidate.fragments},
                           {"delay", p.candidate.delay},
                           {"shard", p.candidate.shard},
+                          {"wan_mode", p.candidate.wan_mode},
                           {"step_seconds", p.step_s},
                           {"compute_seconds", p.compute_s},
                           {"lan_allreduce_seconds", p.lan_s},
@@ -835,6 +845,7 @@ std::string format_json(const Topology& t, const Plan& plan) {
                         {"wan_bandwidth_bits_per_s", finite(t.wan.bandwidth_bits)},
                         {"wan_rtt_seconds", t.wan.rtt_s},
                         {"shared_uplink", t.shared_uplink},
+                        {"host_bandwidth_bits_per_s", finite(t.host_bandwidth_bits)},
                         {"overlap", t.overlap},
                         {"tolerance", t.tolerance},
                         {"heterogeneous", t.heterogeneous}}},

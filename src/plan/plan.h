@@ -26,6 +26,10 @@
 //                t_x(P) = max_{i≠j} [ rtt_ij/2 + 8P/bw_ij ]
 //            bytes on the WAN per exchange, all gateways together: S(S-1)·P
 //            (both 0 for one site). Frame/TLS overhead (~70 B per exchange) is not modelled.
+//            Each host's own egress ([wan] host_bandwidth, default unlimited) bounds the
+//            sender too: site i's term is max(the pairs' term above, (S-1)·8P_i/host_bw), where
+//            P_i = P when the gateway carries the site's traffic (wan_mode "gateway") and P/w_i
+//            when every worker sends its own cut ("every_worker", diloco/streaming only).
 //  overlap   a fraction `o` of the compute can hide communication that runs in the background
 //            (gradient buckets go out during backward, which is ~2/3 of a step): a step with
 //            compute t and overlappable communication x takes t + max(0, x - o·t).
@@ -79,7 +83,8 @@
 //              diloco/streaming outer state: θ_global + outer momentum 8t/d_O (summed over
 //              fragments) + θ_local at send, k·4m/d_O (each worker keeps its shard's part).
 //            host, the gateway only (S > 1), not sharded (one gateway encodes the whole site's
-//              update): codec error-feedback residual 4t (int8, int4, topk, powersgd,
+//              update; with wan_mode "every_worker" each worker holds 1/N of these): codec
+//              error-feedback residual 4t (int8, int4, topk, powersgd,
 //              sparseloco; none/fp16/bf16 keep none); per exchange in flight, the
 //              pseudo-gradient 4m (diloco/streaming), every site's payload S·P(m) (the
 //              all-gather holds them all) and one decoded part 4m.
@@ -168,6 +173,7 @@ struct Topology {
   WanPath wan;
   std::vector<WanPairPlan> pairs;
   bool shared_uplink = true;
+  double host_bandwidth_bits = kUnlimited;  // each host's egress; "0" in the file = unlimited
   // [candidates]
   std::vector<std::string> strategies = {"sync", "diloco", "streaming"};
   std::vector<std::string> codecs = {"none", "fp16", "int8", "int4", "topk", "powersgd", "sparseloco"};
@@ -175,6 +181,7 @@ struct Topology {
   std::vector<int64_t> fragments = {4};
   std::vector<int64_t> delays = {5};
   std::vector<std::string> shards = {"none"};  // none | optimizer | gradients | full
+  std::vector<std::string> wan_modes = {"gateway"};  // gateway | every_worker
   CodecParams codec;
   // [planner]
   double overlap = 2.0 / 3.0;               // share of compute that can hide background comm
@@ -215,11 +222,13 @@ struct Candidate {
   int64_t fragments = 1;    // F (streaming)
   int64_t delay = 0;        // τ (streaming)
   std::string shard = "none";  // none | optimizer (what nebula runs) | gradients | full (ZeRO-1/2/3)
+  std::string wan_mode = "gateway";  // gateway | every_worker ([wan] mode)
 };
 
 // Sharding modes, least sharded first: "none", "optimizer", "gradients", "full".
 const std::vector<std::string>& shard_modes();
-// Whether nebula can run the candidate today: shard = "none" or "optimizer" (ZeRO-1).
+// Whether nebula can run the candidate today: sync only unsharded or with "optimizer" (ZeRO-1),
+// and not with wan_mode "every_worker" (nor is powersgd with it).
 bool runnable(const Candidate& c);
 
 // Bytes one worker of a site holds (the formulas above). Device and host are apart: nebula

@@ -476,6 +476,35 @@ TEST(PlanMemory, Big70BDoesNotFitUnsharded) {
   expect_sound(dp, demo.tolerance);
 }
 
+// [wan] host_bandwidth bounds each host's egress; with wan_mode "every_worker" each of a
+// site's workers sends 1/w of its payload, so where the hosts bind the exchange takes 1/w of the
+// time, until the site pair's bandwidth binds. sync does not run every_worker.
+TEST(Plan, HostBandwidthAndEveryWorker) {
+  // 4 MB per exchange; pair 32 Mbit/s (1 s), hosts 8 Mbit/s (4 s for the whole payload).
+  Topology t = two({"sites.0.workers=4", "sites.1.workers=4", "wan.bandwidth=\"32Mbit\"", "wan.rtt=\"0ms\"",
+                    "wan.host_bandwidth=\"8Mbit\"", "candidates.wan_modes=[\"gateway\", \"every_worker\"]"});
+  const Prediction gateway = predict(t, Candidate{"diloco", "none", 10, 1, 0, "none", "gateway"});
+  const Prediction every = predict(t, Candidate{"diloco", "none", 10, 1, 0, "none", "every_worker"});
+  EXPECT_NEAR(gateway.wan_exchange_s, 4.0, 1e-9);  // the gateway's host binds
+  EXPECT_NEAR(every.wan_exchange_s, 1.0, 1e-9);    // 1 MB per host: the pair binds
+  EXPECT_EQ(every.wan_bytes_per_step, gateway.wan_bytes_per_step);
+  EXPECT_FALSE(predict(t, Candidate{"sync", "none", 1, 1, 0, "none", "every_worker"}).runnable);
+  EXPECT_FALSE(predict(t, Candidate{"diloco", "powersgd", 10, 1, 0, "none", "every_worker"}).runnable);
+  // Unlimited hosts: the modes are the same.
+  Topology free = two({"sites.0.workers=4", "sites.1.workers=4", "wan.bandwidth=\"32Mbit\""});
+  EXPECT_EQ(predict(free, Candidate{"diloco", "none", 10, 1, 0, "none", "every_worker"}).wan_exchange_s,
+            predict(free, Candidate{"diloco", "none", 10, 1, 0, "none", "gateway"}).wan_exchange_s);
+  // With the hosts binding, the recommendation spreads the traffic (diloco: streaming would
+  // hide either exchange behind its delay).
+  t.strategies = {"sync", "diloco"};
+  const Plan plan = make_plan(t);
+  ASSERT_TRUE(plan.recommended.has_value());
+  EXPECT_EQ(plan.predictions[*plan.recommended].candidate.wan_mode, "every_worker") << plan.reason;
+  EXPECT_NE(format_table(t, plan).find("every_worker"), std::string::npos);
+  EXPECT_NE(format_json(t, plan).find("\"wan_mode\": \"every_worker\""), std::string::npos);
+  expect_error(kTwo, {"candidates.wan_modes", "everyone"}, {"candidates.wan_modes=[\"everyone\"]"});
+}
+
 TEST(Plan, BadInputNamesFileLineAndKey) {
   expect_error(replace_once(kTwo, "parameters = 1000000\n", ""), {"topo.toml:2:1", "model.parameters", "missing"});
   expect_error(replace_once(kTwo, "bandwidth = \"8Mbit\"", "bandwidth = \"-1Gbit\""),

@@ -439,6 +439,7 @@ void DilocoStrategy::after_step(int64_t /*step*/) {
     merge(static_cast<size_t>(due - fragments_.data()));
   }
   last_step_end_ = Clock::now();
+  outer_sync_seconds_ += std::chrono::duration<double>(last_step_end_ - now).count();
 }
 
 void DilocoStrategy::send(size_t f) {
@@ -452,9 +453,32 @@ void DilocoStrategy::send(size_t f) {
   const double weight = site_weight_ - fr.weight_at_send;
   fr.weight_at_send = site_weight_;
   const double hash = global_hash(f);  // of θ_global at the send, unchanged until the merge
-  // The pseudo-gradient θ_global - θ_local of this worker's part, written where it goes (no
-  // other copy of θ_local): the gateway's part of fr.delta. Sharded, the gateway gathers the
-  // other workers' parts into the rest of it.
+  if (comm_.every_worker()) {
+    send_own_part(fr, weight, hash);
+  } else {
+    send_through_gateway(fr, weight, hash);
+  }
+  if (f + 1 == fragments_.size() && buffers_cross_sites()) {
+    // The buffers go with the round's last fragment (exactly, weighted like it) and are merged with it.
+    buffers_sent_ = flatten(buffers_);
+    if (comm_.is_gateway()) {
+      buffer_mean_ = buffers_sent_.clone();
+      collective::AllreduceOptions o;
+      o.op = collective::ReduceOp::kWeightedMean;
+      o.weight = weight;
+      o.tag = kTagBase - 1;
+      buffer_work_ = comm_.exchange_async({buffer_mean_}, std::move(o));
+    }
+  }
+  fr.in_flight = true;
+  fr.merge_at = local_step_ + options_.delay;
+}
+
+// The pseudo-gradient θ_global - θ_local of this worker's part, written where it goes (no
+// other copy of θ_local): the gateway's part of fr.delta. Sharded, the gateway gathers the
+// other workers' parts into the rest of it, and alone sends the whole.
+void DilocoStrategy::send_through_gateway(Fragment& fr, double weight, double hash) {
+  const size_t f = static_cast<size_t>(&fr - fragments_.data());
   const bool sharded = shard_numel_ > 0;
   at::Tensor part;
   if (comm_.is_gateway()) {
@@ -499,20 +523,54 @@ void DilocoStrategy::send(size_t f) {
     o.max_norm = options_.max_update_norm;
     fr.work = comm_.exchange_async(std::move(bucket), std::move(o));
   }
-  if (f + 1 == fragments_.size() && buffers_cross_sites()) {
-    // The buffers go with the round's last fragment (exactly, weighted like it) and are merged with it.
-    buffers_sent_ = flatten(buffers_);
-    if (comm_.is_gateway()) {
-      buffer_mean_ = buffers_sent_.clone();
-      collective::AllreduceOptions o;
-      o.op = collective::ReduceOp::kWeightedMean;
-      o.weight = weight;
-      o.tag = kTagBase - 1;
-      buffer_work_ = comm_.exchange_async({buffer_mean_}, std::move(o));
+}
+
+// wan.mode = "every_worker": every worker exchanges the cut of the pseudo-gradient that ZeRO
+// gives it (its shard's part when sharded; unsharded, the same range of its whole copy) with
+// the workers of the other sites over its own links.
+void DilocoStrategy::send_own_part(Fragment& fr, double weight, double hash) {
+  const size_t f = static_cast<size_t>(&fr - fragments_.data());
+  auto cuts = wan_cuts(fr);
+  const size_t me = options_.site_index, rank = static_cast<size_t>(comm_.site().rank());
+  const int64_t lo = cuts[me][rank], len = cuts[me][rank + 1] - lo;
+  at::Tensor part;
+  if (shard_numel_ > 0) {
+    NEBULA_CHECK(fr.part_at == lo && fr.part_len == len, "fragment ", f, ": this worker's part [", fr.part_at, ", +",
+                 fr.part_len, ") is not its WAN cut [", lo, ", +", len, ")");
+    fr.delta = part = fr.global.clone();
+    int64_t pos = 0;
+    for (const auto& v : part_views(fr)) {
+      part.narrow(0, pos, v.numel()).sub_(v);
+      pos += v.numel();
     }
+  } else {
+    fr.delta = fr.global.narrow(0, lo, len).clone();
+    part = fr.delta;
+    part.sub_(read_params(fr).narrow(0, lo, len));
   }
-  fr.in_flight = true;
-  fr.merge_at = local_step_ + options_.delay;
+  collective::AllreduceOptions o;
+  o.op = collective::ReduceOp::kWeightedMean;
+  o.weight = weight;
+  o.codec = codec_.get();
+  o.tag = kTagBase + f;
+  if (comm_.is_gateway()) {  // rank 0's reach every site; the other workers' are not read
+    o.site_info = site_info();
+    o.site_info.push_back(static_cast<double>(fr.seq));
+    o.site_info.push_back(hash);
+  }
+  o.max_norm = options_.max_update_norm;
+  fr.work = comm_.exchange_parts_async(std::move(part), std::move(cuts), std::move(o));
+}
+
+std::vector<std::vector<int64_t>> DilocoStrategy::wan_cuts(const Fragment& fr) const {
+  std::vector<std::vector<int64_t>> cuts;
+  for (int64_t w : comm_.workers_per_site()) {
+    const int64_t shard = (total_numel_ + w - 1) / w;  // ZeRO's shard at a site of w workers (inner_optimizer.cc)
+    std::vector<int64_t> c;
+    for (int64_t q = 0; q <= w; ++q) c.push_back(std::clamp(q * shard - fr.offset, int64_t{0}, fr.numel));
+    cuts.push_back(std::move(c));
+  }
+  return cuts;
 }
 
 void DilocoStrategy::merge(size_t f) {
@@ -524,6 +582,10 @@ void DilocoStrategy::merge(size_t f) {
   // The mean pseudo-gradient goes to the site's other workers in place (the gateway's
   // exchanged fr.delta), the sites' info and the buffers in a small tensor of their own.
   at::Tensor buf = at::zeros({info_len + buffers_len}, at::kFloat);
+  if (comm_.every_worker() && !comm_.is_gateway()) {  // its own part; rank 0 reads the sites' info below
+    fr.work->wait(Deadline::after(options_.timeout));
+    fr.work.reset();
+  }
   if (comm_.is_gateway()) {
     fr.work->wait(Deadline::after(options_.timeout));
     // What this site sent (the hash is of θ_global at the send, unchanged until this merge).
@@ -556,7 +618,16 @@ void DilocoStrategy::merge(size_t f) {
   }
   // The sites' mean pseudo-gradient for this worker's part (sharded: scattered, else all of it).
   at::Tensor update = fr.delta;
-  if (shard_numel_ > 0) {
+  if (comm_.every_worker()) {  // this worker's part of the mean, exchanged in place
+    if (shard_numel_ == 0 && comm_.site().size() > 1) {  // unsharded: the site's parts joined
+      const auto cuts = wan_cuts(fr)[options_.site_index];
+      std::vector<int64_t> counts;
+      for (size_t q = 0; q + 1 < cuts.size(); ++q) counts.push_back(cuts[q + 1] - cuts[q]);
+      update = at::empty({fr.numel}, at::kFloat);
+      update.narrow(0, cuts[static_cast<size_t>(comm_.site().rank())], fr.delta.numel()).copy_(fr.delta);
+      comm_.site().all_gather_parts(update, counts);
+    }
+  } else if (shard_numel_ > 0) {
     update = comm_.is_gateway() ? fr.delta.narrow(0, fr.part_at, fr.part_len) : at::empty({fr.part_len}, at::kFloat);
     comm_.site().scatter_parts_from_root(fr.delta, update, part_counts(fr));
   } else if (comm_.site().size() > 1) {
@@ -634,7 +705,8 @@ void DilocoStrategy::privatize(at::Tensor& delta) {
 
 std::map<std::string, double> DilocoStrategy::metrics() const {
   std::map<std::string, double> m{{"rejected_updates", static_cast<double>(rejected_updates_)},
-                                  {"outer_steps", static_cast<double>(outer_steps_)}};
+                                  {"outer_steps", static_cast<double>(outer_steps_)},
+                                  {"outer_sync_seconds", outer_sync_seconds_}};
   if (comm_.is_gateway()) m["hash_checks"] = static_cast<double>(hash_checks_);
   if (options_.dp_clip > 0 && comm_.is_gateway()) {
     m["dp_releases"] = static_cast<double>(dp_releases_);

@@ -98,7 +98,7 @@ class DilocoStrategy : public Strategy {
   void finish() override;
   void with_global_weights(const std::function<void()>& fn) override;
   std::vector<std::string> decisions() const override { return decisions_; }
-  // outer_steps, hash_checks, rejected_updates; with [privacy]: dp_releases, dp_clipped,
+  // outer_steps, outer_sync_seconds, hash_checks, rejected_updates; with [privacy]: dp_releases, dp_clipped,
   // dp_delta and dp_epsilon (with noise).
   std::map<std::string, double> metrics() const override;
 
@@ -150,8 +150,8 @@ class DilocoStrategy : public Strategy {
     at::Tensor global;               // θ_global of this worker's part (flat, float32)
     at::Tensor momentum;
     at::Tensor sent_local;           // θ_local of the part when last sent (delay > 0)
-    at::Tensor delta;                // the whole fragment's, being exchanged (gateway)
-    std::shared_ptr<collective::Work> work;  // in flight (gateway)
+    at::Tensor delta;                // the whole fragment's, being exchanged (gateway; every_worker: this worker's cut)
+    std::shared_ptr<collective::Work> work;  // in flight (gateway; every_worker: every worker)
     bool in_flight = false;          // sent, not merged (every worker)
     int64_t merge_at = 0;            // local step at which to merge
     double weight_at_send = 0;       // site weight processed up to the last send
@@ -159,6 +159,11 @@ class DilocoStrategy : public Strategy {
     uint64_t seq = 0;                // send order
   };
   void send(size_t f);
+  void send_through_gateway(Fragment& fr, double weight, double hash);
+  void send_own_part(Fragment& fr, double weight, double hash);  // wan.mode = "every_worker"
+  // Every site's cut of fragment fr over its workers (Hierarchy::exchange_parts_async): ZeRO's
+  // shard boundaries at that site's number of workers, sharded or not.
+  std::vector<std::vector<int64_t>> wan_cuts(const Fragment& fr) const;
   void merge(size_t f);
   void start_round(int64_t steps);
   void set_codec(const std::string& kind);
@@ -230,6 +235,7 @@ class DilocoStrategy : public Strategy {
   std::chrono::steady_clock::time_point last_step_end_;
   double compute_seconds_ = 0;
   int64_t timed_steps_ = 0;
+  double outer_sync_seconds_ = 0;  // the training thread's time in sends and merges (blocked on the outer sync)
   std::vector<std::string> decisions_;
   // Model buffers (Strategy::set_buffers): averaged inside the site every step (with the
   // gradients) and over the sites with each round's last fragment (not with [privacy]).

@@ -54,7 +54,7 @@ void load_codec_states(collective::Hierarchy& comm, const StrategyState& in) {
     if (auto r = in.tensors.find(prefix + "residual"); r != in.tensors.end()) st.residual = r->second.clone();
     if (auto q = in.tensors.find(prefix + "q"); q != in.tensors.end()) st.q = q->second.clone();
   }
-  if (comm.is_gateway()) comm.set_codec_states(std::move(states));
+  if (comm.is_gateway() || comm.every_worker()) comm.set_codec_states(std::move(states));
 }
 
 void make_replicas_equal(collective::Hierarchy& comm, const std::vector<at::Tensor>& params) {

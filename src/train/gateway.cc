@@ -4,6 +4,7 @@
 #include <spdlog/spdlog.h>
 
 #include <filesystem>
+#include <map>
 
 #include "nebula/error.h"
 #include "transport/certs.h"
@@ -37,11 +38,18 @@ void ensure_local_certificates(Config& c) {
   c.security.certs = dir;
 }
 
-GatewayLinks connect_gateway(const Config& c, size_t site, bool joining) {
+namespace {
+
+// The connector of one endpoint (a gateway, or with every_worker a worker) to `endpoints`:
+// TLS, limits, audit log and, in local mode, the WAN emulation. `site_of[j]` is endpoint j's
+// site index.
+GatewayLinks connect_endpoints(const Config& c, std::vector<transport::SiteAddress> endpoints,
+                               std::vector<size_t> site_of, size_t self, bool joining) {
+  const size_t site = site_of[self];
   transport::ConnectorOptions o;
   o.job = c.job.name;
-  o.self = site;
-  for (const auto& s : c.sites) o.sites.push_back({s.name, s.gateway});
+  o.self = self;
+  o.sites = std::move(endpoints);
   o.streams = static_cast<int>(c.wan.streams);
   o.link.max_payload = c.wan.max_frame;
   o.handshake_timeout = std::chrono::duration_cast<std::chrono::milliseconds>(c.wan.handshake_timeout);
@@ -56,16 +64,24 @@ GatewayLinks connect_gateway(const Config& c, size_t site, bool joining) {
     o.tls = transport::TlsContext::create(tls_files(c, c.sites[site].name));
   }
   if (c.wan.emulated()) {
-    // One bottleneck per site pair, shared by its streams. Faults fire on the first
-    // connection only, except a cut with `every`, which fires on each one.
-    auto bottlenecks = std::make_shared<std::map<size_t, std::shared_ptr<transport::Bottleneck>>>();
-    o.shaper = [&c, site, bottlenecks](size_t peer, std::vector<std::unique_ptr<transport::Link>> streams,
-                                       int generation) {
+    // One bottleneck per direction of a site pair, shared by its streams; with every_worker
+    // shared by the links of all of the site's worker processes, through a file in RUN_DIR/wan.
+    // Behind it, with wan.host_bandwidth, this process's own egress, shared by all its links.
+    // Faults fire on the first connection only, except a cut with `every`, which fires on each one.
+    auto host = c.wan.host_bandwidth_bits > 0 ? std::make_shared<transport::Bottleneck>(c.wan.host_bandwidth_bits)
+                                              : nullptr;
+    auto pairs = std::make_shared<std::map<size_t, std::shared_ptr<transport::Bottleneck>>>();
+    if (c.wan.every_worker()) std::filesystem::create_directories(c.job.run_dir + "/wan");
+    o.shaper = [&c, site, site_of, host, pairs](size_t peer, std::vector<std::unique_ptr<transport::Link>> streams,
+                                                 int generation) {
       const std::string& me = c.sites[site].name;
-      const std::string& other = c.sites[peer].name;
+      const std::string& other = c.sites[site_of[peer]].name;
       WanPathConfig path = c.wan.path_between(me, other);
-      auto& bottleneck = (*bottlenecks)[peer];
-      if (!bottleneck) bottleneck = std::make_shared<transport::Bottleneck>(path.bandwidth_bits);
+      auto& pair = (*pairs)[site_of[peer]];
+      if (!pair)
+        pair = c.wan.every_worker() && path.bandwidth_bits > 0
+                   ? transport::Bottleneck::in_file(path.bandwidth_bits, str_cat(c.job.run_dir, "/wan/", me, "-", other, ".clock"), host)
+                   : std::make_shared<transport::Bottleneck>(path.bandwidth_bits, host);
       std::vector<std::unique_ptr<transport::Link>> out;
       for (size_t k = 0; k < streams.size(); ++k) {
         transport::WanEmulation e;
@@ -95,17 +111,52 @@ GatewayLinks connect_gateway(const Config& c, size_t site, bool joining) {
             e.faults.push_back(wf);
           }
         }
-        out.push_back(std::make_unique<transport::EmulatedLink>(std::move(streams[k]), e, bottleneck));
+        out.push_back(std::make_unique<transport::EmulatedLink>(std::move(streams[k]), e, pair));
       }
       return out;
     };
   }
-  auto [host, port] = transport::parse_host_port(c.sites[site].gateway);
-  auto listener = std::make_unique<transport::TcpListener>(host, port, o.link);
+  auto [host_name, port] = transport::parse_host_port(o.sites[self].address);
+  auto listener = std::make_unique<transport::TcpListener>(host_name, port, o.link);
   GatewayLinks g;
   g.connector = std::make_unique<transport::SiteConnector>(std::move(o), std::move(listener));
   g.links = g.connector->connect_all(Deadline::after(c.job.timeout));
   return g;
+}
+
+}  // namespace
+
+GatewayLinks connect_gateway(const Config& c, size_t site, bool joining) {
+  std::vector<transport::SiteAddress> endpoints;
+  std::vector<size_t> site_of;
+  for (size_t s = 0; s < c.sites.size(); ++s) {
+    endpoints.push_back({c.sites[s].name, c.sites[s].gateway, ""});
+    site_of.push_back(s);
+  }
+  return connect_endpoints(c, std::move(endpoints), std::move(site_of), site, joining);
+}
+
+std::string worker_address(const Config& c, size_t site, int rank) {
+  const SiteConfig& s = c.sites.at(site);
+  if (rank == 0) return s.gateway;
+  if (s.worker_addresses.size() != static_cast<size_t>(s.workers - 1))
+    throw ConfigError(str_cat(c.source_path, ": key 'sites[", site, "].worker_addresses': wan.mode = \"every_worker\" "
+                              "needs the WAN address (\"host:port\") of each of site '", s.name, "''s ranks 1 .. ",
+                              s.workers - 1, "; it lists ", s.worker_addresses.size()));
+  return s.worker_addresses[static_cast<size_t>(rank - 1)];
+}
+
+GatewayLinks connect_worker(const Config& c, size_t site, int rank) {
+  std::vector<transport::SiteAddress> endpoints;
+  std::vector<size_t> site_of;
+  size_t self = 0;
+  for (size_t s = 0; s < c.sites.size(); ++s)
+    for (int r = 0; r < c.sites[s].workers; ++r) {
+      if (s == site && r == rank) self = endpoints.size();
+      endpoints.push_back({str_cat(c.sites[s].name, "/", r), worker_address(c, s, r), c.sites[s].name});
+      site_of.push_back(s);
+    }
+  return connect_endpoints(c, std::move(endpoints), std::move(site_of), self, false);
 }
 
 }  // namespace nebula::train

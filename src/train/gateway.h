@@ -26,6 +26,15 @@ struct GatewayLinks {
 // job.timeout, not just wan.reconnect_timeout (they admit a site at their next round).
 GatewayLinks connect_gateway(const Config& config, size_t site, bool joining = false);
 
+// wan.mode = "every_worker": connects worker `rank` of `site` to every worker of the other
+// sites. The endpoints are every worker of every site, in site order and rank order, named
+// "site/rank"; links are indexed by endpoint (null for this site's own workers). Worker r of a
+// site listens at its `gateway` (r = 0) or worker_addresses[r - 1], and presents the site's
+// certificate. ConfigError naming sites[N].worker_addresses when a site has none.
+GatewayLinks connect_worker(const Config& config, size_t site, int rank);
+// The WAN address worker `rank` of site `site` listens at (its gateway for rank 0).
+std::string worker_address(const Config& config, size_t site, int rank);
+
 // Local mode: makes RUN_DIR/certs (a CA and one certificate per site) unless it exists, and
 // points config.security.certs at it.
 void ensure_local_certificates(Config& config);

@@ -112,11 +112,11 @@ class Progress {
       int rank = j.value("rank", 0);
       s.loss[rank] = j.value("loss", 0.0);
       s.rate[rank] = j.value("tokens_per_s", 0.0);
+      s.sent[rank] = j.value("wan_bytes_sent", 0.0);  // every worker's own with wan.mode = "every_worker"
+      s.received[rank] = j.value("wan_bytes_received", 0.0);
       if (rank == 0) {
         s.step = j.value("step", 0);
         s.steps = j.value("steps", 0);
-        s.sent = j.value("wan_bytes_sent", 0.0);
-        s.received = j.value("wan_bytes_received", 0.0);
         if (!in_place_) std::printf("%s\n", render(j["site"].get<std::string>(), s).c_str());
       }
       changed = true;
@@ -128,14 +128,15 @@ class Progress {
  private:
   struct Site {
     int step = 0, steps = 0;
-    std::map<int, double> loss, rate;
-    double sent = 0, received = 0;
+    std::map<int, double> loss, rate, sent, received;
   };
 
   static std::string render(const std::string& name, const Site& s) {
-    double loss = 0, rate = 0;
+    double loss = 0, rate = 0, sent = 0, received = 0;
     for (auto& [r, l] : s.loss) loss += l / static_cast<double>(s.loss.size());
     for (auto& [r, t] : s.rate) rate += t;
+    for (auto& [r, b] : s.sent) sent += b;
+    for (auto& [r, b] : s.received) received += b;
     // A bar of the job's steps (a fast site under heterogeneous diloco runs more local steps:
     // its bar is full early and the count goes on).
     constexpr int kWidth = 20;
@@ -144,8 +145,8 @@ class Progress {
                             std::string(static_cast<size_t>(kWidth - filled), '.') + "]";
     char buf[320];
     std::snprintf(buf, sizeof buf, "%-14s %s step %5d/%-5d loss %7.4f  %8.0f tok/s  WAN sent %s, received %s",
-                  name.c_str(), bar.c_str(), s.step, s.steps, loss, rate, format_bytes(s.sent).c_str(),
-                  format_bytes(s.received).c_str());
+                  name.c_str(), bar.c_str(), s.step, s.steps, loss, rate, format_bytes(sent).c_str(),
+                  format_bytes(received).c_str());
     return buf;
   }
 
@@ -205,7 +206,11 @@ int run_local(Config c, const LaunchOptions& options) {
   for (auto& s : c.sites) {
     s.gateway = with_port(s.gateway);
     s.store = with_port(s.store);
+    if (c.wan.every_worker() && s.worker_addresses.empty())  // each worker's own WAN port
+      s.worker_addresses.assign(static_cast<size_t>(s.workers - 1), "127.0.0.1:0");
+    for (auto& a : s.worker_addresses) a = with_port(a);
   }
+  fs::remove_all(c.job.run_dir + "/wan");  // the emulated site pairs' clocks (gateway.cc): fresh for every start
   const std::string job_file = c.job.run_dir + "/job.toml";
   {
     std::ofstream out(job_file);
@@ -354,7 +359,7 @@ bool print_summary(const std::string& run_dir) {
   std::printf("  final train loss  %.4f\n", num("final_train_loss"));
   if (j.contains("final_val_loss") && j["final_val_loss"].is_number())
     std::printf("  final val loss    %.4f\n", num("final_val_loss"));
-  std::printf("  WAN bytes sent    %s (all gateways)\n", format_bytes(num("wan_bytes")).c_str());
+  std::printf("  WAN bytes sent    %s (all sites)\n", format_bytes(num("wan_bytes")).c_str());
   if (j.contains("eval") && j["eval"].contains("bleu")) {
     std::printf("  BLEU              %.2f on %.0f test pairs (beam %d)\n", j["eval"].value("bleu", 0.0),
                 j["eval"].value("sentences", 0.0), j["eval"].value("beam", 1));

@@ -21,9 +21,11 @@ namespace nebula::train {
 struct SiteComm {
   // Declared in the order they are built; destroyed in reverse (the hierarchy first).
   std::unique_ptr<collective::SiteGroup> group;
-  std::unique_ptr<transport::SiteConnector> connector;  // gateway only: re-establishes broken links
+  std::unique_ptr<collective::SiteGroup> comm_group;    // every_worker: the communication thread's
+  std::unique_ptr<transport::SiteConnector> connector;  // gateway (every_worker: each worker): re-establishes broken links
   std::unique_ptr<transport::Link> teacher;             // gateway of a [distill] student only
-  std::unique_ptr<collective::GatewayMesh> mesh;        // gateway only
+  std::unique_ptr<collective::WorkerMesh> workers;      // every_worker: this worker's links to the other sites' workers
+  std::unique_ptr<collective::GatewayMesh> mesh;        // gateway only (every_worker: over rank 0's links to rank 0s)
   std::unique_ptr<collective::Hierarchy> comm;
   std::vector<std::string> training_names;  // the sites that train together, in mesh order
   size_t training_index = 0;                // this site's index among them

@@ -515,6 +515,12 @@ int run_worker(const Config& c, const WorkerIdentity& who, bool resume, bool rej
     constexpr size_t kFixed = 7;
     counters.insert(counters.end(), eval_start.begin(), eval_start.end());
     counters.insert(counters.end(), eval_end.begin(), eval_end.end());
+    // Each worker's own WAN bytes at its place in the job (sites in order, ranks in order).
+    const size_t by_worker_at = counters.size();
+    size_t me = static_cast<size_t>(who.local_rank);
+    for (size_t s = 0; s < who.site; ++s) me += static_cast<size_t>(c.sites[s].workers);
+    counters.resize(by_worker_at + static_cast<size_t>(c.total_workers()), 0.0);
+    counters[by_worker_at + me] = static_cast<double>(wan.wan_bytes_sent);
     std::vector<double> totals = sum_over_job(comm, counters);
     auto total = [&](int i) { return totals[static_cast<size_t>(i)]; };
     auto eval_part = [&](size_t k) {
@@ -543,6 +549,7 @@ int run_worker(const Config& c, const WorkerIdentity& who, bool resume, bool rej
           {"wan_bytes", total(1)},
           {"wan_bytes_sent", total(1)},
           {"wan_bytes_received", total(2)},
+          {"wan_bytes_sent_by_worker", std::vector<double>(totals.begin() + static_cast<std::ptrdiff_t>(by_worker_at), totals.end())},
           {"security", c.security.insecure ? "plaintext" : "mutual TLS 1.3"},
           {"wan_streams", c.wan.streams},
           {"wan_links_seen_from_" + site.name, [&] {

@@ -2,8 +2,17 @@
 
 #include <spdlog/spdlog.h>
 
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <atomic>
+#include <cerrno>
 #include <cmath>
+#include <cstring>
+#include <type_traits>
 
 namespace nebula::transport {
 namespace {
@@ -24,35 +33,91 @@ Clock::time_point later(Clock::time_point t, Clock::duration d) {
   return t >= Clock::time_point::max() - d ? Clock::time_point::max() : t + d;
 }
 
+// A Bottleneck's clock: Clock's nanoseconds as an int64, in a file of this size if shared.
+constexpr off_t kClockFileBytes = sizeof(int64_t);
+int64_t to_ns(Clock::time_point t) { return t.time_since_epoch().count(); }
+Clock::time_point from_ns(int64_t ns) { return Clock::time_point(Clock::duration(ns)); }
+
 }  // namespace
 
 // ---------------------------------------------------------------------------------------
 
-Bottleneck::Bottleneck(double bandwidth_bits_per_s) : bandwidth_(bandwidth_bits_per_s) {
+// The clock is an int64 count of Clock's nanoseconds, in memory that other processes may map.
+// Clock must be steady_clock: on Linux that is CLOCK_MONOTONIC, the same clock in every
+// process of the machine, so their moments compare.
+static_assert(std::is_same_v<Clock, std::chrono::steady_clock>);
+static_assert(std::is_same_v<Clock::duration, std::chrono::nanoseconds>);
+static_assert(std::atomic_ref<int64_t>::is_always_lock_free);
+
+Bottleneck::Bottleneck(double bandwidth_bits_per_s, std::shared_ptr<Bottleneck> next)
+    : bandwidth_(bandwidth_bits_per_s), next_(std::move(next)) {
   NEBULA_CHECK(std::isfinite(bandwidth_) && bandwidth_ >= 0,
                "WAN emulation bandwidth must be >= 0 bit/s (0 = unlimited), got ", bandwidth_);
 }
 
-Clock::duration Bottleneck::serialization_time(uint64_t wire_bytes) const {
+std::shared_ptr<Bottleneck> Bottleneck::in_file(double bandwidth_bits_per_s, const std::string& path,
+                                                std::shared_ptr<Bottleneck> next) {
+  auto b = std::make_shared<Bottleneck>(bandwidth_bits_per_s, std::move(next));
+  const int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0600);
+  auto fail = [&](const char* what) {
+    const int err = errno;
+    if (fd >= 0) ::close(fd);
+    return Error(str_cat("WAN emulation bottleneck file ", path, ": ", what, " failed: ", std::strerror(err),
+                         "; give a path in an existing, writable directory on a local filesystem"));
+  };
+  if (fd < 0) throw fail("open");
+  // Creation races are harmless: a file is grown only from under 8 bytes to 8 (zeros), and
+  // growing one that another process already grew, and perhaps used, changes nothing.
+  struct stat st {};
+  if (::fstat(fd, &st) != 0) throw fail("fstat");
+  if (st.st_size < kClockFileBytes && ::ftruncate(fd, kClockFileBytes) != 0) throw fail("ftruncate");
+  void* mapping = ::mmap(nullptr, kClockFileBytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  if (mapping == MAP_FAILED) throw fail("mmap");
+  ::close(fd);  // the mapping keeps the file
+  b->mapping_ = mapping;
+  b->last_end_ns_ = static_cast<int64_t*>(mapping);  // page-aligned
+  return b;
+}
+
+Bottleneck::~Bottleneck() {
+  if (mapping_) ::munmap(mapping_, kClockFileBytes);
+}
+
+Clock::duration Bottleneck::stage_time(uint64_t wire_bytes) const {
   if (bandwidth_ <= 0) return Clock::duration::zero();
   // Capped at ~30 years so the conversion cannot overflow.
   double secs = std::min(static_cast<double>(wire_bytes) * 8.0 / bandwidth_, 1e9);
   return std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(secs));
 }
 
+Clock::duration Bottleneck::serialization_time(uint64_t wire_bytes) const {
+  const auto t = stage_time(wire_bytes);
+  return next_ ? std::max(t, next_->serialization_time(wire_bytes)) : t;
+}
+
 Bottleneck::Slot Bottleneck::reserve(uint64_t wire_bytes, Clock::time_point now) {
-  const auto t = serialization_time(wire_bytes);
-  MutexLock lock(mu_);
-  Slot s;
-  s.start = std::max(now, last_end_);
-  s.end = s.start + t;
-  last_end_ = s.end;
+  Slot s{now, now};  // an unlimited stage keeps no clock
+  if (bandwidth_ > 0) {
+    const auto t = stage_time(wire_bytes);
+    std::atomic_ref<int64_t> last_end(*last_end_ns_);
+    int64_t prev = last_end.load();
+    do {
+      s.start = std::max(now, from_ns(prev));
+      s.end = s.start + t;
+    } while (!last_end.compare_exchange_weak(prev, to_ns(s.end)));
+  }
+  if (next_) {
+    // Cut-through: the segment enters the next stage as it starts leaving this one.
+    const Slot n = next_->reserve(wire_bytes, s.start);
+    s = {std::max(s.start, n.start), std::max(s.end, n.end)};
+  }
   return s;
 }
 
 Clock::time_point Bottleneck::free_at(Clock::time_point now) const {
-  MutexLock lock(mu_);
-  return std::max(now, last_end_);
+  auto t = now;
+  if (bandwidth_ > 0) t = std::max(now, from_ns(std::atomic_ref<int64_t>(*last_end_ns_).load()));
+  return next_ ? std::max(t, next_->free_at(now)) : t;
 }
 
 // ---------------------------------------------------------------------------------------

@@ -4,7 +4,9 @@
 //  * a serialization bottleneck (Bottleneck) of `bandwidth_bits_per_s`: B wire bytes
 //    (header included) occupy it for B*8/bandwidth seconds, first come first served.
 //    The N EmulatedLinks of one site pair (the streams a StripedLink uses) can share one
-//    Bottleneck, so the configured bandwidth is the site pair's, not each stream's;
+//    Bottleneck, so the configured bandwidth is the site pair's, not each stream's; links in
+//    other processes can share it too (Bottleneck::in_file), and a chain of them models,
+//    say, each host's egress in front of the site pair's path;
 //  * a propagation delay `one_way_delay` plus a per-frame random `jitter` uniform in
 //    [0, jitter]: a frame is handed to the inner link when its last byte "arrives",
 //        arrival = max(previous arrival on this link, serialised + one_way_delay + jitter)
@@ -56,6 +58,7 @@
 #include <mutex>
 #include <optional>
 #include <random>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -95,31 +98,61 @@ struct WanEmulation {
   std::vector<WanFault> faults{};
 };
 
-// The serialisation bottleneck of one emulated path, shared by the EmulatedLinks of a site
-// pair. Slots are handed out first come first served. Thread-safe.
+// The serialisation bottleneck of one emulated path: a clock holding the end of the last slot
+// handed out, first come first served. Shared by the EmulatedLinks of a site pair within one
+// process (one object), or across the processes of one machine (in_file(): the clock lives in
+// a shared file). Thread-safe, and process-safe in a file: the clock is one int64 updated by
+// compare-exchange, with no lock.
+//
+// Bottlenecks chain: a segment passes this stage and then `next` (say, its host's egress,
+// then the site pair's path), cut-through as in a pipeline, so a chain moves bytes at the rate
+// of its slowest stage, and each stage is shared by everyone who passes it.
 class Bottleneck {
  public:
-  // Throws nebula::Error if the bandwidth is negative or not finite (0 = unlimited).
-  explicit Bottleneck(double bandwidth_bits_per_s);
+  // `next`, if any, is the stage after this one (fixed for the object's life). Throws
+  // nebula::Error if the bandwidth is negative or not finite. A bandwidth of 0 is unlimited:
+  // that stage keeps no clock and delays nothing.
+  explicit Bottleneck(double bandwidth_bits_per_s, std::shared_ptr<Bottleneck> next = nullptr);
+  // The same with its clock in the file at `path` (created with mode 0600 if missing; 8 zero
+  // bytes are a free bottleneck), so every process on this machine that opens that path shares
+  // it. The clock counts nanoseconds of Clock (steady_clock, CLOCK_MONOTONIC on Linux: one
+  // clock for all processes since boot), so use a new file for each run: one left from before
+  // a reboot would hold a moment in the future. Throws nebula::Error naming the path if the
+  // file cannot be opened, sized or mapped.
+  static std::shared_ptr<Bottleneck> in_file(double bandwidth_bits_per_s, const std::string& path,
+                                             std::shared_ptr<Bottleneck> next = nullptr);
+  ~Bottleneck();
   Bottleneck(const Bottleneck&) = delete;
   Bottleneck& operator=(const Bottleneck&) = delete;
 
+  // This stage's bandwidth (the first stage's, in a chain).
   double bandwidth_bits_per_s() const { return bandwidth_; }
-  // Time the bottleneck needs for `wire_bytes` bytes (zero when bandwidth is unlimited).
+  const std::shared_ptr<Bottleneck>& next() const { return next_; }
+  // Time the slowest stage of the chain needs for `wire_bytes` bytes (zero when all are
+  // unlimited).
   Clock::duration serialization_time(uint64_t wire_bytes) const;
 
   struct Slot {
     Clock::time_point start, end;
   };
-  // Takes the next slot for `wire_bytes`, starting at max(now, end of the last slot).
+  // Takes the next slot for `wire_bytes` at every stage: here, starting at max(now, end of the
+  // last slot); then at `next` from the moment it starts here. The slot starts once the
+  // segment has started at every stage and ends once every stage is done with it.
   Slot reserve(uint64_t wire_bytes, Clock::time_point now);
-  // When a slot reserved now would start.
+  // When a slot reserved now would start. Plus serialization_time(), an upper bound on when
+  // it would end.
   Clock::time_point free_at(Clock::time_point now) const;
 
  private:
+  Clock::duration stage_time(uint64_t wire_bytes) const;  // this stage's alone
+
   const double bandwidth_;
-  mutable Mutex mu_;
-  Clock::time_point last_end_ GUARDED_BY(mu_){};
+  const std::shared_ptr<Bottleneck> next_;
+  // End of the last slot in nanoseconds of Clock: own_last_end_ns_, or the first word of
+  // the file mapped at mapping_ (in_file). Accessed only through std::atomic_ref.
+  alignas(std::atomic_ref<int64_t>::required_alignment) int64_t own_last_end_ns_ = 0;
+  int64_t* last_end_ns_ = &own_last_end_ns_;
+  void* mapping_ = nullptr;  // unmapped by the destructor
 };
 
 class EmulatedLink : public Link {

@@ -1,13 +1,17 @@
 #include "transport/emulated_link.h"
 
 #include <gtest/gtest.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cmath>
+#include <filesystem>
 #include <future>
 #include <thread>
 
 #include "transport/link_test_util.h"
+#include "util/temp_dir.h"
 
 namespace nebula::transport {
 namespace {
@@ -386,6 +390,181 @@ TEST(EmulatedLinkTest, CorruptFlipsAPayloadByte) {
     FAIL() << "expected FrameError";
   } catch (const FrameError& e) {
     EXPECT_EQ(e.kind(), FrameError::Kind::kBadChecksum) << e.what();
+  }
+}
+
+// ---------------------------------------------------------------------------------------
+// Bottleneck slot arithmetic, with explicit moments (no timing).
+
+const Clock::time_point kT0 = Clock::time_point(std::chrono::hours(1));
+
+double secs_after_t0(Clock::time_point t) { return std::chrono::duration<double>(t - kT0).count(); }
+
+// Two mappings of one file hand out the slots one Bottleneck would: back to back.
+TEST(BottleneckFileTest, MappingsOfOneFileShareTheClock) {
+  nebula::testing::TempDir dir("bottleneck_test");
+  const std::string path = dir.file("pair.clock");
+  auto a = Bottleneck::in_file(80e6, path);
+  auto b = Bottleneck::in_file(80e6, path);
+  EXPECT_EQ(std::filesystem::file_size(path), 8u);
+  EXPECT_EQ(a->free_at(kT0), kT0);  // a new file is free
+  Bottleneck one(80e6);
+  constexpr uint64_t kBytes = 100'000;
+  const auto t = a->serialization_time(kBytes);
+  EXPECT_EQ(t, one.serialization_time(kBytes));
+  for (int i = 0; i < 3; ++i) {
+    const auto slot = (i % 2 == 0 ? a : b)->reserve(kBytes, kT0);
+    const auto expected = one.reserve(kBytes, kT0);
+    EXPECT_EQ(slot.start, kT0 + i * t) << "reservation " << i;
+    EXPECT_EQ(slot.start, expected.start);
+    EXPECT_EQ(slot.end, expected.end);
+  }
+  EXPECT_EQ(b->free_at(kT0), kT0 + 3 * t);
+  // A later opener finds the clock where the others left it; the file keeps its size.
+  EXPECT_EQ(Bottleneck::in_file(80e6, path)->free_at(kT0), kT0 + 3 * t);
+  EXPECT_EQ(std::filesystem::file_size(path), 8u);
+  EXPECT_EQ(Bottleneck::in_file(80e6, dir.file("other.clock"))->free_at(kT0), kT0);
+}
+
+TEST(BottleneckFileTest, BadPathThrowsNamingIt) {
+  nebula::testing::TempDir dir("bottleneck_test");
+  const std::string path = dir.file("no-such-dir/pair.clock");
+  try {
+    Bottleneck::in_file(80e6, path);
+    FAIL() << "expected nebula::Error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find(path), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("No such file or directory"), std::string::npos) << e.what();
+  }
+  EXPECT_THROW(Bottleneck::in_file(-1, dir.file("ok.clock")), Error);
+}
+
+// A forked process opens the same file and reserves at the same time as this one: however
+// they interleave, together they get every slot exactly once, back to back (none lost to a
+// race, none overlapping).
+TEST(BottleneckFileTest, ProcessesShareTheClock) {
+  nebula::testing::TempDir dir("bottleneck_test");
+  const std::string path = dir.file("pair.clock");
+  constexpr int kEach = 20'000;
+  constexpr uint64_t kBytes = 1000;
+  int fds[2];
+  ASSERT_EQ(::pipe(fds), 0);
+  const pid_t pid = ::fork();
+  ASSERT_GE(pid, 0);
+  if (pid == 0) {  // the child reserves, sends its slot starts up the pipe, and never returns into gtest
+    ::close(fds[0]);
+    int rc = 0;
+    try {
+      auto b = Bottleneck::in_file(80e6, path);
+      std::vector<int64_t> starts;
+      for (int i = 0; i < kEach; ++i) starts.push_back(b->reserve(kBytes, kT0).start.time_since_epoch().count());
+      const char* p = reinterpret_cast<const char*>(starts.data());
+      for (size_t left = starts.size() * sizeof(int64_t); left > 0 && rc == 0;) {
+        const ssize_t n = ::write(fds[1], p, left);
+        if (n <= 0) rc = 3;
+        else p += n, left -= size_t(n);
+      }
+    } catch (...) {
+      rc = 2;
+    }
+    ::_exit(rc);
+  }
+  ::close(fds[1]);
+  auto b = Bottleneck::in_file(80e6, path);
+  std::vector<Clock::time_point> starts;
+  for (int i = 0; i < kEach; ++i) starts.push_back(b->reserve(kBytes, kT0).start);
+  int64_t ns = 0;
+  size_t got = 0;  // bytes of `ns` read so far
+  for (ssize_t n; (n = ::read(fds[0], reinterpret_cast<char*>(&ns) + got, sizeof(ns) - got)) > 0;) {
+    got += size_t(n);
+    if (got == sizeof(ns)) {
+      starts.push_back(Clock::time_point(Clock::duration(ns)));
+      got = 0;
+    }
+  }
+  ::close(fds[0]);
+  int status = 0;
+  ASSERT_EQ(::waitpid(pid, &status, 0), pid);
+  ASSERT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << "child status " << status;
+  ASSERT_EQ(starts.size(), size_t(2 * kEach));
+  std::sort(starts.begin(), starts.end());
+  const auto t = b->serialization_time(kBytes);
+  for (int i = 0; i < 2 * kEach; ++i) ASSERT_EQ(starts[i], kT0 + i * t) << "slot " << i;
+  EXPECT_EQ(b->free_at(kT0), kT0 + 2 * kEach * t);
+}
+
+// Two hosts of 50 Mbit/s egress each, sending over one site pair of 80 Mbit/s.
+struct TwoHosts {
+  std::shared_ptr<Bottleneck> pair = std::make_shared<Bottleneck>(80e6);
+  std::shared_ptr<Bottleneck> host1 = std::make_shared<Bottleneck>(50e6, pair);
+  std::shared_ptr<Bottleneck> host2 = std::make_shared<Bottleneck>(50e6, pair);
+};
+
+TEST(BottleneckChainTest, OneHostAloneMovesAtItsOwnRate) {
+  TwoHosts c;
+  constexpr uint64_t kBytes = 1'000'000;
+  EXPECT_EQ(c.host1->bandwidth_bits_per_s(), 50e6);
+  EXPECT_EQ(c.host1->next(), c.pair);
+  EXPECT_EQ(c.host1->serialization_time(kBytes), Bottleneck(50e6).serialization_time(kBytes));  // the slower stage
+  const auto slot = c.host1->reserve(kBytes, kT0);
+  EXPECT_EQ(slot.start, kT0);
+  EXPECT_NEAR(secs_after_t0(slot.end), kBytes * 8 / 50e6, 1e-9);
+  // Segments back to back, each reserved once the previous one started (as EmulatedLink does):
+  // the host's 50 Mbit/s, not the pair's 80.
+  auto now = slot.start;
+  auto end = slot.end;
+  for (int i = 1; i < 10; ++i) {
+    const auto s = c.host1->reserve(kBytes, now);
+    now = s.start;
+    end = s.end;
+  }
+  EXPECT_NEAR(secs_after_t0(end), 10 * kBytes * 8 / 50e6, 1e-6);
+}
+
+TEST(BottleneckChainTest, HostsShareThePair) {
+  TwoHosts c;
+  constexpr uint64_t kBytes = 1'000'000;
+  const auto a = c.host1->reserve(kBytes, kT0);
+  const auto b = c.host2->reserve(kBytes, kT0);
+  EXPECT_EQ(a.start, kT0);
+  EXPECT_NEAR(secs_after_t0(b.start), kBytes * 8 / 80e6, 1e-9);  // its host was free, the pair was not
+  EXPECT_NEAR(secs_after_t0(a.end), kBytes * 8 / 50e6, 1e-9);
+  EXPECT_GE(secs_after_t0(b.end), 2 * kBytes * 8 / 80e6 - 1e-9);
+  EXPECT_NEAR(secs_after_t0(b.end), 2 * kBytes * 8 / 80e6, 1e-9);
+  // The next slot of either host waits for the pair, the busier stage.
+  EXPECT_NEAR(secs_after_t0(c.pair->free_at(kT0)), 2 * kBytes * 8 / 80e6, 1e-9);
+  EXPECT_EQ(c.host1->free_at(kT0), c.pair->free_at(kT0));
+  EXPECT_EQ(c.host2->free_at(kT0), c.pair->free_at(kT0));
+}
+
+// Both hosts streaming: 100 Mbit/s offered, the pair's 80 delivered.
+TEST(BottleneckChainTest, TwoStreamingHostsGetThePairRate) {
+  TwoHosts c;
+  constexpr uint64_t kBytes = 64 * 1024;
+  constexpr int kSegments = 100;
+  Clock::time_point now1 = kT0, now2 = kT0, end = kT0;
+  for (int i = 0; i < kSegments; ++i) {
+    const auto s1 = c.host1->reserve(kBytes, now1);
+    const auto s2 = c.host2->reserve(kBytes, now2);
+    now1 = s1.start;
+    now2 = s2.start;
+    end = std::max({end, s1.end, s2.end});
+  }
+  EXPECT_NEAR(secs_after_t0(end), 2 * kSegments * kBytes * 8 / 80e6, 1e-6);
+}
+
+TEST(BottleneckChainTest, UnlimitedStageInFrontIsTransparent) {
+  auto pair = std::make_shared<Bottleneck>(80e6);
+  Bottleneck host(0, pair);
+  Bottleneck alone(80e6);
+  constexpr uint64_t kBytes = 100'000;
+  EXPECT_EQ(host.serialization_time(kBytes), alone.serialization_time(kBytes));
+  for (const auto now : {kT0, kT0, kT0 + 1ms, kT0 + 1s}) {
+    const auto s = host.reserve(kBytes, now);
+    const auto expected = alone.reserve(kBytes, now);
+    EXPECT_EQ(s.start, expected.start);
+    EXPECT_EQ(s.end, expected.end);
+    EXPECT_EQ(host.free_at(now), alone.free_at(now));
   }
 }
 

@@ -86,7 +86,7 @@ std::vector<std::unique_ptr<Link>> SiteConnector::dial(size_t peer, int generati
     Deadline hs = Deadline::after(options_.handshake_timeout).min(deadline);
     std::unique_ptr<Link> link;
     try {
-      if (options_.tls) link = TlsLink::client(std::move(tcp), options_.tls, to.name, hs);
+      if (options_.tls) link = TlsLink::client(std::move(tcp), options_.tls, to.identity(), hs);
       else link = std::move(tcp);
       // The accepting side speaks first: if it refused our certificate, this recv gets its
       // TLS alert (with TLS 1.3 the client's handshake ends before the server has judged it).
@@ -199,13 +199,14 @@ void SiteConnector::handshake_incoming(std::unique_ptr<TcpLink> tcp, const std::
     h = read_hello(link->recv(hs), address);
     claimed = h.from;
     for (size_t j = options_.self + 1; j < options_.sites.size(); ++j)
-      if (options_.sites[j].name == h.from) peer = j;
+      if (options_.sites[j].name == h.from && options_.sites[j].identity() != options_.sites[options_.self].identity())
+        peer = j;
     std::string why;
     if (h.protocol != kHelloProtocol) why = str_cat("protocol ", h.protocol, ", expected ", kHelloProtocol);
     else if (h.job != options_.job) why = str_cat("job '", h.job, "', expected '", options_.job, "'");
     else if (h.to != me) why = str_cat("wants site '", h.to, "', this is '", me, "'");
     else if (peer == options_.sites.size()) why = str_cat("site '", h.from, "' is not a site that dials this one");
-    else if (options_.tls && link->peer_identity() != h.from)
+    else if (options_.tls && link->peer_identity() != options_.sites[peer].identity())
       why = str_cat("certificate names site '", link->peer_identity(), "' but hello claims '", h.from, "'");
     else if (h.streams != static_cast<uint32_t>(options_.streams) || h.stream >= h.streams)
       why = str_cat("stream ", h.stream, " of ", h.streams, ", expected ", options_.streams, " streams");
@@ -312,7 +313,7 @@ std::vector<std::unique_ptr<Link>> SiteConnector::connect_all(Deadline deadline)
   const size_t n = options_.sites.size(), me = options_.self;
   std::vector<std::unique_ptr<Link>> links(n);
   for (size_t j = 0; j < n; ++j) {
-    if (j == me) continue;
+    if (j == me || options_.sites[j].identity() == options_.sites[me].identity()) continue;  // this site's own workers
     int generation = 0;
     auto first = assemble(j, j < me ? dial(j, 0, deadline) : await(j, -1, deadline, &generation), generation);
     links[j] = session(j, std::move(first), generation);

@@ -34,6 +34,11 @@ namespace nebula::transport {
 struct SiteAddress {
   std::string name;
   std::string address;  // "host:port" of the site's gateway
+  // The site its certificate must name; empty = `name`. With wan.mode = "every_worker" the
+  // endpoints are workers ("alpha/1"): each names its site, and endpoints of one site never
+  // connect to each other.
+  std::string site;
+  const std::string& identity() const { return site.empty() ? name : site; }
 };
 
 // Wraps the freshly connected streams to peer site `peer` (e.g. in WAN emulators);

@@ -95,6 +95,37 @@ std::string place(const toml::table& root, const char* table, const char* key, c
   return where(n ? *n : *t, file);
 }
 
+// [wan] mode = "every_worker": what it runs with, and each site's worker addresses.
+void check_wan_mode(const Config& c, const toml::table& root, const std::string& file) {
+  for (size_t i = 0; i < c.sites.size(); ++i) {
+    const SiteConfig& s = c.sites[i];
+    if (s.worker_addresses.empty()) continue;
+    if (!c.wan.every_worker())
+      throw ConfigError(str_cat(file, ": key 'sites[", i, "].worker_addresses': site '", s.name, "' lists worker "
+                                "addresses, which only wan.mode = \"every_worker\" uses: remove them or set that mode"));
+    if (static_cast<int64_t>(s.worker_addresses.size()) != s.workers - 1)
+      throw ConfigError(str_cat(file, ": key 'sites[", i, "].worker_addresses': site '", s.name, "' has ", s.workers,
+                                " workers and ", s.worker_addresses.size(), " worker addresses: list one \"host:port\" "
+                                "for each of ranks 1 .. ", s.workers - 1, " (rank 0 listens at `gateway`)"));
+  }
+  if (!c.wan.every_worker()) return;
+  const std::string at = str_cat(place(root, "wan", "mode", file), ": key 'wan.mode': \"every_worker\" ");
+  auto refuse = [&](const std::string& why) { throw ConfigError(at + why); };
+  if (c.strategy.kind == "sync")
+    refuse("runs diloco and streaming (each worker exchanges its own part of the pseudo-gradient); with sync use "
+           "mode = \"gateway\"");
+  if (c.job.elastic) refuse("does not support job.elastic yet (a lost site's rejoin is per gateway link): set one of them");
+  if (c.distill.enabled()) refuse("does not run [distill] (the teacher talks to one gateway): use mode = \"gateway\"");
+  if (c.strategy.codec == "powersgd" || c.strategy.codec == "auto")
+    refuse(str_cat("cannot use strategy.codec = \"", c.strategy.codec, "\" (", c.strategy.codec == "auto"
+                       ? "the controller decides on the gateway's links" : "PowerSGD encodes whole matrices",
+                   "): choose none, fp16, bf16, int8, int4, topk or sparseloco"));
+  if (c.privacy.enabled()) refuse("does not run [privacy] yet (clipping needs the site's whole update): use mode = \"gateway\"");
+  for (const auto& s : c.sites)
+    if (s.device != "cpu")
+      refuse(str_cat("runs on CPU sites only so far, and site '", s.name, "' has device = \"", s.device, "\""));
+}
+
 Config build(const toml::table& root, const std::string& file) {
   Config c;
   c.source_path = file;
@@ -180,6 +211,7 @@ Config build(const toml::table& root, const std::string& file) {
     s.string("device", site.device);
     s.string("gateway", site.gateway);
     s.string("store", site.store);
+    s.strings("worker_addresses", site.worker_addresses);
     s.strings("languages", site.languages);
     s.number("slowdown", site.slowdown, 1.0, 1000.0);
     s.integer("max_pairs_per_language", site.max_pairs_per_language, 0, INT64_MAX);
@@ -245,7 +277,9 @@ Config build(const toml::table& root, const std::string& file) {
 
   if (auto* t = top.table("wan")) {
     Section s(*t, "wan", file);
+    s.string("mode", c.wan.mode, {"gateway", "every_worker"});
     read_path(s, c.wan.path);
+    s.unit("host_bandwidth", c.wan.host_bandwidth_bits, parse_rate_bits);
     s.integer("streams", c.wan.streams, 1, 256);
     s.unit("window", c.wan.window_bytes, parse_size);
     s.unit("max_frame", c.wan.max_frame, parse_size);
@@ -399,6 +433,7 @@ Config build(const toml::table& root, const std::string& file) {
     s.finish();
   }
   top.finish();
+  check_wan_mode(c, root, file);
   if (c.checkpoint.dir.empty()) c.checkpoint.dir = c.job.run_dir + "/checkpoints";
   try {
     check_peft(c.model, c.peft);
@@ -419,7 +454,7 @@ WanPathConfig WanConfig::path_between(const std::string& a, const std::string& b
 
 bool WanConfig::emulated() const {
   auto any = [](const WanPathConfig& p) { return p.bandwidth_bits > 0 || p.rtt.count() > 0 || p.jitter.count() > 0; };
-  if (any(path) || !faults.empty()) return true;
+  if (any(path) || !faults.empty() || host_bandwidth_bits > 0) return true;
   for (const auto& p : pairs)
     if (any(p.path)) return true;
   return false;
@@ -505,6 +540,7 @@ std::string to_toml(const Config& c) {
                                 {"device", s.device},
                                 {"gateway", s.gateway},
                                 {"store", s.store},
+                                {"worker_addresses", strs(s.worker_addresses)},
                                 {"languages", strs(s.languages)},
                                 {"slowdown", s.slowdown},
                                 {"max_pairs_per_language", s.max_pairs_per_language},
@@ -518,7 +554,9 @@ std::string to_toml(const Config& c) {
     return t;
   };
   auto bytes = [](uint64_t b) { return str_cat(b, "B"); };
-  toml::table wan = path(toml::table{{"streams", c.wan.streams},
+  toml::table wan = path(toml::table{{"mode", c.wan.mode},
+                                     {"host_bandwidth", str_cat(static_cast<int64_t>(c.wan.host_bandwidth_bits), "bit")},
+                                     {"streams", c.wan.streams},
                                      {"window", bytes(c.wan.window_bytes)},
                                      {"max_frame", bytes(c.wan.max_frame)},
                                      {"max_pending", bytes(c.wan.max_pending)},
@@ -623,7 +661,7 @@ std::string training_fingerprint(const Config& c) {
   if (auto* sites = t["sites"].as_array())
     for (auto& s : *sites)
       if (auto* site = s.as_table())
-        for (const char* key : {"gateway", "store", "slowdown", "device", "workers"}) site->erase(key);
+        for (const char* key : {"gateway", "store", "worker_addresses", "slowdown", "device", "workers"}) site->erase(key);
   std::ostringstream out;
   out << t;
   uint64_t h = 1469598103934665603ull;  // FNV-1a, 64 bits

@@ -121,6 +121,31 @@ TEST(Config, ParallelShard) {
   expect_error(std::string(kValid) + "\n[parallel]\nshards = \"none\"\n", {"shards"});
 }
 
+TEST(Config, WanModeEveryWorker) {
+  EXPECT_EQ(parse_config(kValid, "job.toml").wan.mode, "gateway");
+  const Config e = parse_config(kValid, "job.toml",
+                                {"wan.mode=\"every_worker\"", "strategy.kind=\"diloco\"", "wan.host_bandwidth=\"25Mbit\"",
+                                 "sites.0.worker_addresses=[\"10.0.0.2:7000\"]"});
+  EXPECT_TRUE(e.wan.every_worker());
+  EXPECT_DOUBLE_EQ(e.wan.host_bandwidth_bits, 25e6);
+  EXPECT_EQ(e.sites[0].worker_addresses, std::vector<std::string>{"10.0.0.2:7000"});
+  const Config again = parse_config(to_toml(e), "again");
+  EXPECT_EQ(again.wan.mode, "every_worker");
+  EXPECT_DOUBLE_EQ(again.wan.host_bandwidth_bits, 25e6);
+  EXPECT_EQ(again.sites[0].worker_addresses, e.sites[0].worker_addresses);
+  // What it does not run, by key; addresses that do not fit the workers; an unknown mode.
+  const std::string every = std::string(kValid) + "\n[strategy]\nkind = \"diloco\"\n";
+  expect_error(std::string(kValid), {"wan.mode", "every_worker", "sync"}, {"wan.mode=\"every_worker\""});
+  expect_error(every, {"wan.mode", "job.elastic"}, {"wan.mode=\"every_worker\"", "job.elastic=true"});
+  expect_error(every, {"wan.mode", "powersgd"}, {"wan.mode=\"every_worker\"", "strategy.codec=\"powersgd\""});
+  expect_error(every, {"wan.mode", "auto"}, {"wan.mode=\"every_worker\"", "strategy.codec=\"auto\""});
+  expect_error(every, {"wan.mode", "[privacy]"}, {"wan.mode=\"every_worker\"", "privacy.clip=1.0"});
+  expect_error(every, {"sites[0].worker_addresses", "2 workers and 2 worker addresses", "ranks 1 .. 1"},
+               {"wan.mode=\"every_worker\"", "sites.0.worker_addresses=[\"a:1\", \"a:2\"]"});
+  expect_error(every, {"sites[0].worker_addresses", "every_worker"}, {"sites.0.worker_addresses=[\"a:1\"]"});
+  expect_error(every, {"wan.mode", "all_workers"}, {"wan.mode=\"all_workers\""});
+}
+
 TEST(Config, ExamplesLoad) {
   for (const char* name : {"smoke.toml", "demo.toml"}) {
     Config c = load_config(std::string(NEBULA_SOURCE_DIR) + "/examples/" + name);
