@@ -320,6 +320,35 @@ TEST(EndToEnd, EveryWorkerCarriesItsOwnShardOverItsOwnLinks) {
   fs::remove_all(dir);
 }
 
+// every_worker: a worker SIGKILLed in the middle of training takes its site down as a unit
+// (its part of every exchange is gone); the job stops with an error naming the worker, without
+// hanging (elastic rejoin is refused with every_worker at load, so nothing waits for it).
+TEST(EndToEnd, EveryWorkerAKilledWorkerStopsTheJob) {
+  const std::string dir = temp_run_dir("every_worker_kill");
+  fs::create_directories(dir);
+  Background job("run examples/smoke.toml --set job.steps=100000 --set sites.1.workers=2 --set strategy.kind=diloco "
+                 "--set strategy.inner_steps=5 --set wan.mode=every_worker --set job.timeout=\\\"30s\\\" "
+                 "--set job.run_dir=\\\"" + dir + "/run\\\"",
+                 dir + "/out.log", 300);
+  bool reached = false;  // beta/1 has logged a step past the first outer steps
+  for (int i = 0; i < 3000 && !reached; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    for (const auto& line : lines_of(dir + "/run/metrics.jsonl")) {
+      auto j = nlohmann::json::parse(line, nullptr, false);
+      if (!j.is_discarded() && j.value("site", "") == "beta" && j.value("rank", -1) == 1 && j.value("step", 0) >= 20)
+        reached = true;
+    }
+  }
+  ASSERT_TRUE(reached) << read_file(dir + "/out.log");
+  std::ifstream win(dir + "/run/workers.json");
+  for (const auto& w : nlohmann::json::parse(win))
+    if (w["site"] == "beta" && w["rank"] == 1) ::kill(w["pid"].get<pid_t>(), SIGKILL);
+  EXPECT_EQ(job.wait(), 1);
+  const std::string out = read_file(dir + "/out.log");
+  EXPECT_NE(out.find("worker beta/1 failed (signal 9)"), std::string::npos) << out;
+  fs::remove_all(dir);
+}
+
 // The WAN-efficient strategies through the real binary: each trains (validation loss well
 // below the uniform guess ln(vocab)), diloco/streaming carry far fewer WAN bytes than sync,
 // PEFT fewer still, and the adaptive controller records its decisions.
