@@ -201,8 +201,24 @@ void DilocoStrategy::init(const std::vector<at::Tensor>& params) {
     }
     fr.part_at = 0;
     fr.part_len = fr.numel;
-    fr.global = read_params(fr);
-    fr.momentum = at::zeros({fr.numel}, at::kFloat);
+  }
+  // Sharded (expect_sharding): only this worker's part, ZeRO's cut [r S, (r + 1) S) of the
+  // flat vector, read straight from the parameters; set_sharding() checks it against the layout.
+  const int64_t n = comm_.site().size(), rank = comm_.site().rank();
+  const int64_t shard = expect_sharding_ && n > 1 ? (total + n - 1) / n : 0;
+  for (Fragment& fr : fragments_) {
+    if (shard > 0) {
+      fr.part_at = std::clamp(rank * shard - fr.offset, int64_t{0}, fr.numel);
+      fr.part_len = std::clamp((rank + 1) * shard - fr.offset, int64_t{0}, fr.numel) - fr.part_at;
+    }
+    fr.global = at::empty({fr.part_len}, at::kFloat);
+    int64_t pos = 0;
+    for (const auto& v : param_views(fr)) {  // the part's values, piece by piece
+      const int64_t lo = std::max(fr.part_at, pos), hi = std::min(fr.part_at + fr.part_len, pos + v.numel());
+      if (lo < hi) fr.global.narrow(0, lo - fr.part_at, hi - lo).copy_(v.narrow(0, lo - pos, hi - lo));
+      pos += v.numel();
+    }
+    fr.momentum = at::zeros({fr.part_len}, at::kFloat);
   }
   last_step_end_ = Clock::now();
 }
@@ -304,9 +320,15 @@ void DilocoStrategy::set_sharding(const Sharding& shards) {
     const std::vector<int64_t> counts = part_counts(fr);
     fr.part_at = 0;
     for (int q = 0; q < site.rank(); ++q) fr.part_at += counts[static_cast<size_t>(q)];
-    fr.part_len = counts[static_cast<size_t>(site.rank())];
-    fr.global = fr.global.narrow(0, fr.part_at, fr.part_len).clone();
-    fr.momentum = fr.momentum.narrow(0, fr.part_at, fr.part_len).clone();
+    const int64_t part_len = counts[static_cast<size_t>(site.rank())];
+    if (expect_sharding_) {  // init() made the part already
+      NEBULA_CHECK(fr.global.numel() == part_len, "set_sharding: init() cut a part of ", fr.global.numel(),
+                   " values, the shards give ", part_len);
+    } else {
+      fr.global = fr.global.narrow(0, fr.part_at, part_len).clone();
+      fr.momentum = fr.momentum.narrow(0, fr.part_at, part_len).clone();
+    }
+    fr.part_len = part_len;
   }
 }
 

@@ -93,6 +93,9 @@ class DilocoStrategy : public Strategy {
   // all-gathers the parameters. ZeRO-2: the site's gradients are reduce-scattered in place.
   // The same arithmetic as unsharded, elementwise: bit-identical weights (strategy.h).
   void set_sharding(const Sharding& shards) override;
+  // init() then makes only this worker's part of θ_global and the outer momentum (ZeRO's cut
+  // at the site's number of workers), so start-up never holds them whole.
+  void expect_sharding() override { expect_sharding_ = true; }
   void after_step(int64_t step) override;
   bool keep_training(int64_t step, int64_t steps) override;
   void finish() override;
@@ -194,6 +197,7 @@ class DilocoStrategy : public Strategy {
   int64_t flat_begin_ = 0;  // the flat vector's index of flat_params_[0]: 0, or rank · S with ZeRO-3
   bool gathered_ = true;    // flat_params_ holds every shard (ZeRO-1/2), else this worker's only (ZeRO-3)
   int64_t shard_numel_ = 0;  // S; 0 = the outer state is whole
+  bool expect_sharding_ = false;  // init() cuts the parts already (set_sharding follows)
   at::Tensor flat_grad_;    // ZeRO-2: the gradients' flat buffer, N S values
   bool round_open_ = false;
   uint64_t next_seq_ = 0;

@@ -75,6 +75,9 @@ class Strategy {
     at::Tensor params, grads;
     bool gathered = true;
   };
+  // Before init(): set_sharding() will follow (the site's workers shard the training state),
+  // so a strategy may make only this worker's part of its state in init(), never the whole.
+  virtual void expect_sharding() {}
   virtual void set_sharding(const Sharding& shards) {
     if (shards.grads.defined())
       throw ConfigError(str_cat("parallel.shard = \"", shards.gathered ? "gradients" : "full",

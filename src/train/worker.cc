@@ -225,6 +225,7 @@ int run_worker(const Config& c, const WorkerIdentity& who, bool resume, bool rej
   auto strategy =
       strategy::make_strategy(c.strategy, comm, timeout, training_names.size(), training_index, c.privacy);
   strategy->set_buffers(task->module().buffers());  // BatchNorm statistics ...: kept equal too
+  if (c.parallel.shard != "none" && workers > 1) strategy->expect_sharding();  // InnerOptimizer::sharded()
   strategy->init(params);
   // ZeRO-3: from here on this worker holds its shard of the parameters only; the model gathers
   // each layer where it runs, and whole() gathers all of them for evaluation and checkpoints.
