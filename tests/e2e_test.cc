@@ -287,7 +287,8 @@ TEST(EndToEnd, EveryWorkerCarriesItsOwnShardOverItsOwnLinks) {
       {"gateway-gradients", "--set strategy.kind=diloco --set parallel.shard=gradients"},
       {"every-gradients", "--set strategy.kind=diloco --set parallel.shard=gradients --set wan.mode=every_worker"},
       {"every-streaming", "--set strategy.kind=streaming --set strategy.fragments=2 --set strategy.delay=2 "
-                          "--set parallel.shard=full --set strategy.codec=int8 --set wan.mode=every_worker"}};
+                          "--set parallel.shard=full --set strategy.codec=int8 --set wan.mode=every_worker"},
+      {"every-hosts", "--set strategy.kind=diloco --set wan.mode=every_worker --set security.host_certs=true"}};
   std::map<std::string, nlohmann::json> summaries;
   for (const auto& [name, sets] : runs) {
     Result r = run(base + sets + " --set job.run_dir=\"" + dir + "/" + name + "\"");
@@ -309,6 +310,29 @@ TEST(EndToEnd, EveryWorkerCarriesItsOwnShardOverItsOwnLinks) {
   auto weights = [&](const std::string& name) { return tensor_bytes(dir + "/" + name + "/model.safetensors"); };
   EXPECT_EQ(weights("every-none"), weights("gateway-none"));
   EXPECT_EQ(weights("every-gradients"), weights("gateway-gradients"));
+  // One certificate per host: the same weights; the audit log names 5 hosts' certificates.
+  EXPECT_EQ(weights("every-hosts"), weights("every-none"));
+  auto fingerprints = [&](const std::string& name) {
+    std::set<std::string> seen;
+    for (const auto& line : lines_of(dir + "/" + name + "/audit.jsonl")) {
+      auto j = nlohmann::json::parse(line);
+      if (j["outcome"] == "accepted") seen.insert(j["fingerprint"].get<std::string>());
+    }
+    return seen.size();
+  };
+  EXPECT_EQ(fingerprints("every-hosts"), 5u);
+  EXPECT_EQ(fingerprints("every-none"), 2u);  // the sites' certificates, on every host
+  // A site whose hosts have no certificates of their own: the worker names the file and the command.
+  const std::string certs = dir + "/certs";
+  ASSERT_EQ(std::system(("cd " NEBULA_SOURCE_DIR " && " NEBULA_BINARY_DIR "/nebula certs init " + certs + " > /dev/null && " +
+                         NEBULA_BINARY_DIR "/nebula certs issue " + certs + " --site alpha --workers 2 > /dev/null && " +
+                         NEBULA_BINARY_DIR "/nebula certs issue " + certs + " --site beta > /dev/null").c_str()),
+            0);
+  Result missing = run(base + "--set strategy.kind=diloco --set wan.mode=every_worker --set security.host_certs=true "
+                       "--set security.certs=\\\"" + certs + "\\\" --set job.run_dir=\\\"" + dir + "/missing\\\"", 120);
+  EXPECT_EQ(missing.exit_code, 1) << missing.output;
+  EXPECT_NE(missing.output.find(certs + "/hosts/beta/"), std::string::npos) << missing.output;
+  EXPECT_NE(missing.output.find("--site beta --workers N"), std::string::npos) << missing.output;
   // Refused by key: sync, and a wrong number of worker addresses.
   Result r = run("run examples/smoke.toml --set strategy.kind=sync --set wan.mode=every_worker", 60);
   EXPECT_EQ(r.exit_code, 2) << r.output;

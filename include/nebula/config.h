@@ -229,6 +229,10 @@ struct SecurityConfig {
   std::string certs;       // dir with ca.pem, <site>.pem, <site>.key (`nebula certs`); local mode
                            // default: RUN_DIR/certs, created for the job
   std::string ca, cert, key;  // explicit PEM paths; override `certs`
+  // wan.mode = "every_worker": each host presents its own certificate of the site,
+  // <certs>/hosts/<site>/<rank>.pem and .key (`nebula certs issue DIR --site S --workers N`),
+  // instead of every host holding the site's key. Local mode issues them.
+  bool host_certs = false;
   std::string audit_log;   // default RUN_DIR/audit.jsonl
 };
 

@@ -101,6 +101,11 @@ int main(int argc, char** argv) {
   certs_issue->add_option("dir", certs_dir, "Directory holding the CA")->required();
   certs_issue->add_option("--site", site_name, "The site's name, as in [[sites]] name")->required();
   certs_issue->add_option("--days", days, "Validity in days (default 825)");
+  int host_workers = 0;
+  certs_issue->add_option("--workers", host_workers,
+                          "Also one certificate per host, for ranks 0 .. N-1 (DIR/hosts/SITE/RANK.pem; "
+                          "wan.mode = \"every_worker\" with security.host_certs = true)")
+      ->check(CLI::Range(1, 1 << 16));
 
   std::string topology_path;
   bool plan_json = false;
@@ -242,6 +247,12 @@ int main(int argc, char** argv) {
                   certs_dir.c_str(), site_name.c_str(), certs_dir.c_str(), site_name.c_str(),
                   nebula::transport::certificate_fingerprint(certs_dir + "/" + site_name + ".pem").c_str(),
                   site_name.c_str());
+      for (int r = 0; r < host_workers; ++r) {
+        nebula::transport::issue_host_certificate(certs_dir, site_name, r, days > 0 ? days : 825);
+        const std::string pem = nebula::transport::host_cert_path(certs_dir, site_name, r);
+        std::printf("issued %s and its .key (fingerprint %s); give both to the host of worker %d of site '%s' only\n",
+                    pem.c_str(), nebula::transport::certificate_fingerprint(pem).c_str(), r, site_name.c_str());
+      }
       return 0;
     }
     if (*corpus_build) {

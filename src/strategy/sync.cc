@@ -59,9 +59,12 @@ void load_codec_states(collective::Hierarchy& comm, const StrategyState& in) {
 
 void make_replicas_equal(collective::Hierarchy& comm, const std::vector<at::Tensor>& params) {
   at::NoGradGuard no_grad;
-  at::Tensor flat = flatten(params).contiguous();
-  const uint32_t crc = wire::crc32(
-      0, {static_cast<const uint8_t*>(flat.data_ptr()), static_cast<size_t>(flat.numel()) * sizeof(float)});
+  // The CRC of the flat vector, tensor by tensor: no copy of the whole model unless they differ.
+  uint32_t crc = 0;
+  for (const auto& p : params) {
+    const at::Tensor c = p.reshape({-1}).to(at::kCPU, at::kFloat).contiguous();  // CPU float32: the tensor itself
+    crc = wire::crc32(crc, {static_cast<const uint8_t*>(c.data_ptr()), static_cast<size_t>(c.numel()) * sizeof(float)});
+  }
   // Rank 0's CRC as four bytes (float32 holds them exactly), then how many workers differ.
   at::Tensor digits = at::empty({4}, at::kFloat);
   for (int i = 0; i < 4; ++i) digits[i] = static_cast<float>((crc >> (8 * i)) & 0xFF);
@@ -71,6 +74,7 @@ void make_replicas_equal(collective::Hierarchy& comm, const std::vector<at::Tens
   at::Tensor differ = at::full({1}, first == crc ? 0.0f : 1.0f, at::kFloat);
   comm.allreduce(differ, {collective::ReduceOp::kSum, 1.0});
   if (differ.item<float>() == 0) return;
+  at::Tensor flat = flatten(params);
   comm.broadcast_from_first(flat);
   unflatten_into(flat, params);
 }

@@ -15,8 +15,19 @@
 namespace nebula::train {
 namespace fs = std::filesystem;
 
-transport::TlsFiles tls_files(const Config& c, const std::string& site) {
+transport::TlsFiles tls_files(const Config& c, const std::string& site, int rank) {
   const auto& s = c.security;
+  if (s.host_certs && rank >= 0 && !s.certs.empty()) {
+    transport::TlsFiles p{transport::ca_cert_path(s.certs), transport::host_cert_path(s.certs, site, rank),
+                          transport::host_key_path(s.certs, site, rank)};
+    if (!s.ca.empty()) p.ca = s.ca;
+    for (const auto& f : {p.cert, p.key})
+      if (!fs::exists(f))
+        throw ConfigError(str_cat(c.source_path, ": security.host_certs = true, but ", f, " (worker ", rank,
+                                  " of site '", site, "') does not exist: make the site's host certificates with "
+                                  "`nebula certs issue ", s.certs, " --site ", site, " --workers N`"));
+    return p;
+  }
   transport::TlsFiles p = s.certs.empty() ? transport::TlsFiles{} : transport::TlsFiles::for_site(s.certs, site);
   if (!s.ca.empty()) p.ca = s.ca;
   if (!s.cert.empty()) p.cert = s.cert;
@@ -33,8 +44,11 @@ void ensure_local_certificates(Config& c) {
   const std::string dir = c.job.run_dir + "/certs";
   fs::create_directories(dir);
   if (!fs::exists(dir + "/ca.pem")) transport::create_ca(dir);
-  for (const auto& s : c.sites)
+  for (const auto& s : c.sites) {
     if (!fs::exists(dir + "/" + s.name + ".pem")) transport::issue_site_certificate(dir, s.name);
+    for (int r = 0; c.security.host_certs && r < s.workers; ++r)
+      if (!fs::exists(transport::host_cert_path(dir, s.name, r))) transport::issue_host_certificate(dir, s.name, r);
+  }
   c.security.certs = dir;
 }
 
@@ -43,8 +57,9 @@ namespace {
 // The connector of one endpoint (a gateway, or with every_worker a worker) to `endpoints`:
 // TLS, limits, audit log and, in local mode, the WAN emulation. `site_of[j]` is endpoint j's
 // site index.
+// `rank`: with every_worker, this worker's rank (its own certificate with security.host_certs).
 GatewayLinks connect_endpoints(const Config& c, std::vector<transport::SiteAddress> endpoints,
-                               std::vector<size_t> site_of, size_t self, bool joining) {
+                               std::vector<size_t> site_of, size_t self, bool joining, int rank = -1) {
   const size_t site = site_of[self];
   transport::ConnectorOptions o;
   o.job = c.job.name;
@@ -61,7 +76,7 @@ GatewayLinks connect_endpoints(const Config& c, std::vector<transport::SiteAddre
   if (c.security.insecure) {
     spdlog::warn("security.insecure = true: links to other sites are PLAINTEXT and unauthenticated");
   } else {
-    o.tls = transport::TlsContext::create(tls_files(c, c.sites[site].name));
+    o.tls = transport::TlsContext::create(tls_files(c, c.sites[site].name, rank));
   }
   if (c.wan.emulated()) {
     // One bottleneck per direction of a site pair, shared by its streams; with every_worker
@@ -156,7 +171,7 @@ GatewayLinks connect_worker(const Config& c, size_t site, int rank) {
       endpoints.push_back({str_cat(c.sites[s].name, "/", r), worker_address(c, s, r), c.sites[s].name});
       site_of.push_back(s);
     }
-  return connect_endpoints(c, std::move(endpoints), std::move(site_of), self, false);
+  return connect_endpoints(c, std::move(endpoints), std::move(site_of), self, false, rank);
 }
 
 }  // namespace nebula::train

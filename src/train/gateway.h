@@ -14,7 +14,10 @@ namespace nebula::train {
 
 // The CA, certificate and key that site `site` uses, from [security] (explicit paths win over
 // `certs`). ConfigError naming the keys to set when there are none.
-transport::TlsFiles tls_files(const Config& config, const std::string& site);
+// With security.host_certs (every_worker), worker `rank`'s own certificate of the site
+// (<certs>/hosts/<site>/<rank>.pem); ConfigError naming the missing file and the command
+// that makes it.
+transport::TlsFiles tls_files(const Config& config, const std::string& site, int rank = -1);
 
 // Connects this site's gateway to every other site's. Keep the connector alive as long as the
 // links: it re-establishes them when they break.
@@ -35,8 +38,8 @@ GatewayLinks connect_worker(const Config& config, size_t site, int rank);
 // The WAN address worker `rank` of site `site` listens at (its gateway for rank 0).
 std::string worker_address(const Config& config, size_t site, int rank);
 
-// Local mode: makes RUN_DIR/certs (a CA and one certificate per site) unless it exists, and
-// points config.security.certs at it.
+// Local mode: makes RUN_DIR/certs (a CA and one certificate per site, and with
+// security.host_certs one per worker) unless it exists, and points config.security.certs at it.
 void ensure_local_certificates(Config& config);
 
 }  // namespace nebula::train

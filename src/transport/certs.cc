@@ -215,6 +215,12 @@ std::string site_key_path(const std::string& dir, const std::string& site) {
 std::string site_cert_path(const std::string& dir, const std::string& site) {
   return (fs::path(dir) / (site + ".pem")).string();
 }
+std::string host_key_path(const std::string& dir, const std::string& site, int rank) {
+  return (fs::path(dir) / "hosts" / site / (std::to_string(rank) + ".key")).string();
+}
+std::string host_cert_path(const std::string& dir, const std::string& site, int rank) {
+  return (fs::path(dir) / "hosts" / site / (std::to_string(rank) + ".pem")).string();
+}
 
 X509* read_certificate(const std::string& pem_path) {
   ERR_clear_error();
@@ -273,7 +279,11 @@ void create_ca(const std::string& dir, int days) {
   }
 }
 
-void issue_site_certificate(const std::string& dir, const std::string& site, int days, long valid_from_offset_s) {
+namespace {
+
+// A certificate naming `site`, signed by DIR's CA, written to key_file and cert_file.
+void issue_certificate(const std::string& dir, const std::string& site, const std::string& key_file,
+                       const std::string& cert_file, int days, long valid_from_offset_s) {
   check_site_name(site);
   check_days(days);
   const std::string ca_key_file = ca_key_path(dir), ca_cert_file = ca_cert_path(dir);
@@ -299,9 +309,21 @@ void issue_site_certificate(const std::string& dir, const std::string& site, int
   if (is_dns_name(site)) add_ext(cert.get(), ca_cert.get(), NID_subject_alt_name, "DNS:" + site);
   sign(cert.get(), ca_key.get());
 
+  fs::create_directories(fs::path(cert_file).parent_path());
   // Key first: a new certificate next to the old key would not load.
-  write_file(site_key_path(dir, site), pem_of_key(key.get()), 0600, /*exclusive=*/false);
-  write_file(site_cert_path(dir, site), pem_of_cert(cert.get()), 0644, /*exclusive=*/false);
+  write_file(key_file, pem_of_key(key.get()), 0600, /*exclusive=*/false);
+  write_file(cert_file, pem_of_cert(cert.get()), 0644, /*exclusive=*/false);
+}
+
+}  // namespace
+
+void issue_site_certificate(const std::string& dir, const std::string& site, int days, long valid_from_offset_s) {
+  issue_certificate(dir, site, site_key_path(dir, site), site_cert_path(dir, site), days, valid_from_offset_s);
+}
+
+void issue_host_certificate(const std::string& dir, const std::string& site, int rank, int days) {
+  NEBULA_CHECK(rank >= 0, "host certificate of site ", site, ": rank ", rank);
+  issue_certificate(dir, site, host_key_path(dir, site, rank), host_cert_path(dir, site, rank), days, 0);
 }
 
 std::string x509_fingerprint(const X509* cert) {

@@ -33,6 +33,10 @@ std::string ca_key_path(const std::string& dir);                             // 
 std::string ca_cert_path(const std::string& dir);                            // DIR/ca.pem
 std::string site_key_path(const std::string& dir, const std::string& site);  // DIR/<site>.key
 std::string site_cert_path(const std::string& dir, const std::string& site); // DIR/<site>.pem
+// One host's own certificate of a site (wan.mode = "every_worker", security.host_certs):
+// DIR/hosts/<site>/<rank>.pem and .key; it names the site, as the site's certificate does.
+std::string host_key_path(const std::string& dir, const std::string& site, int rank);
+std::string host_cert_path(const std::string& dir, const std::string& site, int rank);
 
 // Creates DIR (mode 0700) if needed and a new self-signed CA valid for `days` from now:
 // DIR/ca.key (0600) and DIR/ca.pem. Refuses -- nebula::Error naming the existing file --
@@ -50,6 +54,9 @@ void create_ca(const std::string& dir, int days = 3650);
 // expired (offset -10 days, 1 day) and not-yet-valid (offset +1 day) certificates.
 void issue_site_certificate(const std::string& dir, const std::string& site, int days = 825,
                             long valid_from_offset_s = 0);
+// The same for worker `rank` of `site`: host_cert_path/host_key_path, CN = site (each host of a
+// site gets its own key, so one leaked host key can be revoked alone).
+void issue_host_certificate(const std::string& dir, const std::string& site, int rank, int days = 825);
 
 // SHA-256 of the certificate's DER encoding, as 64 lowercase hex digits.
 std::string certificate_fingerprint(const std::string& pem_path);

@@ -4,6 +4,8 @@
 #include <unistd.h>
 
 #include <gtest/gtest.h>
+
+#include <set>
 #include <openssl/evp.h>
 #include <openssl/x509.h>
 #include <openssl/x509v3.h>
@@ -65,6 +67,29 @@ TEST(CertsTest, CreateCaTwiceRefusesTheSecond) {
   fs::remove(ca_key_path(ca_dir));
   expect_error_containing([&] { create_ca(ca_dir); }, ca_cert_path(ca_dir));
   EXPECT_FALSE(fs::exists(ca_key_path(ca_dir)));
+}
+
+// A host's own certificate of a site (every_worker, security.host_certs): it names the site,
+// chains to the CA, has its own key, and leaves the site's certificate alone.
+TEST(CertsTest, HostCertificatesNameTheirSiteWithTheirOwnKeys) {
+  ScopedDir dir;
+  create_ca(dir.path());
+  issue_site_certificate(dir.path(), "site-b");
+  issue_host_certificate(dir.path(), "site-b", 0);
+  issue_host_certificate(dir.path(), "site-b", 1);
+  const std::string h0 = host_cert_path(dir.path(), "site-b", 0), h1 = host_cert_path(dir.path(), "site-b", 1);
+  EXPECT_EQ(h1, dir.path() + "/hosts/site-b/1.pem");
+  EXPECT_EQ(file_mode(host_key_path(dir.path(), "site-b", 1)), 0600u);
+  EXPECT_EQ(certificate_site(h0), "site-b");
+  EXPECT_EQ(certificate_site(h1), "site-b");
+  std::unique_ptr<X509, X509Free> ca(read_certificate(ca_cert_path(dir.path())));
+  std::unique_ptr<X509, X509Free> cert(read_certificate(h1));
+  std::unique_ptr<EVP_PKEY, PkeyFree> key(read_private_key(host_key_path(dir.path(), "site-b", 1)));
+  EXPECT_EQ(X509_verify(cert.get(), X509_get0_pubkey(ca.get())), 1);
+  EXPECT_EQ(X509_check_private_key(cert.get(), key.get()), 1);
+  const std::set<std::string> fingerprints = {certificate_fingerprint(site_cert_path(dir.path(), "site-b")),
+                                              certificate_fingerprint(h0), certificate_fingerprint(h1)};
+  EXPECT_EQ(fingerprints.size(), 3u);
 }
 
 TEST(CertsTest, IssuedCertificateVerifiesAgainstItsCa) {

@@ -108,6 +108,10 @@ void check_wan_mode(const Config& c, const toml::table& root, const std::string&
                                 " workers and ", s.worker_addresses.size(), " worker addresses: list one \"host:port\" "
                                 "for each of ranks 1 .. ", s.workers - 1, " (rank 0 listens at `gateway`)"));
   }
+  if (c.security.host_certs && !c.wan.every_worker())
+    throw ConfigError(str_cat(place(root, "security", "host_certs", file), ": key 'security.host_certs': one "
+                              "certificate per host is for wan.mode = \"every_worker\" (each worker on the WAN); with "
+                              "a gateway the site's certificate is the gateway's: set host_certs = false"));
   if (!c.wan.every_worker()) return;
   const std::string at = str_cat(place(root, "wan", "mode", file), ": key 'wan.mode': \"every_worker\" ");
   auto refuse = [&](const std::string& why) { throw ConfigError(at + why); };
@@ -414,7 +418,10 @@ Config build(const toml::table& root, const std::string& file) {
     s.string("cert", c.security.cert);
     s.string("key", c.security.key);
     s.string("audit_log", c.security.audit_log);
+    s.boolean("host_certs", c.security.host_certs);
     s.finish();
+    if (c.security.host_certs && (!c.security.cert.empty() || !c.security.key.empty()))
+      s.fail(*t, "host_certs", "host_certs reads <certs>/hosts/<site>/<rank>.pem: set certs = \"DIR\", not cert and key");
   }
   if (auto* t = top.table("metrics")) {
     Section s(*t, "metrics", file);
@@ -613,7 +620,8 @@ std::string to_toml(const Config& c) {
                                       {"ca", c.security.ca},
                                       {"cert", c.security.cert},
                                       {"key", c.security.key},
-                                      {"audit_log", c.security.audit_log}});
+                                      {"audit_log", c.security.audit_log},
+                                      {"host_certs", c.security.host_certs}});
   root.insert("metrics", toml::table{{"progress", c.metrics.progress}});
   root.insert("checkpoint",
               toml::table{{"every", c.checkpoint.every}, {"keep", c.checkpoint.keep}, {"dir", c.checkpoint.dir}});

@@ -144,6 +144,9 @@ TEST(Config, WanModeEveryWorker) {
                {"wan.mode=\"every_worker\"", "sites.0.worker_addresses=[\"a:1\", \"a:2\"]"});
   expect_error(every, {"sites[0].worker_addresses", "every_worker"}, {"sites.0.worker_addresses=[\"a:1\"]"});
   expect_error(every, {"wan.mode", "all_workers"}, {"wan.mode=\"all_workers\""});
+  // One certificate per host: with every_worker only, and read from `certs`.
+  EXPECT_TRUE(parse_config(every, "job.toml", {"wan.mode=\"every_worker\"", "security.host_certs=true"}).security.host_certs);
+  expect_error(every, {"security.host_certs", "every_worker"}, {"security.host_certs=true"});
 }
 
 TEST(Config, ExamplesLoad) {
