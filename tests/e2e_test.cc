@@ -1008,8 +1008,8 @@ TEST(EndToEnd, StopOrCrashThenResumeGivesTheSameWeightsAsAnUninterruptedRun) {
   fs::remove_all(dir);
 }
 
-// [2/5] ZeRO-1's, -2's and -3's checkpoints hold each worker's own shard of AdamW's moments and
-// of diloco's outer state (ZeRO-3: and the whole model, gathered for the checkpoint): a run
+// [2/5] ZeRO-1's, -2's and -3's checkpoints hold each worker's own shard of AdamW's moments, of
+// diloco's outer state and of the trainable parameters (no worker gathers the model): a run
 // stopped at step 15 and resumed ends with bit-identical weights; resumed unsharded (the shards
 // joined) too; resumed on 3 workers instead of 2 it reshards and the sites' global weights
 // still agree at every merge.
@@ -1033,6 +1033,11 @@ TEST(EndToEnd, ZeroOneStopAndResumeFromShardedCheckpointsGivesTheSameWeights) {
     EXPECT_FALSE(r0.count("optim/1/exp_avg")) << "one flat shard, not one entry per parameter";
     EXPECT_EQ(r0.at("optim/0/exp_avg").size(), r1.at("optim/0/exp_avg").size());
     EXPECT_NE(r0.at("optim/0/exp_avg"), r1.at("optim/0/exp_avg"));
+    // The parameters too: each rank its half, and no trainable model tensor whole.
+    ASSERT_TRUE(r0.count("optim/0/param") && r1.count("optim/0/param"));
+    EXPECT_EQ(r0.at("optim/0/param").size(), r0.at("optim/0/exp_avg").size());
+    EXPECT_NE(r0.at("optim/0/param"), r1.at("optim/0/param"));
+    for (const auto& [name, bytes] : r0) EXPECT_NE(name.rfind("model/", 0), 0u) << name << " saved whole";
     fs::copy(dir + "/stopped", dir + "/unsharded", fs::copy_options::recursive);
     fs::copy(dir + "/stopped", dir + "/three", fs::copy_options::recursive);
     Result resumed = run(common + "/stopped\\\" --resume" + zero);

@@ -2,6 +2,8 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
+
 #include "nebula/error.h"
 #include "train/optimizer_state.h"
 
@@ -96,8 +98,26 @@ void InnerOptimizer::step() {
   if (!full_) site_.all_gather(shard_.detach(), flat_);  // ZeRO-3 gathers layer by layer when they run
 }
 
+namespace {
+constexpr const char* kParamShard = "optim/0/param";
+}  // namespace
+
+bool InnerOptimizer::holds_parameter_shards(const Checkpoint& k) { return k.tensors.count(kParamShard) > 0; }
+
+void InnerOptimizer::write_flat(const at::Tensor& values, int64_t begin) {
+  at::NoGradGuard no_grad;
+  const int64_t end = begin + values.numel();
+  int64_t at = 0;
+  for (auto& p : params_) {
+    const int64_t lo = std::max(at, begin), hi = std::min(at + p.numel(), end);
+    if (lo < hi) p.view({-1}).narrow(0, lo - at, hi - lo).copy_(values.narrow(0, lo - begin, hi - lo));
+    at += p.numel();
+  }
+}
+
 void InnerOptimizer::save(Checkpoint& out) const {
   save_optimizer(*adamw_, optimized_, out);
+  if (sharded_) out.tensors[kParamShard] = shard_.detach();
   out.state["optim"]["shard"] = {{"numel", state_numel()}, {"rank", sharded_ ? site_.rank() : 0},
                                  {"of", sharded_ ? site_.size() : 1}};
 }
@@ -110,6 +130,14 @@ void InnerOptimizer::load(const Checkpoint& in) {
                             " elements, this worker's covers ", state_numel(), " (parallel.shard or the site's "
                             "workers changed since the checkpoint): resume with the settings it was written with"));
   load_optimizer(*adamw_, optimized_, in);
+  if (sharded_ && holds_parameter_shards(in)) {
+    const at::Tensor& values = in.tensors.at(kParamShard);
+    if (values.numel() != shard_numel_)
+      throw DataError(str_cat("checkpoint of step ", in.step, ": its parameter shard has ", values.numel(),
+                              " values, this worker's has ", shard_numel_, ": the model changed"));
+    write_flat(values.reshape({-1}).to(at::kFloat), site_.rank() * shard_numel_);
+    if (!full_) site_.all_gather(shard_.detach(), flat_);
+  }
 }
 
 void InnerOptimizer::load_resharded(const std::vector<const Checkpoint*>& ranks) {
@@ -185,6 +213,21 @@ void InnerOptimizer::load_resharded(const std::vector<const Checkpoint*>& ranks)
   }
   now.state["optim"] = {{"steps", now_steps}, {"shard", {{"numel", state_numel()}}}};
   load(now);
+  // The trainable parameters, when the old workers saved them as shards: joined whole and
+  // written into every parameter (ZeRO-3: inside the caller's gather; nothing to all-gather).
+  if (holds_parameter_shards(first)) {
+    std::vector<at::Tensor> shards;
+    for (const Checkpoint* k : ranks) {
+      if (!holds_parameter_shards(*k))
+        throw DataError(str_cat("checkpoint of step ", k->step, ": one worker's holds no parameter shard"));
+      shards.push_back(k->tensors.at(kParamShard).reshape({-1}).to(at::kFloat));
+    }
+    const at::Tensor whole = at::cat(shards);
+    if (whole.numel() < total_numel_)
+      throw DataError(str_cat("checkpoint of step ", first.step, ": parameter shards of ", whole.numel(),
+                              " values for a model of ", total_numel_, ": the model changed"));
+    write_flat(whole.narrow(0, 0, total_numel_), 0);
+  }
 }
 
 }  // namespace nebula::train

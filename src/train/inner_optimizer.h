@@ -31,8 +31,11 @@
 //                       nothing is all-gathered after the step.
 //
 // Checkpoints (save/load through optimizer_state.h) hold this worker's moments only: with
-// shard = "optimizer" or "gradients" a checkpoint is sharded, one shard per rank directory.
-// load_resharded resumes them under another shard mode or number of workers.
+// shard = "optimizer", "gradients" or "full" a checkpoint is sharded, one shard per rank
+// directory, and it holds this worker's shard of the trainable parameters too
+// ("optim/0/param", S values; the model's other tensors stay whole in "model/..."), so no
+// worker gathers the model to checkpoint it. load_resharded resumes them under another shard
+// mode or number of workers.
 #pragma once
 
 #include <torch/optim/adamw.h>
@@ -74,8 +77,15 @@ class InnerOptimizer {
   const at::Tensor& flat_params() const { return full_ ? shard_ : flat_; }
   bool params_gathered() const { return full_ == nullptr; }
 
+  // Sharded: this worker's shard of the trainable parameters goes in too ("optim/0/param").
   void save(Checkpoint& out) const;
+  // Sharded, from a checkpoint that holds the parameters' shard: it is written back and the
+  // site all-gathers (ZeRO-1/2; a site collective); ZeRO-3 must run it inside
+  // FullShard::with_full_model, which keeps what is written into this worker's shard.
   void load(const Checkpoint& in);
+  // Whether the checkpoint holds the trainable parameters as shards ("optim/0/param"), not
+  // whole in "model/...".
+  static bool holds_parameter_shards(const Checkpoint& k);
   // Resume under another layout ([parallel] shard or the site's workers changed since the
   // checkpoint): `ranks` are the checkpoints of every worker of the site that wrote them, in
   // rank order, all of one step. Their moments are joined into the whole flat vector and this
@@ -89,6 +99,9 @@ class InnerOptimizer {
   collective::SiteGroup& site_;
   FullShard* full_;
   void rebind_grads();  // every .grad back to its view of flat_grad_
+  // Writes `values` into the flat parameter vector from `begin` (what lies past its n values,
+  // the padding, is dropped), through the parameters: whole ones (ZeRO-3: inside a gather).
+  void write_flat(const at::Tensor& values, int64_t begin);
 
   bool sharded_ = false, gradients_sharded_ = false;
   int64_t total_numel_ = 0, shard_numel_ = 0;

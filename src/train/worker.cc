@@ -14,6 +14,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <optional>
+#include <set>
 #include <thread>
 
 #include "collective/gateway_mesh.h"
@@ -88,10 +89,16 @@ int64_t test_stop_step() {
 
 // Everything a worker needs to continue: the model (all of it: PEFT's frozen part too), the
 // optimizer, LibTorch's generator, the task's data position, the strategy and its codecs.
+// Sharded, the trainable parameters go as this worker's shard (InnerOptimizer::save), the
+// rest of the model whole.
 Checkpoint capture(int64_t step, Task& task, const InnerOptimizer& optimizer, const strategy::Strategy& strategy) {
   Checkpoint k;
   k.step = step;
-  for (const auto& item : task.module().named_parameters()) k.tensors["model/" + item.key()] = item.value().detach();
+  std::set<const void*> sharded;  // the trainable parameters, when the optimizer saves them as shards
+  if (optimizer.sharded())
+    for (const auto& p : task.trainable()) sharded.insert(p.unsafeGetTensorImpl());
+  for (const auto& item : task.module().named_parameters())
+    if (!sharded.count(item.value().unsafeGetTensorImpl())) k.tensors["model/" + item.key()] = item.value().detach();
   for (const auto& item : task.module().named_buffers()) k.tensors["model/" + item.key()] = item.value();
   optimizer.save(k);
   save_torch_rng(k);
@@ -103,9 +110,15 @@ Checkpoint capture(int64_t step, Task& task, const InnerOptimizer& optimizer, co
   return k;
 }
 
+// A checkpoint with the trainable parameters as shards holds only the rest here: the
+// optimizer writes them (InnerOptimizer::load / load_resharded).
 void load_model(const Checkpoint& k, Task& task) {
   at::NoGradGuard no_grad;
+  std::set<const void*> sharded;
+  if (InnerOptimizer::holds_parameter_shards(k))
+    for (const auto& p : task.trainable()) sharded.insert(p.unsafeGetTensorImpl());
   auto load = [&](const std::string& name, at::Tensor t) {
+    if (sharded.count(t.unsafeGetTensorImpl())) return;
     auto it = k.tensors.find("model/" + name);
     if (it == k.tensors.end() || !it->second.sizes().equals(t.sizes()))
       throw DataError(str_cat("checkpoint of step ", k.step, ": model tensor '", name, "' is ",
@@ -426,12 +439,17 @@ int run_worker(const Config& c, const WorkerIdentity& who, bool resume, bool rej
   }
   if (!resumed && !rejoin && task->eval_at_start()) whole([&] { eval_start = evaluate_now(0); }, true);
   auto checkpoint_now = [&](int64_t steps_done) {
-    whole([&] {  // ZeRO-3: every rank's checkpoint holds the whole model, as with the other modes
+    auto save = [&] {
       Checkpoint k = capture(steps_done, *task, optimizer, *strategy);
       k.state["worker"] = {{"tokens", tokens},          {"eval_start", eval_start}, {"site", site.name},
                            {"rank", who.local_rank}, {"workers", workers},       {"shard", c.parallel.shard}};
       save_checkpoint(checkpoint_dir, k, fingerprint, static_cast<int>(c.checkpoint.keep));
-    });
+    };
+    // Sharded, each rank saves its shard of the trainable parameters: ZeRO-3 gathers nothing.
+    if (optimizer.sharded())
+      save();
+    else
+      whole(save);
     spdlog::info("checkpoint of step {} written to {}", steps_done, checkpoint_dir);
   };
 
