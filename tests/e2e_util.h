@@ -16,6 +16,7 @@
 #include <map>
 #include <nlohmann/json.hpp>
 #include <string>
+#include <random>
 #include <vector>
 
 namespace nebula::e2e {
@@ -121,19 +122,21 @@ class Background {
   pid_t pid_ = -1;
 };
 
-// `n` distinct free loopback ports (held until all are chosen, so none repeats).
+// `n` distinct free loopback ports (held until all are chosen, so none repeats), drawn below
+// the kernel's ephemeral range as transport::pick_free_port does, so that no outgoing
+// connection of a test running beside this one can take one before the workers bind it.
 inline std::vector<uint16_t> free_ports(int n) {
   std::vector<int> fds;
   std::vector<uint16_t> ports;
-  for (int i = 0; i < n; ++i) {
+  std::mt19937 rng(std::random_device{}());
+  std::uniform_int_distribution<int> draw(10000, 32767);  // below Linux's default ephemeral range
+  for (int attempt = 0; static_cast<int>(ports.size()) < n && attempt < 1000; ++attempt) {
     int fd = ::socket(AF_INET, SOCK_STREAM, 0);
     sockaddr_in a{};
     a.sin_family = AF_INET;
     a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    socklen_t len = sizeof a;
-    if (::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0 &&
-        ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) == 0)
-      ports.push_back(ntohs(a.sin_port));
+    a.sin_port = htons(static_cast<uint16_t>(draw(rng)));
+    if (::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0) ports.push_back(ntohs(a.sin_port));
     fds.push_back(fd);
   }
   for (int fd : fds) ::close(fd);

@@ -419,7 +419,7 @@ Memory gateway_memory(const Topology& t, size_t site, const Candidate& c) {
     mem.activations = L * t.tokens_per_step_per_worker * (66 * h + 9 * a * seq);
   }
   // The site's all-reduce stages the gradients in one flat buffer; ZeRO-2 reduces them in place.
-  // (ZeRO-3's whole-model gather for evaluation and checkpoints is not a training step's: not counted.)
+  // (ZeRO-3's whole-model gather on the gateway for evaluation and the model file is not a training step's: not counted.)
   if (sync || (N > 1 && c.shard != "gradients")) mem.buffers = 4 * tr / d_grad;
   // The outer state (θ_global, outer momentum, θ_local at a send) shards with the optimizer:
   // each worker keeps its part of every fragment.
@@ -706,20 +706,24 @@ std::string format_table(const Topology& t, const Plan& plan, size_t top) {
   char line[320];
   // The shard column only when shard modes are candidates.
   auto shard_col = [&](const std::string& v) { return sharded ? pad(v, 10) + " " : std::string(); };
-  std::snprintf(line, sizeof line, "  %-10s %-10s %5s %4s %5s %s%11s %12s %14s %7s %6s %11s %11s %4s\n", "strategy",
-                "codec", "H", "F", "delay", shard_col("shard").c_str(), "step", "WAN/step", "WAN/1000 steps", "util",
-                "ratio", "device/wkr", "host/gw", "fits");
+  // The WAN mode column only when every_worker is a candidate.
+  const bool modes = t.wan_modes.size() != 1 || t.wan_modes[0] != "gateway";
+  auto mode_col = [&](const std::string& v) { return modes ? pad(v, 13) + " " : std::string(); };
+  std::snprintf(line, sizeof line, "  %-10s %-10s %5s %4s %5s %s%s%11s %12s %14s %7s %6s %11s %11s %4s\n", "strategy",
+                "codec", "H", "F", "delay", shard_col("shard").c_str(), mode_col("wan mode").c_str(), "step", "WAN/step",
+                "WAN/1000 steps", "util", "ratio", "device/wkr", "host/gw", "fits");
   out << line;
   auto row = [&](size_t i) {
     const Prediction& p = plan.predictions[i];
     const Candidate& c = p.candidate;
     const bool streaming = c.strategy == "streaming";
     const std::string shard = p.runnable ? c.shard : c.shard + "*";
-    std::snprintf(line, sizeof line, "%s %-10s %-10s %5s %4s %5s %s%11s %12s %14s %7s %5.1fx %11s %11s %4s\n",
+    std::snprintf(line, sizeof line, "%s %-10s %-10s %5s %4s %5s %s%s%11s %12s %14s %7s %5.1fx %11s %11s %4s\n",
                   plan.recommended == i ? "*" : " ", c.strategy.c_str(), c.codec.c_str(),
                   c.strategy == "sync" ? "-" : std::to_string(c.inner_steps).c_str(),
                   streaming ? std::to_string(c.fragments).c_str() : "-",
-                  streaming ? std::to_string(c.delay).c_str() : "-", shard_col(shard).c_str(), seconds(p.step_s).c_str(),
+                  streaming ? std::to_string(c.delay).c_str() : "-", shard_col(shard).c_str(),
+                  mode_col(p.runnable ? c.wan_mode : c.wan_mode + "*").c_str(), seconds(p.step_s).c_str(),
                   format_bytes(p.wan_bytes_per_step).c_str(), format_bytes(1000 * p.wan_bytes_per_step).c_str(),
                   percent(p.utilization).c_str(), p.compression, format_bytes(p.memory.device()).c_str(),
                   format_bytes(p.memory.host()).c_str(), fits_word(t, p.misfit).c_str());

@@ -26,9 +26,10 @@
 // site's weight. The cost: one more forward of every layer (activation recomputation, about a
 // third more compute per step) and two all-gathers of the model per step instead of one.
 //
-// Outside a step, validation runs layer by layer too (with_rest); checkpoints gather every
-// parameter for a while on every worker, and the gateway's evaluation and the model file on
-// the gateway only (with_full_model): one model-sized copy, no gradients or moments.
+// Outside a step, validation runs layer by layer too (with_rest); the gateway's evaluation and
+// the model file gather every parameter on the gateway only (with_full_model): one model-sized
+// copy, no gradients or moments. Checkpoints gather nothing: each rank saves its shard
+// (InnerOptimizer::save); a resume writes it back inside with_full_model.
 //
 // One thread (the training thread) uses it, as the model. CPU float32 parameters only.
 #pragma once

@@ -14,7 +14,9 @@
 #include <algorithm>
 #include <cctype>
 #include <cerrno>
+#include <cstdio>
 #include <cstring>
+#include <random>
 #include <thread>
 
 namespace nebula::transport {
@@ -523,6 +525,25 @@ std::unique_ptr<TcpLink> TcpListener::accept(Deadline deadline, std::string peer
 }
 
 uint16_t pick_free_port(const std::string& host) {
+  int ephemeral_low = 32768;  // Linux's default, when /proc does not say
+  if (FILE* f = std::fopen("/proc/sys/net/ipv4/ip_local_port_range", "r")) {
+    if (std::fscanf(f, "%d", &ephemeral_low) != 1) ephemeral_low = 32768;
+    std::fclose(f);
+  }
+  constexpr int kLowest = 10000;  // above the well-known and common service ports
+  if (ephemeral_low - kLowest >= 1000) {
+    std::random_device seed;
+    std::mt19937 rng(seed());
+    std::uniform_int_distribution<int> draw(kLowest, ephemeral_low - 1);
+    for (int attempt = 0; attempt < 64; ++attempt) {
+      try {
+        TcpListener probe(host, static_cast<uint16_t>(draw(rng)));
+        return probe.port();
+      } catch (const Error&) {
+        // taken: draw again
+      }
+    }
+  }
   TcpListener probe(host, 0);
   return probe.port();
 }
