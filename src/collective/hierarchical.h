@@ -35,7 +35,8 @@ struct AllreduceOptions {
   ReduceOp op = ReduceOp::kWeightedMean;
   double weight = 1.0;  // this worker's weight (kWeightedMean); >= 0, and Σ over all workers > 0
   // The lossy codec of the inter-site leg; null = exact float32. Only the gateway encodes,
-  // once per site per call; inside the site everything stays full precision.
+  // once per site per call (exchange_parts_async: each worker its own segments); inside the
+  // site everything stays full precision.
   const codec::Codec* codec = nullptr;
   // Names the logical tensor (e.g. a gradient bucket) whose codec state (error feedback,
   // PowerSGD's Q) this call uses and updates. Same tag, same tensor, every step.
@@ -177,7 +178,7 @@ class Hierarchy {
   void join(Deadline deadline);
   // The codec states (error feedback, PowerSGD's Q, RNG counters) by (tag, tensor), for
   // checkpoints. Only while no collective is queued or running (the communication thread
-  // owns them otherwise); gateway only (empty elsewhere).
+  // owns them otherwise); on the gateway, or with every_worker on every worker (empty elsewhere).
   using CodecStates = std::map<std::pair<uint64_t, size_t>, codec::CodecState>;
   const CodecStates& codec_states() const { return codec_state_; }
   void set_codec_states(CodecStates states) { codec_state_ = std::move(states); }

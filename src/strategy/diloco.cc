@@ -80,6 +80,17 @@ std::vector<at::Tensor> DilocoStrategy::param_views(const Fragment& fr) const {
 
 at::Tensor DilocoStrategy::read_params(const Fragment& fr) const { return flatten(param_views(fr)); }
 
+at::Tensor DilocoStrategy::read_range(const Fragment& fr, int64_t begin, int64_t len) const {
+  at::Tensor out = at::empty({len}, at::kFloat);
+  int64_t pos = 0;
+  for (const auto& v : param_views(fr)) {  // piece by piece: no copy of the rest
+    const int64_t lo = std::max(begin, pos), hi = std::min(begin + len, pos + v.numel());
+    if (lo < hi) out.narrow(0, lo - begin, hi - lo).copy_(v.narrow(0, lo - pos, hi - lo));
+    pos += v.numel();
+  }
+  return out;
+}
+
 void DilocoStrategy::write_params(const Fragment& fr, const at::Tensor& flat) const {
   unflatten_into(flat, param_views(fr));
 }
@@ -211,13 +222,7 @@ void DilocoStrategy::init(const std::vector<at::Tensor>& params) {
       fr.part_at = std::clamp(rank * shard - fr.offset, int64_t{0}, fr.numel);
       fr.part_len = std::clamp((rank + 1) * shard - fr.offset, int64_t{0}, fr.numel) - fr.part_at;
     }
-    fr.global = at::empty({fr.part_len}, at::kFloat);
-    int64_t pos = 0;
-    for (const auto& v : param_views(fr)) {  // the part's values, piece by piece
-      const int64_t lo = std::max(fr.part_at, pos), hi = std::min(fr.part_at + fr.part_len, pos + v.numel());
-      if (lo < hi) fr.global.narrow(0, lo - fr.part_at, hi - lo).copy_(v.narrow(0, lo - pos, hi - lo));
-      pos += v.numel();
-    }
+    fr.global = read_range(fr, fr.part_at, fr.part_len);
     fr.momentum = at::zeros({fr.part_len}, at::kFloat);
   }
   last_step_end_ = Clock::now();
@@ -566,9 +571,8 @@ void DilocoStrategy::send_own_part(Fragment& fr, double weight, double hash) {
       pos += v.numel();
     }
   } else {
-    fr.delta = fr.global.narrow(0, lo, len).clone();
-    part = fr.delta;
-    part.sub_(read_params(fr).narrow(0, lo, len));
+    fr.delta = part = fr.global.narrow(0, lo, len).clone();
+    part.sub_(read_range(fr, lo, len));
   }
   collective::AllreduceOptions o;
   o.op = collective::ReduceOp::kWeightedMean;

@@ -172,6 +172,8 @@ class DilocoStrategy : public Strategy {
   void set_codec(const std::string& kind);
   // Fragment fr's values of the parameters as one float32 host vector, and back (in place).
   at::Tensor read_params(const Fragment& fr) const;
+  // Values [begin, begin + len) of fragment fr's parameters, without reading the rest.
+  at::Tensor read_range(const Fragment& fr, int64_t begin, int64_t len) const;
   void write_params(const Fragment& fr, const at::Tensor& flat) const;
   std::vector<at::Tensor> param_views(const Fragment& fr) const;  // flat views into params_
   // Views of the parameters of this worker's part of fr (its whole, unsharded), and their
