@@ -354,16 +354,8 @@ TEST(EndToEnd, EveryWorkerAKilledWorkerStopsTheJob) {
                  "--set strategy.inner_steps=5 --set wan.mode=every_worker --set job.timeout=\\\"30s\\\" "
                  "--set job.run_dir=\\\"" + dir + "/run\\\"",
                  dir + "/out.log", 300);
-  bool reached = false;  // beta/1 has logged a step past the first outer steps
-  for (int i = 0; i < 3000 && !reached; ++i) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));
-    for (const auto& line : lines_of(dir + "/run/metrics.jsonl")) {
-      auto j = nlohmann::json::parse(line, nullptr, false);
-      if (!j.is_discarded() && j.value("site", "") == "beta" && j.value("rank", -1) == 1 && j.value("step", 0) >= 20)
-        reached = true;
-    }
-  }
-  ASSERT_TRUE(reached) << read_file(dir + "/out.log");
+  // beta/1 has logged a step past the first outer steps.
+  ASSERT_TRUE(wait_for_step(dir + "/run/metrics.jsonl", "beta", 1, 20, std::chrono::seconds(150))) << read_file(dir + "/out.log");
   std::ifstream win(dir + "/run/workers.json");
   for (const auto& w : nlohmann::json::parse(win))
     if (w["site"] == "beta" && w["rank"] == 1) ::kill(w["pid"].get<pid_t>(), SIGKILL);
@@ -1172,16 +1164,8 @@ TEST(EndToEnd, ALostSiteRejoinsTwiceAndTheRunEndsNearTheCleanLoss) {
   fs::create_directories(dir);
   std::thread job([cmd] { ASSERT_EQ(std::system(cmd.c_str()), 0); });
   // Wait (bounded) until the restarted beta's gateway has logged step 200, then kill it.
-  bool reached = false;
-  for (int i = 0; i < 6000 && !reached && !fs::exists(dir + "/faulty.rc"); ++i) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));
-    for (const auto& line : lines_of(faulty + "/metrics.jsonl")) {
-      auto j = nlohmann::json::parse(line, nullptr, false);
-      if (!j.is_discarded() && !j.contains("eval") && j.value("site", "") == "beta" && j.value("rank", -1) == 0 &&
-          j.value("step", 0) >= 200)
-        reached = true;
-    }
-  }
+  const bool reached =
+      wait_for_step(faulty + "/metrics.jsonl", "beta", 0, 200, std::chrono::seconds(300), dir + "/faulty.rc");
   if (reached) {
     std::ifstream win(faulty + "/workers.json");
     for (const auto& w : nlohmann::json::parse(win))

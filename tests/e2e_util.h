@@ -10,13 +10,15 @@
 #include <csignal>
 
 #include <array>
+#include <chrono>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <map>
 #include <nlohmann/json.hpp>
-#include <string>
 #include <random>
+#include <string>
+#include <thread>
 #include <vector>
 
 namespace nebula::e2e {
@@ -87,6 +89,24 @@ inline Result prepare_deployment(const std::string& dir) {
   Result r = run("run examples/smoke.toml --set job.steps=1 --set 'job.run_dir=\"" + dir + "/prep\"'", 300);
   fs::create_directories(dir + "/run");
   return r;
+}
+
+// Polls (every 50 ms, at most `timeout`) until `metrics` (a metrics.jsonl) has a training line
+// of worker `rank` of `site` at step >= `step`; false if that never comes, or if the file `stop`
+// (when given) appears first.
+inline bool wait_for_step(const std::string& metrics, const std::string& site, int rank, int64_t step,
+                          std::chrono::seconds timeout, const std::string& stop = "") {
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  while (std::chrono::steady_clock::now() < deadline && (stop.empty() || !fs::exists(stop))) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    for (const auto& line : lines_of(metrics)) {
+      auto j = nlohmann::json::parse(line, nullptr, false);
+      if (!j.is_discarded() && !j.contains("eval") && j.value("site", "") == site && j.value("rank", -1) == rank &&
+          j.value("step", int64_t{0}) >= step)
+        return true;
+    }
+  }
+  return false;
 }
 
 // A process in the background (bounded by `timeout`), killed by the destructor if still running.

@@ -13,15 +13,19 @@
 namespace nebula::collective {
 namespace {
 
-// Why the update guard rejects a site's contribution, or "" if it passes.
+// Why the update guard rejects a contribution with these NaN and infinity counts and L2 norm,
+// or "" if it passes.
+std::string guard_verdict(int64_t nans, int64_t infs, double norm, double max_norm) {
+  if (nans + infs > 0) return str_cat("non-finite values (", nans, " NaN, ", infs, " infinite)");
+  if (max_norm > 0 && norm > max_norm)
+    return str_cat("L2 norm ", norm, " above the bound ", max_norm, " (strategy.max_update_norm)");
+  return {};
+}
+
 std::string guard_verdict(const at::Tensor& x, double max_norm) {
   const int64_t nans = at::isnan(x).sum().item<int64_t>(), infs = at::isinf(x).sum().item<int64_t>();
-  if (nans + infs > 0) return str_cat("non-finite values (", nans, " NaN, ", infs, " infinite)");
-  if (max_norm > 0) {
-    const double norm = x.norm().item<double>();
-    if (norm > max_norm) return str_cat("L2 norm ", norm, " above the bound ", max_norm, " (strategy.max_update_norm)");
-  }
-  return {};
+  const double norm = nans + infs == 0 && max_norm > 0 ? x.norm().item<double>() : 0.0;
+  return guard_verdict(nans, infs, norm, max_norm);
 }
 
 }  // namespace
@@ -405,19 +409,21 @@ void Hierarchy::run_exchange_parts(at::Tensor part, const std::vector<std::vecto
   const int64_t lo = cuts[me_site][static_cast<size_t>(me_rank)], hi = cuts[me_site][static_cast<size_t>(me_rank) + 1];
   NEBULA_CHECK(part.numel() == hi - lo, "exchange_parts: this worker's part has ", part.numel(), " values, its cut ",
                hi - lo);
-  // The segments of this part: cut at every site's boundaries. holder(t, a): the rank of site
-  // t whose range holds value a.
+  // The segments of this part: cut at every site's boundaries.
   std::vector<int64_t> points{lo, hi};
   for (const auto& c : cuts)
     for (int64_t x : c)
       if (x > lo && x < hi) points.push_back(x);
   std::sort(points.begin(), points.end());
   points.erase(std::unique(points.begin(), points.end()), points.end());
-  auto holder = [&](size_t t, int64_t a) {
-    const auto& c = cuts[t];
-    return static_cast<int>(std::upper_bound(c.begin(), c.end(), a) - c.begin()) - 1;
-  };
   const size_t nseg = points.size() - 1;
+  // The segments worker `rank` of site t holds too (the rank whose range holds their first value).
+  auto held_by = [&](size_t t, int rank) {
+    std::vector<size_t> out;
+    for (size_t k = 0; k < nseg; ++k)
+      if (std::upper_bound(cuts[t].begin(), cuts[t].end(), points[k]) - cuts[t].begin() - 1 == rank) out.push_back(k);
+    return out;
+  };
   const bool coded = options.codec != nullptr;
 
   // Each segment encoded once; this site's own contribution is decoded from the same bytes.
@@ -451,9 +457,7 @@ void Hierarchy::run_exchange_parts(at::Tensor part, const std::vector<std::vecto
     w.put_u32(static_cast<uint32_t>(options.site_info.size()));
     for (double v : options.site_info) w.put_f64(v);
     w.put_u8(coded ? 1 : 0);
-    std::vector<size_t> shared;
-    for (size_t k = 0; k < nseg; ++k)
-      if (holder(slots[j].site, points[k]) == slots[j].rank) shared.push_back(k);
+    const std::vector<size_t> shared = held_by(slots[j].site, slots[j].rank);
     w.put_u32(static_cast<uint32_t>(shared.size()));
     for (size_t k : shared) {
       w.put_u64(static_cast<uint64_t>(points[k]));
@@ -507,9 +511,7 @@ void Hierarchy::run_exchange_parts(at::Tensor part, const std::vector<std::vecto
                           ": the sites' [strategy] codec settings differ"));
     if (!contribution[t].defined()) contribution[t] = at::empty({hi - lo}, at::kFloat);
     const uint32_t count = r.u32();
-    std::vector<size_t> expected;
-    for (size_t k = 0; k < nseg; ++k)
-      if (holder(t, points[k]) == slots[j].rank) expected.push_back(k);
+    const std::vector<size_t> expected = held_by(t, slots[j].rank);
     if (count != expected.size())
       throw Error(str_cat("exchange: worker ", who, " sent ", count, " segments, ", expected.size(),
                           " expected: the sites cut the vector differently (different worker counts in their configs?)"));
@@ -539,13 +541,8 @@ void Hierarchy::run_exchange_parts(at::Tensor part, const std::vector<std::vecto
   double total_weight = 0;
   size_t left_out = 0;
   for (size_t t = 0; t < num_sites; ++t) {
-    std::string why;
-    if (tot[3 * t] + tot[3 * t + 1] > 0)
-      why = str_cat("non-finite values (", static_cast<int64_t>(tot[3 * t]), " NaN, ", static_cast<int64_t>(tot[3 * t + 1]),
-                    " infinite)");
-    else if (options.max_norm > 0 && std::sqrt(tot[3 * t + 2]) > options.max_norm)
-      why = str_cat("L2 norm ", std::sqrt(tot[3 * t + 2]), " above the bound ", options.max_norm,
-                    " (strategy.max_update_norm)");
+    const std::string why = guard_verdict(static_cast<int64_t>(tot[3 * t]), static_cast<int64_t>(tot[3 * t + 1]),
+                                          std::sqrt(tot[3 * t + 2]), options.max_norm);
     if (!why.empty()) {
       work.rejected_.push_back({t, why});
       ++left_out;

@@ -161,16 +161,22 @@ std::string worker_address(const Config& c, size_t site, int rank) {
   return s.worker_addresses[static_cast<size_t>(rank - 1)];
 }
 
+std::vector<collective::WorkerSlot> worker_slots(const Config& c) {
+  std::vector<collective::WorkerSlot> slots;
+  for (size_t s = 0; s < c.sites.size(); ++s)
+    for (int r = 0; r < c.sites[s].workers; ++r) slots.push_back({s, r, str_cat(c.sites[s].name, "/", r)});
+  return slots;
+}
+
 GatewayLinks connect_worker(const Config& c, size_t site, int rank) {
   std::vector<transport::SiteAddress> endpoints;
   std::vector<size_t> site_of;
   size_t self = 0;
-  for (size_t s = 0; s < c.sites.size(); ++s)
-    for (int r = 0; r < c.sites[s].workers; ++r) {
-      if (s == site && r == rank) self = endpoints.size();
-      endpoints.push_back({str_cat(c.sites[s].name, "/", r), worker_address(c, s, r), c.sites[s].name});
-      site_of.push_back(s);
-    }
+  for (const auto& w : worker_slots(c)) {
+    if (w.site == site && w.rank == rank) self = endpoints.size();
+    endpoints.push_back({w.name, worker_address(c, w.site, w.rank), c.sites[w.site].name});
+    site_of.push_back(w.site);
+  }
   return connect_endpoints(c, std::move(endpoints), std::move(site_of), self, false, rank);
 }
 

@@ -5,6 +5,7 @@
 #include <memory>
 #include <vector>
 
+#include "collective/worker_mesh.h"
 #include "nebula/config.h"
 #include "transport/link.h"
 #include "transport/site_connector.h"
@@ -35,6 +36,9 @@ GatewayLinks connect_gateway(const Config& config, size_t site, bool joining = f
 // site listens at its `gateway` (r = 0) or worker_addresses[r - 1], and presents the site's
 // certificate. ConfigError naming sites[N].worker_addresses when a site has none.
 GatewayLinks connect_worker(const Config& config, size_t site, int rank);
+// Every worker of every site, in that order (the endpoints of connect_worker, the slots of the
+// WorkerMesh over its links), named "site/rank".
+std::vector<collective::WorkerSlot> worker_slots(const Config& config);
 // The WAN address worker `rank` of site `site` listens at (its gateway for rank 0).
 std::string worker_address(const Config& config, size_t site, int rank);
 

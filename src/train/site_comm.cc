@@ -1,5 +1,6 @@
 #include "train/site_comm.h"
 
+#include <algorithm>
 #include <filesystem>
 
 #include "nebula/error.h"
@@ -28,13 +29,11 @@ void connect_every_worker(const Config& c, const WorkerIdentity& who, SiteComm& 
   create_run_dir(c);
   GatewayLinks links = connect_worker(c, who.site, who.local_rank);
   out.connector = std::move(links.connector);
-  std::vector<collective::WorkerSlot> slots;
-  size_t self = 0;
-  for (size_t s = 0; s < c.sites.size(); ++s)
-    for (int r = 0; r < c.sites[s].workers; ++r) {
-      if (s == who.site && r == who.local_rank) self = slots.size();
-      slots.push_back({s, r, str_cat(c.sites[s].name, "/", r)});
-    }
+  std::vector<collective::WorkerSlot> slots = worker_slots(c);
+  const size_t self = static_cast<size_t>(
+      std::find_if(slots.begin(), slots.end(),
+                   [&](const collective::WorkerSlot& w) { return w.site == who.site && w.rank == who.local_rank; }) -
+      slots.begin());
   std::vector<std::shared_ptr<transport::Link>> shared(std::make_move_iterator(links.links.begin()),
                                                        std::make_move_iterator(links.links.end()));
   out.workers = std::make_unique<collective::WorkerMesh>(self, std::move(slots), shared, timeout);

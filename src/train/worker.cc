@@ -189,6 +189,8 @@ std::string default_tokenizer_path(const Config& c) { return c.job.run_dir + "/t
 int run_worker(const Config& c, const WorkerIdentity& who, bool resume, bool rejoin) {
   const SiteConfig& site = c.sites.at(who.site);
   const int workers = static_cast<int>(site.workers);
+  size_t site_first = 0;  // the job-wide index of this site's rank 0 (sites in order, ranks in order)
+  for (size_t s = 0; s < who.site; ++s) site_first += static_cast<size_t>(c.sites[s].workers);
   NEBULA_CHECK(who.local_rank >= 0 && who.local_rank < workers, "site '", site.name, "' has ", workers,
                " workers; rank ", who.local_rank, " does not exist");
   init_logging(str_cat(site.name, "/", who.local_rank));
@@ -377,13 +379,11 @@ int run_worker(const Config& c, const WorkerIdentity& who, bool resume, bool rej
                    "with \"{}\": resharding", old_workers, layout[1].item<float>() > 0 ? "changed" : "unchanged",
                    workers, c.parallel.shard);
     }
-    size_t first = 0;  // this worker's global index, and the range that must agree
-    for (size_t s = 0; s < who.site; ++s) first += static_cast<size_t>(c.sites[s].workers);
     std::vector<double> mine(static_cast<size_t>(c.total_workers()), 0.0);
-    mine[first + static_cast<size_t>(who.local_rank)] = static_cast<double>(have + 1);
+    mine[site_first + static_cast<size_t>(who.local_rank)] = static_cast<double>(have + 1);
     const std::vector<double> all = sum_over_job(comm, mine);  // step + 1 per worker, 0 = none
     const bool per_site = c.strategy.kind != "sync";
-    const size_t begin = per_site ? first : 0, end = per_site ? first + static_cast<size_t>(workers) : all.size();
+    const size_t begin = per_site ? site_first : 0, end = per_site ? site_first + static_cast<size_t>(workers) : all.size();
     const double common = *std::min_element(all.begin() + static_cast<std::ptrdiff_t>(begin),
                                             all.begin() + static_cast<std::ptrdiff_t>(end)) - 1;
     if (common < 0) {
@@ -536,10 +536,8 @@ int run_worker(const Config& c, const WorkerIdentity& who, bool resume, bool rej
     counters.insert(counters.end(), eval_end.begin(), eval_end.end());
     // Each worker's own WAN bytes at its place in the job (sites in order, ranks in order).
     const size_t by_worker_at = counters.size();
-    size_t me = static_cast<size_t>(who.local_rank);
-    for (size_t s = 0; s < who.site; ++s) me += static_cast<size_t>(c.sites[s].workers);
     counters.resize(by_worker_at + static_cast<size_t>(c.total_workers()), 0.0);
-    counters[by_worker_at + me] = static_cast<double>(wan.wan_bytes_sent);
+    counters[by_worker_at + site_first + static_cast<size_t>(who.local_rank)] = static_cast<double>(wan.wan_bytes_sent);
     std::vector<double> totals = sum_over_job(comm, counters);
     auto total = [&](int i) { return totals[static_cast<size_t>(i)]; };
     auto eval_part = [&](size_t k) {
