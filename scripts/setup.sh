@@ -8,7 +8,8 @@ PACKAGES=(
   libsentencepiece-dev libtomlplusplus-dev libcli11-dev libspdlog-dev nlohmann-json3-dev
   libgtest-dev libgmock-dev libbenchmark-dev
   clang libclang-rt-14-dev                        # fuzz/: clang++ -fsanitize=fuzzer (libFuzzer)
-  python3-torch                                   # TorchScript export in tests; a real torchrun
+  python3-torch python3-dev pybind11-dev          # the nebula Python package (python/); a real torchrun
+  python3-pytest                                  # its tests
   openmpi-bin                                     # a real mpirun in the launcher tests
 )
 missing=()

@@ -19,6 +19,7 @@
 #include <torch/optim/adam.h>
 #include <zlib.h>
 
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <string>
@@ -77,7 +78,11 @@ int main(int argc, char** argv) try {
   nebula::Session session(config, nebula::resolve_placement(config, site, rank, [](const char* v) { return std::getenv(v); }));
 
   at::manual_seed(config.job.seed);  // only global rank 0's initial weights matter: the Synchronizer spreads them
-  torch::nn::Sequential model(torch::nn::Linear(kInputs, 64), torch::nn::Tanh(), torch::nn::Linear(64, 1));
+  // The layers are made (and draw their initial weights) in this order: as constructor arguments
+  // their order would be the compiler's (GCC makes the last first), and the Python twin
+  // (examples/python/my_training_loop.py) would start from other weights.
+  torch::nn::Linear hidden(kInputs, 64), output(64, 1);
+  torch::nn::Sequential model(hidden, torch::nn::Tanh(), output);
   std::vector<at::Tensor> params = model->parameters();
   nebula::Synchronizer sync(session, params);  // [strategy]: every replica starts from global rank 0's weights
   torch::optim::Adam optimizer(params, torch::optim::AdamOptions(3e-3));
@@ -96,6 +101,7 @@ int main(int argc, char** argv) try {
 
   constexpr int64_t kBatch = 32;
   int64_t step = 0;
+  const auto loop_start = std::chrono::steady_clock::now();
   for (; sync.keep_training(step); ++step) {
     const at::Tensor x = site_inputs(kBatch, session.site_index(), data);
     at::Tensor loss = torch::nn::functional::mse_loss(model->forward(x), target(x));
@@ -107,11 +113,14 @@ int main(int argc, char** argv) try {
     sync.after_step(step);        // diloco/streaming: the outer step every H inner steps
   }
   sync.finish();
+  const double loop_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - loop_start).count();
   const double final_loss = test_loss();
 
   std::printf("%s/%d: %s, %lld local steps, parameters crc32 %08x, WAN bytes sent %llu\n", session.site().c_str(),
               session.local_rank(), sync.name().c_str(), static_cast<long long>(step), crc_of(params),
               static_cast<unsigned long long>(session.wan_bytes_sent()));
+  std::printf("%s/%d: %.0f examples/s in the loop\n", session.site().c_str(), session.local_rank(),
+              static_cast<double>(step * kBatch) / loop_seconds);
   if (session.global_rank() == 0)
     std::printf("test loss, mean over %d workers on %zu sites: %.4f -> %.4f\n", session.world_size(),
                 config.sites.size(), initial, final_loss);

@@ -25,6 +25,11 @@ struct JobConfig {
   // Local mode with elastic diloco/streaming: a lost site is started again (--rejoin) up to
   // this many times; it resumes from its checkpoint and takes the others' global state.
   int64_t restarts = 0;
+  // A Python (or any) program to run as every worker instead of `nebula worker`, e.g.
+  // ["python3", "train.py"]: local mode starts one process per worker of every site with
+  // its placement in the environment (docs/python.md); it trains through the `nebula` Python
+  // package. Empty: the built-in training loop.
+  std::vector<std::string> command;
 };
 
 // What a job measures besides its loss ([eval]).

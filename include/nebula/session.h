@@ -72,12 +72,27 @@ class Session {
   int world_size() const;
 
   // In place on a contiguous float32 tensor: the mean over every worker of every site (each worker
-  // counting `weight`, e.g. its number of examples), or with `sum` the plain sum. One
-  // exchange inside each site, one across the WAN between gateways.
+  // counting `weight`, e.g. its number of examples). One exchange inside each site, one across
+  // the WAN between gateways.
   void allreduce(at::Tensor& t, double weight = 1.0);
+  // In place on a contiguous CPU tensor: the sum over every worker. float32 goes the
+  // allreduce's way (sites' sums added in site order: every worker ends with the same floats);
+  // any other dtype is all-gathered and added in global rank order (exact for integers).
   void allreduce_sum(at::Tensor& t);
-  // Makes every worker's `t` equal to global rank 0's.
+  // Makes every worker's `t` equal to global rank 0's (float32).
   void broadcast(at::Tensor& t);
+
+  // Exact collectives of any dtype on contiguous CPU tensors, built on
+  // collective::Hierarchy::all_gather_bytes (one gather inside each site, one exchange between
+  // the gateways, one broadcast inside each site; never a lossy codec).
+  // `t` becomes global rank `root`'s; only the root's site sends its bytes over the WAN.
+  // Every worker's `t` must have the root's dtype and number of elements (nebula::Error
+  // naming both otherwise).
+  void broadcast(at::Tensor& t, int root);
+  // Every worker's `t`, in global rank order (each the dtype and shape it had there).
+  std::vector<at::Tensor> allgather(const at::Tensor& t);
+  // Waits until every worker of every site is here.
+  void barrier();
   // Waits until every worker of this site is here.
   void site_barrier();
 
@@ -117,6 +132,23 @@ class Synchronizer {
   std::string name() const;
   // Counters: outer steps, hash checks, rejected updates, privacy spent (see the README).
   std::map<std::string, double> metrics() const;
+  // The decisions made so far (adaptive controller, per-site inner steps), one line each.
+  std::vector<std::string> decisions() const;
+
+  // Checkpoints of the strategy's own state (diloco: the global weights and outer momentum of
+  // this worker's part, codec error feedback, counters); the parameters themselves are the
+  // caller's to save. Between steps only, when can_save() (nothing on the WAN; drain() makes
+  // it so early). load_state after construction, on every worker, each its own state.
+  struct State {
+    std::map<std::string, at::Tensor> tensors;
+    std::map<std::string, double> numbers;
+    std::map<std::string, std::string> strings;
+    std::vector<std::string> decisions;
+  };
+  bool can_save() const;
+  void drain();
+  State state() const;
+  void load_state(const State& state);
 
  private:
   struct Impl;

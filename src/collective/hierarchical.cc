@@ -570,6 +570,62 @@ void Hierarchy::broadcast_from_first(at::Tensor& t) {
   allreduce(t, o);
 }
 
+std::vector<std::vector<uint8_t>> Hierarchy::all_gather_bytes(std::vector<uint8_t> mine) {
+  std::vector<std::vector<uint8_t>> out;
+  enqueue(str_cat("site ", site_.site(), ": all-gather of ", mine.size(), " bytes"), [&](Work&) {
+    // Inside the site: every rank's byte count, then the bytes, to rank 0.
+    const auto ranks = static_cast<size_t>(site_.size());
+    at::Tensor counts = at::zeros({static_cast<int64_t>(ranks)}, at::kLong);
+    counts.data_ptr<int64_t>()[site_.rank()] = static_cast<int64_t>(mine.size());
+    site_.allreduce_sum(counts);
+    std::vector<int64_t> count(counts.data_ptr<int64_t>(), counts.data_ptr<int64_t>() + ranks);
+    int64_t total = 0;
+    for (int64_t c : count) total += c;
+    at::Tensor part = mine.empty() ? at::empty({0}, at::kByte)
+                                   : at::from_blob(mine.data(), {static_cast<int64_t>(mine.size())}, at::kByte);
+    at::Tensor site_bytes = site_.rank() == 0 ? at::empty({total}, at::kByte) : at::empty({0}, at::kByte);
+    site_.gather_parts_to_root(part, site_bytes, count);
+
+    // Between the gateways: each site's workers' bytes, framed; then the job's bytes inside the site.
+    at::Tensor job;
+    if (mesh_) {
+      wire::ByteWriter w;
+      w.put_u32(static_cast<uint32_t>(ranks));
+      const uint8_t* p = site_bytes.data_ptr<uint8_t>();
+      for (int64_t c : count) {
+        w.put_u64(static_cast<uint64_t>(c));
+        w.put_bytes({p, static_cast<size_t>(c)});
+        p += c;
+      }
+      wire::ByteWriter all;
+      for (auto& site : mesh_->all_gather(w.take())) {  // a lost site (elastic) gives nothing
+        all.put_u64(site.size());
+        all.put_bytes(site);
+      }
+      std::vector<uint8_t> bytes = all.take();
+      job = at::empty({static_cast<int64_t>(bytes.size())}, at::kByte);
+      std::memcpy(job.data_ptr<uint8_t>(), bytes.data(), bytes.size());
+    }
+    at::Tensor size = at::full({1}, job.defined() ? job.numel() : 0, at::kLong);
+    site_.broadcast_from_root(size);
+    if (!job.defined()) job = at::empty({size.item<int64_t>()}, at::kByte);
+    site_.broadcast_from_root(job);
+
+    wire::ByteReader sites({job.data_ptr<uint8_t>(), static_cast<size_t>(job.numel())}, "the job's all-gathered bytes");
+    while (!sites.done()) {
+      const uint64_t n = sites.u64();
+      if (n == 0) continue;
+      wire::ByteReader site(sites.bytes(n), "a site's all-gathered bytes");
+      for (uint32_t r = site.u32(); r > 0; --r) {
+        auto b = site.bytes(site.u64());
+        out.emplace_back(b.begin(), b.end());
+      }
+      site.expect_done();
+    }
+  })->wait(Deadline::never());
+  return out;
+}
+
 CommStats Hierarchy::stats() const {
   CommStats s;
   if (mesh_) {  // the mesh has its own lock

@@ -166,6 +166,15 @@ class Hierarchy {
   // Makes every worker's `t` equal to global rank 0's (site 0, local rank 0).
   void broadcast_from_first(at::Tensor& t);
 
+  // Every worker's bytes, exactly, in job order (sites in mesh order, each site's ranks in
+  // order); each worker may give a different number of bytes, 0 included. Inside the site they
+  // are gathered to rank 0 (c10d); the gateways exchange their sites' bytes once over the WAN
+  // (uncompressed); rank 0 broadcasts the job's bytes inside the site. A worker that gives
+  // nothing sends only a few header bytes, so a broadcast from one worker (the others give
+  // nothing) crosses the WAN from the source's site alone. The base of the exact collectives of
+  // any dtype (all-gather, broadcast from any rank, a job-wide barrier: nebula/session.h).
+  std::vector<std::vector<uint8_t>> all_gather_bytes(std::vector<uint8_t> mine);
+
   // Any thread, any time (the training thread reads it for metrics while the communication
   // thread runs collectives).
   CommStats stats() const EXCLUDES(stats_mu_);

@@ -181,6 +181,40 @@ TEST(Hierarchical, BroadcastFromFirstCopiesGlobalRankZero) {
   });
 }
 
+// all_gather_bytes, the base of the Python backend's exact collectives: every worker gives a
+// different number of bytes (0 included, and a worker of each layout giving nothing at all);
+// every worker receives every worker's bytes, exactly, in job order. A broadcast (only one
+// worker gives bytes) crosses the WAN from the source's site alone: the other gateways send
+// only their headers.
+TEST(Hierarchical, AllGatherBytesGivesEveryWorkersBytesInJobOrder) {
+  for (const std::vector<int>& layout : {std::vector<int>{1}, {2, 1}, {1, 3, 2}}) {
+    int world = 0;
+    for (int w : layout) world += w;
+    auto bytes_of = [](int rank) {
+      std::vector<uint8_t> b(static_cast<size_t>(rank == 1 ? 0 : 3 * rank + 1));
+      for (size_t i = 0; i < b.size(); ++i) b[i] = static_cast<uint8_t>(rank * 31 + static_cast<int>(i));
+      return b;
+    };
+    testing::run_cluster(layout, [&](testing::Rank& r) {
+      auto all = r.hierarchy->all_gather_bytes(bytes_of(r.global_rank));
+      ASSERT_EQ(all.size(), static_cast<size_t>(world));
+      for (int g = 0; g < world; ++g) EXPECT_EQ(all[static_cast<size_t>(g)], bytes_of(g)) << "rank " << g;
+      // A broadcast from the last rank: 100 kB from its site, nothing of size from the others.
+      const uint64_t before = r.hierarchy->stats().wan_bytes_sent;
+      const std::vector<uint8_t> big(100000, 7);
+      all = r.hierarchy->all_gather_bytes(r.global_rank == world - 1 ? big : std::vector<uint8_t>{});
+      EXPECT_EQ(all.back(), big);
+      for (int g = 0; g + 1 < world; ++g) EXPECT_TRUE(all[static_cast<size_t>(g)].empty());
+      const uint64_t sent = r.hierarchy->stats().wan_bytes_sent - before;
+      const bool source_site = r.site + 1 == layout.size();
+      if (r.local_rank == 0 && layout.size() > 1) {
+        if (source_site) EXPECT_GE(sent, 100000u * (layout.size() - 1));
+        else EXPECT_LT(sent, 1000u * (layout.size() - 1)) << "site " << r.site;
+      }
+    });
+  }
+}
+
 // The update guard ([6/7]): three sites exchange; one sends a NaN, one an oversize update.
 // Every gateway leaves both out, the same way, and says which and why; the mean is the
 // remaining site's values alone. Then a round where every contribution is bad: zero.

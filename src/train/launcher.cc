@@ -42,7 +42,11 @@ struct Child {
   int status = 0;
 };
 
-pid_t spawn(const std::string& exe, const std::vector<std::string>& args, const std::string& log, bool append) {
+using Environment = std::vector<std::pair<std::string, std::string>>;
+
+// `exe` with `args`: a path, or with `search_path` a program name found on PATH (a [job] command).
+pid_t spawn(const std::string& exe, const std::vector<std::string>& args, const std::string& log, bool append,
+            const Environment& env = {}, bool search_path = false) {
   int fd = ::open(log.c_str(), O_WRONLY | O_CREAT | (append ? O_APPEND : O_TRUNC) | O_CLOEXEC, 0644);
   if (fd < 0) throw Error(str_cat(log, ": cannot create worker log: ", std::strerror(errno)));
   // NEBULA_WORKER_PREFIX="heaptrack" (or "perf record -g", "valgrind ..."): every worker runs
@@ -66,7 +70,8 @@ pid_t spawn(const std::string& exe, const std::vector<std::string>& args, const 
     ::setenv("OMP_NUM_THREADS", "1", 1);
     ::setenv("OPENBLAS_NUM_THREADS", "1", 1);
     ::setenv("MKL_NUM_THREADS", "1", 1);
-    if (prefix.empty())
+    for (const auto& [k, v] : env) ::setenv(k.c_str(), v.c_str(), 1);
+    if (prefix.empty() && !search_path)
       ::execv(exe.c_str(), argv.data());
     else
       ::execvp(argv[0], argv.data());
@@ -198,7 +203,7 @@ int run_local(Config c, const LaunchOptions& options) {
   // The job's shared vocabulary. In a deployment it is trained once on the tokenizer site
   // (`nebula tokenizer`) and shipped with the job (data.tokenizer); in local mode we train it
   // here before the workers start, on that one site's data only, as the tokenizer site would.
-  if (c.data.tokenizer.empty() && c.model.kind != "torchscript") {
+  if (c.data.tokenizer.empty() && c.model.kind != "torchscript" && c.job.command.empty()) {
     std::string prefix = c.job.run_dir + "/tokenizer";
     if (!options.resume || !fs::exists(prefix + ".model")) train_tokenizer(c, prefix);
     c.data.tokenizer = prefix + ".model";
@@ -226,13 +231,30 @@ int run_local(Config c, const LaunchOptions& options) {
   std::vector<Child> children;
   // Room for every restart: `failed` points into this vector.
   children.reserve(static_cast<size_t>(c.total_workers() * (1 + c.job.restarts)));
+  // A [job] command (e.g. a Python program using the nebula package) runs as every worker,
+  // placed by $NEBULA_SITE/$NEBULA_RANK with the job's config in $NEBULA_CONFIG.
+  const std::string python_path = [&] {
+    std::string dir = (fs::path(options.executable).parent_path() / "python").string();
+    const char* old = std::getenv("PYTHONPATH");
+    return old && *old ? dir + ":" + old : dir;
+  }();
   auto start_site = [&](const SiteConfig& s, bool rejoin) {
     for (int r = 0; r < s.workers; ++r) {
       std::string log = str_cat(c.job.run_dir, "/logs/", s.name, "-", r, ".log");
-      std::vector<std::string> args = {"worker", job_file, "--site", s.name, "--rank", std::to_string(r)};
-      if (options.resume) args.push_back("--resume");
-      if (rejoin) args.push_back("--rejoin");
-      pid_t pid = spawn(options.executable, args, log, options.resume || rejoin);
+      pid_t pid;
+      if (c.job.command.empty()) {
+        std::vector<std::string> args = {"worker", job_file, "--site", s.name, "--rank", std::to_string(r)};
+        if (options.resume) args.push_back("--resume");
+        if (rejoin) args.push_back("--rejoin");
+        pid = spawn(options.executable, args, log, options.resume || rejoin);
+      } else {
+        const std::vector<std::string> args(c.job.command.begin() + 1, c.job.command.end());
+        pid = spawn(c.job.command[0], args, log, options.resume,
+                    {{"NEBULA_CONFIG", job_file}, {"NEBULA_SITE", s.name}, {"NEBULA_RANK", std::to_string(r)},
+                     {"NEBULA_RESUME", options.resume ? "1" : "0"}, {"PYTHONPATH", python_path},
+                     {"PYTHONUNBUFFERED", "1"}},
+                    /*search_path=*/true);
+      }
       children.push_back({pid, s.name, r, log});
     }
   };
@@ -338,6 +360,11 @@ int run_local(Config c, const LaunchOptions& options) {
     spdlog::warn("finished without site(s) {} (job.elastic); summary.json lists when each was lost", names);
   }
   if (!print_summary(c.job.run_dir)) {
+    if (!c.job.command.empty()) {  // the program's choice (nebula.Metrics writes one)
+      spdlog::info("every worker finished; {}/summary.json was not written (nebula.Metrics.finish() writes it)",
+                   c.job.run_dir);
+      return 0;
+    }
     spdlog::error("workers finished but {}/summary.json is missing", c.job.run_dir);
     return 1;
   }

@@ -2,12 +2,18 @@
 // connect_site() for the communication, make_strategy() for the strategy.
 #include "nebula/session.h"
 
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <dlfcn.h>
+
+#include <algorithm>
+#include <cstring>
+#include <span>
 
 #include "nebula/error.h"
 #include "strategy/strategy.h"
 #include "train/site_comm.h"
+#include "wire/frame.h"
 
 namespace nebula {
 
@@ -56,8 +62,71 @@ int Session::world_size() const { return static_cast<int>(impl_->config.total_wo
 void Session::allreduce(at::Tensor& t, double weight) {
   impl_->comm.comm->allreduce(t, {collective::ReduceOp::kWeightedMean, weight});
 }
-void Session::allreduce_sum(at::Tensor& t) { impl_->comm.comm->allreduce(t, {collective::ReduceOp::kSum, 1.0}); }
+void Session::allreduce_sum(at::Tensor& t) {
+  if (t.scalar_type() == at::kFloat) {
+    impl_->comm.comm->allreduce(t, {collective::ReduceOp::kSum, 1.0});
+    return;
+  }
+  std::vector<at::Tensor> all = allgather(t);
+  at::Tensor sum = at::zeros_like(t);
+  for (const auto& x : all) sum.add_(x.view(t.sizes()));
+  t.copy_(sum);
+}
 void Session::broadcast(at::Tensor& t) { impl_->comm.comm->broadcast_from_first(t); }
+
+namespace {
+
+// A tensor as bytes for Hierarchy::all_gather_bytes: dtype, shape, then its values.
+std::vector<uint8_t> tensor_bytes(const at::Tensor& t) {
+  NEBULA_CHECK(t.device().is_cpu() && t.is_contiguous(), "Session: exact collectives take contiguous CPU tensors, got ",
+               t.toString(), " of shape ", t.sizes());
+  wire::ByteWriter w;
+  w.put_u8(static_cast<uint8_t>(t.scalar_type()));
+  w.put_u32(static_cast<uint32_t>(t.dim()));
+  for (int64_t d : t.sizes()) w.put_u64(static_cast<uint64_t>(d));
+  w.put_bytes({static_cast<const uint8_t*>(t.data_ptr()), t.nbytes()});
+  return w.take();
+}
+
+at::Tensor bytes_tensor(std::span<const uint8_t> bytes, const std::string& from) {
+  wire::ByteReader r(bytes, from);
+  const auto dtype = static_cast<at::ScalarType>(r.u8());
+  std::vector<int64_t> shape(r.u32());
+  for (auto& d : shape) d = static_cast<int64_t>(r.u64());
+  at::Tensor t = at::empty(shape, at::TensorOptions().dtype(dtype));
+  auto values = r.bytes(t.nbytes());
+  std::memcpy(t.data_ptr(), values.data(), values.size());
+  r.expect_done();
+  return t;
+}
+
+}  // namespace
+
+void Session::broadcast(at::Tensor& t, int root) {
+  NEBULA_CHECK(root >= 0 && root < world_size(), "broadcast from rank ", root, ": the job's ranks are 0 to ",
+               world_size() - 1);
+  const bool source = root == global_rank();
+  auto all = impl_->comm.comm->all_gather_bytes(source ? tensor_bytes(t) : std::vector<uint8_t>{});
+  auto it = std::find_if(all.begin(), all.end(), [](const auto& b) { return !b.empty(); });
+  if (it == all.end()) throw PeerLost(str_cat("rank ", root), str_cat("broadcast from rank ", root, ": no site delivered the root's tensor"));
+  if (source) return;
+  at::Tensor got = bytes_tensor(*it, str_cat("the broadcast from rank ", root));
+  NEBULA_CHECK(got.scalar_type() == t.scalar_type() && got.numel() == t.numel(), "broadcast from rank ", root,
+               ": the root sent ", got.toString(), " of ", got.numel(), " values; rank ", global_rank(), " has ",
+               t.toString(), " of ", t.numel());
+  t.copy_(got.view(t.sizes()));
+}
+
+std::vector<at::Tensor> Session::allgather(const at::Tensor& t) {
+  auto all = impl_->comm.comm->all_gather_bytes(tensor_bytes(t));
+  if (all.size() != static_cast<size_t>(world_size()))
+    throw PeerLost("job", str_cat("all-gather: ", all.size(), " of the job's ", world_size(), " workers answered"));
+  std::vector<at::Tensor> out;
+  for (size_t i = 0; i < all.size(); ++i) out.push_back(bytes_tensor(all[i], str_cat("rank ", i, "'s all-gather part")));
+  return out;
+}
+
+void Session::barrier() { impl_->comm.comm->all_gather_bytes({}); }
 void Session::site_barrier() { impl_->comm.group->barrier(); }
 uint64_t Session::wan_bytes_sent() const { return impl_->comm.comm->stats().wan_bytes_sent; }
 uint64_t Session::wan_bytes_received() const { return impl_->comm.comm->stats().wan_bytes_received; }
@@ -95,5 +164,20 @@ void Synchronizer::after_step(int64_t step) { impl_->strategy->after_step(step);
 void Synchronizer::finish() { impl_->strategy->finish(); }
 std::string Synchronizer::name() const { return impl_->strategy->name(); }
 std::map<std::string, double> Synchronizer::metrics() const { return impl_->strategy->metrics(); }
+std::vector<std::string> Synchronizer::decisions() const { return impl_->strategy->decisions(); }
+bool Synchronizer::can_save() const { return impl_->strategy->can_save(); }
+void Synchronizer::drain() { impl_->strategy->drain(); }
+
+Synchronizer::State Synchronizer::state() const {
+  NEBULA_CHECK(impl_->strategy->can_save(), "Synchronizer::state() while an exchange is on the WAN: call drain() "
+               "first, or save when can_save()");
+  strategy::StrategyState s;
+  impl_->strategy->save_state(s);
+  return {std::move(s.tensors), std::move(s.numbers), std::move(s.strings), std::move(s.decisions)};
+}
+
+void Synchronizer::load_state(const State& state) {
+  impl_->strategy->load_state({state.tensors, state.numbers, state.strings, state.decisions});
+}
 
 }  // namespace nebula

@@ -146,6 +146,7 @@ Config build(const toml::table& root, const std::string& file) {
     s.unit("timeout", c.job.timeout, parse_duration);
     s.boolean("elastic", c.job.elastic);
     s.integer("restarts", c.job.restarts, 0, 1000);
+    s.strings("command", c.job.command);
     s.finish();
   }
   if (c.job.run_dir.empty()) c.job.run_dir = "runs/" + c.job.name;
@@ -428,6 +429,11 @@ Config build(const toml::table& root, const std::string& file) {
     s.string("progress", c.metrics.progress, {"auto", "plain", "off"});
     s.finish();
   }
+  if (!c.job.command.empty() && (c.job.elastic || c.distill.enabled()))
+    throw ConfigError(str_cat(file, ": [job] command runs your own program as every worker; job.elastic and [distill] "
+                              "are `nebula worker`'s (rejoin, the teacher site): remove them or the command"));
+  if (!c.job.command.empty() && c.job.command[0].empty())
+    throw ConfigError(str_cat(file, ": [job] command = [\"\", ...]: the first word is the program to run (e.g. \"python3\")"));
   if (c.job.restarts > 0 && (!c.job.elastic || c.strategy.kind == "sync" || c.distill.enabled()))
     throw ConfigError(str_cat(file, ": [job] restarts = ", c.job.restarts,
                               ": a lost site can rejoin only an elastic diloco or streaming job without [distill]: set "
@@ -512,7 +518,8 @@ std::string to_toml(const Config& c) {
                                  {"eval_batches", c.job.eval_batches},
                                  {"timeout", dur(c.job.timeout)},
                                  {"elastic", c.job.elastic},
-                                 {"restarts", c.job.restarts}});
+                                 {"restarts", c.job.restarts},
+                                 {"command", strs(c.job.command)}});
   root.insert("eval", toml::table{{"every", c.eval.every}, {"pairs", c.eval.pairs}, {"beam", c.eval.beam}});
   root.insert("model", toml::table{{"kind", c.model.kind},
                                    {"dim", c.model.dim},

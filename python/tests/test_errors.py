@@ -1,0 +1,38 @@
+"""nebula's errors are Python exceptions carrying nebula's message: a config error names the
+file, line and key; a lost site raises nebula.PeerLost within twice the deadline, not a hang."""
+
+import os
+import re
+import time
+
+import pytest
+
+import jobs
+import nebula
+
+
+def test_a_config_error_names_the_file_line_and_key(tmp_path):
+    path = tmp_path / "bad.toml"
+    path.write_text('[job]\nname = "x"\nstepz = 3\n\n[[sites]]\nname = "a"\nworkers = 1\n')
+    with pytest.raises(nebula.ConfigError) as e:
+        nebula.Session(str(path), "a", 0)
+    msg = str(e.value)
+    assert str(path) in msg and "stepz" in msg and re.search(r":3\b", msg), msg
+    assert isinstance(e.value, nebula.Error) and isinstance(e.value, RuntimeError)
+    ok = jobs.write_config(str(tmp_path / "ok.toml"), [("a", 1)])
+    with pytest.raises(nebula.ConfigError, match="no-such-site"):
+        nebula.Session(ok, "no-such-site", 0)
+
+
+def test_a_lost_site_raises_peer_lost_within_twice_the_deadline(tmp_path):
+    layout = [("alpha", 1), ("beta", 1)]
+    deadline = 6
+    config = jobs.write_config(str(tmp_path / "job.toml"), layout, timeout=f"{deadline}s",
+                               extra='[wan]\nreconnect_timeout = "3s"')
+    start = time.monotonic()
+    results = jobs.run_workers(config, layout, [jobs.PYTHON, os.path.join(jobs.HERE, "errors_worker.py"), "lost"],
+                               timeout=120)
+    text = results[("alpha", 0)][1]
+    m = re.search(r"raised (PeerLost|Timeout) after ([0-9.]+) s", text)
+    assert m, text[-2000:]
+    assert float(m.group(2)) <= 2 * deadline, text[-2000:]
