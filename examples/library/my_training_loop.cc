@@ -1,7 +1,7 @@
 // A user's own LibTorch training loop — its model, data, optimizer and loop — with nebula doing
 // the communication across sites (include/nebula/session.h), like wrapping a model in DDP.
 //
-//   my_training_loop CONFIG [--site NAME --rank N] [--steps N]
+//   my_training_loop CONFIG [--site NAME --rank N] [--steps N] [--hidden N]
 //
 // Without --site/--rank it reads NEBULA_SITE/NEBULA_RANK, or torchrun's, Open MPI's or Slurm's
 // variables (nebula/placement.h). Start one process per worker of every site in CONFIG
@@ -58,18 +58,21 @@ uint32_t crc_of(const std::vector<at::Tensor>& params) {
 
 int main(int argc, char** argv) try {
   if (argc < 2) {
-    std::fprintf(stderr, "usage: %s CONFIG [--site NAME --rank N] [--steps N]\n", argv[0]);
+    std::fprintf(stderr, "usage: %s CONFIG [--site NAME --rank N] [--steps N] [--hidden N]\n", argv[0]);
     return 2;
   }
   std::string site, rank;
   int64_t steps = -1;
+  int64_t hidden = 64;  // the MLP's width (bench/python.sh also runs a wider one)
   for (int i = 2; i + 1 < argc; i += 2) {
     const std::string flag = argv[i];
     if (flag == "--site") site = argv[i + 1];
     else if (flag == "--rank") rank = argv[i + 1];
     else if (flag == "--steps") steps = std::atoll(argv[i + 1]);
-    else throw nebula::ConfigError("unknown option " + flag + " (use --site, --rank, --steps)");
+    else if (flag == "--hidden") hidden = std::atoll(argv[i + 1]);
+    else throw nebula::ConfigError("unknown option " + flag + " (use --site, --rank, --steps, --hidden)");
   }
+  if (hidden < 1) throw nebula::ConfigError("--hidden " + std::to_string(hidden) + ": want a positive width");
   nebula::Config config = nebula::load_config(argv[1]);
   if (steps >= 0) config.job.steps = steps;
   nebula::set_cpu_threads(1);  // several workers per machine in the local run
@@ -81,8 +84,8 @@ int main(int argc, char** argv) try {
   // The layers are made (and draw their initial weights) in this order: as constructor arguments
   // their order would be the compiler's (GCC makes the last first), and the Python twin
   // (examples/python/my_training_loop.py) would start from other weights.
-  torch::nn::Linear hidden(kInputs, 64), output(64, 1);
-  torch::nn::Sequential model(hidden, torch::nn::Tanh(), output);
+  torch::nn::Linear first(kInputs, hidden), output(hidden, 1);
+  torch::nn::Sequential model(first, torch::nn::Tanh(), output);
   std::vector<at::Tensor> params = model->parameters();
   nebula::Synchronizer sync(session, params);  // [strategy]: every replica starts from global rank 0's weights
   torch::optim::Adam optimizer(params, torch::optim::AdamOptions(3e-3));

@@ -2,7 +2,7 @@
 with nebula.DiLoCo (or any [strategy] of the config) doing the communication across sites.
 On the same config it ends with bit-identical weights to the C++ program (python/tests/test_diloco.py).
 
-    my_training_loop.py CONFIG [--site NAME --rank N] [--steps N]
+    my_training_loop.py CONFIG [--site NAME --rank N] [--steps N] [--hidden N]
 
 Without --site/--rank it reads $NEBULA_SITE/$NEBULA_RANK (what `nebula run` sets), or torchrun's,
 Open MPI's or Slurm's variables. Start one process per worker of every site in CONFIG.
@@ -45,13 +45,14 @@ def main():
     ap.add_argument("--site", default="")
     ap.add_argument("--rank", type=int)
     ap.add_argument("--steps", type=int)
+    ap.add_argument("--hidden", type=int, default=64, help="the MLP's width")
     args = ap.parse_args()
     overrides = [f"job.steps={args.steps}"] if args.steps is not None else []
     torch.set_num_threads(1)  # several workers per machine in the local run
     session = nebula.session(args.config, args.site, args.rank, overrides)
 
     torch.manual_seed(session.seed)  # only global rank 0's initial weights matter: DiLoCo spreads them
-    model = nn.Sequential(nn.Linear(INPUTS, 64), nn.Tanh(), nn.Linear(64, 1))
+    model = nn.Sequential(nn.Linear(INPUTS, args.hidden), nn.Tanh(), nn.Linear(args.hidden, 1))
     optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
     optimizer = nebula.DiLoCo(model, optimizer)  # [strategy]: every replica starts from global rank 0's weights
 

@@ -42,7 +42,7 @@ def main():
             for r in range(world):
                 assert torch.equal(out[r], values(r, n, dtype)), ("all_gather", r, n, dtype)
             flat = torch.empty(n * world, dtype=dtype)
-            dist._all_gather_base(flat, values(rank, n, dtype))
+            dist.all_gather_into_tensor(flat, values(rank, n, dtype))
             assert torch.equal(flat, torch.cat([values(r, n, dtype) for r in range(world)])), ("all_gather_base", n)
         # AVG (float32) and reduce_scatter (SUM): against float64 definitions
         t = values(rank, n, torch.float32)

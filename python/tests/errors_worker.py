@@ -1,5 +1,5 @@
 """test_errors.py's workers: `lost` — site beta's worker leaves without a word after the first
-all-reduce; alpha's next all-reduce must raise nebula.PeerLost (or Timeout) within the bound."""
+all-reduce; alpha's next all-reduce must raise nebula.PeerLost within the bound."""
 
 import os
 import sys

@@ -200,6 +200,26 @@ void Hierarchy::allreduce(const std::vector<at::Tensor>& bucket, const Allreduce
   allreduce_async(bucket, options)->wait(Deadline::never());
 }
 
+void Hierarchy::site_allreduce(at::Tensor& t, const AllreduceOptions& options) {
+  check_bucket_tensor(t, "site all-reduce");
+  NEBULA_CHECK(t.device().is_cpu() && options.codec == nullptr && options.weight >= 0,
+               "site all-reduce: a CPU tensor, no codec, weight >= 0 (got ", t.device(), ", weight ", options.weight, ")");
+  enqueue(str_cat("site ", site_.site(), ": site all-reduce of ", t.numel(), " values"), [&](Work&) {
+    if (options.op == ReduceOp::kSum) {
+      site_.allreduce_sum(t);
+      return;
+    }
+    // The weighted values and the weight, summed together (as run_allreduce does).
+    at::Tensor buf = at::empty({t.numel() + 1}, at::kFloat);
+    buf.narrow(0, 0, t.numel()).copy_(t.view({-1})).mul_(options.weight);
+    buf[t.numel()] = static_cast<float>(options.weight);
+    site_.allreduce_sum(buf);
+    const float total = buf.data_ptr<float>()[t.numel()];
+    NEBULA_CHECK(total > 0, "site ", site_.site(), ": weighted mean with total weight ", total);
+    t.view({-1}).copy_(buf.narrow(0, 0, t.numel())).div_(total);
+  })->wait(Deadline::never());
+}
+
 void Hierarchy::run_allreduce(const std::vector<at::Tensor>& bucket, const AllreduceOptions& options) {
   int64_t n = 0;
   for (const auto& t : bucket) {

@@ -166,6 +166,12 @@ class Hierarchy {
   // Makes every worker's `t` equal to global rank 0's (site 0, local rank 0).
   void broadcast_from_first(at::Tensor& t);
 
+  // allreduce over this site's workers only: c10d's all-reduce (Gloo's ring: every worker ends
+  // with the same floats), full precision, on the communication thread like every collective.
+  // For a job of one site this is the job's all-reduce without the gather to rank 0 and the
+  // broadcast back (nebula/session.h uses it so). No codec (options.codec must be null).
+  void site_allreduce(at::Tensor& t, const AllreduceOptions& options = {});
+
   // Every worker's bytes, exactly, in job order (sites in mesh order, each site's ranks in
   // order); each worker may give a different number of bytes, 0 included. Inside the site they
   // are gathered to rank 0 (c10d); the gateways exchange their sites' bytes once over the WAN

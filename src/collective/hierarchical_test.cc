@@ -215,6 +215,21 @@ TEST(Hierarchical, AllGatherBytesGivesEveryWorkersBytesInJobOrder) {
   }
 }
 
+// site_allreduce (a one-site job's all-reduce, nebula/session.h): the sum and the weighted mean
+// over the site's workers, the same floats on every worker.
+TEST(Hierarchical, SiteAllreduceSumsAndAveragesOverTheSite) {
+  testing::run_cluster({3}, [&](testing::Rank& r) {
+    for (int64_t n : {0, 1, 1001}) {
+      at::Tensor t = at::full({n}, static_cast<float>(r.local_rank + 1));
+      r.hierarchy->site_allreduce(t, {ReduceOp::kSum, 1.0});
+      EXPECT_TRUE(at::equal(t, at::full({n}, 6.0f))) << n;
+      t = at::full({n}, static_cast<float>(r.local_rank));
+      r.hierarchy->site_allreduce(t, {ReduceOp::kWeightedMean, static_cast<double>(r.local_rank + 1)});
+      EXPECT_TRUE(at::allclose(t, at::full({n}, 8.0f / 6.0f))) << n;  // (0*1 + 1*2 + 2*3) / 6
+    }
+  });
+}
+
 // The update guard ([6/7]): three sites exchange; one sends a NaN, one an oversize update.
 // Every gateway leaves both out, the same way, and says which and why; the mean is the
 // remaining site's values alone. Then a round where every contribution is bad: zero.

@@ -59,12 +59,21 @@ int Session::site_workers() const { return static_cast<int>(impl_->config.sites[
 int Session::global_rank() const { return impl_->global_rank; }
 int Session::world_size() const { return static_cast<int>(impl_->config.total_workers()); }
 
+// A job of one site needs no WAN leg: c10d's all-reduce over the site is the job's.
 void Session::allreduce(at::Tensor& t, double weight) {
-  impl_->comm.comm->allreduce(t, {collective::ReduceOp::kWeightedMean, weight});
+  const collective::AllreduceOptions o{collective::ReduceOp::kWeightedMean, weight};
+  if (impl_->comm.training_names.size() == 1 && t.device().is_cpu())
+    impl_->comm.comm->site_allreduce(t, o);
+  else
+    impl_->comm.comm->allreduce(t, o);
 }
 void Session::allreduce_sum(at::Tensor& t) {
   if (t.scalar_type() == at::kFloat) {
-    impl_->comm.comm->allreduce(t, {collective::ReduceOp::kSum, 1.0});
+    const collective::AllreduceOptions o{collective::ReduceOp::kSum, 1.0};
+    if (impl_->comm.training_names.size() == 1 && t.device().is_cpu())
+      impl_->comm.comm->site_allreduce(t, o);
+    else
+      impl_->comm.comm->allreduce(t, o);
     return;
   }
   std::vector<at::Tensor> all = allgather(t);
