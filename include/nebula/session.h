@@ -81,6 +81,14 @@ class Session {
   void allreduce_sum(at::Tensor& t);
   // Makes every worker's `t` equal to global rank 0's (float32).
   void broadcast(at::Tensor& t);
+  // allreduce (or with `sum` the plain sum) with [strategy] codec on the WAN leg: each gateway
+  // encodes its site's sum once and every worker ends with the same floats (the Python
+  // backend's all-reduce in a job of strategy.kind = "sync"). Only codecs without per-tensor
+  // state: a call cannot say which logical tensor it carries. wan_codec() says which codec
+  // that is ("none", "fp16", "bf16", or "int8"/"int4" with strategy.codec_error_feedback =
+  // false), or throws ConfigError naming strategy.codec.
+  void allreduce_encoded(at::Tensor& t, double weight, bool sum);
+  std::string wan_codec();
 
   // Exact collectives of any dtype on contiguous CPU tensors, built on
   // collective::Hierarchy::all_gather_bytes (one gather inside each site, one exchange between

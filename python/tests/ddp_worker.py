@@ -32,7 +32,8 @@ def main(mode, out_path, steps=6):
         opt.step()
     torch.save([p.detach().clone() for p in model.parameters()], out_path)
     dist.barrier()
-    print("ddp done", mode, rank)
+    sent = nebula.session().wan_bytes_sent if mode == "nebula" else 0
+    print(f"ddp done {mode} {rank} wan_bytes_sent {sent}")
 
 
 if __name__ == "__main__":

@@ -36,3 +36,13 @@ def test_a_lost_site_raises_peer_lost_within_twice_the_deadline(tmp_path):
     m = re.search(r"raised (PeerLost) after ([0-9.]+) s", text)
     assert m, text[-2000:]
     assert float(m.group(2)) <= 2 * deadline, text[-2000:]
+
+
+def test_a_codec_the_backend_cannot_use_is_refused_at_init(tmp_path):
+    layout = [("a", 1)]
+    config = jobs.write_config(str(tmp_path / "job.toml"), layout, strategy='kind = "sync"\ncodec = "topk"')
+    script = ("import nebula\ntry:\n    nebula.init_process_group()\nexcept nebula.ConfigError as e:\n"
+              "    print('refused:', e)\n")
+    results = jobs.run_workers(config, layout, [jobs.PYTHON, "-c", script])
+    text = results[("a", 0)][1]
+    assert "refused:" in text and "strategy.codec = \"topk\"" in text and "job.toml" in text, text[-2000:]

@@ -7,9 +7,11 @@
 #include <dlfcn.h>
 
 #include <algorithm>
+#include <optional>
 #include <cstring>
 #include <span>
 
+#include "codec/codec.h"
 #include "nebula/error.h"
 #include "strategy/strategy.h"
 #include "train/site_comm.h"
@@ -28,6 +30,7 @@ struct Session::Impl {
   train::WorkerIdentity who;
   train::SiteComm comm;
   int global_rank = 0;
+  std::optional<std::unique_ptr<codec::Codec>> wan_codec;  // allreduce_encoded's, made on first use (null: exact)
 };
 
 // `site_index(site)` is a ConfigError naming the sites when there is no such site.
@@ -82,6 +85,33 @@ void Session::allreduce_sum(at::Tensor& t) {
   t.copy_(sum);
 }
 void Session::broadcast(at::Tensor& t) { impl_->comm.comm->broadcast_from_first(t); }
+
+std::string Session::wan_codec() {
+  const StrategyConfig& c = impl_->config.strategy;
+  if (!impl_->wan_codec) {
+    const bool quantized = c.codec == "int8" || c.codec == "int4";
+    if (!(c.codec == "none" || c.codec == "fp16" || c.codec == "bf16" || (quantized && !c.codec_error_feedback)))
+      throw ConfigError(str_cat(impl_->config.source_path, ": strategy.codec = \"", c.codec, "\"",
+                                quantized ? " with codec_error_feedback = true" : "",
+                                ": an all-reduce call cannot say which logical tensor it carries, so it cannot keep "
+                                "that codec's per-tensor state; use \"fp16\", \"bf16\", or \"int8\"/\"int4\" with "
+                                "strategy.codec_error_feedback = false (nebula.DiLoCo keeps per-tensor state)"));
+    impl_->wan_codec = strategy::make_wan_codec(c);
+  }
+  return c.codec;
+}
+
+void Session::allreduce_encoded(at::Tensor& t, double weight, bool sum) {
+  wan_codec();
+  if (!*impl_->wan_codec || impl_->comm.training_names.size() == 1) {  // exact, or no WAN leg
+    sum ? allreduce_sum(t) : allreduce(t, weight);
+    return;
+  }
+  collective::AllreduceOptions o{sum ? collective::ReduceOp::kSum : collective::ReduceOp::kWeightedMean, weight};
+  o.codec = impl_->wan_codec->get();
+  o.tag = uint64_t{1} << 62;  // one codec state for every call (these codecs keep only a rounding counter)
+  impl_->comm.comm->allreduce(t, o);
+}
 
 namespace {
 
