@@ -46,3 +46,13 @@ def test_a_codec_the_backend_cannot_use_is_refused_at_init(tmp_path):
     results = jobs.run_workers(config, layout, [jobs.PYTHON, "-c", script])
     text = results[("a", 0)][1]
     assert "refused:" in text and "strategy.codec = \"topk\"" in text and "job.toml" in text, text[-2000:]
+
+
+@pytest.mark.parametrize("job, words", [('command = [""]', "the first word is the program"),
+                                        ('command = ["/usr/bin/python3", "x.py"]\nelastic = true', "job.elastic")])
+def test_a_bad_job_command_is_a_config_error(tmp_path, job, words):
+    path = tmp_path / "job.toml"
+    path.write_text(f'[job]\nname = "x"\n{job}\n\n[[sites]]\nname = "a"\nworkers = 1\n')
+    with pytest.raises(nebula.ConfigError, match="command") as e:
+        nebula.check_config(str(path))
+    assert words in str(e.value) and str(path) in str(e.value), str(e.value)

@@ -7,8 +7,8 @@
 #include <dlfcn.h>
 
 #include <algorithm>
-#include <optional>
 #include <cstring>
+#include <optional>
 #include <span>
 
 #include "codec/codec.h"
@@ -128,10 +128,25 @@ std::vector<uint8_t> tensor_bytes(const at::Tensor& t) {
 }
 
 at::Tensor bytes_tensor(std::span<const uint8_t> bytes, const std::string& from) {
+  // Checked like wire input before anything is allocated: a known dtype, a shape whose size is
+  // exactly the bytes that follow.
   wire::ByteReader r(bytes, from);
-  const auto dtype = static_cast<at::ScalarType>(r.u8());
-  std::vector<int64_t> shape(r.u32());
-  for (auto& d : shape) d = static_cast<int64_t>(r.u64());
+  const uint8_t code = r.u8();
+  NEBULA_CHECK(code < static_cast<uint8_t>(at::ScalarType::NumOptions), from, ": dtype code ", int(code));
+  const auto dtype = static_cast<at::ScalarType>(code);
+  const uint32_t dims = r.u32();
+  NEBULA_CHECK(dims <= 64, from, ": ", dims, " dimensions");
+  std::vector<int64_t> shape(dims);
+  uint64_t numel = 1;
+  for (auto& d : shape) {
+    const uint64_t n = r.u64();
+    NEBULA_CHECK(n <= r.remaining() && (n == 0 || numel <= r.remaining() / n), from, ": dimension ", n,
+                 " does not fit the ", r.remaining(), " bytes sent");
+    numel *= n;
+    d = static_cast<int64_t>(n);
+  }
+  NEBULA_CHECK(numel * c10::elementSize(dtype) == r.remaining(), from, ": ", numel, " values of ", dtype, " in ",
+               r.remaining(), " bytes");
   at::Tensor t = at::empty(shape, at::TensorOptions().dtype(dtype));
   auto values = r.bytes(t.nbytes());
   std::memcpy(t.data_ptr(), values.data(), values.size());
