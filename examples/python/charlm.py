@@ -6,7 +6,6 @@ Held-out data is held out by sentence: a sentence (deduplicated) goes to validat
 hash says so, wherever it appears."""
 
 import glob
-import os
 import struct
 import zlib
 

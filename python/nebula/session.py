@@ -1,7 +1,5 @@
 """The process's nebula Session: this worker's place in the job and its links to the other sites."""
 
-import torch
-
 from . import _nebula
 
 _current = None
@@ -29,13 +27,12 @@ class Session(_nebula.Session):
 
 
 def session(config="", site="", rank=None, overrides=()):
-    """The process's Session, created on first use (from the environment unless given)."""
+    """The process's Session, created on first use (from the environment unless given); later
+    calls return that one, whatever their arguments."""
     global _current
     if _current is None:
         _current = Session(config, site, rank, list(overrides))
     return _current
-
-
 
 
 def shard(items):

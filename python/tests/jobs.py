@@ -31,7 +31,7 @@ def free_port():
 def write_config(path, sites, strategy="kind = \"sync\"", extra="", timeout="60s", steps=10):
     """sites: [(name, workers), ...]. Plaintext loopback links (these tests check the
     collectives, not TLS; the examples run with mutual TLS)."""
-    lines = ["[job]", f'name = "pytest"', f'run_dir = "{os.path.dirname(path)}/run"', f"steps = {steps}",
+    lines = ["[job]", 'name = "pytest"', f'run_dir = "{os.path.dirname(path)}/run"', f"steps = {steps}",
              f'timeout = "{timeout}"', ""]
     for name, workers in sites:
         lines += ["[[sites]]", f'name = "{name}"', f"workers = {workers}",

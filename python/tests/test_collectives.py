@@ -15,4 +15,4 @@ def test_every_collective_matches_its_definition(tmp_path, layout):
     results = jobs.run_workers(config, layout, [jobs.PYTHON, os.path.join(jobs.HERE, "collectives_worker.py")])
     world = sum(w for _, w in layout)
     for (name, r), (_, text) in results.items():
-        assert f"collectives ok" in text and f" {world}" in text, text[-2000:]
+        assert "collectives ok" in text and f" {world}" in text, text[-2000:]

@@ -34,7 +34,7 @@ def example_config(tmp_path, name):
     text = open(os.path.join(EXAMPLES, name)).read().replace('"200"]', f'"{STEPS}"]').replace("steps = 200",
                                                                                               f"steps = {STEPS}")
     path = tmp_path / name
-    path.write_text(text + f'\n')
+    path.write_text(text + '\n')
     return str(path)
 
 
@@ -42,7 +42,7 @@ def example_config(tmp_path, name):
 def test_across_two_sites_under_nebula_run(tmp_path, name):
     config = example_config(tmp_path, name)
     run_dir = str(tmp_path / "run")
-    out = run([NEBULA, "run", config, "--set", f'job.run_dir="{run_dir}"', "--set", "metrics.progress=\"plain\""])
+    run([NEBULA, "run", config, "--set", f'job.run_dir="{run_dir}"', "--set", "metrics.progress=\"plain\""])
     lines = [json.loads(l) for l in open(os.path.join(run_dir, "metrics.jsonl"))]
     steps = [l for l in lines if l.get("site") and "loss" in l]
     assert {(l["site"], l["rank"]) for l in steps} == {("alpha", 0), ("alpha", 1), ("beta", 0)}, lines[:3]
