@@ -28,6 +28,17 @@ std::string guard_verdict(const at::Tensor& x, double max_norm) {
   return guard_verdict(nans, infs, norm, max_norm);
 }
 
+// The largest weight a site may send with its contribution (a sum of its workers' weights, e.g.
+// tokens per step: 2^40 is far above any real one, and far below where it would swamp float64).
+constexpr double kMaxSiteWeight = 1099511627776.0;
+
+// Why a peer's weight is refused, or "". A peer's weight is checked like any number it sends:
+// NaN, a negative or an absurd weight would poison the mean on every site.
+std::string weight_verdict(double w) {
+  if (std::isfinite(w) && w >= 0 && w <= kMaxSiteWeight) return {};
+  return str_cat("weight ", w, " is not a number in [0, ", kMaxSiteWeight, "]");
+}
+
 }  // namespace
 
 
@@ -325,6 +336,10 @@ std::vector<std::vector<double>> Hierarchy::cross_site(at::Tensor values, const 
       throw Error(str_cat("allreduce: site ", s, " sent ", count, " elements, this site has ", n,
                           ": the sites' models differ"));
     const double weight = r.f64();
+    // In an exchange the update guard leaves a site with a bad weight out (below); an
+    // all-reduce's sum cannot go on without it, so there it is an error.
+    const std::string bad_weight = weight_verdict(weight);
+    if (!bad_weight.empty() && presummed) throw Error(str_cat("allreduce: site ", s, " sent ", bad_weight));
     if ((r.u8() != 0) != presummed)
       throw Error(str_cat("allreduce: site ", s, " ran another kind of collective (all-reduce vs exchange)",
                           ": the sites' strategies differ"));
@@ -375,7 +390,7 @@ std::vector<std::vector<double>> Hierarchy::cross_site(at::Tensor values, const 
     r.expect_done();
     std::vector<uint8_t>().swap(all[s]);
     if (guard) {
-      std::string why = guard_verdict(contribution, options.max_norm);
+      std::string why = !bad_weight.empty() ? bad_weight : guard_verdict(contribution, options.max_norm);
       if (!why.empty()) {
         if (rejected) rejected->push_back({s, why});
         ++left_out;
@@ -561,8 +576,10 @@ void Hierarchy::run_exchange_parts(at::Tensor part, const std::vector<std::vecto
   double total_weight = 0;
   size_t left_out = 0;
   for (size_t t = 0; t < num_sites; ++t) {
-    const std::string why = guard_verdict(static_cast<int64_t>(tot[3 * t]), static_cast<int64_t>(tot[3 * t + 1]),
-                                          std::sqrt(tot[3 * t + 2]), options.max_norm);
+    std::string why = weight_verdict(weight[t]);
+    if (why.empty())
+      why = guard_verdict(static_cast<int64_t>(tot[3 * t]), static_cast<int64_t>(tot[3 * t + 1]),
+                          std::sqrt(tot[3 * t + 2]), options.max_norm);
     if (!why.empty()) {
       work.rejected_.push_back({t, why});
       ++left_out;
@@ -581,13 +598,28 @@ void Hierarchy::run_exchange_parts(at::Tensor part, const std::vector<std::vecto
 }
 
 void Hierarchy::broadcast_from_first(at::Tensor& t) {
-  // A weighted mean where only global rank 0 has weight: exact (x·1 + 0)/1 = x.
-  // The mesh lives on local rank 0 only; elastic: the first site still (or, joining, so far) in it.
-  const bool first = mesh_ && mesh_->site_index() == mesh_->first_live();
-  AllreduceOptions o;
-  o.op = ReduceOp::kWeightedMean;
-  o.weight = first ? 1.0 : 0.0;
-  allreduce(t, o);
+  check_bucket_tensor(t, "broadcast");
+  // Only the source sends its values (all_gather_bytes: the other sites' gateways send a length
+  // each); every other worker receives them and copies them in. The mesh lives on local rank 0
+  // only; elastic: the source is the first site still (or, joining, so far) in it.
+  const bool source = mesh_ && mesh_->site_index() == mesh_->first_live();
+  std::vector<uint8_t> mine;
+  if (source) {
+    const at::Tensor c = t.to(at::kCPU).contiguous();
+    const auto* p = static_cast<const uint8_t*>(c.data_ptr());
+    mine.assign(p, p + c.numel() * static_cast<int64_t>(sizeof(float)));
+  }
+  auto all = all_gather_bytes(std::move(mine));
+  const auto it = std::find_if(all.begin(), all.end(), [](const auto& b) { return !b.empty(); });
+  if (t.numel() == 0) return;
+  if (it == all.end()) throw PeerLost("first site", str_cat("site ", site_.site(), ": broadcast: no site sent the values"));
+  if (it->size() != static_cast<size_t>(t.numel()) * sizeof(float))
+    throw Error(str_cat("site ", site_.site(), ": broadcast of ", t.numel(), " floats, the first site sent ", it->size(),
+                        " bytes: the sites' models differ"));
+  if (source) return;
+  at::Tensor got = at::empty({t.numel()}, at::kFloat);
+  std::memcpy(got.data_ptr<float>(), it->data(), it->size());
+  t.view({-1}).copy_(got);
 }
 
 std::vector<std::vector<uint8_t>> Hierarchy::all_gather_bytes(std::vector<uint8_t> mine) {

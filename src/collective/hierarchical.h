@@ -163,7 +163,9 @@ class Hierarchy {
   // Workers per site (every_worker only).
   std::vector<int64_t> workers_per_site() const;
 
-  // Makes every worker's `t` equal to global rank 0's (site 0, local rank 0).
+  // Makes every worker's `t` (float32) equal to global rank 0's (site 0, local rank 0; elastic:
+  // the first live site's). A real broadcast over all_gather_bytes: only the source's site
+  // sends the values over the WAN.
   void broadcast_from_first(at::Tensor& t);
 
   // allreduce over this site's workers only: c10d's all-reduce (Gloo's ring: every worker ends

@@ -167,18 +167,53 @@ TEST(Hierarchical, LossyCodecStaysCloseAndBitIdenticalAcrossSites) {
   EXPECT_GT((results[0] - exact).abs().max().item<float>(), 0.0f);  // it really was lossy
 }
 
+// A real broadcast ([4/5]): only the first site sends the values; the others' gateways send a
+// few header bytes, and a NaN on a receiving worker does not reach anyone (a weighted mean with
+// weight 0 turned it into NaN everywhere: 0 × NaN).
 TEST(Hierarchical, BroadcastFromFirstCopiesGlobalRankZero) {
-  testing::run_cluster({2, 2}, [&](testing::Rank& r) {
+  testing::run_cluster({2, 2, 1}, [&](testing::Rank& r) {
     at::Tensor t = data_of(r.global_rank, 333);
+    if (r.global_rank == 3) t[7] = NAN;
     r.hierarchy->broadcast_from_first(t);
     EXPECT_TRUE(at::equal(t, data_of(0, 333)));
     CommStats s = r.hierarchy->stats();
-    if (r.local_rank == 0) {
-      EXPECT_GT(s.wan_bytes_sent, 333u * 4);  // the gateway sent its site's sum over the WAN
-    } else {
+    if (r.local_rank != 0) {
       EXPECT_EQ(s.wan_bytes_sent, 0u);
+    } else if (r.site == 0) {
+      EXPECT_GT(s.wan_bytes_sent, 2u * 333 * 4);  // to each of the two other sites
+    } else {
+      EXPECT_LT(s.wan_bytes_sent, 2u * 400);  // headers only
     }
   });
+}
+
+// Every number a peer sends is checked ([4/5]): a site's weight that is infinite or absurdly
+// large is left out of an exchange by every site alike (the update guard's rejection), and
+// makes an all-reduce an error on every site, instead of poisoning the mean.
+TEST(Hierarchical, APeersWeightOutsideItsBoundsIsRejected) {
+  std::mutex mu;
+  std::vector<std::vector<Rejection>> rejected(3);
+  testing::run_cluster({1, 1, 1}, [&](testing::Rank& r) {
+    at::Tensor x = at::full({8}, static_cast<float>(r.site + 1));
+    AllreduceOptions o;
+    o.weight = r.site == 1 ? INFINITY : r.site == 2 ? 1e30 : 1.0;
+    auto work = r.hierarchy->exchange_async({x}, o);
+    work->wait(Deadline::after(std::chrono::seconds(30)));
+    EXPECT_TRUE(at::equal(x, at::ones({8}))) << "site " << r.site << ": " << x;
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      rejected[r.site] = work->rejected();
+    }
+    at::Tensor y = at::ones({4});
+    EXPECT_THROW(r.hierarchy->allreduce(y, {ReduceOp::kWeightedMean, o.weight}), Error) << "site " << r.site;
+  });
+  for (size_t s = 0; s < 3; ++s) {
+    ASSERT_EQ(rejected[s].size(), 2u) << "site " << s;
+    EXPECT_EQ(rejected[s][0].site, 1u);
+    EXPECT_NE(rejected[s][0].reason.find("weight inf"), std::string::npos) << rejected[s][0].reason;
+    EXPECT_EQ(rejected[s][1].site, 2u);
+    EXPECT_NE(rejected[s][1].reason.find("weight 1e+30"), std::string::npos) << rejected[s][1].reason;
+  }
 }
 
 // all_gather_bytes, the base of the Python backend's exact collectives: every worker gives a

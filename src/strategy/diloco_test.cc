@@ -634,8 +634,9 @@ TEST(Diloco, OnlyTrainableParametersCrossTheWan) {
     for (size_t i = 0; i < frozen.size(); ++i) EXPECT_TRUE(at::equal(frozen[i], frozen_before[i])) << i;
     auto stats = r.hierarchy->stats();
     // 3 exchanges (rounds) of the trainable values alone, as raw float32, and the initial
-    // replica check: a CRC (4 values) and a count (1); the replicas were equal already.
-    EXPECT_EQ(stats.codec_bytes_in, static_cast<uint64_t>(4 * (3 * trainable_numel + 4 + 1)));
+    // replica check's count of differing workers (1 value; its CRC is broadcast as bytes, not
+    // all-reduced); the replicas were equal already.
+    EXPECT_EQ(stats.codec_bytes_in, static_cast<uint64_t>(4 * (3 * trainable_numel + 1)));
     EXPECT_EQ(stats.codec_bytes_out, stats.codec_bytes_in);
   });
 }
