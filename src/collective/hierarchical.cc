@@ -649,14 +649,20 @@ std::vector<std::vector<uint8_t>> Hierarchy::all_gather_bytes(std::vector<uint8_
         w.put_bytes({p, static_cast<size_t>(c)});
         p += c;
       }
-      wire::ByteWriter all;
-      for (auto& site : mesh_->all_gather(w.take())) {  // a lost site (elastic) gives nothing
-        all.put_u64(site.size());
-        all.put_bytes(site);
+      // Written straight into the tensor rank 0 broadcasts: each site's length, then its bytes.
+      auto sites = mesh_->all_gather(w.take());  // a lost site (elastic) gives nothing
+      size_t total = 0;
+      for (const auto& site : sites) total += sizeof(uint64_t) + site.size();
+      job = at::empty({static_cast<int64_t>(total)}, at::kByte);
+      uint8_t* out = job.data_ptr<uint8_t>();
+      for (auto& site : sites) {
+        wire::ByteWriter length;
+        length.put_u64(site.size());
+        const std::vector<uint8_t> header = length.take();
+        out = std::copy(header.begin(), header.end(), out);
+        out = std::copy(site.begin(), site.end(), out);
+        std::vector<uint8_t>().swap(site);
       }
-      std::vector<uint8_t> bytes = all.take();
-      job = at::empty({static_cast<int64_t>(bytes.size())}, at::kByte);
-      std::memcpy(job.data_ptr<uint8_t>(), bytes.data(), bytes.size());
     }
     at::Tensor size = at::full({1}, job.defined() ? job.numel() : 0, at::kLong);
     site_.broadcast_from_root(size);

@@ -62,21 +62,25 @@ int Session::site_workers() const { return static_cast<int>(impl_->config.sites[
 int Session::global_rank() const { return impl_->global_rank; }
 int Session::world_size() const { return static_cast<int>(impl_->config.total_workers()); }
 
-// A job of one site needs no WAN leg: c10d's all-reduce over the site is the job's.
-void Session::allreduce(at::Tensor& t, double weight) {
-  const collective::AllreduceOptions o{collective::ReduceOp::kWeightedMean, weight};
-  if (impl_->comm.training_names.size() == 1 && t.device().is_cpu())
-    impl_->comm.comm->site_allreduce(t, o);
+namespace {
+
+// A float32 all-reduce over the job. A job of one site needs no WAN leg: c10d's all-reduce over
+// the site is the job's.
+void float_allreduce(train::SiteComm& comm, at::Tensor& t, const collective::AllreduceOptions& o) {
+  if (comm.training_names.size() == 1 && t.device().is_cpu() && o.codec == nullptr)
+    comm.comm->site_allreduce(t, o);
   else
-    impl_->comm.comm->allreduce(t, o);
+    comm.comm->allreduce(t, o);
+}
+
+}  // namespace
+
+void Session::allreduce(at::Tensor& t, double weight) {
+  float_allreduce(impl_->comm, t, {collective::ReduceOp::kWeightedMean, weight});
 }
 void Session::allreduce_sum(at::Tensor& t) {
   if (t.scalar_type() == at::kFloat) {
-    const collective::AllreduceOptions o{collective::ReduceOp::kSum, 1.0};
-    if (impl_->comm.training_names.size() == 1 && t.device().is_cpu())
-      impl_->comm.comm->site_allreduce(t, o);
-    else
-      impl_->comm.comm->allreduce(t, o);
+    float_allreduce(impl_->comm, t, {collective::ReduceOp::kSum, 1.0});
     return;
   }
   std::vector<at::Tensor> all = allgather(t);
@@ -103,14 +107,12 @@ std::string Session::wan_codec() {
 
 void Session::allreduce_encoded(at::Tensor& t, double weight, bool sum) {
   wan_codec();
-  if (!*impl_->wan_codec || impl_->comm.training_names.size() == 1) {  // exact, or no WAN leg
-    sum ? allreduce_sum(t) : allreduce(t, weight);
-    return;
-  }
   collective::AllreduceOptions o{sum ? collective::ReduceOp::kSum : collective::ReduceOp::kWeightedMean, weight};
-  o.codec = impl_->wan_codec->get();
-  o.tag = uint64_t{1} << 62;  // one codec state for every call (these codecs keep only a rounding counter)
-  impl_->comm.comm->allreduce(t, o);
+  if (impl_->comm.training_names.size() > 1) {  // one site: no WAN leg to encode
+    o.codec = impl_->wan_codec->get();          // null: exact
+    o.tag = uint64_t{1} << 62;  // one codec state for every call (these codecs keep only a rounding counter)
+  }
+  float_allreduce(impl_->comm, t, o);
 }
 
 namespace {
