@@ -196,8 +196,8 @@ int main(int argc, char** argv) {
     certs = std::filesystem::temp_directory_path() / ("nebula-wan-bench-" + std::to_string(::getpid()));
     std::filesystem::create_directories(certs);
     create_ca(certs.string());
-    issue_site_certificate(certs.string(), "site-a");
-    issue_site_certificate(certs.string(), "site-b");
+    issue_site_certificate(certs.string(), "site-a", "bench");
+    issue_site_certificate(certs.string(), "site-b", "bench");
     g_tls_a = TlsContext::create(TlsFiles::for_site(certs.string(), "site-a"));
     g_tls_b = TlsContext::create(TlsFiles::for_site(certs.string(), "site-b"));
   }

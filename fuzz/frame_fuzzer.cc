@@ -72,10 +72,16 @@ std::optional<Kind> expected_header_error(std::span<const uint8_t> b, uint64_t m
   if (b.size() < kHeaderSize) return Kind::kTruncated;
   if (load_le(b, kMagicOffset, 4) != kMagic) return Kind::kBadMagic;
   if (b[kVersionOffset] != kProtocolVersion) return Kind::kBadVersion;
-  if (b[kTypeOffset] < 1 || b[kTypeOffset] > 8) return Kind::kBadType;  // kHello .. kPong
+  const uint8_t type = b[kTypeOffset];
+  if (type < 1 || type > 9) return Kind::kBadType;  // kHello .. kPart
   for (size_t i = 0; i < kReservedSize; ++i)
     if (b[kReservedOffset + i] != 0) return Kind::kBadType;
-  if (load_le(b, kPayloadLenOffset, 8) > max_payload) return Kind::kTooLarge;
+  // Data and parts may use the link's whole limit; a hello 64 KiB of it, the session's
+  // control frames 64 bytes.
+  const uint64_t limit = type == 2 || type == 9 ? max_payload
+                         : type == 1            ? std::min<uint64_t>(max_payload, 64 * 1024)
+                                                : std::min<uint64_t>(max_payload, 64);
+  if (load_le(b, kPayloadLenOffset, 8) > limit) return Kind::kTooLarge;
   return std::nullopt;
 }
 
@@ -210,6 +216,7 @@ void write_seeds(const std::string& dir) {
       {"heartbeat", make_frame(FrameType::kHeartbeat, 0, 9, {})},
       {"ack", make_frame(FrameType::kAck, 0, 0, u64s({41}))},
       {"resume", make_frame(FrameType::kResume, 0, 0, u64s({0x1234, 40, 41}))},
+      {"part", make_frame(FrameType::kPart, 1000, 3, {9, 8, 7, 6})},
   };
   for (auto& [name, f] : seeds) write_file(dir + "/" + name, encode_frame(f));
 }

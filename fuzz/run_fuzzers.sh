@@ -19,7 +19,7 @@ BUILD_DIR=$(mkdir -p "$1" && cd "$1" && pwd) || exit 2
 SECONDS_EACH=$2
 shift 2
 FUZZERS=("$@")
-((${#FUZZERS[@]})) || FUZZERS=(frame_fuzzer hello_fuzzer)
+((${#FUZZERS[@]})) || FUZZERS=(frame_fuzzer hello_fuzzer session_fuzzer stripe_fuzzer)
 SRC_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 
 CXX=${FUZZ_CXX:-clang++}

@@ -168,6 +168,9 @@ TEST(EndToEnd, CutAndStalledWanLinkChangesNothingButTime) {
   };
   EXPECT_EQ(summary("clean")["final_train_loss"], summary("faulty")["final_train_loss"]);
   EXPECT_EQ(summary("clean")["final_val_loss"], summary("faulty")["final_val_loss"]);
+  // The wire carries more than the frames (TLS records, acks, probes; re-sends after the cut).
+  EXPECT_GT(summary("clean")["wan_wire_bytes"].get<double>(), summary("clean")["wan_bytes"].get<double>());
+  EXPECT_GT(summary("faulty")["wan_wire_bytes"].get<double>(), summary("faulty")["wan_bytes"].get<double>());
   // The audit log shows the reconnection (a second generation of both streams).
   std::ifstream ain(dir + "/faulty/audit.jsonl");
   int reconnected = 0;
@@ -176,6 +179,28 @@ TEST(EndToEnd, CutAndStalledWanLinkChangesNothingButTime) {
     reconnected += j["reason"] == "reconnected";
   }
   EXPECT_EQ(reconnected, 2) << "one reconnection of 2 streams expected";
+
+  // [4/5] A black hole instead (no FIN, no RST: every byte vanishes both ways): the silence is
+  // noticed within wan.liveness_timeout, the link is replaced, and again nothing else changes.
+  std::ifstream smoke(NEBULA_SOURCE_DIR "/examples/smoke.toml");
+  std::stringstream hole_text;
+  hole_text << smoke.rdbuf() << "\n[[wan.faults]]\nkind = \"blackhole\"\nafter = \"1MiB\"\n";
+  std::ofstream(dir + "/hole.toml") << hole_text.str();
+  Result hole = run("run " + dir + "/hole.toml" + common + " --set wan.liveness_timeout=1s --set job.run_dir=\\\"" +
+                    dir + "/hole\\\"");
+  ASSERT_EQ(hole.exit_code, 0) << hole.output;
+  EXPECT_EQ(summary("clean")["final_train_loss"], summary("hole")["final_train_loss"]);
+  EXPECT_EQ(summary("clean")["final_val_loss"], summary("hole")["final_val_loss"]);
+  std::string logs;
+  for (const auto& f : fs::directory_iterator(dir + "/hole/logs")) {
+    std::ifstream log(f.path());
+    logs += std::string(std::istreambuf_iterator<char>(log), {});
+  }
+  EXPECT_NE(logs.find("(wan.liveness_timeout"), std::string::npos) << logs;
+  std::ifstream hin(dir + "/hole/audit.jsonl");
+  int replaced = 0;
+  for (std::string line; std::getline(hin, line);) replaced += nlohmann::json::parse(line)["reason"] == "reconnected";
+  EXPECT_EQ(replaced, 2) << "one reconnection of 2 streams expected";
   fs::remove_all(dir);
 }
 
@@ -325,14 +350,14 @@ TEST(EndToEnd, EveryWorkerCarriesItsOwnShardOverItsOwnLinks) {
   // A site whose hosts have no certificates of their own: the worker names the file and the command.
   const std::string certs = dir + "/certs";
   ASSERT_EQ(std::system(("cd " NEBULA_SOURCE_DIR " && " NEBULA_BINARY_DIR "/nebula certs init " + certs + " > /dev/null && " +
-                         NEBULA_BINARY_DIR "/nebula certs issue " + certs + " --site alpha --workers 2 > /dev/null && " +
-                         NEBULA_BINARY_DIR "/nebula certs issue " + certs + " --site beta > /dev/null").c_str()),
+                         NEBULA_BINARY_DIR "/nebula certs issue " + certs + " --site alpha --job smoke --workers 2 > /dev/null && " +
+                         NEBULA_BINARY_DIR "/nebula certs issue " + certs + " --site beta --job smoke > /dev/null").c_str()),
             0);
   Result missing = run(base + "--set strategy.kind=diloco --set wan.mode=every_worker --set security.host_certs=true "
                        "--set security.certs=\\\"" + certs + "\\\" --set job.run_dir=\\\"" + dir + "/missing\\\"", 120);
   EXPECT_EQ(missing.exit_code, 1) << missing.output;
   EXPECT_NE(missing.output.find(certs + "/hosts/beta/"), std::string::npos) << missing.output;
-  EXPECT_NE(missing.output.find("--site beta --workers N"), std::string::npos) << missing.output;
+  EXPECT_NE(missing.output.find("--site beta --job smoke --workers N"), std::string::npos) << missing.output;
   // Refused by key: sync, and a wrong number of worker addresses.
   Result r = run("run examples/smoke.toml --set strategy.kind=sync --set wan.mode=every_worker", 60);
   EXPECT_EQ(r.exit_code, 2) << r.output;
@@ -427,9 +452,9 @@ TEST(EndToEnd, DilocoStreamingPeftAndControllerTrainWithFarFewerWanBytes) {
 TEST(EndToEnd, SiteWithCertificateFromAnotherCaIsRefused) {
   const std::string dir = temp_run_dir("badca");
   ASSERT_EQ(run("certs init " + dir + "/good", 30).exit_code, 0);
-  ASSERT_EQ(run("certs issue " + dir + "/good --site alpha", 30).exit_code, 0);
+  ASSERT_EQ(run("certs issue " + dir + "/good --site alpha --job smoke", 30).exit_code, 0);
   ASSERT_EQ(run("certs init " + dir + "/other", 30).exit_code, 0);
-  ASSERT_EQ(run("certs issue " + dir + "/other --site beta", 30).exit_code, 0);
+  ASSERT_EQ(run("certs issue " + dir + "/other --site beta --job smoke", 30).exit_code, 0);
   fs::copy_file(dir + "/other/beta.pem", dir + "/good/beta.pem");
   fs::copy_file(dir + "/other/beta.key", dir + "/good/beta.key");
   Result r = run("run examples/smoke.toml --set job.steps=3 --set wan.handshake_timeout=\\\"5s\\\" "
@@ -449,10 +474,12 @@ TEST(EndToEnd, CertsCommandsMakeAUsableCaAndSayWhatIsWrong) {
   Result init = run("certs init " + dir, 30);
   ASSERT_EQ(init.exit_code, 0) << init.output;
   EXPECT_NE(run("certs init " + dir, 30).exit_code, 0);  // never overwrite a CA
-  Result issue = run("certs issue " + dir + " --site alpha", 30);
+  Result issue = run("certs issue " + dir + " --site alpha --job smoke", 30);
   ASSERT_EQ(issue.exit_code, 0) << issue.output;
   EXPECT_NE(issue.output.find("fingerprint"), std::string::npos);
-  Result bad = run("certs issue " + dir + " --site 'no spaces'", 30);
+  EXPECT_NE(issue.output.find("urn:nebula:job:smoke:site:alpha"), std::string::npos) << issue.output;
+  EXPECT_NE(run("certs issue " + dir + " --site beta", 30).exit_code, 0);  // --job is required
+  Result bad = run("certs issue " + dir + " --site 'no spaces' --job smoke", 30);
   EXPECT_NE(bad.exit_code, 0);
   EXPECT_NE(bad.output.find("no spaces"), std::string::npos) << bad.output;
   // The real openssl command agrees that the site certificate chains to the CA.
@@ -901,7 +928,7 @@ TEST(EndToEnd, GarbageAndOversizeFramesAtATlsGatewayAreRefusedAuditedAndTheJobFi
 }
 
 TEST(EndToEnd, GarbageAndOversizeFramesAtAPlaintextGatewayAreRefusedAuditedAndTheJobFinishes) {
-  run_job_with_hostile_connections(true, {"bad magic", "payload_len 1099511627776 exceeds the maximum"});
+  run_job_with_hostile_connections(true, {"bad magic", "payload_len 1099511627776 of a hello frame exceeds the maximum 65536"});
 }
 
 // Bad data files through the real binary: one line naming the file (and line), the key it
@@ -1324,7 +1351,7 @@ TEST(EndToEnd, TheLibraryExampleTrainsItsOwnLoopOnTwoSitesOverMutualTls) {
   fs::create_directories(dir);
   ASSERT_EQ(run("certs init " + dir + "/certs").exit_code, 0);
   for (const char* site : {"alpha", "beta"})
-    ASSERT_EQ(run("certs issue " + dir + "/certs --site " + site).exit_code, 0);
+    ASSERT_EQ(run("certs issue " + dir + "/certs --job library --site " + site).exit_code, 0);
   const auto ports = free_ports(4);
   ASSERT_EQ(ports.size(), 4u);
   const std::string example = NEBULA_BINARY_DIR "/examples/library/my_training_loop";

@@ -3,6 +3,7 @@
 // line, column and key. Every default lives in the structs below.
 #pragma once
 
+#include <algorithm>
 #include <chrono>
 #include <cstdint>
 #include <optional>
@@ -136,7 +137,7 @@ struct WanPairConfig {                  // [[wan.pairs]]: overrides for one pair
 };
 
 struct WanFaultConfig {                 // [[wan.faults]]: scheduled faults (emulation only)
-  std::string kind;                     // cut | stall | corrupt
+  std::string kind;                     // cut | stall | corrupt | blackhole
   std::string a, b;                     // the pair; empty = every pair
   std::optional<std::chrono::nanoseconds> at;  // since the link was set up
   std::optional<uint64_t> after_bytes;         // or once this many bytes were sent
@@ -159,10 +160,19 @@ struct WanConfig {
   std::vector<WanFaultConfig> faults;
   int64_t streams = 1;                  // parallel TCP connections per site pair (striping)
   uint64_t window_bytes = 4ull << 20;   // emulated per-connection TCP window; 0 = unlimited
-  uint64_t max_frame = 1ull << 30;      // a peer sending a larger frame is disconnected
+  // Largest frame on the wire; a peer sending a larger one is disconnected. Messages of any
+  // size cross it: they travel in pieces of piece_bytes().
+  uint64_t max_frame = 4ull << 20;
   uint64_t max_pending = 1ull << 30;    // unacknowledged bytes kept per peer for resending
   std::chrono::nanoseconds handshake_timeout = std::chrono::seconds(10);
   std::chrono::nanoseconds reconnect_timeout = std::chrono::seconds(30);  // then PeerLost
+  // A connection on which nothing arrives for this long is dead (a black hole, a NAT that
+  // forgot it, a hung peer): it is replaced as after a cut. Each side writes at least every
+  // quarter of it (heartbeats when idle). Also the TCP_USER_TIMEOUT of WAN sockets. 0 = off.
+  std::chrono::nanoseconds liveness_timeout = std::chrono::seconds(20);
+
+  // Payload bytes per piece of a message on the wire: min(256 KiB, max_frame / 2).
+  uint64_t piece_bytes() const { return std::min<uint64_t>(256 * 1024, max_frame / 2); }
 
   // The path between sites a and b (order does not matter).
   WanPathConfig path_between(const std::string& a, const std::string& b) const;

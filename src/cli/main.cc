@@ -100,6 +100,10 @@ int main(int argc, char** argv) {
   auto* certs_issue = certs->add_subcommand("issue", "Issue DIR/NAME.pem and DIR/NAME.key for one site, signed by DIR's CA");
   certs_issue->add_option("dir", certs_dir, "Directory holding the CA")->required();
   certs_issue->add_option("--site", site_name, "The site's name, as in [[sites]] name")->required();
+  std::string job_name;
+  certs_issue->add_option("--job", job_name,
+                          "The job's name, as in [job] name: the certificate is good for that job only")
+      ->required();
   certs_issue->add_option("--days", days, "Validity in days (default 825)");
   int host_workers = 0;
   certs_issue->add_option("--workers", host_workers,
@@ -242,13 +246,14 @@ int main(int argc, char** argv) {
       return 0;
     }
     if (*certs_issue) {
-      nebula::transport::issue_site_certificate(certs_dir, site_name, days > 0 ? days : 825);
-      std::printf("issued %s/%s.pem and %s/%s.key (fingerprint %s); give both to site '%s' only\n",
+      nebula::transport::issue_site_certificate(certs_dir, site_name, job_name, days > 0 ? days : 825);
+      std::printf("issued %s/%s.pem and %s/%s.key (%s, fingerprint %s); give both to site '%s' only\n",
                   certs_dir.c_str(), site_name.c_str(), certs_dir.c_str(), site_name.c_str(),
+                  nebula::transport::identity_uri(job_name, site_name).c_str(),
                   nebula::transport::certificate_fingerprint(certs_dir + "/" + site_name + ".pem").c_str(),
                   site_name.c_str());
       for (int r = 0; r < host_workers; ++r) {
-        nebula::transport::issue_host_certificate(certs_dir, site_name, r, days > 0 ? days : 825);
+        nebula::transport::issue_host_certificate(certs_dir, site_name, r, job_name, days > 0 ? days : 825);
         const std::string pem = nebula::transport::host_cert_path(certs_dir, site_name, r);
         std::printf("issued %s and its .key (fingerprint %s); give both to the host of worker %d of site '%s' only\n",
                     pem.c_str(), nebula::transport::certificate_fingerprint(pem).c_str(), r, site_name.c_str());

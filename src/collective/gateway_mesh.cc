@@ -92,9 +92,7 @@ void GatewayMesh::admit(uint64_t mask) {
     wire::ByteWriter w;
     w.put_u64(next_op_);
     if (links_[j]) {  // closed when the site was lost; freed by the last snapshot holding it
-      const transport::LinkStats st = links_[j]->stats();
-      retired_sent_ += st.bytes_sent;
-      retired_received_ += st.bytes_received;
+      transport::add(retired_, links_[j]->stats());
     }
     links_[j] = std::move(ready_[j]);
     links_[j]->send(wire::make_frame(wire::FrameType::kData, 0, 0, w.take()), Deadline::after(options_.timeout));
@@ -256,20 +254,17 @@ std::vector<transport::LinkEstimates> GatewayMesh::estimates() const {
   return out;
 }
 
-uint64_t GatewayMesh::bytes_total(bool sent) const {
+transport::LinkStats GatewayMesh::totals() const {
   std::vector<LinkPtr> links;
-  uint64_t b;
+  transport::LinkStats t;
   {
     MutexLock lock(mu_);
     links = links_;
-    b = sent ? retired_sent_ : retired_received_;
+    t = retired_;
   }
   for (const auto& l : links)
-    if (l) b += sent ? l->stats().bytes_sent : l->stats().bytes_received;
-  return b;
+    if (l) transport::add(t, l->stats());
+  return t;
 }
-
-uint64_t GatewayMesh::bytes_sent() const { return bytes_total(true); }
-uint64_t GatewayMesh::bytes_received() const { return bytes_total(false); }
 
 }  // namespace nebula::collective

@@ -8,7 +8,7 @@
 //
 // Threads: all_gather(), admit() and join() run on one thread (the Hierarchy's communication
 // thread); every other call may come from any thread at any time (the training thread reads
-// estimates() and bytes_sent() for metrics and the controller while an exchange or an
+// estimates() and totals() for metrics and the controller while an exchange or an
 // admission runs). The links and the membership are under one mutex; an exchange works on a
 // snapshot of them (shared_ptr), so admit() replacing a link never frees one in use.
 #pragma once
@@ -79,10 +79,9 @@ class GatewayMesh {
   // The link estimates (RTT, bandwidth) to each site, by site index (empty for this site).
   std::vector<transport::LinkEstimates> estimates() const EXCLUDES(mu_);
 
-  // Total bytes (headers included) over all of this gateway's links, those replaced by a
-  // rejoin included (so the totals never go down).
-  uint64_t bytes_sent() const EXCLUDES(mu_);
-  uint64_t bytes_received() const EXCLUDES(mu_);
+  // Totals over all of this gateway's links, those replaced by a rejoin included (so they
+  // never go down): frame bytes (headers included) and wire bytes (transport::LinkStats).
+  transport::LinkStats totals() const EXCLUDES(mu_);
 
   void close() EXCLUDES(mu_);
 
@@ -99,9 +98,7 @@ class GatewayMesh {
   bool joining_ GUARDED_BY(mu_) = false;  // options_.joining until join() is done
   std::vector<std::pair<size_t, std::string>> lost_ GUARDED_BY(mu_);
   std::vector<size_t> rejoined_ GUARDED_BY(mu_);
-  uint64_t bytes_total(bool sent) const EXCLUDES(mu_);  // retired links' bytes + the live links'
-  uint64_t retired_sent_ GUARDED_BY(mu_) = 0;      // bytes of links that admit() replaced
-  uint64_t retired_received_ GUARDED_BY(mu_) = 0;
+  transport::LinkStats retired_ GUARDED_BY(mu_);  // of the links that admit() replaced
   std::vector<std::unique_ptr<transport::Link>> ready_ GUARDED_BY(mu_);  // fresh links by site
   std::vector<std::future<std::unique_ptr<transport::Link>>> attempts_ GUARDED_BY(mu_);
 };

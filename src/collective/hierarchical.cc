@@ -51,7 +51,7 @@ Hierarchy::Hierarchy(SiteGroup& site, GatewayMesh* mesh, WorkerMesh* workers, Si
 }
 
 uint64_t Hierarchy::wan_bytes_sent_now() const {
-  return workers_ ? workers_->bytes_sent() : mesh_ ? mesh_->bytes_sent() : 0;
+  return workers_ ? workers_->totals().bytes_sent : mesh_ ? mesh_->totals().bytes_sent : 0;
 }
 
 std::vector<int64_t> Hierarchy::workers_per_site() const {
@@ -687,13 +687,19 @@ std::vector<std::vector<uint8_t>> Hierarchy::all_gather_bytes(std::vector<uint8_
 CommStats Hierarchy::stats() const {
   CommStats s;
   if (mesh_) {  // the mesh has its own lock
-    s.wan_bytes_sent = mesh_->bytes_sent();
-    s.wan_bytes_received = mesh_->bytes_received();
+    const transport::LinkStats t = mesh_->totals();
+    s.wan_bytes_sent = t.bytes_sent;
+    s.wan_bytes_received = t.bytes_received;
+    s.wan_wire_bytes_sent = t.wire_bytes_sent;
+    s.wan_wire_bytes_received = t.wire_bytes_received;
     s.links = mesh_->estimates();
   }
   if (workers_) {  // a superset of the gateway mesh's links on rank 0
-    s.wan_bytes_sent = workers_->bytes_sent();
-    s.wan_bytes_received = workers_->bytes_received();
+    const transport::LinkStats t = workers_->totals();
+    s.wan_bytes_sent = t.bytes_sent;
+    s.wan_bytes_received = t.bytes_received;
+    s.wan_wire_bytes_sent = t.wire_bytes_sent;
+    s.wan_wire_bytes_received = t.wire_bytes_received;
   }
   MutexLock lock(stats_mu_);
   s.allreduces = allreduces_;

@@ -66,6 +66,9 @@ struct CommStats {
   // "every_worker" each worker's own (0 off-gateway in gateway mode).
   uint64_t wan_bytes_sent = 0;
   uint64_t wan_bytes_received = 0;
+  // The same on the network: TLS records, acks, probes, heartbeats, re-sends, handshakes.
+  uint64_t wan_wire_bytes_sent = 0;
+  uint64_t wan_wire_bytes_received = 0;
   uint64_t allreduces = 0;
   // The inter-site leg on the gateway: float32 bytes this site's contributions would have
   // been, what the codec made of them, and the time spent encoding / decoding.

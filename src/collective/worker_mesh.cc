@@ -78,18 +78,11 @@ std::vector<std::vector<uint8_t>> WorkerMesh::exchange(std::vector<std::vector<u
   return from;
 }
 
-uint64_t WorkerMesh::bytes_sent() const {
-  uint64_t b = 0;
+transport::LinkStats WorkerMesh::totals() const {
+  transport::LinkStats t;
   for (const auto& l : links_)
-    if (l) b += l->stats().bytes_sent;
-  return b;
-}
-
-uint64_t WorkerMesh::bytes_received() const {
-  uint64_t b = 0;
-  for (const auto& l : links_)
-    if (l) b += l->stats().bytes_received;
-  return b;
+    if (l) transport::add(t, l->stats());
+  return t;
 }
 
 void WorkerMesh::close() {

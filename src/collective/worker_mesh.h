@@ -9,8 +9,8 @@
 // order. Its operation ids have the top bit set, so that they can never be taken for the
 // gateway mesh's, which shares rank 0's links to the other gateways (collective/gateway_mesh.h).
 //
-// Threads: exchange() runs on one thread (the Hierarchy's communication thread); bytes_sent(),
-// bytes_received() and estimates() may be called from any thread.
+// Threads: exchange() runs on one thread (the Hierarchy's communication thread); totals() and
+// estimates() may be called from any thread.
 #pragma once
 
 #include <chrono>
@@ -51,8 +51,8 @@ class WorkerMesh {
   // naming the worker, or Error if a peer is at another operation.
   std::vector<std::vector<uint8_t>> exchange(std::vector<std::vector<uint8_t>> to);
 
-  uint64_t bytes_sent() const;
-  uint64_t bytes_received() const;
+  // Over all of this worker's links: frame bytes (headers included) and wire bytes.
+  transport::LinkStats totals() const;
   // Waits (bounded) until every peer has what was sent to it, then closes the links.
   void close();
 

@@ -25,7 +25,8 @@ transport::TlsFiles tls_files(const Config& c, const std::string& site, int rank
       if (!fs::exists(f))
         throw ConfigError(str_cat(c.source_path, ": security.host_certs = true, but ", f, " (worker ", rank,
                                   " of site '", site, "') does not exist: make the site's host certificates with "
-                                  "`nebula certs issue ", s.certs, " --site ", site, " --workers N`"));
+                                  "`nebula certs issue ", s.certs, " --site ", site, " --job ", c.job.name,
+                                  " --workers N`"));
     return p;
   }
   transport::TlsFiles p = s.certs.empty() ? transport::TlsFiles{} : transport::TlsFiles::for_site(s.certs, site);
@@ -34,7 +35,8 @@ transport::TlsFiles tls_files(const Config& c, const std::string& site, int rank
   if (!s.key.empty()) p.key = s.key;
   if (p.ca.empty() || p.cert.empty() || p.key.empty())
     throw ConfigError(str_cat(c.source_path, ": [security] needs certs = \"DIR\" (made with `nebula certs init DIR` ",
-                              "and `nebula certs issue DIR --site ", site, "`) or ca, cert and key paths; ",
+                              "and `nebula certs issue DIR --site ", site, " --job ", c.job.name,
+                              "`) or ca, cert and key paths; ",
                               "or insecure = true for plaintext links"));
   return p;
 }
@@ -44,10 +46,17 @@ void ensure_local_certificates(Config& c) {
   const std::string dir = c.job.run_dir + "/certs";
   fs::create_directories(dir);
   if (!fs::exists(dir + "/ca.pem")) transport::create_ca(dir);
+  // Made for this job; one left in the run directory by a job of another name is replaced.
+  auto stale = [&](const std::string& pem) {
+    if (!fs::exists(pem)) return true;
+    const transport::CertIdentity id = transport::certificate_identity(pem);
+    return !id.ok() || id.job != c.job.name;
+  };
   for (const auto& s : c.sites) {
-    if (!fs::exists(dir + "/" + s.name + ".pem")) transport::issue_site_certificate(dir, s.name);
+    if (stale(transport::site_cert_path(dir, s.name))) transport::issue_site_certificate(dir, s.name, c.job.name);
     for (int r = 0; c.security.host_certs && r < s.workers; ++r)
-      if (!fs::exists(transport::host_cert_path(dir, s.name, r))) transport::issue_host_certificate(dir, s.name, r);
+      if (stale(transport::host_cert_path(dir, s.name, r)))
+        transport::issue_host_certificate(dir, s.name, r, c.job.name);
   }
   c.security.certs = dir;
 }
@@ -71,12 +80,20 @@ GatewayLinks connect_endpoints(const Config& c, std::vector<transport::SiteAddre
   o.reconnect_timeout = std::chrono::duration_cast<std::chrono::milliseconds>(
       joining ? std::max(c.wan.reconnect_timeout, c.job.timeout) : c.wan.reconnect_timeout);
   o.max_pending = c.wan.max_pending;
+  o.liveness_timeout = std::chrono::duration_cast<std::chrono::milliseconds>(c.wan.liveness_timeout);
+  o.link.tcp_user_timeout = o.liveness_timeout;
+  o.fragment_bytes = c.wan.piece_bytes();
   o.audit = std::make_shared<transport::AuditLog>(c.security.audit_log.empty() ? c.job.run_dir + "/audit.jsonl"
                                                                                : c.security.audit_log);
   if (c.security.insecure) {
     spdlog::warn("security.insecure = true: links to other sites are PLAINTEXT and unauthenticated");
   } else {
     o.tls = transport::TlsContext::create(tls_files(c, c.sites[site].name, rank));
+    if (o.tls->job() != c.job.name || o.tls->name() != c.sites[site].name)
+      throw ConfigError(str_cat(c.source_path, ": the certificate ", o.tls->files().cert, " is for site '",
+                                o.tls->name(), "' of job '", o.tls->job(), "', but this is site '", c.sites[site].name,
+                                "' of job '", c.job.name, "': issue one with `nebula certs issue DIR --site ",
+                                c.sites[site].name, " --job ", c.job.name, "`"));
   }
   if (c.wan.emulated()) {
     // One bottleneck per direction of a site pair, shared by its streams; with every_worker
@@ -87,6 +104,9 @@ GatewayLinks connect_endpoints(const Config& c, std::vector<transport::SiteAddre
                                               : nullptr;
     auto pairs = std::make_shared<std::map<size_t, std::shared_ptr<transport::Bottleneck>>>();
     if (c.wan.every_worker()) std::filesystem::create_directories(c.job.run_dir + "/wan");
+    o.connect_delay = [&c, site, site_of](size_t peer) {
+      return 3 * c.wan.path_between(c.sites[site].name, c.sites[site_of[peer]].name).rtt;
+    };
     o.shaper = [&c, site, site_of, host, pairs](size_t peer, std::vector<std::unique_ptr<transport::Link>> streams,
                                                  int generation) {
       const std::string& me = c.sites[site].name;
@@ -117,9 +137,10 @@ GatewayLinks connect_endpoints(const Config& c, std::vector<transport::SiteAddre
               continue;
             }
             transport::WanFault wf;
-            wf.kind = f.kind == "cut" ? transport::WanFault::Kind::kCut
-                      : f.kind == "stall" ? transport::WanFault::Kind::kStall
-                                          : transport::WanFault::Kind::kCorrupt;
+            wf.kind = f.kind == "cut"         ? transport::WanFault::Kind::kCut
+                      : f.kind == "stall"     ? transport::WanFault::Kind::kStall
+                      : f.kind == "blackhole" ? transport::WanFault::Kind::kBlackhole
+                                              : transport::WanFault::Kind::kCorrupt;
             wf.at = f.at;
             wf.after_bytes = f.after_bytes;
             wf.duration = f.duration;

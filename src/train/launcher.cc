@@ -386,7 +386,8 @@ bool print_summary(const std::string& run_dir) {
   std::printf("  final train loss  %.4f\n", num("final_train_loss"));
   if (j.contains("final_val_loss") && j["final_val_loss"].is_number())
     std::printf("  final val loss    %.4f\n", num("final_val_loss"));
-  std::printf("  WAN bytes sent    %s (all sites)\n", format_bytes(num("wan_bytes")).c_str());
+  std::printf("  WAN bytes sent    %s (all sites; %s on the wire: TLS, acks, probes, re-sends)\n",
+              format_bytes(num("wan_bytes")).c_str(), format_bytes(num("wan_wire_bytes")).c_str());
   if (j.contains("eval") && j["eval"].contains("bleu")) {
     std::printf("  BLEU              %.2f on %.0f test pairs (beam %d)\n", j["eval"].value("bleu", 0.0),
                 j["eval"].value("sentences", 0.0), j["eval"].value("beam", 1));

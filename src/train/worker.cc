@@ -314,6 +314,8 @@ int run_worker(const Config& c, const WorkerIdentity& who, bool resume, bool rej
                    {"tokens_per_s", seconds > 0 ? static_cast<double>(window_tokens) / seconds : 0.0},
                    {"wan_bytes_sent", stats.wan_bytes_sent},
                    {"wan_bytes_received", stats.wan_bytes_received},
+                   {"wan_wire_bytes_sent", stats.wan_wire_bytes_sent},
+                   {"wan_wire_bytes_received", stats.wan_wire_bytes_received},
                    {"wan_links", links},
                    {"codec_bytes_in", stats.codec_bytes_in},
                    {"codec_bytes_out", stats.codec_bytes_out},
@@ -530,8 +532,10 @@ int run_worker(const Config& c, const WorkerIdentity& who, bool resume, bool rej
     std::vector<double> eval_end = evaluate_now(step);
     std::vector<double> counters = {static_cast<double>(tokens), static_cast<double>(wan.wan_bytes_sent),
                                     static_cast<double>(wan.wan_bytes_received), last_loss,
-                                    last_predicted, validation.first, validation.second};
-    constexpr size_t kFixed = 7;
+                                    last_predicted, validation.first, validation.second,
+                                    static_cast<double>(wan.wan_wire_bytes_sent),
+                                    static_cast<double>(wan.wan_wire_bytes_received)};
+    constexpr size_t kFixed = 9;
     counters.insert(counters.end(), eval_start.begin(), eval_start.end());
     counters.insert(counters.end(), eval_end.begin(), eval_end.end());
     // Each worker's own WAN bytes at its place in the job (sites in order, ranks in order).
@@ -566,6 +570,10 @@ int run_worker(const Config& c, const WorkerIdentity& who, bool resume, bool rej
           {"wan_bytes", total(1)},
           {"wan_bytes_sent", total(1)},
           {"wan_bytes_received", total(2)},
+          // On the network: TLS records, acks, probes, heartbeats, re-sends, handshakes.
+          {"wan_wire_bytes", total(7)},
+          {"wan_wire_bytes_sent", total(7)},
+          {"wan_wire_bytes_received", total(8)},
           {"wan_bytes_sent_by_worker", std::vector<double>(totals.begin() + static_cast<std::ptrdiff_t>(by_worker_at), totals.end())},
           {"security", c.security.insecure ? "plaintext" : "mutual TLS 1.3"},
           {"wan_streams", c.wan.streams},

@@ -207,6 +207,18 @@ void check_site_name(const std::string& site) {
                         " characters from A-Z a-z 0-9 . _ - and not \"ca\" (reserved for the CA's files)"));
 }
 
+void check_job_name(const std::string& job) {
+  if (job.empty() || job.size() > kMaxSiteName ||
+      !std::all_of(job.begin(), job.end(),
+                   [](char c) { return std::isalnum(static_cast<unsigned char>(c)) || c == '.' || c == '_' || c == '-'; }))
+    throw Error(str_cat("invalid job name \"", job, "\" for a certificate: a job name is 1 to ", kMaxSiteName,
+                        " characters from A-Z a-z 0-9 . _ - ([job] name)"));
+}
+
+std::string identity_uri(const std::string& job, const std::string& site) {
+  return str_cat("urn:nebula:job:", job, ":site:", site);
+}
+
 std::string ca_key_path(const std::string& dir) { return (fs::path(dir) / "ca.key").string(); }
 std::string ca_cert_path(const std::string& dir) { return (fs::path(dir) / "ca.pem").string(); }
 std::string site_key_path(const std::string& dir, const std::string& site) {
@@ -282,9 +294,10 @@ void create_ca(const std::string& dir, int days) {
 namespace {
 
 // A certificate naming `site`, signed by DIR's CA, written to key_file and cert_file.
-void issue_certificate(const std::string& dir, const std::string& site, const std::string& key_file,
-                       const std::string& cert_file, int days, long valid_from_offset_s) {
+void issue_certificate(const std::string& dir, const std::string& site, const std::string& job,
+                       const std::string& key_file, const std::string& cert_file, int days, long valid_from_offset_s) {
   check_site_name(site);
+  check_job_name(job);
   check_days(days);
   const std::string ca_key_file = ca_key_path(dir), ca_cert_file = ca_cert_path(dir);
   for (const auto& p : {ca_key_file, ca_cert_file}) {
@@ -306,7 +319,10 @@ void issue_certificate(const std::string& dir, const std::string& site, const st
   add_ext(cert.get(), ca_cert.get(), NID_ext_key_usage, "serverAuth,clientAuth");
   add_ext(cert.get(), ca_cert.get(), NID_subject_key_identifier, "hash");
   add_ext(cert.get(), ca_cert.get(), NID_authority_key_identifier, "keyid:always");
-  if (is_dns_name(site)) add_ext(cert.get(), ca_cert.get(), NID_subject_alt_name, "DNS:" + site);
+  // The identity URI (names checked above: no ',' or ':' to confuse the config syntax), and a
+  // DNS name for tools that want one.
+  add_ext(cert.get(), ca_cert.get(), NID_subject_alt_name,
+          str_cat("URI:", identity_uri(job, site), is_dns_name(site) ? ",DNS:" + site : std::string()));
   sign(cert.get(), ca_key.get());
 
   fs::create_directories(fs::path(cert_file).parent_path());
@@ -317,13 +333,15 @@ void issue_certificate(const std::string& dir, const std::string& site, const st
 
 }  // namespace
 
-void issue_site_certificate(const std::string& dir, const std::string& site, int days, long valid_from_offset_s) {
-  issue_certificate(dir, site, site_key_path(dir, site), site_cert_path(dir, site), days, valid_from_offset_s);
+void issue_site_certificate(const std::string& dir, const std::string& site, const std::string& job, int days,
+                            long valid_from_offset_s) {
+  issue_certificate(dir, site, job, site_key_path(dir, site), site_cert_path(dir, site), days, valid_from_offset_s);
 }
 
-void issue_host_certificate(const std::string& dir, const std::string& site, int rank, int days) {
+void issue_host_certificate(const std::string& dir, const std::string& site, int rank, const std::string& job,
+                            int days) {
   NEBULA_CHECK(rank >= 0, "host certificate of site ", site, ": rank ", rank);
-  issue_certificate(dir, site, host_key_path(dir, site, rank), host_cert_path(dir, site, rank), days, 0);
+  issue_certificate(dir, site, job, host_key_path(dir, site, rank), host_cert_path(dir, site, rank), days, 0);
 }
 
 std::string x509_fingerprint(const X509* cert) {
@@ -377,11 +395,45 @@ std::string certificate_fingerprint(const std::string& pem_path) {
   return x509_fingerprint(cert.get());
 }
 
-std::string certificate_site(const std::string& pem_path) {
+CertIdentity x509_identity(const X509* cert) {
+  CertIdentity id;
+  if (!cert) {
+    id.problem = "no certificate";
+    return id;
+  }
+  constexpr std::string_view kPrefix = "urn:nebula:job:";
+  std::vector<std::string> found;
+  NamesPtr names(static_cast<GENERAL_NAMES*>(X509_get_ext_d2i(cert, NID_subject_alt_name, nullptr, nullptr)));
+  for (int i = 0; names && i < sk_GENERAL_NAME_num(names.get()); ++i) {
+    const GENERAL_NAME* gn = sk_GENERAL_NAME_value(names.get(), i);
+    if (gn->type != GEN_URI) continue;
+    std::string uri(reinterpret_cast<const char*>(ASN1_STRING_get0_data(gn->d.uniformResourceIdentifier)),
+                    static_cast<size_t>(ASN1_STRING_length(gn->d.uniformResourceIdentifier)));
+    if (uri.starts_with(kPrefix)) found.push_back(std::move(uri));
+  }
+  if (found.size() != 1) {
+    id.problem = found.empty() ? "the certificate names no nebula job and site (no subjectAltName "
+                                 "urn:nebula:job:<job>:site:<site>; it was not issued by `nebula certs issue` of this "
+                                 "version)"
+                               : str_cat("the certificate names ", found.size(), " nebula identities; it must name one");
+    return id;
+  }
+  const std::string& uri = found[0];
+  const size_t at = uri.rfind(":site:");
+  if (at == std::string::npos || at < kPrefix.size()) {
+    id.problem = str_cat("malformed identity \"", uri, "\" (expected urn:nebula:job:<job>:site:<site>)");
+    return id;
+  }
+  id.job = uri.substr(kPrefix.size(), at - kPrefix.size());
+  id.site = uri.substr(at + 6);
+  if (id.job.empty() || !is_valid_site_name(id.site))
+    id.problem = str_cat("malformed identity \"", uri, "\" (expected urn:nebula:job:<job>:site:<site>)");
+  return id;
+}
+
+CertIdentity certificate_identity(const std::string& pem_path) {
   X509Ptr cert(read_certificate(pem_path));
-  std::string cn = x509_common_name(cert.get());
-  if (cn.empty()) throw Error(str_cat("certificate ", pem_path, " has no subject CN (site name)"));
-  return cn;
+  return x509_identity(cert.get());
 }
 
 }  // namespace nebula::transport

@@ -44,24 +44,41 @@ std::string host_cert_path(const std::string& dir, const std::string& site, int 
 // certificate it issued.
 void create_ca(const std::string& dir, int days = 3650);
 
-// Issues (or re-issues, replacing the old files) the certificate of `site`, signed by
-// DIR/ca.key: DIR/<site>.key (0600) and DIR/<site>.pem. Subject CN = site;
-// subjectAltName DNS:<site> when the name is a valid DNS name (labels of [A-Za-z0-9-],
-// not starting or ending with '-', separated by dots), else the CN only;
+// Identity. A certificate names its job and its site in one subjectAltName URI,
+//   urn:nebula:job:<job>:site:<site>
+// and both ends of a link take the peer's identity from there and only there (x509_identity):
+// so a site of job X cannot join job Y under the same site name with a certificate from a
+// shared CA, and neither side can be fooled by a CN or a DNS name. The CN repeats the site
+// name for people and tools.
+struct CertIdentity {
+  std::string job, site;
+  std::string problem;  // why there is no identity; empty when there is one
+  bool ok() const { return problem.empty(); }
+};
+std::string identity_uri(const std::string& job, const std::string& site);
+CertIdentity x509_identity(const X509* cert);
+CertIdentity certificate_identity(const std::string& pem_path);  // throws if it cannot be read
+// A job name that can be put in a certificate: the site name rule (below). Throws nebula::Error
+// naming the job and the rule.
+void check_job_name(const std::string& job);
+
+// Issues (or re-issues, replacing the old files) the certificate of `site` of `job`, signed
+// by DIR/ca.key: DIR/<site>.key (0600) and DIR/<site>.pem. Subject CN = site;
+// subjectAltName identity_uri(job, site), and DNS:<site> when the name is a valid DNS name
+// (labels of [A-Za-z0-9-], not starting or ending with '-', separated by dots);
 // basicConstraints CA:FALSE; keyUsage digitalSignature; extendedKeyUsage serverAuth and
 // clientAuth (one certificate serves a gateway both as client and as server).
 // Validity: from now + valid_from_offset_s for `days` days; tests use this to make
 // expired (offset -10 days, 1 day) and not-yet-valid (offset +1 day) certificates.
-void issue_site_certificate(const std::string& dir, const std::string& site, int days = 825,
+void issue_site_certificate(const std::string& dir, const std::string& site, const std::string& job, int days = 825,
                             long valid_from_offset_s = 0);
-// The same for worker `rank` of `site`: host_cert_path/host_key_path, CN = site (each host of a
-// site gets its own key, so one leaked host key can be revoked alone).
-void issue_host_certificate(const std::string& dir, const std::string& site, int rank, int days = 825);
+// The same for worker `rank` of `site`: host_cert_path/host_key_path, the same identity (each
+// host of a site gets its own key, so one leaked host key can be revoked alone).
+void issue_host_certificate(const std::string& dir, const std::string& site, int rank, const std::string& job,
+                            int days = 825);
 
 // SHA-256 of the certificate's DER encoding, as 64 lowercase hex digits.
 std::string certificate_fingerprint(const std::string& pem_path);
-// The certificate's subject CN, i.e. the site name.
-std::string certificate_site(const std::string& pem_path);
 
 // The same on a certificate in memory (used by TlsLink on the peer's certificate).
 std::string x509_fingerprint(const X509* cert);

@@ -74,14 +74,15 @@ TEST(CertsTest, CreateCaTwiceRefusesTheSecond) {
 TEST(CertsTest, HostCertificatesNameTheirSiteWithTheirOwnKeys) {
   ScopedDir dir;
   create_ca(dir.path());
-  issue_site_certificate(dir.path(), "site-b");
-  issue_host_certificate(dir.path(), "site-b", 0);
-  issue_host_certificate(dir.path(), "site-b", 1);
+  issue_site_certificate(dir.path(), "site-b", "job-1");
+  issue_host_certificate(dir.path(), "site-b", 0, "job-1");
+  issue_host_certificate(dir.path(), "site-b", 1, "job-1");
   const std::string h0 = host_cert_path(dir.path(), "site-b", 0), h1 = host_cert_path(dir.path(), "site-b", 1);
   EXPECT_EQ(h1, dir.path() + "/hosts/site-b/1.pem");
   EXPECT_EQ(file_mode(host_key_path(dir.path(), "site-b", 1)), 0600u);
-  EXPECT_EQ(certificate_site(h0), "site-b");
-  EXPECT_EQ(certificate_site(h1), "site-b");
+  EXPECT_EQ(certificate_identity(h0).site, "site-b");
+  EXPECT_EQ(certificate_identity(h1).site, "site-b");
+  EXPECT_EQ(certificate_identity(h1).job, "job-1");
   std::unique_ptr<X509, X509Free> ca(read_certificate(ca_cert_path(dir.path())));
   std::unique_ptr<X509, X509Free> cert(read_certificate(h1));
   std::unique_ptr<EVP_PKEY, PkeyFree> key(read_private_key(host_key_path(dir.path(), "site-b", 1)));
@@ -95,7 +96,7 @@ TEST(CertsTest, HostCertificatesNameTheirSiteWithTheirOwnKeys) {
 TEST(CertsTest, IssuedCertificateVerifiesAgainstItsCa) {
   ScopedDir dir;
   create_ca(dir.path());
-  issue_site_certificate(dir.path(), "site-b");
+  issue_site_certificate(dir.path(), "site-b", "job-1");
   const std::string pem = site_cert_path(dir.path(), "site-b");
   EXPECT_EQ(file_mode(site_key_path(dir.path(), "site-b")), 0600u);
 
@@ -106,8 +107,14 @@ TEST(CertsTest, IssuedCertificateVerifiesAgainstItsCa) {
   EXPECT_EQ(X509_check_private_key(cert.get(), key.get()), 1);
   EXPECT_EQ(X509_check_issued(ca.get(), cert.get()), X509_V_OK);
 
-  EXPECT_EQ(certificate_site(pem), "site-b");
+  const CertIdentity id = x509_identity(cert.get());
+  EXPECT_TRUE(id.ok()) << id.problem;
+  EXPECT_EQ(id.site, "site-b");
+  EXPECT_EQ(id.job, "job-1");
+  EXPECT_EQ(identity_uri("job-1", "site-b"), "urn:nebula:job:job-1:site:site-b");
   EXPECT_EQ(x509_dns_names(cert.get()), std::vector<std::string>{"site-b"});
+  // The CA's own certificate names no job or site: it is no site's identity.
+  EXPECT_NE(x509_identity(ca.get()).problem.find("names no nebula job and site"), std::string::npos);
   const std::string fp = certificate_fingerprint(pem);
   EXPECT_EQ(fp.size(), 64u);
   EXPECT_EQ(fp.find_first_not_of("0123456789abcdef"), std::string::npos) << fp;
@@ -133,7 +140,7 @@ TEST(CertsTest, IssuedCertificateVerifiesAgainstItsCa) {
   EXPECT_EQ(EVP_PKEY_get_base_id(key.get()), EVP_PKEY_EC);
 
   // A second certificate gets another key and serial.
-  issue_site_certificate(dir.path(), "site-c");
+  issue_site_certificate(dir.path(), "site-c", "job-1");
   std::unique_ptr<X509, X509Free> other(read_certificate(site_cert_path(dir.path(), "site-c")));
   EXPECT_NE(ASN1_INTEGER_cmp(X509_get0_serialNumber(cert.get()), X509_get0_serialNumber(other.get())), 0);
   EXPECT_NE(certificate_fingerprint(site_cert_path(dir.path(), "site-c")), fp);
@@ -141,7 +148,7 @@ TEST(CertsTest, IssuedCertificateVerifiesAgainstItsCa) {
   // A certificate of another CA does not verify against this one.
   ScopedDir other_dir;
   create_ca(other_dir.path());
-  issue_site_certificate(other_dir.path(), "site-b");
+  issue_site_certificate(other_dir.path(), "site-b", "job-1");
   std::unique_ptr<X509, X509Free> foreign(read_certificate(site_cert_path(other_dir.path(), "site-b")));
   EXPECT_NE(X509_verify(foreign.get(), X509_get0_pubkey(ca.get())), 1);
 }
@@ -149,7 +156,7 @@ TEST(CertsTest, IssuedCertificateVerifiesAgainstItsCa) {
 TEST(CertsTest, NonDnsSiteNameGetsCnOnly) {
   ScopedDir dir;
   create_ca(dir.path());
-  issue_site_certificate(dir.path(), "site_a");
+  issue_site_certificate(dir.path(), "site_a", "job-1");
   std::unique_ptr<X509, X509Free> cert(read_certificate(site_cert_path(dir.path(), "site_a")));
   EXPECT_EQ(x509_common_name(cert.get()), "site_a");
   EXPECT_TRUE(x509_dns_names(cert.get()).empty());
@@ -158,8 +165,8 @@ TEST(CertsTest, NonDnsSiteNameGetsCnOnly) {
 TEST(CertsTest, ValidityWindowFollowsTheArguments) {
   ScopedDir dir;
   create_ca(dir.path());
-  issue_site_certificate(dir.path(), "old", 1, -10 * 86400L);
-  issue_site_certificate(dir.path(), "future", 30, 86400L);
+  issue_site_certificate(dir.path(), "old", "job-1", 1, -10 * 86400L);
+  issue_site_certificate(dir.path(), "future", "job-1", 30, 86400L);
   std::unique_ptr<X509, X509Free> old_cert(read_certificate(site_cert_path(dir.path(), "old")));
   std::unique_ptr<X509, X509Free> future_cert(read_certificate(site_cert_path(dir.path(), "future")));
   EXPECT_LT(X509_cmp_current_time(X509_get0_notAfter(old_cert.get())), 0);     // in the past
@@ -173,7 +180,7 @@ TEST(CertsTest, InvalidSiteNamesAreRejected) {
                           std::string("../x"), std::string("ca"), std::string("CA"), std::string("é"),
                           std::string("x\ny")}) {
     EXPECT_FALSE(is_valid_site_name(bad)) << bad;
-    expect_error_containing([&] { issue_site_certificate(dir.path(), bad); }, "invalid site name \"" + bad + "\"");
+    expect_error_containing([&] { issue_site_certificate(dir.path(), bad, "job-1"); }, "invalid site name \"" + bad + "\"");
   }
   for (const std::string& good : std::vector<std::string>{"a", "site-b", "site_a", "gw.site-b", "A.9_-", std::string(64, 'z')})
     EXPECT_TRUE(is_valid_site_name(good)) << good;
@@ -181,7 +188,9 @@ TEST(CertsTest, InvalidSiteNamesAreRejected) {
 
 TEST(CertsTest, IssueWithoutCaNamesTheMissingFile) {
   ScopedDir dir;
-  expect_error_containing([&] { issue_site_certificate(dir.path(), "alpha"); }, ca_key_path(dir.path()));
+  expect_error_containing([&] { issue_site_certificate(dir.path(), "alpha", "job-1"); }, ca_key_path(dir.path()));
+  expect_error_containing([&] { issue_site_certificate(dir.path(), "alpha", "my job,DNS:x"); },
+                          "invalid job name \"my job,DNS:x\"");
   expect_error_containing([&] { certificate_fingerprint(dir.path() + "/nope.pem"); }, dir.path() + "/nope.pem");
 }
 

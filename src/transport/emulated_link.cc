@@ -24,6 +24,7 @@ const char* fault_name(WanFault::Kind k) {
     case WanFault::Kind::kCut: return "cut";
     case WanFault::Kind::kStall: return "stall";
     case WanFault::Kind::kCorrupt: return "corrupt";
+    case WanFault::Kind::kBlackhole: return "blackhole";
   }
   return "?";
 }
@@ -167,7 +168,13 @@ size_t EmulatedLink::in_flight() const {
   return queue_.size();
 }
 
-LinkStats EmulatedLink::stats() const { return counters_.snapshot(); }
+LinkStats EmulatedLink::stats() const {
+  LinkStats s = counters_.snapshot();
+  const LinkStats inner = inner_->stats();
+  s.wire_bytes_sent = inner.wire_bytes_sent;
+  s.wire_bytes_received = inner.wire_bytes_received;
+  return s;
+}
 
 void EmulatedLink::throw_if_failed(const char* what) const {
   if (error_) std::rethrow_exception(error_);
@@ -229,6 +236,14 @@ void EmulatedLink::fire_locked(PendingFault& f, Clock::time_point when, const ch
                    peer, trigger);
       corrupt_next_ = true;
       break;
+    case WanFault::Kind::kBlackhole:
+      spdlog::warn("emulated WAN link to {}: fault fires ({}): black hole, every byte vanishes from now on both ways "
+                   "(no FIN, no RST); {} frame(s) in flight are lost",
+                   peer, trigger, queue_.size());
+      blackholed_ = true;
+      queue_.clear();
+      window_.clear();
+      break;
   }
   cv_.notify_all();
 }
@@ -269,6 +284,13 @@ void EmulatedLink::send(const wire::Frame& frame, Deadline deadline) {
     lock.lock();
   }
   throw_if_failed("send to");
+  if (blackholed_) {
+    // What a sender sees on a black-holed path: the window fills and is never acknowledged.
+    while (!closing_ && !error_ && !deadline.expired()) cv_.wait_until(mu_, deadline.at());
+    throw_if_failed("send to");
+    throw Timeout(peer, str_cat("send to ", peer, ": deadline passed; nothing is acknowledged (black-holed by a WAN "
+                                "emulation fault)"));
+  }
 
   const uint64_t wire_bytes = wire::kHeaderSize + frame.payload.size();
   {
@@ -372,13 +394,17 @@ wire::Frame EmulatedLink::recv(Deadline deadline) {
     throw_if_failed("recv from");
   }
   wire::Frame frame;
-  try {
-    frame = inner_->recv(deadline);
-  } catch (const NetworkError&) {
-    // A cut (or a broken send side) closed the inner link under us: say why.
+  for (;;) {
+    try {
+      frame = inner_->recv(deadline);
+    } catch (const NetworkError&) {
+      // A cut (or a broken send side) closed the inner link under us: say why.
+      MutexLock lock(mu_);
+      if (error_) std::rethrow_exception(error_);
+      throw;
+    }
     MutexLock lock(mu_);
-    if (error_) std::rethrow_exception(error_);
-    throw;
+    if (!blackholed_) break;  // else it vanished on the way
   }
   LinkCounters::add(counters_.bytes_received, wire::kHeaderSize + frame.payload.size());
   LinkCounters::add(counters_.frames_received, 1);

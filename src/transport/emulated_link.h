@@ -16,7 +16,8 @@
 //    counted from the start of their serialisation until the ACK would be back
 //    (arrival + one_way_delay). One stream's goodput is then <= window / RTT, as for a
 //    real TCP connection, which is why striping over N streams helps on long fat pipes;
-//  * scheduled faults (WanFault): cut the link, stall delivery, corrupt a frame.
+//  * scheduled faults (WanFault): cut the link, stall delivery, corrupt a frame, or black-hole
+//    it (silence both ways, the common failure of a real WAN path).
 //
 // Frames are serialised in segments of at most kSegmentBytes (and at most the window),
 // each taking its turn at the bottleneck, so frames of links sharing a bottleneck
@@ -80,6 +81,11 @@ struct WanFault {
                // a window fills and send() blocks); nothing is lost
     kCorrupt,  // flip one byte of the payload of the next frame that has a payload, after its
                // checksum was computed: the receiver gets FrameError kBadChecksum
+    kBlackhole,  // from the firing on, for good, every byte vanishes both ways with no FIN and
+                 // no RST: frames in flight are dropped, send() blocks as on a full window that
+                 // is never acknowledged (until its deadline: Timeout; or close()), and recv()
+                 // reads and drops what the peer sends, so neither end hears anything and only
+                 // a liveness check (ResilientOptions::liveness_timeout) can notice
   };
   Kind kind = Kind::kCut;
   std::optional<std::chrono::nanoseconds> at{};  // since the link was created
@@ -237,6 +243,7 @@ class EmulatedLink : public Link {
   std::vector<Stall> stalls_ GUARDED_BY(mu_);           // stalls that fired
   std::vector<PendingFault> faults_ GUARDED_BY(mu_);
   bool corrupt_next_ GUARDED_BY(mu_) = false;           // a kCorrupt waits for a payload
+  bool blackholed_ GUARDED_BY(mu_) = false;             // a kBlackhole fired
   uint64_t bytes_accepted_ GUARDED_BY(mu_) = 0;         // wire bytes send() took on, for after_bytes
   Clock::time_point last_arrival_ GUARDED_BY(mu_){};    // frames never overtake each other
   std::mt19937_64 rng_ GUARDED_BY(mu_);

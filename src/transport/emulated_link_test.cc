@@ -393,6 +393,25 @@ TEST(EmulatedLinkTest, CorruptFlipsAPayloadByte) {
   }
 }
 
+// A black hole: from its firing on, nothing crosses either way and nothing says so. The
+// sender's frame never arrives and its next send() blocks (a window never acknowledged) until
+// its deadline; what the peer sends is read and dropped. No error anywhere: only silence.
+TEST(EmulatedLinkTest, BlackholeSilencesBothWaysWithoutAnError) {
+  auto p = make_emulated_pair(with_fault(1ms, {WanFault::Kind::kBlackhole, std::nullopt, 2 * (wire::kHeaderSize + 8), {}}));
+  p.client->send(timestamp_frame(1), Deadline::after(5s));
+  p.client->send(timestamp_frame(2), Deadline::after(5s));
+  EXPECT_EQ(p.server->recv(Deadline::after(5s)).header.seq, 1u);
+  EXPECT_EQ(p.server->recv(Deadline::after(5s)).header.seq, 2u);
+  // The third send fires the fault: it and everything after vanish.
+  EXPECT_THROW(p.client->send(timestamp_frame(3), Deadline::after(200ms)), Timeout);
+  EXPECT_THROW(p.server->recv(Deadline::after(300ms)), Timeout);
+  p.server->send(make_frame(FrameType::kData, 0, 9, pattern(10)), Deadline::after(5s));  // the peer is fine...
+  EXPECT_THROW(p.client->recv(Deadline::after(300ms)), Timeout);  // ...and is not heard
+  EXPECT_THROW(p.client->send(timestamp_frame(4), Deadline::after(100ms)), Timeout);
+  p.client->close();  // close() still ends it at once
+  EXPECT_THROW(p.client->send(timestamp_frame(5), Deadline::after(1s)), PeerLost);
+}
+
 // ---------------------------------------------------------------------------------------
 // Bottleneck slot arithmetic, with explicit moments (no timing).
 

@@ -28,6 +28,7 @@
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <string>
 
@@ -43,12 +44,29 @@ struct LinkStats {
   uint64_t bytes_received = 0;
   uint64_t frames_sent = 0;
   uint64_t frames_received = 0;
+  // What crossed the sockets underneath, over every connection the link used: TCP payload
+  // bytes, so with TLS the records (headers, tags, handshakes), and everything of the layers
+  // in between (acks, probes, heartbeats, pieces' and stripes' headers, re-sends, hellos).
+  // The counters above are the caller's frames; these are the network's.
+  uint64_t wire_bytes_sent = 0;
+  uint64_t wire_bytes_received = 0;
 };
+
+// a += b, field by field (totals over several links).
+inline void add(LinkStats& a, const LinkStats& b) {
+  a.bytes_sent += b.bytes_sent;
+  a.bytes_received += b.bytes_received;
+  a.frames_sent += b.frames_sent;
+  a.frames_received += b.frames_received;
+  a.wire_bytes_sent += b.wire_bytes_sent;
+  a.wire_bytes_received += b.wire_bytes_received;
+}
 
 // The counters behind LinkStats, updated by any thread without a lock.
 struct LinkCounters {
   std::atomic<uint64_t> bytes_sent{0}, bytes_received{0}, frames_sent{0}, frames_received{0};
   static void add(std::atomic<uint64_t>& c, uint64_t n) { c.fetch_add(n, std::memory_order_relaxed); }
+  // Wire counters left at zero: the link fills them from the layer underneath.
   LinkStats snapshot() const {
     return {bytes_sent.load(std::memory_order_relaxed), bytes_received.load(std::memory_order_relaxed),
             frames_sent.load(std::memory_order_relaxed), frames_received.load(std::memory_order_relaxed)};
@@ -78,8 +96,16 @@ struct LinkEstimates {
 
 struct LinkOptions {
   // Largest payload this side accepts (recv) or sends (send). A header claiming more is
-  // rejected with FrameError kTooLarge before anything is allocated.
+  // rejected with FrameError kTooLarge before anything is allocated; hellos and control
+  // frames have smaller limits of their own (wire::max_payload_of).
   uint64_t max_payload = 1ull << 31;
+  // TCP sockets only (0 = the kernel's defaults): TCP_USER_TIMEOUT, so that data written but
+  // not acknowledged by the peer's kernel for this long fails the connection, and
+  // SO_KEEPALIVE probing an idle connection after a third of it (at least 1 s). A path that
+  // drops everything silently (a black hole, a NAT or firewall that forgot the connection)
+  // then ends the connection instead of hanging it; ResilientLink's heartbeats
+  // (ResilientOptions::liveness_timeout) catch the same above TLS.
+  std::chrono::milliseconds tcp_user_timeout{0};
 };
 
 class Link {

@@ -53,6 +53,9 @@ ResilientLink::ResilientLink(std::unique_ptr<Link> first, Reconnect reconnect, R
   NEBULA_CHECK(options.ack_interval.count() >= 0, "ack_interval must not be negative, got ",
                options.ack_interval.count(), " ms");
   NEBULA_CHECK(options.ack_every_frames > 0, "ack_every_frames must be positive");
+  NEBULA_CHECK(options.fragment_bytes > 0, "fragment_bytes must be positive");
+  NEBULA_CHECK(options.liveness_timeout.count() >= 0, "liveness_timeout must not be negative, got ",
+               options.liveness_timeout.count(), " ms");
   if (first) first_peer_ = first->peer();
   failed_at_ = Clock::now();
   writer_ = std::thread([this] { writer_main(); });
@@ -73,7 +76,8 @@ void ResilientLink::send(const wire::Frame& frame, Deadline deadline) {
                frame.payload.size(), " bytes but header.payload_len is ", frame.header.payload_len);
   NEBULA_CHECK(frame.header.type != FrameType::kAck && frame.header.type != FrameType::kResume &&
                    frame.header.type != FrameType::kBye && frame.header.type != FrameType::kPing &&
-                   frame.header.type != FrameType::kPong,
+                   frame.header.type != FrameType::kPong && frame.header.type != FrameType::kHeartbeat &&
+                   frame.header.type != FrameType::kPart,
                "send to ",
                peer(), ": frame type ", wire::frame_type_name(frame.header.type),
                " is reserved for ResilientLink's session protocol");
@@ -100,7 +104,9 @@ void ResilientLink::send(const wire::Frame& frame, Deadline deadline) {
   // Re-checksum outside mu_ (nothing here throws): the reader, writer and recv() need not wait.
   lock.unlock();
   copy->header.seq = seq;
-  copy->header.checksum = wire::compute_checksum(copy->header, copy->payload);
+  // A frame that goes in pieces is never written whole: each piece gets its own checksum.
+  copy->header.checksum =
+      copy->payload.size() <= options_.fragment_bytes ? wire::compute_checksum(copy->header, copy->payload) : 0;
   const uint64_t size = wire_size(*copy);
   lock.lock();
 
@@ -161,15 +167,14 @@ void ResilientLink::close() {
     MutexLock lock(mu_);
     if (closed_) return;
     // An orderly end: tell the peer, so that it does not try to reconnect for
-    // reconnect_timeout. Best effort: a peer that misses it finds out the slow way.
+    // reconnect_timeout. Best effort: a peer that misses it finds out the slow way. The
+    // writer writes it (ahead of anything else), so that close() never waits on the
+    // connection's send lock behind a write stuck on a dead path: 200 ms at most.
     if (options_.goodbye && connected_ && conn_ && !lost_) {
-      auto bye_to = conn_;
-      lock.unlock();
-      try {
-        bye_to->send(wire::make_frame(FrameType::kBye, 0, 0, {}), Deadline::after(std::chrono::milliseconds(200)));
-      } catch (const std::exception&) {
-      }
-      lock.lock();
+      bye_wanted_ = true;
+      writer_cv_.notify_all();
+      wait_until(send_cv_, mu_, Deadline::after(std::chrono::milliseconds(200)),
+                 [&]() REQUIRES(mu_) { return bye_done_ || !connected_ || lost_ || closed_; });
       if (closed_) return;
     }
     closed_ = true;
@@ -207,7 +212,25 @@ std::string ResilientLink::peer_fingerprint() const {
   return conn_ ? conn_->peer_fingerprint() : candidate_ ? candidate_->peer_fingerprint() : std::string();
 }
 
-LinkStats ResilientLink::stats() const { return logical_.snapshot(); }
+LinkStats ResilientLink::stats() const {
+  LinkStats s = logical_.snapshot();
+  MutexLock lock(mu_);
+  s.wire_bytes_sent = retired_wire_.wire_bytes_sent;
+  s.wire_bytes_received = retired_wire_.wire_bytes_received;
+  for (const auto* c : {conn_.get(), candidate_.get()}) {
+    if (!c) continue;
+    const LinkStats w = c->stats();
+    s.wire_bytes_sent += w.wire_bytes_sent;
+    s.wire_bytes_received += w.wire_bytes_received;
+  }
+  return s;
+}
+
+void ResilientLink::retire_locked(const Link& conn) {
+  const LinkStats w = conn.stats();
+  retired_wire_.wire_bytes_sent += w.wire_bytes_sent;
+  retired_wire_.wire_bytes_received += w.wire_bytes_received;
+}
 
 LinkEstimates ResilientLink::estimates() const { return estimator_.snapshot(); }
 
@@ -248,7 +271,10 @@ void ResilientLink::acknowledge_locked(uint64_t delivered) {
     ++acked_;
   }
   acked_ = delivered;
-  if (next_write_seq_ <= acked_) next_write_seq_ = acked_ + 1;
+  if (next_write_seq_ <= acked_) {
+    next_write_seq_ = acked_ + 1;
+    write_offset_ = 0;
+  }
   send_cv_.notify_all();
 }
 
@@ -312,6 +338,7 @@ void ResilientLink::connection_failed(uint64_t gen, const std::string& why) {
 }
 
 void ResilientLink::writer_main() {
+  const auto heartbeat_every = options_.liveness_timeout / 4;
   MutexLock lock(mu_);
   for (;;) {
     if (closed_ || lost_) return;
@@ -319,21 +346,33 @@ void ResilientLink::writer_main() {
       writer_cv_.wait(mu_);
       continue;
     }
+    const Clock::time_point now = Clock::now();
     const bool ack_pending = delivered_ > last_ack_sent_;
+    const bool bye = bye_wanted_;
     const auto ack_due_at = ack_due_since_ + options_.ack_interval;
-    FramePtr frame;
-    uint64_t data_seq = 0;  // seq of the caller's frame being written, 0 for an ack
-    if (ack_pending && (ack_urgent_locked() || Clock::now() >= ack_due_at)) {
+    const bool heartbeats = heartbeat_every.count() > 0;
+    const auto heartbeat_due_at = last_write_ + heartbeat_every;
+    // What to write next, most urgent first: the session's control frames go between the
+    // pieces of a large frame, so none waits behind more than one piece.
+    FramePtr frame;       // written as is
+    FramePtr whole;       // or a piece of this one: payload [piece_at, piece_at + piece_len)
+    uint64_t piece_at = 0, piece_len = 0;
+    uint64_t data_seq = 0;  // seq of the caller's frame whose last byte this write carries, else 0
+    bool data = false;      // this write carries a caller's bytes
+    if (bye) {
+      frame = std::make_shared<wire::Frame>(wire::make_frame(FrameType::kBye, 0, 0, {}));
+      bye_wanted_ = false;
+    } else if (ack_pending && (ack_urgent_locked() || now >= ack_due_at)) {
       // With how long the newest delivered frame was held here since it arrived (QUIC's
       // ack delay), so the peer's estimates leave this side's waiting out.
-      const auto held = std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - delivered_arrived_);
+      const auto held = std::chrono::duration_cast<std::chrono::nanoseconds>(now - delivered_arrived_);
       frame = std::make_shared<wire::Frame>(
           u64_frame(FrameType::kAck, {delivered_, static_cast<uint64_t>(std::max<int64_t>(held.count(), 0))}));
       last_ack_sent_ = delivered_;
       unacked_bytes_ = 0;
       ++counters_.acks_sent;
     } else if (pong_pending_) {
-      const auto held = std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - pong_arrived_);
+      const auto held = std::chrono::duration_cast<std::chrono::nanoseconds>(now - pong_arrived_);
       frame = std::make_shared<wire::Frame>(
           u64_frame(FrameType::kPong, {pong_id_, static_cast<uint64_t>(std::max<int64_t>(held.count(), 0))}));
       pong_pending_ = false;
@@ -343,42 +382,82 @@ void ResilientLink::writer_main() {
       ping_wanted_ = false;
       ping_outstanding_ = true;
       ping_gen_ = gen_;
-      ping_written_ = Clock::now();
+      ping_written_ = now;
     } else if (next_write_seq_ < next_seq_) {
       PendingFrame& p = pending_[next_write_seq_ - acked_ - 1];
-      frame = p.frame;
-      const uint64_t seq = data_seq = next_write_seq_++;
-      if (seq <= max_written_seq_) {
-        ++counters_.frames_resent;
-        counters_.bytes_resent += wire_size(*frame);
+      const uint64_t seq = next_write_seq_;
+      const uint64_t size = p.frame->payload.size();
+      if (write_offset_ == 0) {  // the frame's first byte on this connection
+        if (seq <= max_written_seq_) {
+          ++counters_.frames_resent;
+          counters_.bytes_resent += wire_size(*p.frame);
+        } else {
+          max_written_seq_ = seq;
+        }
+        // Nothing outstanding: the delivery interval starts with this write, so idle time
+        // before it never counts.
+        if (seq == acked_ + 1) {
+          delivered_at_ = first_sent_ = now;
+          delivered_at_idle_ = true;
+        }
+        p.write = WriteRecord{0,   {}, delivered_bytes_, delivered_at_, first_sent_, seq + 1 == next_seq_,
+                              acked_ >= rate_clean_after_, delivered_at_idle_};
+      }
+      data = true;
+      if (size <= options_.fragment_bytes) {
+        frame = p.frame;
       } else {
-        max_written_seq_ = seq;
+        whole = p.frame;
+        piece_at = write_offset_;
+        piece_len = std::min(options_.fragment_bytes, size - piece_at);
+        ++counters_.pieces_sent;
       }
-      // Nothing outstanding: the delivery interval starts with this write, so idle time
-      // before it never counts.
-      if (seq == acked_ + 1) {
-        delivered_at_ = first_sent_ = Clock::now();
-        delivered_at_idle_ = true;
+      write_offset_ += frame ? size : piece_len;
+      if (write_offset_ == size) {  // its last byte: the next frame is next
+        data_seq = seq;
+        ++next_write_seq_;
+        write_offset_ = 0;
       }
-      p.write = WriteRecord{0,  {}, delivered_bytes_, delivered_at_, first_sent_, next_write_seq_ == next_seq_,
-                            acked_ >= rate_clean_after_, delivered_at_idle_};
-    } else if (ack_pending) {
-      writer_cv_.wait_until(mu_, ack_due_at);
-      continue;
+    } else if (heartbeats && now >= heartbeat_due_at) {
+      frame = std::make_shared<wire::Frame>(wire::make_frame(FrameType::kHeartbeat, 0, 0, {}));
+      ++counters_.heartbeats_sent;
     } else {
-      writer_cv_.wait(mu_);
+      Clock::time_point wake = Clock::time_point::max();
+      if (ack_pending) wake = ack_due_at;
+      if (heartbeats) wake = std::min(wake, heartbeat_due_at);
+      if (wake == Clock::time_point::max())
+        writer_cv_.wait(mu_);
+      else
+        writer_cv_.wait_until(mu_, wake);
       continue;
     }
+    last_write_ = now;
     std::shared_ptr<Link> conn = conn_;
     const uint64_t gen = gen_;
     lock.unlock();
     try {
-      // No deadline: close() of the connection (by the reader, close() or a failure) wakes it.
-      conn->send(*frame, Deadline::never());
-      if (data_seq != 0) {
+      if (whole) {
+        // A piece: its own header and checksum; the copy and the CRC here, outside the lock.
+        const wire::FrameHeader& h = whole->header;
+        const bool last = piece_at + piece_len == whole->payload.size();
+        std::vector<uint8_t> bytes(whole->payload.begin() + static_cast<std::ptrdiff_t>(piece_at),
+                                   whole->payload.begin() + static_cast<std::ptrdiff_t>(piece_at + piece_len));
+        wire::Frame piece = last ? wire::make_frame(h.type, h.op_id, h.seq, std::move(bytes), h.flags, h.codec)
+                                 : wire::make_frame(FrameType::kPart, whole->payload.size(), h.seq, std::move(bytes));
+        conn->send(piece, Deadline::never());
+      } else {
+        // No deadline: close() of the connection (by the reader, close() or a failure) wakes it.
+        conn->send(*frame, Deadline::never());
+      }
+      if (bye) {
+        MutexLock relock(mu_);
+        bye_done_ = true;
+        send_cv_.notify_all();
+      }
+      if (data) {
         const Clock::time_point written = Clock::now();
         MutexLock relock(mu_);
-        if (gen == gen_ && data_seq > acked_) {
+        if (data_seq != 0 && gen == gen_ && data_seq > acked_) {
           WriteRecord& w = pending_[data_seq - acked_ - 1].write;
           w.gen = gen;
           w.written = written;
@@ -450,10 +529,13 @@ bool ResilientLink::resume_on(const std::shared_ptr<Link>& conn, Deadline deadli
   delivered_at_ = first_sent_ = Clock::now();
   delivered_at_idle_ = true;
   next_write_seq_ = their_received + 1;  // >= acked_ + 1: their_received >= their_delivered == acked_
+  write_offset_ = 0;                     // pieces of a frame the peer did not get whole are lost with the connection
+  last_write_ = Clock::now();
   last_ack_sent_ = sent_delivered;
   if (delivered_ > last_ack_sent_) ack_due_since_ = Clock::now();
   const uint64_t to_resend = max_written_seq_ >= next_write_seq_ ? max_written_seq_ + 1 - next_write_seq_ : 0;
   old = std::move(conn_);  // closed already; released after the lock (by the guard's scope end)
+  if (old) retire_locked(*old);
   conn_ = conn;
   candidate_.reset();
   writer_error_.clear();
@@ -470,10 +552,24 @@ bool ResilientLink::resume_on(const std::shared_ptr<Link>& conn, Deadline deadli
 }
 
 std::string ResilientLink::read_loop(Link& conn, uint64_t gen) {
+  // The pieces of a frame that arrives split (see "Protocol"); lost with this connection.
+  wire::Frame joined;
+  uint64_t joined_seq = 0, joined_total = 0;
+  uint32_t joined_crc = 0;  // CRC-32 of joined.payload, combined from the pieces'
   for (;;) {
     wire::Frame f;
     try {
-      f = conn.recv(Deadline::never());  // close() of the connection wakes it
+      // Liveness: the peer writes at least every liveness_timeout / 4. close() of the
+      // connection wakes the call early.
+      f = conn.recv(options_.liveness_timeout.count() > 0 ? Deadline::after(options_.liveness_timeout)
+                                                          : Deadline::never());
+    } catch (const Timeout& e) {
+      MutexLock lock(mu_);
+      ++counters_.liveness_failures;
+      return str_cat("nothing arrived from ", conn.peer(), " for ", duration_text(options_.liveness_timeout),
+                     " (wan.liveness_timeout; it sends at least a heartbeat every ",
+                     duration_text(options_.liveness_timeout / 4),
+                     "): the path is silent (black-holed, or a NAT/firewall dropped the connection) or the peer hung");
     } catch (const NetworkError& e) {
       return e.what();
     } catch (const FrameError& e) {
@@ -481,7 +577,45 @@ std::string ResilientLink::read_loop(Link& conn, uint64_t gen) {
     }
     MutexLock lock(mu_);
     if (closed_ || lost_ || gen != gen_) return "session over";
+    // A piece of a split frame, or its last piece (a frame of the caller's type with the same seq).
+    const bool part = f.header.type == FrameType::kPart;
+    if (part || (joined_total > 0 && f.header.seq == joined_seq)) {
+      const uint64_t seq = f.header.seq;
+      if (seq <= received_) {  // a duplicate after a resend: dropped with its last piece
+        if (!part) ++counters_.duplicates_dropped;
+        continue;
+      }
+      if (seq != received_ + 1)
+        return str_cat("piece of frame seq ", seq, " from ", conn.peer(), " after seq ", received_, ": frames missing");
+      const uint64_t total = part ? f.header.op_id : joined_total;
+      if (joined_total == 0) {  // its first piece
+        if (total <= f.payload.size())
+          return str_cat("first piece of frame seq ", seq, " from ", conn.peer(), " claims a whole of ", total,
+                         " bytes but carries ", f.payload.size());
+        joined = wire::Frame{};
+        joined_seq = seq;
+        joined_total = total;
+        joined_crc = 0;
+        // Memory for the whole only up to what this side would queue anyway; beyond that it
+        // grows as the pieces arrive.
+        joined.payload.reserve(std::min(total, options_.max_pending_bytes));
+      }
+      if (total != joined_total || joined.payload.size() + f.payload.size() > joined_total ||
+          (part && joined.payload.size() + f.payload.size() == joined_total))
+        return str_cat("piece of frame seq ", seq, " from ", conn.peer(), " does not fit: ", joined.payload.size(),
+                       " + ", f.payload.size(), " bytes of a whole of ", joined_total, " (claimed ", total, ")");
+      joined_crc = wire::crc32_combine(joined_crc, wire::payload_crc(f.header), f.payload.size());
+      joined.payload.insert(joined.payload.end(), f.payload.begin(), f.payload.end());
+      if (part) continue;
+      f.header.payload_len = joined_total;
+      f.header.checksum = wire::checksum_from_payload_crc(f.header, joined_crc);
+      f.payload = std::move(joined.payload);
+      joined = wire::Frame{};
+      joined_total = 0;
+    }
     switch (f.header.type) {
+      case FrameType::kHeartbeat:  // its arrival was the point
+        break;
       case FrameType::kAck: {
         uint64_t delivered, held_ns = 0;
         try {
@@ -612,6 +746,7 @@ void ResilientLink::reader_main(std::unique_ptr<Link> first) {
         resumed = resume_on(candidate, deadline);
       } catch (const std::exception& e) {
         MutexLock lock(mu_);
+        if (candidate_) retire_locked(*candidate_);
         candidate_.reset();
         last_error_ = str_cat("resume: ", e.what());
       }

@@ -9,11 +9,21 @@
 // recomputes the checksum; recv() returns frames with that session seq. Every other header
 // field (type, flags, op_id, codec) and the payload travel untouched. A layer above that
 // needs a per-operation sequence number carries it in op_id or in the payload.
-// FrameType::kAck, kResume, kBye, kPing and kPong are reserved for the session protocol:
-// send() rejects them (nebula::Error) and recv() never returns them.
+// FrameType::kAck, kResume, kBye, kPing, kPong, kHeartbeat and kPart are reserved for the
+// session protocol: send() rejects them (nebula::Error) and recv() never returns them.
 //
 // Protocol (frames on the connection underneath; u64 = little-endian, wire::ByteWriter):
-//  * kData (and kHello/kBye/kHeartbeat): a caller's frame, header.seq = session seq.
+//  * kData (and kHello): a caller's frame, header.seq = session seq. A frame whose payload is
+//    larger than ResilientOptions::fragment_bytes goes as pieces of at most that many bytes:
+//    kPart frames (seq = the frame's, op_id = its whole payload length, each with its own
+//    CRC), then the last piece with the frame's own header fields. The receiver joins them
+//    (no copy beyond the append; the joined frame's checksum is combined from the pieces'
+//    CRCs, not recomputed) and delivers the frame whole; a connection that fails mid-frame
+//    loses its pieces, and the resume re-sends the frame from its first byte. So a frame of
+//    any size crosses links whose wan.max_frame is far smaller, and a control frame waits
+//    behind at most one piece, never behind a whole multi-second exchange.
+//  * kHeartbeat, no payload: written when the writer has written nothing for a quarter of
+//    liveness_timeout. Not sequenced, not acknowledged; its arrival is the point.
 //  * kAck, payload u64 `delivered`, u64 `held_ns`: every frame with seq <= delivered has been
 //    delivered to the receiving caller (cumulative). The sender then forgets them. held_ns:
 //    how long frame `delivered` was held on the receiving side, from its arrival (the reader
@@ -72,8 +82,10 @@
 //    attempt_timeout).
 //  * peer(), peer_identity(), peer_fingerprint(): those of the current connection.
 //  * stats(): LOGICAL counters -- frames and bytes (header included) the caller handed to
-//    send() and got from recv(), not what went over the wire. stats_ex() adds the session
-//    counters (reconnects, re-sent frames, duplicates dropped, what is pending).
+//    send() and got from recv() -- and, in the wire counters, what went over the network on
+//    every connection of the session (TLS records, acks, probes, heartbeats, pieces' headers,
+//    re-sends, resume frames, hellos). stats_ex() adds the session counters (reconnects,
+//    re-sent frames, duplicates dropped, what is pending).
 //
 // Estimates (estimates(), LinkEstimates in link.h; filters in transport/link_estimator.h).
 // Measured on the SENDING direction of this side, from the session's own acks, BBR-style
@@ -107,9 +119,14 @@
 // not a round trip (on the dialling side it is about one one-way delay). A side that only
 // receives has no samples (it sends no data, so no pings); the peer measures that path.
 //
-// Not covered: a silent partition (no FIN/RST, no error from the layer underneath) is only
-// noticed when that layer notices it (TCP retransmission timeout); there is no idle
-// heartbeat yet.
+// Liveness. Each side writes something at least every liveness_timeout / 4 (a piece, an ack,
+// a probe, or else a heartbeat), so a connection on which NOTHING arrives for liveness_timeout
+// is dead or black-holed, whatever the layers underneath believe: the reader then fails it
+// ("nothing arrived from X for 20 s (wan.liveness_timeout)") and reconnects as after any
+// failure, so a silent partition costs at most liveness_timeout plus the reconnection, and one
+// longer than reconnect_timeout ends in PeerLost like a closed one. The bound assumes one
+// piece (fragment_bytes) crosses the path within liveness_timeout / 2; the configuration
+// checks that for emulated paths (config.cc).
 #pragma once
 
 #include <chrono>
@@ -152,6 +169,12 @@ struct ResilientOptions {
   // The delay also inflates the peer's RTT samples by up to ack_interval (see "Estimates").
   std::chrono::milliseconds ack_interval{10};
   uint64_t ack_every_frames = 256;
+  // Payload bytes per piece on the wire (see "Protocol"): at most the connection's largest
+  // frame (wan.max_frame, less the stripe headers).
+  uint64_t fragment_bytes = 1 << 20;
+  // A connection with no frame arriving for this long fails (see "Liveness"); 0 = never (only
+  // the layers underneath can notice a dead path then).
+  std::chrono::milliseconds liveness_timeout{20000};
   // close() tells the peer (a kBye frame), so the peer does not spend reconnect_timeout
   // trying to reconnect to a session that ended on purpose. Off only to test vanishing peers.
   bool goodbye = true;
@@ -167,6 +190,9 @@ struct ResilienceStats {
   uint64_t duplicates_dropped = 0;  // received frames discarded as already held
   uint64_t acks_sent = 0;
   uint64_t acks_received = 0;
+  uint64_t heartbeats_sent = 0;
+  uint64_t pieces_sent = 0;         // kPart frames and last pieces of split frames written
+  uint64_t liveness_failures = 0;   // connections failed because nothing arrived in time
   uint64_t pending_frames = 0;  // sent, not yet acknowledged (now)
   uint64_t pending_bytes = 0;
   bool connected = false;  // a resumed connection is in place (now)
@@ -228,6 +254,8 @@ class ResilientLink : public Link {
   // Ends the session (PeerLost for everyone). Caller holds mu_ and closes the returned
   // connection (if any) after releasing it.
   std::shared_ptr<Link> declare_lost_locked(const std::string& message) REQUIRES(mu_);
+  // Adds a connection's wire bytes to retired_wire_, before it is let go. Caller holds mu_.
+  void retire_locked(const Link& conn) REQUIRES(mu_);
   // Forgets frames up to `delivered`. Caller holds mu_.
   void acknowledge_locked(uint64_t delivered) REQUIRES(mu_);
   // A kAck for `delivered` (> acked_) that the peer sent `held` after that frame arrived there
@@ -263,6 +291,8 @@ class ResilientLink : public Link {
   std::string last_error_ GUARDED_BY(mu_);           // why the last connection / attempt failed
   std::string outage_cause_ GUARDED_BY(mu_);         // why the last connection failed
   bool closed_ GUARDED_BY(mu_) = false;              // close() was called
+  bool bye_wanted_ GUARDED_BY(mu_) = false;          // close() asks the writer for a kBye
+  bool bye_done_ GUARDED_BY(mu_) = false;            // the writer wrote it
   bool lost_ GUARDED_BY(mu_) = false;                // peer lost; lost_message_ says why
   std::string lost_message_ GUARDED_BY(mu_);
   uint64_t peer_session_ GUARDED_BY(mu_) = 0;  // the peer's session id, once known
@@ -274,6 +304,8 @@ class ResilientLink : public Link {
   std::deque<PendingFrame> pending_ GUARDED_BY(mu_);  // seqs acked_+1 .. next_seq_-1
   uint64_t pending_bytes_ GUARDED_BY(mu_) = 0;
   uint64_t next_write_seq_ GUARDED_BY(mu_) = 1;     // next seq the writer writes on conn_
+  uint64_t write_offset_ GUARDED_BY(mu_) = 0;       // payload bytes of it already written as pieces
+  Clock::time_point last_write_ GUARDED_BY(mu_){};  // when the writer last began a write on conn_
   uint64_t max_written_seq_ GUARDED_BY(mu_) = 0;    // highest seq ever written (to count re-sends)
   // Delivery-rate state (see "Estimates"): bytes acknowledged by kAck so far, when that last
   // grew (its `arrived`, or a write when an interval restarted), and the write time of the
@@ -311,6 +343,7 @@ class ResilientLink : public Link {
   Clock::time_point pong_arrived_ GUARDED_BY(mu_){};
 
   ResilienceStats counters_ GUARDED_BY(mu_);  // everything but link/pending/connected
+  LinkStats retired_wire_ GUARDED_BY(mu_);    // wire bytes of the connections no longer held
 
   LinkCounters logical_;
   LinkEstimator estimator_;  // its own lock; fed under mu_, read without it

@@ -2,7 +2,10 @@
 
 #include <spdlog/spdlog.h>
 
+#include <arpa/inet.h>
+
 #include <algorithm>
+#include <cstring>
 #include <system_error>
 
 #include "nebula/error.h"
@@ -27,12 +30,31 @@ size_t SiteConnector::max_handshakes_per_address() const {
                   2 * static_cast<size_t>(options_.streams) * (options_.sites.size() - 1));
 }
 
+std::string SiteConnector::source_of(const std::string& address) {
+  const size_t colon = address.rfind(':');
+  std::string host = colon == std::string::npos ? address : address.substr(0, colon);
+  if (host.size() < 2 || host.front() != '[' || host.back() != ']') return host;  // IPv4 (or a name)
+  in6_addr a{};
+  if (::inet_pton(AF_INET6, host.substr(1, host.size() - 2).c_str(), &a) != 1) return host;
+  std::memset(a.s6_addr + 8, 0, 8);  // the interface half: one /64 is one source
+  char text[INET6_ADDRSTRLEN];
+  if (!::inet_ntop(AF_INET6, &a, text, sizeof text)) return host;
+  return str_cat("[", text, "]/64");
+}
+
 namespace {
 
-// "10.0.0.7:4000" → "10.0.0.7", "[::1]:4000" → "[::1]".
-std::string host_of(const std::string& address) {
-  const size_t colon = address.rfind(':');
-  return colon == std::string::npos ? address : address.substr(0, colon);
+// The payload limit of a stream once its hellos are done: what the layer above it sends.
+uint64_t stream_max_payload(const ConnectorOptions& o) {
+  if (o.streams <= 1) return o.link.max_payload;
+  const uint64_t n = static_cast<uint64_t>(o.streams);
+  return (o.link.max_payload + n - 1) / n + kChunkHeaderSize;
+}
+
+// Connections are read under this limit until the peer is known (hellos only).
+LinkOptions before_hello(LinkOptions o) {
+  o.max_payload = wire::kMaxHelloPayload;
+  return o;
 }
 
 }  // namespace
@@ -49,30 +71,80 @@ void SiteConnector::close() {
   if (listener_) listener_->close();
   if (acceptor_.joinable()) acceptor_.join();
   for (auto& h : handshakes) h.thread.join();
-  MutexLock lock(mu_);
-  for (auto& h : handshakes_) h.thread.join();
+  {
+    MutexLock lock(mu_);
+    for (auto& h : handshakes_) h.thread.join();
+  }
+  MutexLock lock(audit_mu_);
+  for (auto& [source, w] : refusals_) audit_left_out_locked(source, w);
+}
+
+void SiteConnector::audit_left_out_locked(const std::string& source, RefusalWindow& w) {
+  if (w.left_out == 0) return;
+  const double minutes = std::chrono::duration<double>(std::chrono::steady_clock::now() - w.start).count() / 60;
+  const std::string reason =
+      str_cat(w.left_out, " more refusals from ", source, " in the last ", minutes < 1.05 ? std::string("minute")
+                                                                                         : str_cat(minutes, " minutes"),
+              ", not audited one by one (at most ", kAuditedRefusalsPerMinute, " lines a minute per source)");
+  w.left_out = 0;
+  spdlog::warn("{}", reason);
+  if (!options_.audit) return;
+  AuditEntry e;
+  e.local_site = options_.sites[options_.self].name;
+  e.address = source;
+  e.outcome = "refused";
+  e.reason = reason;
+  try {
+    options_.audit->record(e);
+  } catch (const std::exception& x) {
+    spdlog::error("cannot audit {}: {}", reason, x.what());
+  }
 }
 
 bool SiteConnector::audit(const std::string& peer_site, const std::string& address, const std::string& fingerprint,
                           const std::string& outcome, const std::string& reason) {
-  if (outcome != "accepted")
+  const bool refusal = outcome != "accepted";
+  if (refusal) {
+    // Flood control: a source's refusals beyond kAuditedRefusalsPerMinute a minute are counted,
+    // not written; the count goes in one line when its minute is over.
+    constexpr size_t kMaxSources = 4096;  // beyond them every new source counts as one, "*"
+    const auto now = std::chrono::steady_clock::now();
+    MutexLock lock(audit_mu_);
+    std::string source = source_of(address);
+    if (refusals_.size() >= kMaxSources && !refusals_.count(source)) source = "*";
+    RefusalWindow& w = refusals_[source];
+    if (now - w.start >= std::chrono::minutes(1)) {
+      audit_left_out_locked(source, w);
+      w.start = now;
+      w.written = 0;
+    }
+    if (w.written >= kAuditedRefusalsPerMinute) {
+      ++w.left_out;
+      refusals_seen_.fetch_add(1);
+      return true;
+    }
+    ++w.written;
     spdlog::warn("connection {} {}{}: {}", outcome, address,
                  peer_site.empty() ? std::string() : " (site '" + peer_site + "')", reason);
-  if (!options_.audit) return true;
-  AuditEntry e;
-  e.local_site = options_.sites[options_.self].name;
-  e.peer_site = peer_site;
-  e.address = address;
-  e.fingerprint = fingerprint;
-  e.outcome = outcome;
-  e.reason = reason;
-  try {
-    options_.audit->record(e);
-    return true;
-  } catch (const std::exception& x) {  // e.g. a full disk: never an exception out of a handshake thread
-    spdlog::error("cannot audit the connection {} ({} {}): {}", address, outcome, reason, x.what());
-    return false;
   }
+  bool written = true;
+  if (options_.audit) {
+    AuditEntry e;
+    e.local_site = options_.sites[options_.self].name;
+    e.peer_site = peer_site;
+    e.address = address;
+    e.fingerprint = fingerprint;
+    e.outcome = outcome;
+    e.reason = reason;
+    try {
+      options_.audit->record(e);
+    } catch (const std::exception& x) {  // e.g. a full disk: never an exception out of a handshake thread
+      spdlog::error("cannot audit the connection {} ({} {}): {}", address, outcome, reason, x.what());
+      written = false;
+    }
+  }
+  if (refusal) refusals_seen_.fetch_add(1);  // after its line, for whoever waits on the count
+  return written;
 }
 
 std::vector<std::unique_ptr<Link>> SiteConnector::dial(size_t peer, int generation, Deadline deadline) {
@@ -81,10 +153,10 @@ std::vector<std::unique_ptr<Link>> SiteConnector::dial(size_t peer, int generati
   auto [host, port] = parse_host_port(to.address);
   std::vector<std::unique_ptr<Link>> streams;
   for (int k = 0; k < options_.streams; ++k) {
-    auto tcp = TcpLink::connect(host, port, to.name, deadline, options_.link);
+    auto tcp = TcpLink::connect(host, port, to.name, deadline, before_hello(options_.link));
     const std::string address = tcp->address();
     Deadline hs = Deadline::after(options_.handshake_timeout).min(deadline);
-    std::unique_ptr<Link> link;
+    std::unique_ptr<TcpLink> link;
     try {
       if (options_.tls) link = TlsLink::client(std::move(tcp), options_.tls, to.identity(), hs);
       else link = std::move(tcp);
@@ -117,19 +189,35 @@ std::vector<std::unique_ptr<Link>> SiteConnector::dial(size_t peer, int generati
       throw;
     }
     audit(to.name, address, link->peer_fingerprint(), "accepted", generation ? "reconnected" : "dialed");
+    link->set_max_payload(stream_max_payload(options_));
     streams.push_back(std::move(link));
   }
+  // The streams of a real dial set up in parallel: one set-up's round trips for all of them.
+  if (options_.connect_delay) std::this_thread::sleep_for(std::min<Clock::duration>(options_.connect_delay(peer), deadline.remaining()));
   return streams;
 }
 
 void SiteConnector::accept_loop() {
+  auto backoff = std::chrono::milliseconds(50);
   for (;;) {
     std::unique_ptr<TcpLink> tcp;
     try {
       tcp = listener_->accept(Deadline::after(std::chrono::milliseconds(500)));
+      backoff = std::chrono::milliseconds(50);
     } catch (const Timeout&) {
       MutexLock lock(mu_);
       if (closed_) return;
+      continue;
+    } catch (const AcceptExhausted& e) {
+      // Out of descriptors or memory: the connection waits in the backlog. Keep listening,
+      // after a pause (poll() would report it ready at once), so a real peer gets in as soon
+      // as the resource is back.
+      audit("", listener_->address(), "", "failed", str_cat(e.what(), "; retrying in ", backoff.count(), " ms"));
+      MutexLock lock(mu_);
+      if (closed_) return;
+      arrived_.wait_until(mu_, std::chrono::steady_clock::now() + backoff);
+      if (closed_) return;
+      backoff = std::min(backoff * 2, std::chrono::milliseconds(1000));
       continue;
     } catch (const std::exception& e) {
       MutexLock lock(mu_);
@@ -148,7 +236,7 @@ void SiteConnector::accept_loop() {
       it = handshakes_.erase(it);
     }
     std::string refusal;
-    const std::string host = host_of(tcp->address());
+    const std::string host = source_of(tcp->address());
     size_t& from_host = handshakes_by_host_[host];
     if (in_handshake_.load() >= kMaxConcurrentHandshakes) {
       refusal = str_cat("too many connections in handshake (", kMaxConcurrentHandshakes,
@@ -188,7 +276,8 @@ void SiteConnector::handshake_incoming(std::unique_ptr<TcpLink> tcp, const std::
   const std::string address = tcp->address();
   const std::string& me = options_.sites[options_.self].name;
   Deadline hs = Deadline::after(options_.handshake_timeout);
-  std::unique_ptr<Link> link;
+  tcp->set_max_payload(wire::kMaxHelloPayload);  // nothing but hellos before the peer is known
+  std::unique_ptr<TcpLink> link;
   std::string claimed, fingerprint, outcome, reason;
   size_t peer = options_.sites.size();
   Hello h;
@@ -235,11 +324,31 @@ void SiteConnector::handshake_incoming(std::unique_ptr<TcpLink> tcp, const std::
   in_handshake_.fetch_sub(1);
   // An accepted stream that cannot be audited is not used (fail closed); the audit error is logged.
   if (audit(claimed, address, fingerprint, outcome, reason) && outcome == "accepted") {
+    link->set_max_payload(stream_max_payload(options_));
+    std::vector<std::unique_ptr<Link>> dropped;  // closed after the lock
     MutexLock lock(mu_);
     auto& slot = incoming_[{peer, static_cast<int>(h.generation)}];
-    slot.resize(h.streams);
+    if (slot.size() != h.streams) slot.resize(h.streams);
+    if (slot[h.stream]) dropped.push_back(std::move(slot[h.stream]));  // a stream sent twice: the newer wins
     slot[h.stream] = std::move(link);
+    // Bounded: the peer's oldest sets beyond kMaxParkedGenerations are stale attempts.
+    size_t parked = 0;
+    for (const auto& [key, streams] : incoming_) parked += key.first == peer;
+    for (auto it = incoming_.begin(); parked > kMaxParkedGenerations && it != incoming_.end();) {
+      if (it->first.first != peer) {
+        ++it;
+        continue;
+      }
+      spdlog::warn("site '{}': dropping its parked streams of generation {} ({} sets waiting, at most {})",
+                   options_.sites[peer].name, it->first.second, parked, kMaxParkedGenerations);
+      for (auto& s : it->second)
+        if (s) dropped.push_back(std::move(s));
+      it = incoming_.erase(it);
+      --parked;
+    }
     arrived_.notify_all();
+    lock.unlock();
+    for (auto& d : dropped) d->close();
     return;
   }
   if (link) link->close();
@@ -306,6 +415,8 @@ std::unique_ptr<Link> SiteConnector::session(size_t peer, std::unique_ptr<Link> 
   ResilientOptions ro;
   ro.reconnect_timeout = options_.reconnect_timeout;
   ro.max_pending_bytes = options_.max_pending;
+  ro.liveness_timeout = options_.liveness_timeout;
+  ro.fragment_bytes = options_.fragment_bytes;
   return std::make_unique<ResilientLink>(std::move(first), std::move(reconnect), ro);
 }
 

@@ -9,7 +9,20 @@
 // Site i dials every site j < i; an acceptor thread takes connections from sites j > i,
 // checks them (TLS identity == the site its hello claims; job; stream index), and files them
 // by (site, generation), so a reconnecting peer's new streams find their ResilientLink.
-// Every connection attempt, accepted or refused, is one line in the audit log.
+//
+// Limits from protocol state: until its hellos are done a connection accepts frames of at
+// most wire::kMaxHelloPayload bytes (so an unauthenticated peer cannot make this side read a
+// gigabyte); afterwards each stream takes what its layer above can send: wan.max_frame, or
+// its stripe's share of it plus the chunk header. Handshakes in progress are bounded in all,
+// per IPv4 host and per IPv6 /64; at most kMaxParkedGenerations sets of streams per peer wait
+// to be taken. An accept() that runs out of descriptors or memory backs off and keeps going.
+//
+// Audit: every connection attempt, accepted or refused, is one line in the audit log, except
+// under a flood: of the refusals from one source (IPv4 host, IPv6 /64) at most
+// kAuditedRefusalsPerMinute lines a minute, then one line "N more refusals from X in the last
+// minute", so a flood cannot fill the disk. A stream that was accepted but cannot be audited
+// (the log cannot be written) is not used: fail closed, logged as an error; refusals that
+// cannot be written are only logged, and refusing never depends on the audit log.
 #pragma once
 
 #include <atomic>
@@ -53,9 +66,14 @@ struct ConnectorOptions {
   int streams = 1;
   std::shared_ptr<TlsContext> tls;  // null = plaintext (security.insecure)
   Shaper shaper;                    // optional
+  // WAN emulation: what setting up a connection to `peer` costs on a real path (TCP, TLS 1.3
+  // and the hellos: three round trips), paid by the dialer after each dial; optional.
+  std::function<std::chrono::nanoseconds(size_t peer)> connect_delay;
   LinkOptions link;                 // max_payload: larger frames disconnect the peer
   std::chrono::milliseconds handshake_timeout{10000};
   std::chrono::milliseconds reconnect_timeout{30000};
+  std::chrono::milliseconds liveness_timeout{20000};  // ResilientOptions::liveness_timeout
+  uint64_t fragment_bytes = 256 * 1024;               // ResilientOptions::fragment_bytes
   uint64_t max_pending = 1ull << 30;
   std::shared_ptr<AuditLog> audit;  // optional
 };
@@ -71,6 +89,14 @@ class SiteConnector {
   // reconnect. (All the job's peers fit: in local mode they share 127.0.0.1.)
   static constexpr size_t kMinHandshakesPerAddress = 16;
   size_t max_handshakes_per_address() const;
+  // Complete or partial sets of streams per peer waiting to be taken (one per generation);
+  // an older set beyond them is closed.
+  static constexpr size_t kMaxParkedGenerations = 4;
+  static constexpr size_t kAuditedRefusalsPerMinute = 10;
+  // What a connection from `address` ("host:port") counts against: the IPv4 host, or the
+  // IPv6 /64 it belongs to ("[2001:db8:0:1::]/64"), so that one host with a /64 of
+  // addresses is one source.
+  static std::string source_of(const std::string& address);
 
   // `listener` is this gateway's bound listening socket; the connector takes it over.
   SiteConnector(ConnectorOptions options, std::unique_ptr<TcpListener> listener);
@@ -91,6 +117,9 @@ class SiteConnector {
   // Stops accepting; links already handed out keep working until closed.
   void close();
 
+  // Connection attempts refused or failed so far, audited one by one or not.
+  uint64_t refusals_seen() const { return refusals_seen_.load(); }
+
  private:
   struct Pending;  // accepted streams of one (site, generation), waiting to be complete
   std::vector<std::unique_ptr<Link>> dial(size_t peer, int generation, Deadline deadline);
@@ -100,7 +129,7 @@ class SiteConnector {
   // A session: `first` (generation `generation`) wrapped in a ResilientLink that reconnects.
   std::unique_ptr<Link> session(size_t peer, std::unique_ptr<Link> first, int generation);
   void accept_loop();
-  // `host`: the peer's address without the port, whose slot in handshakes_by_host_ it frees.
+  // `host`: the peer's source_of(), whose slot in handshakes_by_host_ it frees.
   void handshake_incoming(std::unique_ptr<TcpLink> tcp, const std::string& host);
   // Logs a refusal and writes the audit line; false (logged, never thrown) if the line could
   // not be written, e.g. on a full disk.
@@ -123,8 +152,19 @@ class SiteConnector {
   };
   std::vector<Handshake> handshakes_ GUARDED_BY(mu_);
   std::atomic<size_t> in_handshake_{0};  // handshakes not yet decided (any thread)
-  std::map<std::string, size_t> handshakes_by_host_ GUARDED_BY(mu_);  // the same, per host
+  std::atomic<uint64_t> refusals_seen_{0};
+  std::map<std::string, size_t> handshakes_by_host_ GUARDED_BY(mu_);  // the same, per source_of()
   bool closed_ GUARDED_BY(mu_) = false;
+
+  // Refusals per source in the current minute: lines written and left out.
+  struct RefusalWindow {
+    std::chrono::steady_clock::time_point start;
+    size_t written = 0, left_out = 0;
+  };
+  Mutex audit_mu_;
+  std::map<std::string, RefusalWindow> refusals_ GUARDED_BY(audit_mu_);
+  // Writes the "N more refusals" line of a window that is over (or of every window, at close).
+  void audit_left_out_locked(const std::string& source, RefusalWindow& w) REQUIRES(audit_mu_);
 };
 
 }  // namespace nebula::transport

@@ -144,7 +144,15 @@ StripedLink::~StripedLink() {
 
 std::string StripedLink::stream_name(size_t i) const { return str_cat("stream ", i, "/", streams_.size()); }
 
-LinkStats StripedLink::stats() const { return counters_.snapshot(); }
+LinkStats StripedLink::stats() const {
+  LinkStats s = counters_.snapshot();
+  for (const auto& stream : streams_) {
+    const LinkStats st = stream->link->stats();
+    s.wire_bytes_sent += st.wire_bytes_sent;
+    s.wire_bytes_received += st.wire_bytes_received;
+  }
+  return s;
+}
 
 std::vector<LinkStats> StripedLink::stream_stats() const {
   std::vector<LinkStats> out;
@@ -296,7 +304,10 @@ void StripedLink::receiver_loop(Stream& s) {
         throw FrameError(FrameError::Kind::kBadPayload,
                          str_cat(what, ": ", got, " chunk bytes, expected ", expected, " for chunk ", i, " of ", n,
                                  " of a ", total, "-byte frame"));
-      r.data_crc = wire::crc32(0, std::span<const uint8_t>(r.frame.payload.data() + kChunkHeaderSize, got));
+      // The chunk bytes' CRC from the frame's verified checksum (no second pass over them).
+      r.data_crc = wire::crc32_strip_prefix(wire::payload_crc(r.frame.header),
+                                            wire::crc32(0, std::span<const uint8_t>(r.frame.payload.data(), kChunkHeaderSize)),
+                                            got);
     } catch (const FrameError& e) {
       // Ours (already naming the stream) or the stream's own (a bad frame on the wire).
       r.error = std::string(e.what()).starts_with(what)

@@ -40,6 +40,20 @@ void set_nodelay(int fd) {
   (void)::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
 }
 
+// LinkOptions::tcp_user_timeout. Best effort like TCP_NODELAY (a socketpair has no TCP).
+void set_liveness(int fd, std::chrono::milliseconds user_timeout) {
+  if (user_timeout.count() <= 0) return;
+  unsigned int ms = static_cast<unsigned int>(std::min<long long>(user_timeout.count(), 0x7fffffff));
+  (void)::setsockopt(fd, IPPROTO_TCP, TCP_USER_TIMEOUT, &ms, sizeof ms);
+  int one = 1;
+  int idle = static_cast<int>(std::max<long long>(1, user_timeout.count() / 3000));
+  int count = 3;
+  (void)::setsockopt(fd, SOL_SOCKET, SO_KEEPALIVE, &one, sizeof one);
+  (void)::setsockopt(fd, IPPROTO_TCP, TCP_KEEPIDLE, &idle, sizeof idle);
+  (void)::setsockopt(fd, IPPROTO_TCP, TCP_KEEPINTVL, &idle, sizeof idle);
+  (void)::setsockopt(fd, IPPROTO_TCP, TCP_KEEPCNT, &count, sizeof count);
+}
+
 // Numeric "host:port" of a socket address.
 std::string sockaddr_text(const sockaddr* sa, socklen_t len) {
   char host[NI_MAXHOST], serv[NI_MAXSERV];
@@ -201,10 +215,12 @@ TcpLink::TcpLink(int fd, std::string peer_name, std::string address, LinkOptions
       peer_name_(peer_name.empty() ? address : std::move(peer_name)),
       address_(std::move(address)),
       describe_(peer_name_ == address_ ? address_ : str_cat(peer_name_, " (", address_, ")")),
-      options_(options) {
+      options_(options),
+      max_payload_(options.max_payload) {
   NEBULA_CHECK(fd >= 0, "invalid socket descriptor ", fd);
   set_nonblocking(fd_);
   set_nodelay(fd_);
+  set_liveness(fd_, options_.tcp_user_timeout);
 }
 
 TcpLink::TcpLink(std::unique_ptr<TcpLink> tcp)
@@ -212,7 +228,8 @@ TcpLink::TcpLink(std::unique_ptr<TcpLink> tcp)
       peer_name_(tcp ? tcp->peer_name_ : std::string()),
       address_(tcp ? tcp->address_ : std::string()),
       describe_(tcp ? tcp->describe_ : std::string()),
-      options_(tcp ? tcp->options_ : LinkOptions{}) {
+      options_(tcp ? tcp->options_ : LinkOptions{}),
+      max_payload_(tcp ? tcp->max_payload_.load() : 0) {
   NEBULA_CHECK(tcp != nullptr, "taking over a null TcpLink");
   NEBULA_CHECK(fd_ >= 0 && !tcp->closed_.load() && !tcp->broken_.load(), "taking over the link to ",
                describe_, ": it is already closed or broken");
@@ -230,7 +247,12 @@ void TcpLink::close() {
   if (fd_ >= 0) ::shutdown(fd_, SHUT_RDWR);
 }
 
-LinkStats TcpLink::stats() const { return counters_.snapshot(); }
+LinkStats TcpLink::stats() const {
+  LinkStats s = counters_.snapshot();  // read and written on the socket as they are
+  s.wire_bytes_sent = s.bytes_sent;
+  s.wire_bytes_received = s.bytes_received;
+  return s;
+}
 
 void TcpLink::mark_broken(const std::string& reason, bool quiet) {
   {
@@ -381,8 +403,8 @@ void TcpLink::write_all(iovec* iov, int iovcnt, size_t total, Deadline deadline,
 void TcpLink::send(const wire::Frame& frame, Deadline deadline) {
   NEBULA_CHECK(frame.payload.size() == frame.header.payload_len, "send to ", describe_, ": payload has ",
                frame.payload.size(), " bytes but header.payload_len is ", frame.header.payload_len);
-  NEBULA_CHECK(frame.header.payload_len <= options_.max_payload, "send to ", describe_, ": payload of ",
-               frame.header.payload_len, " bytes exceeds LinkOptions.max_payload ", options_.max_payload);
+  NEBULA_CHECK(frame.header.payload_len <= max_payload(), "send to ", describe_, ": payload of ",
+               frame.header.payload_len, " bytes exceeds LinkOptions.max_payload ", max_payload());
   std::lock_guard<std::mutex> lock(send_mu_);
   check_usable("send to");
   auto header = wire::encode_header(frame.header);
@@ -404,15 +426,22 @@ wire::Frame TcpLink::recv(Deadline deadline) {
   std::array<uint8_t, wire::kHeaderSize> header;
   read_exact(header.data(), header.size(), deadline, "recv header from", false);
   try {
-    frame.header = wire::decode_header(header, options_.max_payload);
+    frame.header = wire::decode_header(header, max_payload());
   } catch (const FrameError& e) {
     std::string msg = str_cat("recv header from ", describe_, ": ", e.what());
     mark_broken(msg);
     throw FrameError(e.kind(), msg);
   }
-  // Only now, with payload_len validated against max_payload, is the payload allocated.
-  frame.payload.resize(frame.header.payload_len);
-  read_exact(frame.payload.data(), frame.payload.size(), deadline, "recv payload from", true);
+  // Only now, with payload_len validated, is the payload allocated, and only as its bytes
+  // arrive: a peer that claims more than it sends holds at most kReadStep of our memory.
+  const size_t len = frame.header.payload_len;
+  frame.payload.reserve(std::min(len, kReadStep));
+  for (size_t got = 0; got < len;) {
+    const size_t step = std::min(len - got, kReadStep);
+    frame.payload.resize(got + step);
+    read_exact(frame.payload.data() + got, step, deadline, "recv payload from", true);
+    got += step;
+  }
   try {
     wire::verify_checksum(frame.header, frame.payload);
   } catch (const FrameError& e) {
@@ -520,6 +549,9 @@ std::unique_ptr<TcpLink> TcpListener::accept(Deadline deadline, std::string peer
       continue;
     }
     if (closed_.load()) continue;
+    if (err == EMFILE || err == ENFILE || err == ENOBUFS || err == ENOMEM)
+      throw AcceptExhausted(str_cat("accept on ", address_, ": ", errno_text(err),
+                                    err == EMFILE ? " (this process's descriptor limit, ulimit -n)" : ""));
     throw Error(str_cat("accept on ", address_, ": ", errno_text(err)));
   }
 }

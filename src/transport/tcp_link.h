@@ -7,8 +7,9 @@
 // MSG_NOSIGNAL (a dead peer gives PeerLost, never SIGPIPE).
 //
 // recv() reads exactly wire::kHeaderSize bytes, validates the header -- including
-// payload_len against LinkOptions::max_payload -- before allocating the payload, reads
-// the payload, then checks the CRC. See link.h for the thread-safety contract and the
+// payload_len against max_payload() and its type's own limit -- then reads the payload into
+// memory that grows as the bytes arrive (at most kReadStep ahead of them: a header that
+// claims more than the peer sends costs nothing), then checks the CRC. See link.h for the thread-safety contract and the
 // error contract; TcpLink detects concurrent recv() calls and throws nebula::Error.
 //
 // The framing (send/recv) is built on two protected byte-level primitives, read_some()
@@ -48,6 +49,9 @@ uint16_t pick_free_port(const std::string& host);
 
 class TcpLink : public Link {
  public:
+  // recv() grows a payload by at most this much ahead of the bytes that have arrived.
+  static constexpr size_t kReadStep = 1 << 20;
+
   // Connects to host:port (a name, or an IPv4/IPv6 literal; resolved with getaddrinfo).
   // The peer process may not be listening yet, so refused / timed-out / unreachable
   // attempts are retried with backoff (20 ms doubling to 200 ms) until `deadline`, then
@@ -76,6 +80,11 @@ class TcpLink : public Link {
   const std::string& address() const { return address_; }
   // "site-b (127.0.0.1:4242)", as used at the start of error messages.
   const std::string& describe() const { return describe_; }
+  // The payload limit of later send() and recv() calls (LinkOptions::max_payload at first).
+  // A gateway reads the hellos of a connection it has not authenticated yet under a small
+  // limit and raises it to wan.max_frame once the peer is known. Any thread.
+  void set_max_payload(uint64_t max_payload) { max_payload_.store(max_payload); }
+  uint64_t max_payload() const { return max_payload_.load(); }
 
  protected:
   // Takes over `tcp`'s connected socket, peer name, address and options; `tcp` is
@@ -149,6 +158,7 @@ class TcpLink : public Link {
   const std::string address_;
   const std::string describe_;
   const LinkOptions options_;
+  std::atomic<uint64_t> max_payload_;
 
   std::mutex send_mu_;  // held for a whole send(): frames go out whole and in order
   std::mutex recv_mu_;  // try-locked by recv() to detect concurrent receivers
@@ -159,6 +169,14 @@ class TcpLink : public Link {
   std::string broken_reason_ GUARDED_BY(state_mu_);  // set once, when broken_ becomes true
 
   LinkCounters counters_;
+};
+
+// accept() ran out of a resource (EMFILE, ENFILE, ENOBUFS, ENOMEM): the connection waits in
+// the backlog, and the listener works again once the resource is back. Back off and call
+// accept() again; do not stop listening.
+class AcceptExhausted : public Error {
+ public:
+  using Error::Error;
 };
 
 // A listening TCP socket (SO_REUSEADDR) that accepts TcpLinks.
@@ -180,8 +198,9 @@ class TcpListener {
 
   // Waits for one connection. The link's peer() is `peer_name_hint`, or the peer's
   // numeric address when the hint is empty (the layer above learns the real site name
-  // from the hello frame / certificate). Throws Timeout when the deadline passes and
-  // PeerLost when the listener is closed meanwhile.
+  // from the hello frame / certificate). Throws Timeout when the deadline passes,
+  // AcceptExhausted when the process or system is out of descriptors or memory (transient),
+  // and PeerLost when the listener is closed meanwhile.
   std::unique_ptr<TcpLink> accept(Deadline deadline, std::string peer_name_hint = "");
 
   // Stops listening; idempotent; wakes a blocked accept().

@@ -12,6 +12,7 @@
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cctype>
 #include <cerrno>
 #include <cstring>
@@ -28,6 +29,8 @@ struct TlsSocketBio {
   int fd;
   int last_errno = 0;
   bool eof = false;
+  // Bytes on the socket (TLS records), for stats(): written under ssl_mu_, read by any thread.
+  std::atomic<uint64_t> sent{0}, received{0};
 };
 
 namespace {
@@ -43,7 +46,10 @@ int bio_write(BIO* b, const char* data, int len) {
   BIO_clear_retry_flags(b);
   for (;;) {
     ssize_t r = ::send(s->fd, data, static_cast<size_t>(len), MSG_NOSIGNAL);
-    if (r >= 0) return static_cast<int>(r);
+    if (r >= 0) {
+      s->sent.fetch_add(static_cast<uint64_t>(r), std::memory_order_relaxed);
+      return static_cast<int>(r);
+    }
     if (errno == EINTR) continue;
     s->last_errno = errno;
     if (errno == EAGAIN || errno == EWOULDBLOCK) BIO_set_retry_write(b);
@@ -56,7 +62,10 @@ int bio_read(BIO* b, char* out, int len) {
   BIO_clear_retry_flags(b);
   for (;;) {
     ssize_t r = ::recv(s->fd, out, static_cast<size_t>(len), 0);
-    if (r > 0) return static_cast<int>(r);
+    if (r > 0) {
+      s->received.fetch_add(static_cast<uint64_t>(r), std::memory_order_relaxed);
+      return static_cast<int>(r);
+    }
     if (r == 0) {
       s->eof = true;
       return 0;
@@ -109,17 +118,11 @@ int verify_state_index() {
   return index;
 }
 
-bool names_site(X509* cert, const std::string& site) {
-  if (x509_common_name(cert) == site) return true;
-  for (const auto& dns : x509_dns_names(cert))
-    if (dns == site) return true;
-  return false;
-}
-
 // Runs for every certificate of the peer's chain (ok = OpenSSL's verdict so far). Records
-// what the peer presented (for messages and the audit log), the first error, and on the
-// client side rejects a leaf that does not name the expected site -- inside the
-// handshake, so the server receives an alert rather than a finished handshake.
+// what the peer presented (for messages and the audit log), the first error, and rejects a
+// leaf whose identity (x509_identity, the one rule on both sides) is missing, of another
+// job, or -- on the client side -- of another site than expected: inside the handshake, so
+// the peer receives an alert rather than a finished handshake.
 int verify_callback(int ok, X509_STORE_CTX* store) {
   SSL* ssl = static_cast<SSL*>(X509_STORE_CTX_get_ex_data(store, SSL_get_ex_data_X509_STORE_CTX_idx()));
   auto* st = ssl ? static_cast<TlsLink::VerifyState*>(SSL_get_ex_data(ssl, verify_state_index())) : nullptr;
@@ -130,7 +133,8 @@ int verify_callback(int ok, X509_STORE_CTX* store) {
       st->leaf_fingerprint = x509_fingerprint(leaf);
     } catch (const Error&) {
     }
-    st->leaf_site = x509_common_name(leaf);
+    const CertIdentity id = x509_identity(leaf);
+    st->leaf_site = id.ok() ? id.site : x509_common_name(leaf);
     st->leaf_not_before = x509_not_before(leaf);
     st->leaf_not_after = x509_not_after(leaf);
   }
@@ -138,12 +142,20 @@ int verify_callback(int ok, X509_STORE_CTX* store) {
     if (st->error == 0) st->error = X509_STORE_CTX_get_error(store);
     return 0;
   }
-  if (!st->expected_site.empty() && X509_STORE_CTX_get_error_depth(store) == 0 &&
-      X509_STORE_CTX_get_current_cert(store) == leaf && !names_site(leaf, st->expected_site)) {
-    st->site_mismatch = true;
-    st->error = X509_V_ERR_HOSTNAME_MISMATCH;
-    X509_STORE_CTX_set_error(store, X509_V_ERR_HOSTNAME_MISMATCH);
-    return 0;
+  if (X509_STORE_CTX_get_error_depth(store) == 0 && X509_STORE_CTX_get_current_cert(store) == leaf) {
+    const CertIdentity id = x509_identity(leaf);
+    if (!id.ok())
+      st->identity_error = str_cat("peer certificate (CN '", x509_common_name(leaf), "'): ", id.problem);
+    else if (id.job != st->expected_job)
+      st->identity_error = str_cat("peer certificate is for site '", id.site, "' of job '", id.job,
+                                   "', but this is job '", st->expected_job, "'");
+    else if (!st->expected_site.empty() && id.site != st->expected_site)
+      st->identity_error = str_cat("peer certificate names site '", id.site, "', expected '", st->expected_site, "'");
+    if (!st->identity_error.empty()) {
+      st->error = X509_V_ERR_HOSTNAME_MISMATCH;
+      X509_STORE_CTX_set_error(store, X509_V_ERR_HOSTNAME_MISMATCH);
+      return 0;
+    }
   }
   return ok;
 }
@@ -255,7 +267,8 @@ TlsFiles TlsFiles::for_site(const std::string& dir, const std::string& site) {
 }
 
 std::shared_ptr<TlsContext> TlsContext::create(const TlsFiles& files) {
-  const std::string issue_hint = "run `nebula certs issue DIR --site NAME` to issue a site certificate and key";
+  const std::string issue_hint =
+      "run `nebula certs issue DIR --site NAME --job JOB` to issue a site certificate and key";
   const std::string ca_hint = "copy the site CA certificate (ca.pem, made by `nebula certs init DIR`) there";
   auto require = [](const std::string& what, const std::string& path, const std::string& hint) {
     if (path.empty()) throw Error(str_cat("TLS ", what, ": no file configured; ", hint));
@@ -300,9 +313,10 @@ std::shared_ptr<TlsContext> TlsContext::create(const TlsFiles& files) {
   auto out = std::shared_ptr<TlsContext>(new TlsContext());
   out->files_ = files;
   X509* own = SSL_CTX_get0_certificate(ctx.get());
-  out->name_ = x509_common_name(own);
-  if (out->name_.empty())
-    throw Error(str_cat("TLS certificate ", files.cert, " has no subject CN (the site name); ", issue_hint));
+  const CertIdentity id = x509_identity(own);
+  if (!id.ok()) throw Error(str_cat("TLS certificate ", files.cert, ": ", id.problem, "; ", issue_hint));
+  out->name_ = id.site;
+  out->job_ = id.job;
   out->fingerprint_ = x509_fingerprint(own);
 
   // Our own certificate against our own CA: only a warning (tests, and a CA being rolled
@@ -337,11 +351,19 @@ TlsLink::TlsLink(std::unique_ptr<TcpLink> tcp, std::shared_ptr<TlsContext> ctx, 
   bio_ = new TlsSocketBio{fd()};
   BIO_set_data(bio, bio_);
   SSL_set_bio(ssl_, bio, bio);  // ssl_ owns the BIO, the BIO owns bio_
+  verify_.expected_job = ctx_->job();  // both sides: the peer must be of our job
   SSL_set_ex_data(ssl_, verify_state_index(), &verify_);
   if (is_server_)
     SSL_set_accept_state(ssl_);
   else
     SSL_set_connect_state(ssl_);
+}
+
+LinkStats TlsLink::stats() const {
+  LinkStats s = TcpLink::stats();  // frames, plaintext
+  s.wire_bytes_sent = bio_->sent.load(std::memory_order_relaxed);
+  s.wire_bytes_received = bio_->received.load(std::memory_order_relaxed);
+  return s;
 }
 
 TlsLink::~TlsLink() {
@@ -426,7 +448,7 @@ void TlsLink::handshake(Deadline deadline) {
       if (rc == 1) {
         X509* cert = SSL_get0_peer_certificate(ssl_);
         if (!cert) break;  // handled below, outside the lock
-        peer_identity_ = x509_common_name(cert);
+        peer_identity_ = x509_identity(cert).site;  // checked by verify_callback
         peer_fingerprint_ = x509_fingerprint(cert);
         break;
       }
@@ -449,9 +471,10 @@ void TlsLink::handshake(Deadline deadline) {
     const int reason = ERR_GET_LIB(first_error) == ERR_LIB_SSL ? ERR_GET_REASON(first_error) : 0;
     long code = verify_.error != 0 ? verify_.error : verify_result;
     const std::string ca = ctx_->files().ca;
-    if (verify_.site_mismatch)
-      refuse(str_cat("peer certificate names site '", verify_.leaf_site, "', expected '", verify_.expected_site, "'"),
-             "check the config's gateway address for this site, or re-issue the peer's certificate for the right site");
+    if (!verify_.identity_error.empty())
+      refuse(verify_.identity_error,
+             "check the config's gateway address for this site, or issue the peer's certificate for this job and "
+             "site (`nebula certs issue DIR --site NAME --job JOB`)");
     if (code != X509_V_OK) {
       std::string why = X509_verify_cert_error_string(code);
       if (unknown_ca_error(code))

@@ -26,6 +26,8 @@
 //       "certificate expired (notAfter ...)"            the peer's certificate is expired
 //       "certificate not yet valid (notBefore ...)"
 //       "peer certificate names site 'x', expected 'y'" client side, wrong site
+//       "peer certificate is for site 'x' of job 'j', but this is job 'k'"
+//       "peer certificate (CN 'x'): the certificate names no nebula job and site ..."
 //       "peer sent no certificate"                      server side, client without certificate
 //       "peer is not speaking TLS (plaintext or garbage)..."
 //       "peer refused our certificate: ..."             the peer sent a certificate alert
@@ -45,7 +47,8 @@
 // frame next would put the stream out of step. A recv() timeout leaves the link usable
 // (a partly received record stays buffered inside OpenSSL).
 //
-// Byte counters (stats()) count frame bytes (plaintext), like TcpLink's, not TLS records.
+// Byte counters (stats()) count frame bytes (plaintext), like TcpLink's; the wire counters
+// count what went through the socket: TLS records, the handshake included.
 // close() shuts the socket down, waking blocked calls (no close_notify is sent: peers treat
 // a bare EOF between frames as an orderly close). No SIGPIPE: the socket is written with
 // send(MSG_NOSIGNAL) through a small custom OpenSSL BIO.
@@ -91,8 +94,10 @@ class TlsContext {
   TlsContext(const TlsContext&) = delete;
   TlsContext& operator=(const TlsContext&) = delete;
 
-  // Our site name (the certificate's CN) and the SHA-256 hex fingerprint of our certificate.
+  // Our site and job (the certificate's identity, certs.h) and the SHA-256 hex fingerprint of
+  // our certificate. Peers must present a certificate of the same job.
   const std::string& name() const { return name_; }
+  const std::string& job() const { return job_; }
   const std::string& fingerprint() const { return fingerprint_; }
   const TlsFiles& files() const { return files_; }
 
@@ -102,7 +107,7 @@ class TlsContext {
   TlsContext() = default;
   SSL_CTX* ctx_ = nullptr;
   TlsFiles files_;
-  std::string name_, fingerprint_;
+  std::string name_, job_, fingerprint_;
 };
 
 // A refused TLS handshake (see the top of this file for the reasons).
@@ -142,8 +147,9 @@ class TlsLink : public TcpLink {
 
   ~TlsLink() override;
 
-  // The peer certificate's site name (CN) and SHA-256 hex fingerprint; set by the
-  // handshake, constant afterwards.
+  LinkStats stats() const override;
+  // The peer certificate's site (its identity, certs.h) and SHA-256 hex fingerprint; set by
+  // the handshake, constant afterwards.
   std::string peer_identity() const override { return peer_identity_; }
   std::string peer_fingerprint() const override { return peer_fingerprint_; }
   const TlsContext& context() const { return *ctx_; }
@@ -151,10 +157,11 @@ class TlsLink : public TcpLink {
   // What the certificate verify callback saw during the handshake (internal; public only
   // so the C callback can reach it).
   struct VerifyState {
+    std::string expected_job;   // both sides: our job (TlsContext::job())
     std::string expected_site;  // client side: the site the server must be
     std::string leaf_site, leaf_fingerprint, leaf_not_before, leaf_not_after;
     int error = 0;              // first X509_V_ERR_* seen, 0 if none
-    bool site_mismatch = false;
+    std::string identity_error;  // the leaf's identity is missing or not the expected one
   };
 
  protected:

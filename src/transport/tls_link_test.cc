@@ -30,11 +30,12 @@ using wire::Frame;
 using wire::FrameType;
 using wire::make_frame;
 
-// Certificates for the whole suite: CA "main" issues alpha, beta, gamma, an expired and a
-// not-yet-valid one; CA "other" issues its own alpha and beta.
+// Certificates for the whole suite, all of job "job-1" unless said otherwise: CA "main" issues
+// alpha, beta, gamma, an expired and a not-yet-valid one; CA "other" issues its own alpha and
+// beta; in "job2", CA "main" issues alpha and beta of job "job-2".
 class TlsLinkTest : public ::testing::Test {
  protected:
-  static inline std::string root_, main_, other_;
+  static inline std::string root_, main_, other_, job2_;
 
   static void SetUpTestSuite() {
     std::string templ = (fs::temp_directory_path() / "nebula_tls_test.XXXXXX").string();
@@ -43,11 +44,16 @@ class TlsLinkTest : public ::testing::Test {
     main_ = root_ + "/main";
     other_ = root_ + "/other";
     create_ca(main_);
-    for (const char* site : {"alpha", "beta", "gamma"}) issue_site_certificate(main_, site);
-    issue_site_certificate(main_, "expired", 1, -10 * 86400L);
-    issue_site_certificate(main_, "future", 30, 86400L);
+    for (const char* site : {"alpha", "beta", "gamma"}) issue_site_certificate(main_, site, "job-1");
+    issue_site_certificate(main_, "expired", "job-1", 1, -10 * 86400L);
+    issue_site_certificate(main_, "future", "job-1", 30, 86400L);
     create_ca(other_);
-    for (const char* site : {"alpha", "beta"}) issue_site_certificate(other_, site);
+    for (const char* site : {"alpha", "beta"}) issue_site_certificate(other_, site, "job-1");
+    job2_ = root_ + "/job2";
+    fs::create_directories(job2_);
+    fs::copy_file(ca_cert_path(main_), ca_cert_path(job2_));
+    fs::copy_file(ca_key_path(main_), ca_key_path(job2_));
+    for (const char* site : {"alpha", "beta"}) issue_site_certificate(job2_, site, "job-2");
   }
   static void TearDownTestSuite() {
     std::error_code ec;
@@ -165,6 +171,11 @@ TEST_F(TlsLinkTest, GoodPeersExchangeFramesBothWays) {
   EXPECT_EQ(cs.frames_sent, frames.size());
   EXPECT_EQ(ss.frames_received, frames.size());
   EXPECT_EQ(cs.bytes_sent, ss.bytes_received);  // frame bytes, not TLS records
+  // The wire counters are the records: the handshake and every record's header and tag on top
+  // (16 MiB in 16 KiB records: 1024 x 22 bytes at least).
+  EXPECT_GT(cs.wire_bytes_sent, cs.bytes_sent + 1024 * 22);
+  EXPECT_GT(cs.wire_bytes_received, cs.bytes_received + 1024 * 22);
+  EXPECT_EQ(cs.wire_bytes_sent, ss.wire_bytes_received);  // every byte one end wrote, the other read
 }
 
 // send() and recv() on one link from two threads at once: the SSL object is shared.
@@ -325,16 +336,28 @@ TEST_F(TlsLinkTest, WrongSiteNameIsRefusedByTheClient) {
   expect_good_peer(listener);
 }
 
-TEST_F(TlsLinkTest, SiteWithoutDnsNameMatchesByCn) {
+// The identity is the certificate's urn:nebula SAN, on both sides: a site name that is no DNS
+// name works the same.
+TEST_F(TlsLinkTest, SiteWithoutDnsNameMatchesByItsIdentity) {
   std::string dir = root_ + "/cn_only";
   fs::create_directories(dir);
   fs::copy_file(ca_cert_path(main_), ca_cert_path(dir));
   fs::copy_file(ca_key_path(main_), ca_key_path(dir));
-  issue_site_certificate(dir, "site_b");
+  issue_site_certificate(dir, "site_b", "job-1");
   TcpListener listener("127.0.0.1", 0);
   auto r = handshake(listener, ctx("alpha"), ctx("site_b", dir), "site_b");
   ASSERT_FALSE(r.client_error || r.server_error);
   EXPECT_EQ(r.client->peer_identity(), "site_b");
+}
+
+// A certificate from the same CA but for another job is refused by the client (the server's)...
+TEST_F(TlsLinkTest, ServerCertificateOfAnotherJobIsRefusedByTheClient) {
+  TcpListener listener("127.0.0.1", 0);
+  auto r = handshake(listener, ctx("alpha"), ctx("beta", job2_, main_), "beta");
+  auto e = expect_refused(r.client_error, "peer certificate is for site 'beta' of job 'job-2', but this is job 'job-1'");
+  EXPECT_EQ(e.peer_site(), "beta");
+  ASSERT_TRUE(r.server_error);
+  expect_good_peer(listener);
 }
 
 // An in-process OpenSSL client without a certificate.
@@ -653,6 +676,26 @@ TEST_F(TlsLinkTest, InteropOpensslClientWithOurServer) {
     }
     expect_refused(error, "no certificate");
   }
+  expect_good_peer(listener);
+}
+
+// ...and by the server (the client's), with a client that checks nothing itself.
+TEST_F(TlsLinkTest, ClientCertificateOfAnotherJobIsRefusedByTheServer) {
+  if (!have_openssl_cli()) GTEST_SKIP() << "no openssl binary on PATH";
+  TcpListener listener("127.0.0.1", 0);
+  const std::string connect = "127.0.0.1:" + std::to_string(listener.port());
+  OpensslProcess client({"s_client", "-connect", connect, "-cert", site_cert_path(job2_, "alpha"), "-key",
+                         site_key_path(job2_, "alpha"), "-tls1_3", "-quiet"},
+                        root_ + "/s_client_job2.log");
+  std::exception_ptr error;
+  try {
+    Deadline dl = Deadline::after(15s);
+    TlsLink::server(listener.accept(dl), ctx("beta"), dl);
+  } catch (...) {
+    error = std::current_exception();
+  }
+  auto e = expect_refused(error, "peer certificate is for site 'alpha' of job 'job-2', but this is job 'job-1'");
+  EXPECT_EQ(e.peer_fingerprint(), certificate_fingerprint(site_cert_path(job2_, "alpha")));
   expect_good_peer(listener);
 }
 

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cctype>
+#include <cmath>
 #include <cstdio>
 #include <fstream>
 #include <map>
@@ -130,6 +131,27 @@ void check_wan_mode(const Config& c, const toml::table& root, const std::string&
       refuse(str_cat("runs on CPU sites only so far, and site '", s.name, "' has device = \"", s.device, "\""));
 }
 
+// wan.liveness_timeout must let one piece of a message (WanConfig::piece_bytes) cross the
+// slowest emulated path with room to spare (ResilientLink: each side writes at least every
+// quarter of it), or a busy link would be taken for a dead one.
+void check_liveness(const Config& c, const toml::table& root, const std::string& file) {
+  if (c.wan.liveness_timeout.count() == 0) return;
+  auto check = [&](const WanPathConfig& p, const std::string& between) {
+    double bw = p.bandwidth_bits;
+    if (c.wan.host_bandwidth_bits > 0 && (bw <= 0 || c.wan.host_bandwidth_bits < bw)) bw = c.wan.host_bandwidth_bits;
+    const double piece_s = bw > 0 ? static_cast<double>(c.wan.piece_bytes()) * 8 / bw : 0;
+    const double need_s = 4 * (piece_s + std::chrono::duration<double>(p.rtt + p.jitter).count());
+    if (std::chrono::duration<double>(c.wan.liveness_timeout).count() < need_s)
+      throw ConfigError(str_cat(place(root, "wan", "liveness_timeout", file), ": key 'wan.liveness_timeout': ",
+                                std::chrono::duration<double>(c.wan.liveness_timeout).count(), " s is too short for ",
+                                between, ": a piece of ", c.wan.piece_bytes(), " bytes plus the round trip takes ",
+                                need_s / 4, " s there and each side must be heard from at least 4 times per timeout; "
+                                "set liveness_timeout to at least ", std::ceil(need_s), "s or lower wan.max_frame"));
+  };
+  check(c.wan.path, "the default path");
+  for (const auto& p : c.wan.pairs) check(p.path, str_cat("the path between '", p.a, "' and '", p.b, "'"));
+}
+
 Config build(const toml::table& root, const std::string& file) {
   Config c;
   c.source_path = file;
@@ -148,6 +170,12 @@ Config build(const toml::table& root, const std::string& file) {
     s.integer("restarts", c.job.restarts, 0, 1000);
     s.strings("command", c.job.command);
     s.finish();
+    // It goes into every site's certificate (transport/certs.h) and names the run directory.
+    if (c.job.name.empty() || c.job.name.size() > 64 ||
+        !std::all_of(c.job.name.begin(), c.job.name.end(), [](char ch) {
+          return std::isalnum(static_cast<unsigned char>(ch)) || ch == '.' || ch == '_' || ch == '-';
+        }))
+      s.fail(*t, "name", str_cat("\"", c.job.name, "\" is not a job name: use 1 to 64 characters from A-Z a-z 0-9 . _ -"));
   }
   if (c.job.run_dir.empty()) c.job.run_dir = "runs/" + c.job.name;
 
@@ -291,6 +319,12 @@ Config build(const toml::table& root, const std::string& file) {
     s.unit("max_pending", c.wan.max_pending, parse_size);
     s.unit("handshake_timeout", c.wan.handshake_timeout, parse_duration);
     s.unit("reconnect_timeout", c.wan.reconnect_timeout, parse_duration);
+    s.unit("liveness_timeout", c.wan.liveness_timeout, parse_duration);
+    if (c.wan.max_frame < 64 * 1024)
+      s.fail(*t, "max_frame", str_cat("must be at least 64KiB (messages travel in pieces of half of it), got ",
+                                       c.wan.max_frame, " bytes"));
+    if (c.wan.liveness_timeout.count() != 0 && c.wan.liveness_timeout < std::chrono::milliseconds(100))
+      s.fail(*t, "liveness_timeout", "must be \"0\" (off) or at least \"100ms\"");
     s.tables("pairs", [&](Section& p, const toml::table& pt) {
       WanPairConfig pair;
       read_pair_names(p, pt, c, pair.a, pair.b, /*required=*/true);
@@ -299,7 +333,7 @@ Config build(const toml::table& root, const std::string& file) {
     });
     s.tables("faults", [&](Section& f, const toml::table& ft) {
       WanFaultConfig fault;
-      f.string("kind", fault.kind, {"cut", "stall", "corrupt"});
+      f.string("kind", fault.kind, {"cut", "stall", "corrupt", "blackhole"});
       read_pair_names(f, ft, c, fault.a, fault.b, /*required=*/false);
       std::chrono::nanoseconds at{0};
       uint64_t after = 0;
@@ -320,7 +354,8 @@ Config build(const toml::table& root, const std::string& file) {
         fault.every = every;
         if (!fault.at && !fault.after_bytes) fault.at = every;
       }
-      if (fault.kind.empty()) f.fail(ft, "kind", "each [[wan.faults]] needs kind = \"cut\" | \"stall\" | \"corrupt\"");
+      if (fault.kind.empty())
+        f.fail(ft, "kind", "each [[wan.faults]] needs kind = \"cut\" | \"stall\" | \"corrupt\" | \"blackhole\"");
       if (fault.at.has_value() == fault.after_bytes.has_value())
         f.fail(ft, "at", "give exactly one of at = \"5s\" (time) or after = \"10MiB\" (bytes sent)");
       if (fault.kind == "stall" && fault.duration.count() <= 0)
@@ -447,6 +482,7 @@ Config build(const toml::table& root, const std::string& file) {
   }
   top.finish();
   check_wan_mode(c, root, file);
+  check_liveness(c, root, file);
   if (c.checkpoint.dir.empty()) c.checkpoint.dir = c.job.run_dir + "/checkpoints";
   try {
     check_peft(c.model, c.peft);
@@ -575,7 +611,8 @@ std::string to_toml(const Config& c) {
                                      {"max_frame", bytes(c.wan.max_frame)},
                                      {"max_pending", bytes(c.wan.max_pending)},
                                      {"handshake_timeout", dur(c.wan.handshake_timeout)},
-                                     {"reconnect_timeout", dur(c.wan.reconnect_timeout)}},
+                                     {"reconnect_timeout", dur(c.wan.reconnect_timeout)},
+                                     {"liveness_timeout", dur(c.wan.liveness_timeout)}},
                          c.wan.path);
   toml::array pairs, faults;
   for (const auto& p : c.wan.pairs) pairs.push_back(path(toml::table{{"sites", strs({p.a, p.b})}}, p.path));

@@ -224,6 +224,27 @@ duration = "500ms"
   expect_error(std::string(kValid) + "[[wan.faults]]\nkind = \"cut\"\nevery = \"0s\"\n", {"every", "positive"});
 }
 
+// [4/5]: liveness and the wire's frame limit. The liveness timeout must let a piece of a
+// message cross the slowest emulated path four times over; the error says how long it must be.
+TEST(Config, LivenessTimeoutAndMaxFrameAreValidated) {
+  Config c = parse_config(kValid, "job.toml");
+  EXPECT_EQ(c.wan.liveness_timeout, std::chrono::seconds(20));
+  EXPECT_EQ(c.wan.max_frame, 4u << 20);
+  EXPECT_EQ(c.wan.piece_bytes(), 256u * 1024);
+  Config off = parse_config(kValid, "job.toml", {"wan.liveness_timeout=0s", "wan.max_frame=128KiB"});
+  EXPECT_EQ(off.wan.liveness_timeout.count(), 0);
+  EXPECT_EQ(off.wan.piece_bytes(), 64u * 1024);
+  EXPECT_EQ(parse_config(to_toml(off), "again").wan.liveness_timeout.count(), 0);
+  Config blackhole = parse_config(std::string(kValid) + "[[wan.faults]]\nkind = \"blackhole\"\nat = \"2s\"\n", "job.toml");
+  EXPECT_EQ(blackhole.wan.faults.at(0).kind, "blackhole");
+  expect_error(kValid, {"wan.max_frame", "at least 64KiB"}, {"wan.max_frame=1KiB"});
+  expect_error(kValid, {"wan.liveness_timeout", "at least \"100ms\""}, {"wan.liveness_timeout=10ms"});
+  // 256 KiB over 1 Mbit/s is 2.1 s: 20 s is too short for four of them plus the round trips.
+  expect_error(kValid, {"wan.liveness_timeout", "too short for the default path", "at least 9s"},
+               {"wan.bandwidth=1Mbit", "wan.liveness_timeout=5s"});
+  EXPECT_NO_THROW(parse_config(kValid, "job.toml", {"wan.bandwidth=1Mbit", "wan.liveness_timeout=10s"}));
+}
+
 TEST(Config, OverridesApplyAndAreValidated) {
   Config c = parse_config(kValid, "job.toml", {"job.steps=3", "data.source=tsv", "sites.1.workers=4"});
   EXPECT_EQ(c.job.steps, 3);

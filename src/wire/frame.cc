@@ -35,7 +35,7 @@ std::string hex32(uint32_t v) {
   return buf;
 }
 
-bool known_type(uint8_t t) { return t >= 1 && t <= 8; }
+bool known_type(uint8_t t) { return t >= 1 && t <= 9; }
 
 }  // namespace
 
@@ -60,8 +60,18 @@ std::string frame_type_name(FrameType type) {
     case FrameType::kResume: return "resume";
     case FrameType::kPing: return "ping";
     case FrameType::kPong: return "pong";
+    case FrameType::kPart: return "part";
   }
   return str_cat("type(", static_cast<int>(type), ")");
+}
+
+uint64_t max_payload_of(FrameType type, uint64_t max_payload) {
+  switch (type) {
+    case FrameType::kData:
+    case FrameType::kPart: return max_payload;
+    case FrameType::kHello: return std::min(max_payload, kMaxHelloPayload);
+    default: return std::min(max_payload, kMaxControlPayload);
+  }
 }
 
 std::array<uint8_t, kHeaderSize> encode_header(const FrameHeader& h) {
@@ -85,10 +95,28 @@ uint32_t crc32_combine(uint32_t crc_a, uint32_t crc_b, uint64_t length_b) {
   return static_cast<uint32_t>(::crc32_combine(crc_a, crc_b, static_cast<z_off_t>(length_b)));
 }
 
-uint32_t compute_checksum(const FrameHeader& header, std::span<const uint8_t> payload) {
+uint32_t crc32_strip_prefix(uint32_t crc_ab, uint32_t crc_a, uint64_t length_b) {
+  // crc32_combine(a, b, n) is a's CRC shifted over n zero bits, xor b's: linear in both.
+  return crc_ab ^ crc32_combine(crc_a, 0, length_b);
+}
+
+namespace {
+uint32_t header_crc(const FrameHeader& header) {
   auto bytes = encode_header(header);
-  uint32_t crc = crc32(0, std::span<const uint8_t>(bytes.data(), kChecksumOffset));
-  return crc32(crc, payload);
+  return crc32(0, std::span<const uint8_t>(bytes.data(), kChecksumOffset));
+}
+}  // namespace
+
+uint32_t compute_checksum(const FrameHeader& header, std::span<const uint8_t> payload) {
+  return crc32(header_crc(header), payload);
+}
+
+uint32_t payload_crc(const FrameHeader& header) {
+  return crc32_strip_prefix(header.checksum, header_crc(header), header.payload_len);
+}
+
+uint32_t checksum_from_payload_crc(const FrameHeader& header, uint32_t payload_crc) {
+  return crc32_combine(header_crc(header), payload_crc, header.payload_len);
 }
 
 FrameHeader decode_header(std::span<const uint8_t> bytes, uint64_t max_payload) {
@@ -110,7 +138,7 @@ FrameHeader decode_header(std::span<const uint8_t> bytes, uint64_t max_payload) 
   uint8_t type = b[kTypeOffset];
   if (!known_type(type))
     throw FrameError(Kind::kBadType, str_cat("frame header: unknown frame type ", static_cast<int>(type),
-                                             " (known: 1 hello, 2 data, 3 bye, 4 heartbeat, 5 ack, 6 resume)"));
+                                             " (known: 1 hello, 2 data, 3 bye, 4 heartbeat, 5 ack, 6 resume, 7 ping, 8 pong, 9 part)"));
   for (size_t i = 0; i < kReservedSize; ++i) {
     if (b[kReservedOffset + i] != 0)
       throw FrameError(Kind::kBadType,
@@ -125,11 +153,17 @@ FrameHeader decode_header(std::span<const uint8_t> bytes, uint64_t max_payload) 
   h.codec = b[kCodecOffset];
   h.payload_len = load_le<uint64_t>(b + kPayloadLenOffset);
   h.checksum = load_le<uint32_t>(b + kChecksumOffset);
-  if (h.payload_len > max_payload)
-    throw FrameError(Kind::kTooLarge, str_cat("frame header: payload_len ", h.payload_len,
-                                              " exceeds the maximum ", max_payload,
-                                              " (LinkOptions.max_payload, set by wan.max_frame; the same on every "
-                                              "site)"));
+  const uint64_t limit = max_payload_of(h.type, max_payload);
+  if (h.payload_len > limit)
+    throw FrameError(Kind::kTooLarge,
+                     str_cat("frame header: payload_len ", h.payload_len, " of a ", frame_type_name(h.type),
+                             " frame exceeds ",
+                             limit < max_payload
+                                 ? str_cat("that type's maximum ", limit,
+                                           " (wire/frame.h); the peer does not speak this protocol or is hostile")
+                                 : str_cat("the maximum ", max_payload,
+                                           " (LinkOptions.max_payload: wan.max_frame, the same on every site; 64 KiB "
+                                           "until a connection's hellos are done)")));
   return h;
 }
 

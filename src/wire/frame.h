@@ -63,7 +63,17 @@ static_assert(kHeaderSize == 40);
 //   kResume  session resume exchange, the first frame on every connection of a session
 //            (payload: session id, highest seq delivered, highest seq received; all u64);
 //   kPing    round-trip probe (payload u64 id), answered by
-//   kPong    (payload u64 id, u64 ns the ping was held before the answer was written).
+//   kPong    (payload u64 id, u64 ns the ping was held before the answer was written);
+//   kPart    a piece of a larger session frame, not its last (transport/resilient_link.h).
+//
+// Per-type payload limits (decode_header): control frames (bye, heartbeat, ack, resume, ping,
+// pong) carry at most kMaxControlPayload bytes and hellos at most kMaxHelloPayload, whatever
+// the caller's max_payload; only kData and kPart may use the rest of it. So a header that
+// claims a 1 GiB hello or ack is refused before anything is allocated, even on a link whose
+// data frames may be that large.
+inline constexpr uint64_t kMaxControlPayload = 64;
+inline constexpr uint64_t kMaxHelloPayload = 64 * 1024;
+
 enum class FrameType : uint8_t {
   kHello = 1,
   kData = 2,
@@ -73,9 +83,13 @@ enum class FrameType : uint8_t {
   kResume = 6,
   kPing = 7,
   kPong = 8,
+  kPart = 9,
 };
 
-// "hello", "data", "bye", "heartbeat", "ack", "resume", "ping", "pong", or "type(N)" for a value outside
+// The largest payload decode_header() accepts for `type` on a link whose limit is max_payload.
+uint64_t max_payload_of(FrameType type, uint64_t max_payload);
+
+// "hello", "data", "bye", "heartbeat", "ack", "resume", "ping", "pong", "part", or "type(N)" for a value outside
 // the enum.
 std::string frame_type_name(FrameType type);
 
@@ -101,9 +115,19 @@ uint32_t crc32(uint32_t crc, std::span<const uint8_t> bytes);
 // crc32_combine): a checksum of parts held in different places, as of one whole.
 uint32_t crc32_combine(uint32_t crc_a, uint32_t crc_b, uint64_t length_b);
 
+// The CRC-32 of B from that of A then B and that of A (the inverse of crc32_combine; CRC-32
+// is linear, so this costs O(log length_b) and reads no data).
+uint32_t crc32_strip_prefix(uint32_t crc_ab, uint32_t crc_a, uint64_t length_b);
+
 // CRC-32 over the first kChecksumOffset bytes of the encoded `header` (its own checksum
 // field excluded), then over `payload`. Payloads above 4 GiB are fine.
 uint32_t compute_checksum(const FrameHeader& header, std::span<const uint8_t> payload);
+// The CRC-32 of a frame's payload alone, derived from header.checksum without reading the
+// payload; and the inverse: the checksum of `header` over a payload whose CRC-32 is
+// `payload_crc`. With crc32_combine they let a layer that cuts frames up or joins them
+// (StripedLink, ResilientLink) carry checksums over without a second pass over the bytes.
+uint32_t payload_crc(const FrameHeader& header);
+uint32_t checksum_from_payload_crc(const FrameHeader& header, uint32_t payload_crc);
 
 // Encodes all fields as given (including header.checksum; nothing is recomputed).
 std::array<uint8_t, kHeaderSize> encode_header(const FrameHeader& header);
@@ -116,7 +140,7 @@ std::array<uint8_t, kHeaderSize> encode_header(const FrameHeader& header);
 //   kBadType    type is not a FrameType, or a reserved byte is non-zero (reserved bytes are
 //               where a later protocol revision would put new header fields, so a frame
 //               using them is a kind of frame this decoder does not understand);
-//   kTooLarge   payload_len > max_payload.
+//   kTooLarge   payload_len > max_payload_of(type, max_payload).
 // It never allocates anything proportional to payload_len.
 FrameHeader decode_header(std::span<const uint8_t> bytes, uint64_t max_payload);
 
