@@ -11,6 +11,7 @@ PACKAGES=(
   python3-torch python3-dev pybind11-dev          # the nebula Python package (python/); a real torchrun
   python3-pytest                                  # its tests
   openmpi-bin                                     # a real mpirun in the launcher tests
+  iproute2                                        # `ip netns`: the kernel-level black-hole test (transport)
 )
 missing=()
 for p in "${PACKAGES[@]}"; do

@@ -600,8 +600,9 @@ std::string ResilientLink::read_loop(Link& conn, uint64_t gen) {
         // grows as the pieces arrive.
         joined.payload.reserve(std::min(total, options_.max_pending_bytes));
       }
-      if (total != joined_total || joined.payload.size() + f.payload.size() > joined_total ||
-          (part && joined.payload.size() + f.payload.size() == joined_total))
+      // A part leaves some of the whole to come; the last piece completes it exactly.
+      const uint64_t after = joined.payload.size() + f.payload.size();
+      if (total != joined_total || (part ? after >= joined_total : after != joined_total))
         return str_cat("piece of frame seq ", seq, " from ", conn.peer(), " does not fit: ", joined.payload.size(),
                        " + ", f.payload.size(), " bytes of a whole of ", joined_total, " (claimed ", total, ")");
       joined_crc = wire::crc32_combine(joined_crc, wire::payload_crc(f.header), f.payload.size());
