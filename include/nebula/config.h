@@ -170,6 +170,10 @@ struct WanConfig {
   // forgot it, a hung peer): it is replaced as after a cut. Each side writes at least every
   // quarter of it (heartbeats when idle). Also the TCP_USER_TIMEOUT of WAN sockets. 0 = off.
   std::chrono::nanoseconds liveness_timeout = std::chrono::seconds(20);
+  // If not empty, the only addresses a gateway accepts connections from: IPv4 or IPv6
+  // addresses or CIDR ranges ("10.0.0.0/8", "2001:db8::/32", "192.0.2.7"). Others are refused
+  // before any handshake (audited).
+  std::vector<std::string> allow;
 
   // Payload bytes per piece of a message on the wire: min(256 KiB, max_frame / 2).
   uint64_t piece_bytes() const { return std::min<uint64_t>(256 * 1024, max_frame / 2); }

@@ -83,6 +83,13 @@ GatewayLinks connect_endpoints(const Config& c, std::vector<transport::SiteAddre
   o.liveness_timeout = std::chrono::duration_cast<std::chrono::milliseconds>(c.wan.liveness_timeout);
   o.link.tcp_user_timeout = o.liveness_timeout;
   o.fragment_bytes = c.wan.piece_bytes();
+  for (size_t i = 0; i < c.wan.allow.size(); ++i) {
+    try {
+      o.allow.push_back(transport::AddressRange::parse(c.wan.allow[i]));
+    } catch (const Error& e) {
+      throw ConfigError(str_cat(c.source_path, ": key 'wan.allow[", i, "]': ", e.what()));
+    }
+  }
   o.audit = std::make_shared<transport::AuditLog>(c.security.audit_log.empty() ? c.job.run_dir + "/audit.jsonl"
                                                                                : c.security.audit_log);
   if (c.security.insecure) {

@@ -42,6 +42,41 @@ std::string SiteConnector::source_of(const std::string& address) {
   return str_cat("[", text, "]/64");
 }
 
+AddressRange AddressRange::parse(const std::string& text) {
+  AddressRange r;
+  const size_t slash = text.find('/');
+  const std::string host = text.substr(0, slash);
+  if (::inet_pton(AF_INET, host.c_str(), r.bytes) == 1) {
+    r.family = AF_INET;
+    r.prefix = 32;
+  } else if (::inet_pton(AF_INET6, host.c_str(), r.bytes) == 1) {
+    r.family = AF_INET6;
+    r.prefix = 128;
+  } else {
+    throw Error(str_cat("allow-list entry \"", text, "\": \"", host, "\" is not an IPv4 or IPv6 address (expected e.g. ",
+                        "\"10.0.0.0/8\", \"2001:db8::/32\" or \"192.0.2.7\")"));
+  }
+  if (slash != std::string::npos) {
+    const std::string bits = text.substr(slash + 1);
+    const int max = r.prefix;
+    if (bits.empty() || bits.size() > 3 || !std::all_of(bits.begin(), bits.end(), ::isdigit) || std::stoi(bits) > max)
+      throw Error(str_cat("allow-list entry \"", text, "\": prefix length \"", bits, "\" is not a number in 0..", max));
+    r.prefix = std::stoi(bits);
+  }
+  return r;
+}
+
+bool AddressRange::contains(const std::string& address) const {
+  const size_t colon = address.rfind(':');
+  std::string host = colon == std::string::npos ? address : address.substr(0, colon);
+  if (host.size() >= 2 && host.front() == '[' && host.back() == ']') host = host.substr(1, host.size() - 2);
+  uint8_t b[16] = {};
+  if (::inet_pton(family, host.c_str(), b) != 1) return false;  // another family (or not an address)
+  for (int bit = 0; bit < prefix; ++bit)
+    if (((b[bit / 8] ^ bytes[bit / 8]) >> (7 - bit % 8)) & 1) return false;
+  return true;
+}
+
 namespace {
 
 // The payload limit of a stream once its hellos are done: what the layer above it sends.
@@ -237,8 +272,13 @@ void SiteConnector::accept_loop() {
     }
     std::string refusal;
     const std::string host = source_of(tcp->address());
+    const bool allowed = options_.allow.empty() ||
+                         std::any_of(options_.allow.begin(), options_.allow.end(),
+                                     [&](const AddressRange& r) { return r.contains(tcp->address()); });
     size_t& from_host = handshakes_by_host_[host];
-    if (in_handshake_.load() >= kMaxConcurrentHandshakes) {
+    if (!allowed) {
+      refusal = "address not in wan.allow: refused before any handshake";
+    } else if (in_handshake_.load() >= kMaxConcurrentHandshakes) {
       refusal = str_cat("too many connections in handshake (", kMaxConcurrentHandshakes,
                         "): refused at once; a flood of connections to this gateway? (each is given up after "
                         "wan.handshake_timeout)");

@@ -59,6 +59,17 @@ struct SiteAddress {
 using Shaper = std::function<std::vector<std::unique_ptr<Link>>(size_t peer, std::vector<std::unique_ptr<Link>>,
                                                                  int generation)>;
 
+// An address range of the allow-list: "10.0.0.0/8", "2001:db8::/32", or one address.
+struct AddressRange {
+  int family = 0;         // AF_INET or AF_INET6
+  uint8_t bytes[16] = {};
+  int prefix = 0;         // leading bits that must match
+  // Throws nebula::Error naming `text` and the expected form when it is not one.
+  static AddressRange parse(const std::string& text);
+  // `address`: "10.1.2.3:4000" or "[2001:db8::1]:4000".
+  bool contains(const std::string& address) const;
+};
+
 struct ConnectorOptions {
   std::string job;
   size_t self = 0;
@@ -74,6 +85,7 @@ struct ConnectorOptions {
   std::chrono::milliseconds reconnect_timeout{30000};
   std::chrono::milliseconds liveness_timeout{20000};  // ResilientOptions::liveness_timeout
   uint64_t fragment_bytes = 256 * 1024;               // ResilientOptions::fragment_bytes
+  std::vector<AddressRange> allow;  // wan.allow: if not empty, the only sources accepted
   uint64_t max_pending = 1ull << 30;
   std::shared_ptr<AuditLog> audit;  // optional
 };

@@ -465,6 +465,57 @@ TEST(SiteConnector, OverTlsAValidCertificateOfAnotherSiteCannotClaimToBeB) {
   EXPECT_TRUE(refused) << nlohmann::json(audit_lines(dir.file("audit.jsonl"))).dump(1);
 }
 
+// wan.allow: a connection from an address outside it is refused before any handshake (no
+// greeting) and audited; one inside gets its greeting.
+TEST(SiteConnector, AnAllowListRefusesOtherAddressesBeforeAnyHandshake) {
+  nebula::testing::TempDir dir("allow");
+  auto audit = std::make_shared<AuditLog>(dir.file("audit.jsonl"));
+  auto listener = std::make_unique<TcpListener>("127.0.0.1", 0);
+  const uint16_t port = listener->port();
+  ConnectorOptions o = options_for(0, {{"a", "127.0.0.1:" + std::to_string(port)}, {"b", "127.0.0.1:1"}}, audit);
+  o.allow = {AddressRange::parse("127.0.0.1"), AddressRange::parse("10.0.0.0/8")};
+  SiteConnector a(o, std::move(listener));
+  auto greeted = [&](const char* from) {
+    const int fd = raw_connect(port, from);
+    EXPECT_GE(fd, 0);
+    pollfd p{fd, POLLIN, 0};
+    EXPECT_EQ(::poll(&p, 1, 20000), 1);
+    char byte;
+    const bool got = ::recv(fd, &byte, 1, 0) == 1;
+    ::close(fd);
+    return got;
+  };
+  EXPECT_FALSE(greeted("127.0.0.9"));
+  EXPECT_TRUE(greeted("127.0.0.1"));
+  a.close();
+  bool audited = false;
+  for (const auto& j : audit_lines(dir.file("audit.jsonl")))
+    audited |= j["address"].get<std::string>().starts_with("127.0.0.9:") &&
+               j["reason"].get<std::string>().starts_with("address not in wan.allow");
+  EXPECT_TRUE(audited);
+}
+
+TEST(SiteConnector, AddressRangesParseAndMatch) {
+  const AddressRange v4 = AddressRange::parse("10.1.0.0/16");
+  EXPECT_TRUE(v4.contains("10.1.200.3:4000"));
+  EXPECT_FALSE(v4.contains("10.2.0.1:4000"));
+  EXPECT_FALSE(v4.contains("[2001:db8::1]:4000"));
+  const AddressRange v6 = AddressRange::parse("2001:db8::/32");
+  EXPECT_TRUE(v6.contains("[2001:db8:ffff::1]:4000"));
+  EXPECT_FALSE(v6.contains("[2001:db9::1]:4000"));
+  EXPECT_TRUE(AddressRange::parse("192.0.2.7").contains("192.0.2.7:1"));
+  EXPECT_FALSE(AddressRange::parse("192.0.2.7").contains("192.0.2.8:1"));
+  EXPECT_TRUE(AddressRange::parse("0.0.0.0/0").contains("203.0.113.5:1"));
+  for (const char* bad : {"10.0.0.0/33", "10.0.0/8", "host.example.org", "::1/129", "10.0.0.0/", "10.0.0.0/x"}) {
+    try {
+      AddressRange::parse(bad);
+      ADD_FAILURE() << bad << " accepted";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(std::string("\"") + bad + "\""), std::string::npos) << e.what();
+    }
+  }
+}
+
 TEST(SiteConnector, SourcesAreIpv4HostsAndIpv6Slash64s) {
   EXPECT_EQ(SiteConnector::source_of("10.0.0.7:4000"), "10.0.0.7");
   EXPECT_EQ(SiteConnector::source_of("[2001:db8:1:2:aaaa:bbbb:cccc:dddd]:4000"), "[2001:db8:1:2::]/64");

@@ -320,6 +320,7 @@ Config build(const toml::table& root, const std::string& file) {
     s.unit("handshake_timeout", c.wan.handshake_timeout, parse_duration);
     s.unit("reconnect_timeout", c.wan.reconnect_timeout, parse_duration);
     s.unit("liveness_timeout", c.wan.liveness_timeout, parse_duration);
+    s.strings("allow", c.wan.allow);  // parsed (and refused when malformed) by the gateway
     if (c.wan.max_frame < 64 * 1024)
       s.fail(*t, "max_frame", str_cat("must be at least 64KiB (messages travel in pieces of half of it), got ",
                                        c.wan.max_frame, " bytes"));
@@ -612,7 +613,8 @@ std::string to_toml(const Config& c) {
                                      {"max_pending", bytes(c.wan.max_pending)},
                                      {"handshake_timeout", dur(c.wan.handshake_timeout)},
                                      {"reconnect_timeout", dur(c.wan.reconnect_timeout)},
-                                     {"liveness_timeout", dur(c.wan.liveness_timeout)}},
+                                     {"liveness_timeout", dur(c.wan.liveness_timeout)},
+                                     {"allow", strs(c.wan.allow)}},
                          c.wan.path);
   toml::array pairs, faults;
   for (const auto& p : c.wan.pairs) pairs.push_back(path(toml::table{{"sites", strs({p.a, p.b})}}, p.path));

@@ -243,6 +243,9 @@ TEST(Config, LivenessTimeoutAndMaxFrameAreValidated) {
   expect_error(kValid, {"wan.liveness_timeout", "too short for the default path", "at least 9s"},
                {"wan.bandwidth=1Mbit", "wan.liveness_timeout=5s"});
   EXPECT_NO_THROW(parse_config(kValid, "job.toml", {"wan.bandwidth=1Mbit", "wan.liveness_timeout=10s"}));
+  Config allow = parse_config(kValid, "job.toml", {"wan.allow=[\"10.0.0.0/8\", \"2001:db8::/32\"]"});
+  EXPECT_EQ(allow.wan.allow, (std::vector<std::string>{"10.0.0.0/8", "2001:db8::/32"}));
+  EXPECT_EQ(parse_config(to_toml(allow), "again").wan.allow, allow.wan.allow);
 }
 
 TEST(Config, OverridesApplyAndAreValidated) {
