@@ -17,8 +17,12 @@
 
 #include "codec/codec.h"
 #include "codec/topk_codec.h"
+#include "util/allocator.h"
 
 namespace {
+
+// As in the nebula binary (util/allocator.h), before the first allocation of a benchmark.
+[[maybe_unused]] const bool kTuned = nebula::tune_allocator();
 
 using nebula::codec::CodecOptions;
 using nebula::codec::CodecState;

@@ -11,6 +11,7 @@
 #include <string>
 
 #include "cli/demo_config.h"
+#include "util/allocator.h"
 #include "data/corpus.h"
 #include "eval/bleu.h"
 #include "nebula/config.h"
@@ -46,6 +47,7 @@ void check_fraction(const char* option, double value) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  nebula::tune_allocator();  // large buffers reused, not mapped afresh each step (util/allocator.h)
   CLI::App app{"nebula: train one model across several sites joined by a slow WAN"};
   app.require_subcommand(1);
 
