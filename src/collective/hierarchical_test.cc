@@ -406,6 +406,46 @@ TEST(Hierarchical, EveryWorkerUpdateGuardDecidesOnTheWholeSite) {
   }
 }
 
+// With every_worker each worker sends its site's weight on its own links: a weight out of
+// bounds is caught there too (the sender's own check refuses only non-finite and negative
+// ones), and the site is left out by every worker of every site alike.
+TEST(Hierarchical, EveryWorkerPeersWeightOutsideItsBoundsIsRejected) {
+  const std::vector<int> sites{2, 1, 2};
+  const int64_t n = 20;
+  const auto cuts = zero_cuts(sites, n);
+  std::mutex mu;
+  std::vector<at::Tensor> assembled(sites.size());
+  for (auto& a : assembled) a = at::full({n}, NAN);
+  std::vector<std::vector<std::vector<Rejection>>> rejected(sites.size(), std::vector<std::vector<Rejection>>(2));
+  testing::run_cluster(
+      sites,
+      [&](testing::Rank& r) {
+        at::Tensor x = at::full({n}, static_cast<float>(r.site + 1));
+        const int64_t lo = cuts[r.site][static_cast<size_t>(r.local_rank)];
+        const int64_t hi = cuts[r.site][static_cast<size_t>(r.local_rank) + 1];
+        at::Tensor part = x.narrow(0, lo, hi - lo).clone();
+        AllreduceOptions o;
+        o.weight = r.site == 1 ? 1e30 : r.site == 2 ? 1e20 : 1.0;  // finite, so they pass the sender's own check
+        auto work = r.hierarchy->exchange_parts_async(part, cuts, o);
+        work->wait(Deadline::after(std::chrono::seconds(30)));
+        std::lock_guard<std::mutex> lock(mu);
+        assembled[r.site].narrow(0, lo, hi - lo).copy_(part);
+        rejected[r.site][static_cast<size_t>(r.local_rank)] = work->rejected();
+      },
+      std::chrono::seconds(60), /*every_worker=*/true);
+  for (size_t s = 0; s < sites.size(); ++s) {
+    EXPECT_TRUE(at::equal(assembled[s], at::ones({n}))) << "site " << s << ": " << assembled[s];
+    for (int q = 0; q < sites[s]; ++q) {
+      const auto& rj = rejected[s][static_cast<size_t>(q)];
+      ASSERT_EQ(rj.size(), 2u) << "worker " << s << "/" << q;
+      EXPECT_EQ(rj[0].site, 1u);
+      EXPECT_NE(rj[0].reason.find("weight 1e+30"), std::string::npos) << rj[0].reason;
+      EXPECT_EQ(rj[1].site, 2u);
+      EXPECT_NE(rj[1].reason.find("weight 1e+20"), std::string::npos) << rj[1].reason;
+    }
+  }
+}
+
 TEST(Hierarchical, MismatchedSizesAreAnErrorNotAHang) {
   EXPECT_THROW(testing::run_cluster({1, 1},
                                     [&](testing::Rank& r) {
