@@ -347,6 +347,15 @@ int run_local(Config c, const LaunchOptions& options) {
                                                  : str_cat("signal ", WTERMSIG(failed->status));
     spdlog::error("worker {}/{} failed ({}); stopped the others. Last lines of {}:\n{}", failed->site, failed->rank,
                   how, failed->log, tail_of(failed->log, 15));
+    // Workers that failed on their own too (not stopped by us): the first to exit is not always
+    // the cause (a worker whose peer hung up exits as fast as the peer that failed).
+    for (const auto& ch : children) {
+      if (&ch == failed || !WIFEXITED(ch.status)) continue;
+      const int code = WEXITSTATUS(ch.status);
+      if (code == 0 || code == 128 + SIGTERM || code == 128 + SIGINT) continue;
+      spdlog::error("worker {}/{} failed too (exit code {}). Last lines of {}:\n{}", ch.site, ch.rank, code, ch.log,
+                    tail_of(ch.log, 15));
+    }
     return exit_code;
   }
   if (exit_code) {
