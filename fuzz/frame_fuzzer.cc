@@ -28,6 +28,7 @@
 #include "nebula/error.h"
 #include "transport/hello.h"
 #include "wire/frame.h"
+#include "fuzz_util.h"
 
 namespace {
 
@@ -37,14 +38,6 @@ using Kind = FrameError::Kind;
 
 constexpr uint64_t kMaxPayload = 1 << 20;  // 1 MiB, the limit a link would pass
 constexpr uint64_t kUnbounded = std::numeric_limits<uint64_t>::max();
-
-#define FUZZ_ASSERT(cond)                                                                  \
-  do {                                                                                     \
-    if (!(cond)) {                                                                         \
-      std::fprintf(stderr, "%s:%d: fuzz invariant `%s` violated\n", __FILE__, __LINE__, #cond); \
-      std::abort();                                                                        \
-    }                                                                                      \
-  } while (0)
 
 bool same(std::span<const uint8_t> a, std::span<const uint8_t> b) {
   return a.size() == b.size() && std::equal(a.begin(), a.end(), b.begin());
@@ -192,15 +185,6 @@ void check_reader(std::span<const uint8_t> bytes) {
   }
 }
 
-void write_file(const std::string& path, std::span<const uint8_t> bytes) {
-  std::ofstream f(path, std::ios::binary);
-  f.write(reinterpret_cast<const char*>(bytes.data()), static_cast<std::streamsize>(bytes.size()));
-  if (!f) {
-    std::fprintf(stderr, "cannot write %s\n", path.c_str());
-    std::exit(1);
-  }
-}
-
 std::vector<uint8_t> u64s(std::initializer_list<uint64_t> vs) {
   ByteWriter w;
   for (uint64_t v : vs) w.put_u64(v);
@@ -218,7 +202,7 @@ void write_seeds(const std::string& dir) {
       {"resume", make_frame(FrameType::kResume, 0, 0, u64s({0x1234, 40, 41}))},
       {"part", make_frame(FrameType::kPart, 1000, 3, {9, 8, 7, 6})},
   };
-  for (auto& [name, f] : seeds) write_file(dir + "/" + name, encode_frame(f));
+  for (auto& [name, f] : seeds) nebula::fuzz::write_seed_file(dir + "/" + name, encode_frame(f));
 }
 
 }  // namespace

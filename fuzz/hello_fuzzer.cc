@@ -23,6 +23,7 @@
 #include "nebula/error.h"
 #include "transport/hello.h"
 #include "wire/frame.h"
+#include "fuzz_util.h"
 
 namespace {
 
@@ -32,14 +33,6 @@ using nebula::transport::Hello;
 using namespace nebula::wire;
 
 const std::string kPeer = "fuzz-peer";
-
-#define FUZZ_ASSERT(cond)                                                                  \
-  do {                                                                                     \
-    if (!(cond)) {                                                                         \
-      std::fprintf(stderr, "%s:%d: fuzz invariant `%s` violated\n", __FILE__, __LINE__, #cond); \
-      std::abort();                                                                        \
-    }                                                                                      \
-  } while (0)
 
 bool names_peer(const std::exception& e) { return std::string(e.what()).find(kPeer) != std::string::npos; }
 
@@ -66,13 +59,7 @@ void write_seeds(const std::string& dir) {
       {"old-protocol", {2, "job-1", "site-a", "site-b", 0, 1, 0}},
   };
   for (auto& [name, h] : seeds) {
-    auto payload = nebula::transport::hello_frame(h).payload;
-    std::ofstream f(dir + "/" + name, std::ios::binary);
-    f.write(reinterpret_cast<const char*>(payload.data()), static_cast<std::streamsize>(payload.size()));
-    if (!f) {
-      std::fprintf(stderr, "cannot write %s/%s\n", dir.c_str(), name.c_str());
-      std::exit(1);
-    }
+    nebula::fuzz::write_seed_file(dir + "/" + name, nebula::transport::hello_frame(h).payload);
   }
 }
 

@@ -27,6 +27,8 @@
 #include "nebula/error.h"
 #include "transport/resilient_link.h"
 #include "wire/frame.h"
+#include "fuzz_util.h"
+#include "scripted_link.h"
 
 namespace {
 
@@ -34,42 +36,6 @@ using namespace nebula;
 using namespace nebula::transport;
 using wire::Frame;
 using wire::FrameType;
-
-#define FUZZ_ASSERT(cond)                                                                  \
-  do {                                                                                     \
-    if (!(cond)) {                                                                         \
-      std::fprintf(stderr, "%s:%d: fuzz invariant `%s` violated\n", __FILE__, __LINE__, #cond); \
-      std::abort();                                                                        \
-    }                                                                                      \
-  } while (0)
-
-// One connection whose peer "sends" the script, then hangs up. What the link writes is dropped.
-class ScriptedLink : public Link {
- public:
-  explicit ScriptedLink(std::deque<Frame> script) : script_(std::move(script)) {}
-  void send(const Frame&, Deadline) override {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (closed_) throw PeerLost("peer", "closed");
-  }
-  Frame recv(Deadline) override {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (closed_ || script_.empty()) throw PeerLost("peer", "the script ended");
-    Frame f = std::move(script_.front());
-    script_.pop_front();
-    return f;
-  }
-  void close() override {
-    std::lock_guard<std::mutex> lock(mu_);
-    closed_ = true;
-  }
-  std::string peer() const override { return "peer"; }
-  LinkStats stats() const override { return {}; }
-
- private:
-  std::mutex mu_;
-  std::deque<Frame> script_;
-  bool closed_ = false;
-};
 
 uint64_t u64_at(const uint8_t* p, size_t n) {
   uint64_t v = 0;
@@ -142,14 +108,7 @@ void write_seeds(const std::string& dir) {
   put_frame(s3, 2, 1, 1, {1});
   put_frame(s3, 2, 1, 1, {1});
   put_frame(s3, 2, 3, 1, {3});
-  for (auto& [name, bytes] : seeds) {
-    std::ofstream f(dir + "/" + name, std::ios::binary);
-    f.write(reinterpret_cast<const char*>(bytes.data()), static_cast<std::streamsize>(bytes.size()));
-    if (!f) {
-      std::fprintf(stderr, "cannot write %s/%s\n", dir.c_str(), name.c_str());
-      std::exit(1);
-    }
-  }
+  for (auto& [name, bytes] : seeds) fuzz::write_seed_file(dir + "/" + name, bytes);
 }
 
 }  // namespace
@@ -172,7 +131,9 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   o.max_pending_bytes = 1 << 16;  // a claimed whole above it grows only as pieces arrive
   Reconnect none = [](Deadline) -> std::unique_ptr<Link> { throw PeerLost("peer", "no reconnection"); };
   try {
-    ResilientLink link(std::make_unique<ScriptedLink>(parse_script(data, size)), none, o);
+    auto script = std::make_unique<fuzz::ScriptedLink>();
+    for (Frame& f : parse_script(data, size)) script->push(std::move(f));
+    ResilientLink link(std::move(script), none, o);
     uint64_t expected_seq = 1;
     for (;;) {
       Frame f;

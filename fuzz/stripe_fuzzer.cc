@@ -25,44 +25,14 @@
 #include "nebula/error.h"
 #include "transport/striped_link.h"
 #include "wire/frame.h"
+#include "fuzz_util.h"
+#include "scripted_link.h"
 
 namespace {
 
 using namespace nebula;
 using namespace nebula::transport;
 using wire::Frame;
-
-#define FUZZ_ASSERT(cond)                                                                  \
-  do {                                                                                     \
-    if (!(cond)) {                                                                         \
-      std::fprintf(stderr, "%s:%d: fuzz invariant `%s` violated\n", __FILE__, __LINE__, #cond); \
-      std::abort();                                                                        \
-    }                                                                                      \
-  } while (0)
-
-class ScriptedLink : public Link {
- public:
-  void push(Frame f) { script_.push_back(std::move(f)); }
-  void send(const Frame&, Deadline) override {}
-  Frame recv(Deadline) override {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (closed_ || script_.empty()) throw PeerLost("peer", "the script ended");
-    Frame f = std::move(script_.front());
-    script_.pop_front();
-    return f;
-  }
-  void close() override {
-    std::lock_guard<std::mutex> lock(mu_);
-    closed_ = true;
-  }
-  std::string peer() const override { return "peer"; }
-  LinkStats stats() const override { return {}; }
-
- private:
-  std::mutex mu_;
-  std::deque<Frame> script_;
-  bool closed_ = false;
-};
 
 void write_seeds(const std::string& dir) {
   // Two streams, one 6-byte frame split 3 + 3, then a frame with an empty chunk.
@@ -79,14 +49,8 @@ void write_seeds(const std::string& dir) {
   chunk(two, 1, 1, 2, 1, 1, {});
   std::vector<uint8_t> one = {0};
   chunk(one, 0, 0, 1, 0, 4, {9, 9, 9, 9});
-  for (auto& [name, bytes] : std::vector<std::pair<std::string, std::vector<uint8_t>>>{{"two", two}, {"one", one}}) {
-    std::ofstream f(dir + "/" + name, std::ios::binary);
-    f.write(reinterpret_cast<const char*>(bytes.data()), static_cast<std::streamsize>(bytes.size()));
-    if (!f) {
-      std::fprintf(stderr, "cannot write %s/%s\n", dir.c_str(), name.c_str());
-      std::exit(1);
-    }
-  }
+  fuzz::write_seed_file(dir + "/two", two);
+  fuzz::write_seed_file(dir + "/one", one);
 }
 
 }  // namespace
@@ -103,10 +67,10 @@ extern "C" int LLVMFuzzerInitialize(int*, char***) {
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (size < 1) return 0;
   const size_t n = 1 + data[0] % 4;
-  std::vector<ScriptedLink*> raw;
+  std::vector<fuzz::ScriptedLink*> raw;
   std::vector<std::unique_ptr<Link>> streams;
   for (size_t i = 0; i < n; ++i) {
-    auto s = std::make_unique<ScriptedLink>();
+    auto s = std::make_unique<fuzz::ScriptedLink>();
     raw.push_back(s.get());
     streams.push_back(std::move(s));
   }

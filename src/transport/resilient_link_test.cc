@@ -206,15 +206,20 @@ TEST(ResilientLinkTest, NoFaults10000MixedFramesBothWaysExactlyOnce) {
 
 size_t medium_size(uint64_t i) { return (i * 2654435761u) % 60000; }
 
-TEST(ResilientLinkTest, ConnectionCutEvery50msBothWaysExactlyOnceInOrder) {
+// Options for sessions that are cut again and again: quick redials, room for the frames.
+ResilientOptions cut_options() {
   ResilientOptions o;
   o.reconnect_timeout = 20s;
   o.backoff_initial = 1ms;
   o.backoff_max = 20ms;
   o.attempt_timeout = 2s;
   o.max_pending_bytes = 4 << 20;
-  Session s(o);
-  constexpr size_t kFrames = 2000;
+  return o;
+}
+
+// Sends frames [0, n) both ways (paced), receives and checks them, while the connection is cut
+// every 50 ms on alternating sides; then flushes both ends. Returns the number of cuts.
+int exchange_both_ways_under_cuts(Session& s, size_t n, size_t (*size_of)(uint64_t), std::chrono::microseconds pace) {
   std::atomic<bool> done{false};
   std::atomic<int> cuts{0};
   std::thread killer([&] {
@@ -224,21 +229,28 @@ TEST(ResilientLinkTest, ConnectionCutEvery50msBothWaysExactlyOnceInOrder) {
       ++cuts;
     }
   });
-  // ~1 ms per frame: the transfer spans a few seconds, so dozens of cuts.
-  auto sa = std::async(std::launch::async, send_all, s.a.get(), kFrames, medium_size, 1000us);
-  auto sb = std::async(std::launch::async, send_all, s.b.get(), kFrames, medium_size, 1000us);
-  auto ra = std::async(std::launch::async, recv_all, s.a.get(), kFrames, medium_size);
-  auto rb = std::async(std::launch::async, recv_all, s.b.get(), kFrames, medium_size);
+  auto sa = std::async(std::launch::async, send_all, s.a.get(), n, size_of, pace);
+  auto sb = std::async(std::launch::async, send_all, s.b.get(), n, size_of, pace);
+  auto ra = std::async(std::launch::async, recv_all, s.a.get(), n, size_of);
+  auto rb = std::async(std::launch::async, recv_all, s.b.get(), n, size_of);
   sa.get(), sb.get(), ra.get(), rb.get();
   done = true;
   killer.join();
   s.a->flush(Deadline::after(20s));
   s.b->flush(Deadline::after(20s));
+  return cuts.load();
+}
+
+TEST(ResilientLinkTest, ConnectionCutEvery50msBothWaysExactlyOnceInOrder) {
+  Session s(cut_options());
+  constexpr size_t kFrames = 2000;
+  // ~1 ms per frame: the transfer spans a few seconds, so dozens of cuts.
+  const int cuts = exchange_both_ways_under_cuts(s, kFrames, medium_size, 1000us);
   auto st_a = s.a->stats_ex(), st_b = s.b->stats_ex();
   print_stats("a", st_a);
   print_stats("b", st_b);
-  std::printf("%d cuts\n", cuts.load());
-  EXPECT_GT(cuts.load(), 10);
+  std::printf("%d cuts\n", cuts);
+  EXPECT_GT(cuts, 10);
   EXPECT_GT(st_a.reconnects, 0u);
   EXPECT_GT(st_b.reconnects, 0u);
   EXPECT_EQ(st_a.link.frames_received, kFrames);
@@ -608,35 +620,13 @@ size_t piece_size(uint64_t i) { return i % 3 == 0 ? 200 * 1024 + i : (i * 265443
 // frame on the wire) travel in pieces, through cuts every 50 ms, and arrive whole, exactly
 // once, with their checksum (combined from the pieces') right.
 TEST(ResilientLinkTest, FramesAboveTheLinksMaxPayloadTravelInPiecesExactlyOnceThroughCuts) {
-  ResilientOptions o;
-  o.reconnect_timeout = 20s;
-  o.backoff_initial = 1ms;
-  o.backoff_max = 20ms;
-  o.attempt_timeout = 2s;
-  o.max_pending_bytes = 4 << 20;
+  ResilientOptions o = cut_options();
   o.fragment_bytes = 16 * 1024;
   LinkOptions link;
   link.max_payload = 16 * 1024;
   Session s(o, link);
   constexpr size_t kFrames = 300;
-  std::atomic<bool> done{false};
-  std::atomic<int> cuts{0};
-  std::thread killer([&] {
-    for (int k = 0; !done; ++k) {
-      std::this_thread::sleep_for(50ms);
-      s.cut(k % 2 == 0);
-      ++cuts;
-    }
-  });
-  auto sa = std::async(std::launch::async, send_all, s.a.get(), kFrames, piece_size, 2000us);
-  auto sb = std::async(std::launch::async, send_all, s.b.get(), kFrames, piece_size, 2000us);
-  auto ra = std::async(std::launch::async, recv_all, s.a.get(), kFrames, piece_size);
-  auto rb = std::async(std::launch::async, recv_all, s.b.get(), kFrames, piece_size);
-  sa.get(), sb.get(), ra.get(), rb.get();
-  done = true;
-  killer.join();
-  s.a->flush(Deadline::after(20s));
-  s.b->flush(Deadline::after(20s));
+  const int cuts = exchange_both_ways_under_cuts(s, kFrames, piece_size, 2000us);
   for (auto* l : {s.a.get(), s.b.get()}) {
     auto st = l->stats_ex();
     print_stats("link", st);
@@ -649,7 +639,7 @@ TEST(ResilientLinkTest, FramesAboveTheLinksMaxPayloadTravelInPiecesExactlyOnceTh
     EXPECT_GT(ls.wire_bytes_sent, ls.bytes_sent + (kFrames / 3 * 13) * wire::kHeaderSize);
     EXPECT_GT(ls.wire_bytes_received, ls.bytes_received);
   }
-  EXPECT_GT(cuts.load(), 3);
+  EXPECT_GT(cuts, 3);
   EXPECT_GT(s.a->stats_ex().reconnects + s.b->stats_ex().reconnects, 0u);
   EXPECT_THROW(s.a->recv(Deadline::after(100ms)), Timeout);
   EXPECT_THROW(s.b->recv(Deadline::after(100ms)), Timeout);
