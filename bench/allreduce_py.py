@@ -28,6 +28,10 @@ def main(backend, size_bytes, iters):
     seconds = (time.perf_counter() - start) / iters
     if dist.get_rank() == 0:
         print(f"allreduce {backend} {size_bytes} bytes: {seconds * 1e3:.2f} ms, {size_bytes / seconds / 2**20:.1f} MiB/s")
+    # Both ranks done before either tears down: a Gloo pair closed by its peer while the
+    # process exits can end it in std::terminate (PyTorch 1.13).
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -6,6 +6,8 @@
 // takes the low-rank path. sparseloco keeps 1% of each chunk of 4096 (SparseLoCo's chunk)
 // or of 256 (the [strategy] default block). at_topk is ATen's top-k selection alone, for
 // comparison with topk's radix select (which is inside the whole topk encode + decode).
+// memcpy copies the same float32 bytes twice (there and back, into reused buffers): what the
+// memory system allows a pass of encode + decode, the ceiling for `none` at each size.
 #include <ATen/Parallel.h>
 #include <ATen/ops/abs.h>
 #include <ATen/ops/randn.h>
@@ -14,6 +16,8 @@
 
 #include <chrono>
 #include <cmath>
+#include <cstring>
+#include <vector>
 
 #include "codec/codec.h"
 #include "codec/topk_codec.h"
@@ -75,6 +79,18 @@ void BM_Codec(benchmark::State& st, CodecOptions o) {
   st.counters["dec_GB/s"] = bytes / dec_s / 1e9;
 }
 
+void BM_Memcpy(benchmark::State& st) {
+  const int64_t n = st.range(0);
+  const at::Tensor t = input(n);
+  std::vector<float> there(static_cast<size_t>(n)), back(static_cast<size_t>(n));
+  for (auto _ : st) {
+    std::memcpy(there.data(), t.data_ptr<float>(), there.size() * sizeof(float));
+    std::memcpy(back.data(), there.data(), back.size() * sizeof(float));
+    benchmark::DoNotOptimize(back.data());
+  }
+  st.SetBytesProcessed(st.iterations() * n * 4);
+}
+
 void BM_AtTopk(benchmark::State& st) {
   at::set_num_threads(1);
   const int64_t n = st.range(0);
@@ -102,4 +118,5 @@ CODEC_BENCH(topk, opts("topk", true));
 CODEC_BENCH(powersgd, opts("powersgd", true));
 CODEC_BENCH(sparseloco, sparseloco(4096, 0.01));
 CODEC_BENCH(sparseloco_256, sparseloco(256, 0.01));
+BENCHMARK(BM_Memcpy)->Arg(1 << 20)->Arg(1 << 24)->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_AtTopk)->Arg(1 << 20)->Arg(1 << 24)->Unit(benchmark::kMillisecond);

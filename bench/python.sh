@@ -6,8 +6,9 @@
 #     PyTorch's own per-op Python overhead shows; hidden 4096: 74k): examples per second in the
 #     loop, mean over the workers. Both run the same C++ strategy and end with bit-identical
 #     weights (checked here: the quality cost is none).
-#  2. torch.distributed all_reduce of SIZE bytes inside one site of 2 workers (no WAN leg):
-#     backend "nebula" against plain Gloo, algorithm bandwidth (bytes / time per call).
+#  2. torch.distributed all_reduce of SIZE bytes on 2 ranks, backend "nebula" against plain
+#     Gloo, algorithm bandwidth (bytes / time per call): inside one site of 2 workers (no WAN
+#     leg), and across 2 sites of 1 worker (the hierarchical all-reduce over the gateways).
 #   bench/python.sh [steps, default 400] [all-reduce calls, default 50]
 #   SIZE=4194304 bench/python.sh ...      the all-reduce size in bytes (default 4 MiB)
 #   BENCH_TINY=1 bench/python.sh 20 3     (tiny mode, bench/common.sh)
@@ -50,22 +51,27 @@ for hidden in ("64", "4096"):
         print(f"{name:<8} {hidden:>6} {32e3 / rate:8.2f} {rate:11.0f} {rate / rows['C++'][0]:6.2f}x {crc:>14} {loss:>10}")
     print(f"same weights at hidden {hidden}: " + ("yes" if rows["C++"][1] == rows["Python"][1] else "NO"))
 
-one = [("site", 2)]
-config = jobs.write_config(f"{out}/allreduce.toml", one)
-gloo_init = f"tcp://127.0.0.1:{jobs.free_port()}"
-bw = {}
-for backend in ("gloo", "nebula"):
-    procs = []
-    for r in range(2):
-        env = {"GLOO_INIT": gloo_init, "GLOBAL_RANK": str(r), "GLOBAL_WORLD": "2"}
-        procs += [(name, r, p) for name, _, p in jobs.start_workers(
-            config, [("site", 1)], [jobs.PYTHON, "bench/allreduce_py.py", backend, str(size), calls],
-            env=dict(env, NEBULA_RANK=str(r)))]
-    res = jobs.wait_all(procs, timeout=600)
-    text = "".join(t for _, t in res.values())
-    assert all(c == 0 for c, _ in res.values()), text[-3000:]
-    bw[backend] = float(re.search(r"([0-9.]+) MiB/s", text).group(1))
-print(f"\n{'all_reduce ' + str(size) + ' B, 1 site x 2':<32} {'MiB/s':>8} {'vs Gloo':>8}")
-for backend in ("gloo", "nebula"):
-    print(f"{backend:<32} {bw[backend]:8.1f} {bw[backend] / bw['gloo']:7.2f}x")
+# The same ranks twice: one site of 2 workers (c10d inside the site, no WAN leg), then two
+# sites of 1 worker (the hierarchical all-reduce: the gateways' exchange over the WAN session
+# stack, plaintext, no emulation, identity codec) -- each against Gloo's flat all-reduce.
+print(f"\n{'all_reduce ' + str(size) + ' B':<32} {'MiB/s':>8} {'vs Gloo':>8}")
+for label, layout in (("1 site x 2 workers", [("site", 2)]), ("2 sites x 1 worker", [("a", 1), ("b", 1)])):
+    config = jobs.write_config(f"{out}/allreduce-{len(layout)}.toml", layout)
+    gloo_init = f"tcp://127.0.0.1:{jobs.free_port()}"
+    bw = {}
+    for backend in ("gloo", "nebula"):
+        procs, rank = [], 0
+        for name, workers in layout:
+            for r in range(workers):
+                env = {"GLOO_INIT": gloo_init, "GLOBAL_RANK": str(rank), "GLOBAL_WORLD": "2"}
+                procs += [(name, r, p) for _, _, p in jobs.start_workers(
+                    config, [(name, 1)], [jobs.PYTHON, "bench/allreduce_py.py", backend, str(size), calls],
+                    env=dict(env, NEBULA_RANK=str(r)))]
+                rank += 1
+        res = jobs.wait_all(procs, timeout=600)
+        text = "".join(t for _, t in res.values())
+        assert all(c == 0 for c, _ in res.values()), text[-3000:]
+        bw[backend] = float(re.search(r"([0-9.]+) MiB/s", text).group(1))
+    for backend in ("gloo", "nebula"):
+        print(f"{backend + ', ' + label:<32} {bw[backend]:8.1f} {bw[backend] / bw['gloo']:7.2f}x")
 PY

@@ -196,13 +196,15 @@ std::vector<std::vector<uint8_t>> GatewayMesh::all_gather(std::vector<uint8_t> p
     links = links_;
     live = live_;
   }
-  wire::Frame frame = wire::make_frame(wire::FrameType::kData, op, 0, std::move(payload));
+  // One frame for every peer, shared with the links: a resilient link keeps it until
+  // acknowledged instead of a copy per peer.
+  const auto frame = std::make_shared<const wire::Frame>(wire::make_frame(wire::FrameType::kData, op, 0, std::move(payload)));
   // Sends run in parallel (an emulated or real WAN send blocks for the serialisation time);
   // receives run on this thread meanwhile, so two gateways sending big frames never deadlock.
   std::vector<std::pair<size_t, std::future<void>>> sends;
   for (size_t j = 0; j < n; ++j)
     if (j != me && live[j])
-      sends.emplace_back(j, std::async(std::launch::async, [&, j] { links[j]->send(frame, deadline); }));
+      sends.emplace_back(j, std::async(std::launch::async, [&, j] { links[j]->send_shared(frame, deadline); }));
   // Elastic: a peer that is gone (PeerLost) or silent past the deadline (Timeout) is lost.
   auto lost_peer = [&](size_t j, std::exception_ptr e) {
     if (!options_.elastic || !live[j]) return false;
@@ -242,7 +244,7 @@ std::vector<std::vector<uint8_t>> GatewayMesh::all_gather(std::vector<uint8_t> p
   if (error) std::rethrow_exception(error);
   for (size_t j = 0; j < n; ++j)
     if (!live[j]) out[j].clear();  // lost during this exchange: nothing of it counts
-  out[me] = std::move(frame.payload);
+  out[me] = frame->payload;  // a copy: the links may still hold the frame
   return out;
 }
 

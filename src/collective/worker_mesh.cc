@@ -43,14 +43,15 @@ std::vector<std::vector<uint8_t>> WorkerMesh::exchange(std::vector<std::vector<u
   NEBULA_CHECK(to.size() == slots_.size(), "worker mesh: ", to.size(), " payloads for ", slots_.size(), " slots");
   const uint64_t op = kWorkerOps | next_op_++;
   const Deadline deadline = Deadline::after(timeout_);
-  std::vector<wire::Frame> frames(slots_.size());
+  std::vector<std::shared_ptr<const wire::Frame>> frames(slots_.size());
   // Sends run in parallel (a WAN send blocks for its serialisation time); receives run on this
   // thread meanwhile, so two workers sending big frames to each other never deadlock.
   std::vector<std::future<void>> sends;
   for (size_t j = 0; j < slots_.size(); ++j) {
     if (!links_[j]) continue;
-    frames[j] = wire::make_frame(wire::FrameType::kData, op, 0, std::move(to[j]));
-    sends.push_back(std::async(std::launch::async, [&, j] { links_[j]->send(frames[j], deadline); }));
+    // Shared with the link: a resilient link keeps it until acknowledged, without a copy.
+    frames[j] = std::make_shared<const wire::Frame>(wire::make_frame(wire::FrameType::kData, op, 0, std::move(to[j])));
+    sends.push_back(std::async(std::launch::async, [&, j] { links_[j]->send_shared(frames[j], deadline); }));
   }
   std::vector<std::vector<uint8_t>> from(slots_.size());
   std::exception_ptr error;

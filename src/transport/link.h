@@ -30,6 +30,8 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <memory>
+#include <span>
 #include <string>
 
 #include "nebula/deadline.h"
@@ -108,6 +110,13 @@ struct LinkOptions {
   std::chrono::milliseconds tcp_user_timeout{0};
 };
 
+// A payload given as byte ranges in caller memory: the frame's payload is their
+// concatenation, in order (see Link::send_parts).
+using PayloadParts = std::span<const std::span<const uint8_t>>;
+
+// The parts' total length.
+uint64_t parts_size(PayloadParts parts);
+
 class Link {
  public:
   virtual ~Link();
@@ -117,6 +126,20 @@ class Link {
   // the frame has been handed to the layer below (for TCP: the kernel's socket buffer),
   // not when the peer has received it.
   virtual void send(const wire::Frame& frame, Deadline deadline) = 0;
+
+  // Sends the frame send() would send for {header, the concatenation of `parts`}, reading
+  // the parts where they lie (caller memory, read before this returns) instead of having
+  // the caller first copy them into one Frame. `header.payload_len` must equal the parts'
+  // total and `header.checksum` must be right for the joined bytes. Same errors as send().
+  // The default joins the parts (one copy) and calls send(); TcpLink and TlsLink write them
+  // as they are and StripedLink cuts its chunks from them, so a piece of a large frame
+  // crosses the session stack without being copied.
+  virtual void send_parts(const wire::FrameHeader& header, PayloadParts parts, Deadline deadline);
+
+  // send() for a frame the caller will not change again: a link that keeps what it sends
+  // (ResilientLink, until the peer acknowledges it) keeps this frame instead of a copy, and
+  // one frame can go to several links. The default calls send(*frame).
+  virtual void send_shared(std::shared_ptr<const wire::Frame> frame, Deadline deadline);
 
   // Receives the next frame, validated: header fields, length limit and checksum.
   virtual wire::Frame recv(Deadline deadline) = 0;

@@ -72,20 +72,27 @@ ResilientLink::~ResilientLink() {
 // Caller-facing calls.
 
 void ResilientLink::send(const wire::Frame& frame, Deadline deadline) {
-  NEBULA_CHECK(frame.payload.size() == frame.header.payload_len, "send to ", peer(), ": payload has ",
-               frame.payload.size(), " bytes but header.payload_len is ", frame.header.payload_len);
-  NEBULA_CHECK(frame.header.type != FrameType::kAck && frame.header.type != FrameType::kResume &&
-                   frame.header.type != FrameType::kBye && frame.header.type != FrameType::kPing &&
-                   frame.header.type != FrameType::kPong && frame.header.type != FrameType::kHeartbeat &&
-                   frame.header.type != FrameType::kPart,
-               "send to ",
-               peer(), ": frame type ", wire::frame_type_name(frame.header.type),
+  enqueue(std::make_shared<const wire::Frame>(frame), deadline);
+}
+
+void ResilientLink::send_shared(std::shared_ptr<const wire::Frame> frame, Deadline deadline) {
+  NEBULA_CHECK(frame != nullptr, "send_shared to ", peer(), ": null frame");
+  enqueue(std::move(frame), deadline);
+}
+
+void ResilientLink::enqueue(FramePtr frame, Deadline deadline) {
+  NEBULA_CHECK(frame->payload.size() == frame->header.payload_len, "send to ", peer(), ": payload has ",
+               frame->payload.size(), " bytes but header.payload_len is ", frame->header.payload_len);
+  const FrameType type = frame->header.type;
+  NEBULA_CHECK(type != FrameType::kAck && type != FrameType::kResume && type != FrameType::kBye &&
+                   type != FrameType::kPing && type != FrameType::kPong && type != FrameType::kHeartbeat &&
+                   type != FrameType::kPart,
+               "send to ", peer(), ": frame type ", wire::frame_type_name(type),
                " is reserved for ResilientLink's session protocol");
   // One send() at a time (seq order == call order); a call waiting for its turn still times
   // out at its own deadline. A flag under mu_ rather than a std::timed_mutex, whose
   // try_lock_until (pthread_mutex_clocklock) ThreadSanitizer does not see, so that it reports
   // every unlock as "unlock of an unlocked mutex".
-  auto copy = std::make_shared<wire::Frame>(frame);  // before the turn: the only step here that can throw
   MutexLock lock(mu_);
   const bool turn = wait_until(send_cv_, mu_, deadline, [&]() REQUIRES(mu_) { return closed_ || lost_ || !sending_; });
   throw_if_over_locked("send to");
@@ -103,11 +110,12 @@ void ResilientLink::send(const wire::Frame& frame, Deadline deadline) {
   const uint64_t seq = next_seq_;  // stable: only send() advances it, and this call has the turn
   // Re-checksum outside mu_ (nothing here throws): the reader, writer and recv() need not wait.
   lock.unlock();
-  copy->header.seq = seq;
+  wire::FrameHeader header = frame->header;
+  header.seq = seq;
   // A frame that goes in pieces is never written whole: each piece gets its own checksum.
-  copy->header.checksum =
-      copy->payload.size() <= options_.fragment_bytes ? wire::compute_checksum(copy->header, copy->payload) : 0;
-  const uint64_t size = wire_size(*copy);
+  header.checksum =
+      frame->payload.size() <= options_.fragment_bytes ? wire::compute_checksum(header, frame->payload) : 0;
+  const uint64_t size = wire_size(*frame);
   lock.lock();
 
   bool room = wait_until(send_cv_, mu_, deadline, [&]() REQUIRES(mu_) {
@@ -119,7 +127,7 @@ void ResilientLink::send(const wire::Frame& frame, Deadline deadline) {
                                          pending_bytes_, " bytes in ", pending_.size(),
                                          " frames unacknowledged (max_pending_bytes ", options_.max_pending_bytes,
                                          "); the frame was not sent", waiting_detail_locked()));
-  pending_.push_back(PendingFrame{std::move(copy), {}});
+  pending_.push_back(PendingFrame{header, std::move(frame), {}});
   pending_bytes_ += size;
   ++next_seq_;
   LinkCounters::add(logical_.frames_sent, 1);
@@ -354,8 +362,9 @@ void ResilientLink::writer_main() {
     const auto heartbeat_due_at = last_write_ + heartbeat_every;
     // What to write next, most urgent first: the session's control frames go between the
     // pieces of a large frame, so none waits behind more than one piece.
-    FramePtr frame;       // written as is
-    FramePtr whole;       // or a piece of this one: payload [piece_at, piece_at + piece_len)
+    FramePtr frame;              // a control frame, written as is
+    FramePtr body;               // or a caller's: its payload [piece_at, piece_at + piece_len)
+    wire::FrameHeader body_header;  // with the session's header (PendingFrame::header)
     uint64_t piece_at = 0, piece_len = 0;
     uint64_t data_seq = 0;  // seq of the caller's frame whose last byte this write carries, else 0
     bool data = false;      // this write carries a caller's bytes
@@ -404,15 +413,12 @@ void ResilientLink::writer_main() {
                               acked_ >= rate_clean_after_, delivered_at_idle_};
       }
       data = true;
-      if (size <= options_.fragment_bytes) {
-        frame = p.frame;
-      } else {
-        whole = p.frame;
-        piece_at = write_offset_;
-        piece_len = std::min(options_.fragment_bytes, size - piece_at);
-        ++counters_.pieces_sent;
-      }
-      write_offset_ += frame ? size : piece_len;
+      body = p.frame;
+      body_header = p.header;
+      piece_at = write_offset_;
+      piece_len = size <= options_.fragment_bytes ? size : std::min(options_.fragment_bytes, size - piece_at);
+      if (size > options_.fragment_bytes) ++counters_.pieces_sent;
+      write_offset_ += piece_len;
       if (write_offset_ == size) {  // its last byte: the next frame is next
         data_seq = seq;
         ++next_write_seq_;
@@ -436,15 +442,22 @@ void ResilientLink::writer_main() {
     const uint64_t gen = gen_;
     lock.unlock();
     try {
-      if (whole) {
-        // A piece: its own header and checksum; the copy and the CRC here, outside the lock.
-        const wire::FrameHeader& h = whole->header;
-        const bool last = piece_at + piece_len == whole->payload.size();
-        std::vector<uint8_t> bytes(whole->payload.begin() + static_cast<std::ptrdiff_t>(piece_at),
-                                   whole->payload.begin() + static_cast<std::ptrdiff_t>(piece_at + piece_len));
-        wire::Frame piece = last ? wire::make_frame(h.type, h.op_id, h.seq, std::move(bytes), h.flags, h.codec)
-                                 : wire::make_frame(FrameType::kPart, whole->payload.size(), h.seq, std::move(bytes));
-        conn->send(piece, Deadline::never());
+      if (body) {
+        // Written from the caller's bytes where they lie: whole, or as a piece with its own
+        // header and checksum (the CRC here, outside the lock).
+        const std::span<const uint8_t> bytes = std::span<const uint8_t>(body->payload).subspan(piece_at, piece_len);
+        wire::FrameHeader h = body_header;
+        if (piece_len != body->payload.size()) {
+          if (piece_at + piece_len < body->payload.size()) {  // not the last piece
+            h = wire::FrameHeader{};
+            h.type = FrameType::kPart;
+            h.op_id = body->payload.size();
+            h.seq = body_header.seq;
+          }
+          h.payload_len = piece_len;
+          h.checksum = wire::compute_checksum(h, bytes);
+        }
+        conn->send_parts(h, PayloadParts(&bytes, 1), Deadline::never());
       } else {
         // No deadline: close() of the connection (by the reader, close() or a failure) wakes it.
         conn->send(*frame, Deadline::never());

@@ -208,6 +208,8 @@ class ResilientLink : public Link {
   ResilientLink& operator=(const ResilientLink&) = delete;
 
   void send(const wire::Frame& frame, Deadline deadline) override;
+  // Keeps `frame` itself until acknowledged (send() keeps a copy).
+  void send_shared(std::shared_ptr<const wire::Frame> frame, Deadline deadline) override;
   wire::Frame recv(Deadline deadline) override;
   void close() override;
   std::string peer() const override;
@@ -238,10 +240,13 @@ class ResilientLink : public Link {
     bool idle_start = false;            // delivered_at then was a write's (nothing was outstanding)
   };
   struct PendingFrame {
-    FramePtr frame;
+    wire::FrameHeader header;  // the caller's, with this session's seq (and its checksum)
+    FramePtr frame;            // the caller's frame: its payload is sent, its header is not
     WriteRecord write;
   };
 
+  // send() and send_shared(): queues `frame` as the next seq.
+  void enqueue(FramePtr frame, Deadline deadline);
   void reader_main(std::unique_ptr<Link> first);
   void writer_main();
   // Reads frames from `conn` until it fails; returns why.

@@ -645,6 +645,33 @@ TEST(ResilientLinkTest, FramesAboveTheLinksMaxPayloadTravelInPiecesExactlyOnceTh
   EXPECT_THROW(s.b->recv(Deadline::after(100ms)), Timeout);
 }
 
+// send_shared keeps the caller's frame itself until the peer acknowledges it (no copy: the
+// pending queue holds a second reference), sends it in pieces from where it lies, and lets
+// go of it once acknowledged. The peer acknowledges only what its caller received, so the
+// reference counts below do not depend on timing.
+TEST(ResilientLinkTest, SharedFramesAreKeptNotCopiedUntilAcknowledged) {
+  ResilientOptions o;
+  o.fragment_bytes = 16 * 1024;
+  Session s(o);
+  auto big = std::make_shared<const Frame>(frame_for(5, 100 * 1024));  // 7 pieces
+  auto small = std::make_shared<const Frame>(frame_for(6, 10));
+  s.a->send_shared(big, Deadline::after(10s));
+  s.a->send_shared(small, Deadline::after(10s));
+  EXPECT_EQ(big.use_count(), 2);
+  EXPECT_EQ(small.use_count(), 2);
+  const Frame got_big = s.b->recv(Deadline::after(10s));
+  const Frame got_small = s.b->recv(Deadline::after(10s));
+  EXPECT_EQ(check_frame(got_big, 5, 100 * 1024), "");
+  EXPECT_EQ(check_frame(got_small, 6, 10), "");
+  EXPECT_EQ(got_big.header.seq, 1u);
+  EXPECT_EQ(got_small.header.seq, 2u);
+  s.a->flush(Deadline::after(10s));  // both acknowledged
+  EXPECT_EQ(big.use_count(), 1);
+  EXPECT_EQ(small.use_count(), 1);
+  EXPECT_GE(s.a->stats_ex().pieces_sent, 7u);
+  EXPECT_THROW(s.a->send_shared(nullptr, Deadline::after(1s)), nebula::Error);
+}
+
 // Idle sessions write heartbeats, so neither side takes the other's silence for a dead path.
 TEST(ResilientLinkTest, IdleSessionsHeartbeatAndStayConnected) {
   ResilientOptions o;

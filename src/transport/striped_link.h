@@ -9,9 +9,10 @@
 // op_id = the logical op_id, seq = the logical sequence number) whose payload is a
 // kChunkHeaderSize-byte ChunkHeader followed by the chunk's bytes. Every stream carries
 // exactly one chunk per logical frame, so the order of logical frames is the order of
-// chunks on every stream. The N chunk sends run concurrently on persistent per-stream
-// sender threads (each builds its chunk frame, copy + CRC, then sends it); send() returns
-// when all N were handed to their streams, and rethrows the first failure, typed.
+// chunks on every stream. The N chunk sends run concurrently: send()'s own thread sends
+// stream 0's chunk, persistent sender threads those of streams 1..N-1 (each builds its chunk
+// frame, copy + CRC, then sends it); send() returns when all N were handed to their
+// streams, and rethrows the first failure, typed.
 //
 // Receiving. A persistent receiver thread per stream reads chunk frames ahead (at most
 // kReadAhead chunks per stream) into a queue, so no stream's kernel buffer fills while
@@ -45,6 +46,7 @@
 // Thread safety: as for every Link (link.h); concurrent recv() calls throw nebula::Error.
 #pragma once
 
+#include <array>
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
@@ -80,6 +82,9 @@ inline constexpr size_t kChunkHeaderSize = 4 + 1 + 1 + 2 + 2 + 2 + 8 + 8 + 8 + 1
 // Byte range of chunk `index` of `count` in a payload of `total` bytes: {offset, length}.
 std::pair<uint64_t, uint64_t> chunk_range(uint64_t total, uint32_t count, uint32_t index);
 
+// A chunk's prefix, as it starts the inner frame's payload.
+std::array<uint8_t, kChunkHeaderSize> encode_chunk_header(const ChunkHeader& h);
+
 // The inner frame carrying chunk h.index of a logical frame (h.original describes it),
 // with `data` as its bytes. Public so tests can hand-craft chunks.
 wire::Frame make_chunk_frame(const ChunkHeader& h, std::span<const uint8_t> data);
@@ -102,6 +107,9 @@ class StripedLink : public Link {
   StripedLink& operator=(const StripedLink&) = delete;
 
   void send(const wire::Frame& frame, Deadline deadline) override;
+  // Each stream's chunk goes out as its chunk header and the parts' bytes in its range,
+  // where they lie (no copy).
+  void send_parts(const wire::FrameHeader& header, PayloadParts parts, Deadline deadline) override;
   wire::Frame recv(Deadline deadline) override;
   // Closes every stream; idempotent. Blocked and later calls throw PeerLost.
   void close() override;
@@ -129,7 +137,10 @@ class StripedLink : public Link {
     size_t index = 0;
     std::unique_ptr<Link> link;
     // Send job, GUARDED_BY(StripedLink::mu_): set by send(), cleared by the sender thread.
-    const wire::Frame* job = nullptr;
+    // The header and parts are send()'s, valid until every stream's job is done.
+    bool has_job = false;
+    const wire::FrameHeader* job_header = nullptr;
+    PayloadParts job_parts;
     uint64_t job_seq = 0;
     Deadline job_deadline = Deadline::never();
     std::deque<Received> received;  // GUARDED_BY(StripedLink::mu_); an error entry is the last
@@ -137,6 +148,10 @@ class StripedLink : public Link {
   };
 
   void sender_loop(Stream& s);
+  // Sends frame's chunk for stream s (any thread, mu_ not held); on failure records the
+  // first error in send_error_, breaks the link, and returns the error.
+  std::exception_ptr send_chunk(Stream& s, const wire::FrameHeader& original, PayloadParts parts, uint64_t seq,
+                                Deadline deadline) EXCLUDES(mu_);
   void receiver_loop(Stream& s);
   // Records the first failure, closes every stream; logs at warn, or at debug when `quiet`
   // (the stream already logged why). Caller holds no lock.

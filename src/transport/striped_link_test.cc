@@ -142,6 +142,26 @@ void send_chunk(Link* link, const Frame& f, ChunkHeader h) {
   link->send(make_chunk_frame(h, std::span<const uint8_t>(f.payload).subspan(off, len)), Deadline::after(5s));
 }
 
+// send_parts cuts each stream's chunk out of the parts where they lie: chunk boundaries that
+// fall inside a part, parts that are empty, and a payload shorter than the streams all
+// rebuild the frame as send() would have sent it.
+TEST(StripedLinkPartsTest, ChunksCutAcrossPartsRebuildTheFrame) {
+  auto p = make_striped_pair(3);
+  for (size_t size : {size_t{0}, size_t{2}, size_t{1000}, size_t{1 << 20}}) {
+    const std::vector<uint8_t> bytes = pattern(size, static_cast<uint32_t>(size));
+    const Frame want = make_frame(FrameType::kData, 77, size, bytes, 1, 3);
+    const std::span<const uint8_t> all(bytes);
+    const size_t a = size / 5, b = size / 2;  // 1000 bytes: chunks [0,334) [334,667) [667,1000)
+    const std::vector<std::span<const uint8_t>> parts = {all.subspan(0, a), all.subspan(a, 0), all.subspan(a, b - a),
+                                                         all.subspan(b)};
+    auto sender = std::async(std::launch::async, [&] { p.client->send_parts(want.header, parts, Deadline::after(30s)); });
+    const Frame got = p.server->recv(Deadline::after(30s));
+    sender.get();
+    expect_same_frame(got, want);
+  }
+  EXPECT_EQ(p.client->stats().frames_sent, 4u);
+}
+
 TEST(StripedLinkErrorsTest, HandMadeChunksRebuildAndTimeoutKeepsLinkUsable) {
   auto h = make_hand_fed(2);
   Frame f = make_frame(FrameType::kData, 9, 3, pattern(1001), 5, 2);

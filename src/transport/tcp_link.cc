@@ -13,6 +13,7 @@
 
 #include <algorithm>
 #include <cctype>
+#include <climits>
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
@@ -401,19 +402,29 @@ void TcpLink::write_all(iovec* iov, int iovcnt, size_t total, Deadline deadline,
 }
 
 void TcpLink::send(const wire::Frame& frame, Deadline deadline) {
-  NEBULA_CHECK(frame.payload.size() == frame.header.payload_len, "send to ", describe_, ": payload has ",
-               frame.payload.size(), " bytes but header.payload_len is ", frame.header.payload_len);
-  NEBULA_CHECK(frame.header.payload_len <= max_payload(), "send to ", describe_, ": payload of ",
-               frame.header.payload_len, " bytes exceeds LinkOptions.max_payload ", max_payload());
+  const std::span<const uint8_t> payload(frame.payload);
+  send_parts(frame.header, PayloadParts(&payload, 1), deadline);
+}
+
+void TcpLink::send_parts(const wire::FrameHeader& frame_header, PayloadParts parts, Deadline deadline) {
+  const uint64_t size = parts_size(parts);
+  NEBULA_CHECK(size == frame_header.payload_len, "send to ", describe_, ": payload has ", size,
+               " bytes but header.payload_len is ", frame_header.payload_len);
+  NEBULA_CHECK(frame_header.payload_len <= max_payload(), "send to ", describe_, ": payload of ",
+               frame_header.payload_len, " bytes exceeds LinkOptions.max_payload ", max_payload());
+  NEBULA_CHECK(parts.size() < IOV_MAX, "send to ", describe_, ": ", parts.size(), " payload parts (at most ",
+               IOV_MAX - 1, ")");
   std::lock_guard<std::mutex> lock(send_mu_);
   check_usable("send to");
-  auto header = wire::encode_header(frame.header);
-  iovec iov[2];
+  auto header = wire::encode_header(frame_header);
+  std::vector<iovec> iov(1 + parts.size());
   iov[0].iov_base = header.data();
   iov[0].iov_len = header.size();
-  iov[1].iov_base = const_cast<uint8_t*>(frame.payload.data());
-  iov[1].iov_len = frame.payload.size();
-  write_all(iov, 2, header.size() + frame.payload.size(), deadline, "send to");
+  for (size_t i = 0; i < parts.size(); ++i) {
+    iov[i + 1].iov_base = const_cast<uint8_t*>(parts[i].data());
+    iov[i + 1].iov_len = parts[i].size();
+  }
+  write_all(iov.data(), static_cast<int>(iov.size()), header.size() + size, deadline, "send to");
   LinkCounters::add(counters_.frames_sent, 1);
 }
 

@@ -69,6 +69,8 @@ class TcpLink : public Link {
   TcpLink& operator=(const TcpLink&) = delete;
 
   void send(const wire::Frame& frame, Deadline deadline) override;
+  // The header and the parts in one writev/sendmsg (TlsLink: SSL_write), no copy.
+  void send_parts(const wire::FrameHeader& header, PayloadParts parts, Deadline deadline) override;
   wire::Frame recv(Deadline deadline) override;
   // Shuts the socket down (waking blocked calls); the descriptor itself is released by
   // the destructor, so a concurrent call never touches a reused descriptor number.

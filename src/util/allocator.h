@@ -4,8 +4,8 @@
 // 16 M floats every codec, `none` included, ran at 1-2 GB/s instead of 4-9 (bench/codec_bench).
 // tune_allocator() raises the mmap and trim thresholds to 1 GiB, so freed large blocks stay in
 // the heap and the next allocation of that size reuses them. The cost: a process keeps its peak
-// heap (it trims nothing under 1 GiB). Called once at the start of the nebula binary and of the
-// benchmarks; a library user may call it too. Thread-safe; returns false if glibc refused.
+// heap (it trims nothing under 1 GiB). Called at the start of the nebula binary and of the
+// benchmarks, and by every nebula::Session (so C++ library and Python jobs get it too). Thread-safe; returns false if glibc refused.
 #pragma once
 
 namespace nebula {
