@@ -52,8 +52,19 @@ struct ModelConfig {
   int64_t ffn = 256;
   int64_t max_len = 32;              // tokens per sequence, including BOS/EOS
   double dropout = 0.0;
-  double lr = 1e-3;                  // AdamW
+  double lr = 1e-3;                  // AdamW's peak learning rate
   double weight_decay = 0.01;
+  // The learning rate over the job's steps (train/inner_optimizer.h, scheduled_lr): a linear
+  // warmup over the first warmup_steps, then "constant", or a "cosine" / "linear" decay to
+  // lr_floor·lr at job.steps. diloco's inner optimizer follows it too.
+  std::string lr_schedule = "constant";
+  int64_t warmup_steps = 0;
+  double lr_floor = 0.1;
+  // Gradient clipping: before each optimizer step the site's averaged gradient is scaled to
+  // global L2 norm at most clip_norm; 0 = off.
+  double clip_norm = 0;
+  // seq2seq: label smoothing of the translation cross-entropy (0 = none).
+  double label_smoothing = 0;
   int64_t decoder_layers = 2;        // seq2seq: decoder layers (`layers` is the encoder's)
   // seq2seq: a pre-trained mlm_encoder's model.safetensors to initialise the encoder from
   // (its dims must match); empty = random.
@@ -90,6 +101,14 @@ struct DataConfig {
   // mlm_encoder: "mlm" trains on single sentences; "mlm+tlm" adds every training pair as one
   // translation-LM sequence "<s> en </s> other </s>" (XLM), masked the same way.
   std::string objective = "mlm";
+  // mlm_encoder: cross-lingual alignment, a translation-ranking loss (InfoXLM / LaBSE style)
+  // added to MLM with this weight (0 = off): each step the worker embeds contrastive_batch of
+  // its own site's training pairs (mean-pooled, unit length), and each English sentence must
+  // pick its own translation among the batch's (and back), at temperature
+  // contrastive_temperature. The pairs are the site's; no batch element comes from elsewhere.
+  double contrastive_weight = 0;
+  int64_t contrastive_batch = 32;
+  double contrastive_temperature = 0.05;
 };
 
 struct SiteConfig {

@@ -72,6 +72,24 @@ void ShuffledPasses::restore(const BatcherState& s) {
   cursor = static_cast<size_t>(s.cursor);
 }
 
+PairBatcher::PairBatcher(std::vector<std::vector<int>> en, std::vector<std::vector<int>> other, int64_t pad,
+                         int64_t batch_size, uint64_t seed)
+    : en_(std::move(en)), other_(std::move(other)), pad_(pad), batch_size_(batch_size), passes_(en_.size(), seed) {
+  NEBULA_CHECK(!en_.empty() && en_.size() == other_.size(), "pair batches need aligned pairs: ", en_.size(),
+               " English and ", other_.size(), " other sentences");
+  NEBULA_CHECK(batch_size_ > 0, "pair batch size ", batch_size_);
+}
+
+PairBatch PairBatcher::next() {
+  std::vector<std::vector<int>> en, other;
+  for (int64_t i = 0; i < batch_size_; ++i) {
+    const size_t k = passes_.next();
+    en.push_back(en_[k]);
+    other.push_back(other_[k]);
+  }
+  return {pad_sequences(en, pad_), pad_sequences(other, pad_)};
+}
+
 MlmBatch MlmBatcher::next() {
   std::vector<const std::vector<int>*> batch;
   for (int64_t i = 0; i < batch_size_; ++i) batch.push_back(&sequences_[passes_.next()]);

@@ -89,4 +89,29 @@ class MlmBatcher {
   ShuffledPasses passes_;
 };
 
+// Batches of parallel sentences for the contrastive objective (model/xlingual.h): the next
+// batch_size pairs of a shuffled pass, each side padded on its own. It has its own generator,
+// so turning the objective on leaves the MLM batches as they were.
+struct PairBatch {
+  at::Tensor en;     // [batch, longest English] int64, padded
+  at::Tensor other;  // [batch, longest translation]
+};
+
+class PairBatcher {
+ public:
+  // en[i] and other[i] are translations (BOS ... EOS each, at most max_len). Error if empty
+  // or of different lengths.
+  PairBatcher(std::vector<std::vector<int>> en, std::vector<std::vector<int>> other, int64_t pad, int64_t batch_size,
+              uint64_t seed);
+  PairBatch next();
+  size_t size() const { return en_.size(); }
+  BatcherState state() const { return passes_.state(); }
+  void restore(const BatcherState& s) { passes_.restore(s); }
+
+ private:
+  std::vector<std::vector<int>> en_, other_;
+  int64_t pad_, batch_size_;
+  ShuffledPasses passes_;
+};
+
 }  // namespace nebula::model

@@ -51,9 +51,24 @@ std::vector<at::Tensor> MlmEncoderImpl::trainable_parameters() const {
 }
 
 at::Tensor MlmEncoderImpl::loss(const at::Tensor& ids, const at::Tensor& labels) {
-  at::Tensor logits = forward(ids);
-  return at::cross_entropy_loss(logits.reshape({-1, logits.size(-1)}), labels.reshape({-1}).to(logits.device()), /*weight=*/{},
-                                at::Reduction::Mean, kIgnoreIndex);
+  return masked_loss(encode(ids), labels);
+}
+
+at::Tensor MlmEncoderImpl::masked_loss(const at::Tensor& hidden, const at::Tensor& labels) {
+  // Logits at the masked positions only: the output projection (vocab × dim per position) is
+  // most of an MLM step's work, and ~85 % of the positions carry no loss.
+  const at::Tensor flat = labels.reshape({-1}).to(hidden.device());
+  const at::Tensor masked = flat.ne(kIgnoreIndex).nonzero().squeeze(1);
+  const at::Tensor logits = at::matmul(hidden.reshape({-1, hidden.size(-1)}).index_select(0, masked), tokens_->weight.t());
+  return at::cross_entropy_loss(logits, flat.index_select(0, masked), /*weight=*/{}, at::Reduction::Mean, kIgnoreIndex);
+}
+
+at::Tensor MlmEncoderImpl::embed(const at::Tensor& ids) { return pool(encode(ids), ids); }
+
+at::Tensor MlmEncoderImpl::pool(const at::Tensor& hidden, const at::Tensor& ids) const {
+  const at::Tensor keep = ids.to(hidden.device()).ne(pad_id_).unsqueeze(-1).to(hidden.scalar_type());  // [B, T, 1]
+  const at::Tensor mean = (hidden * keep).sum(1) / keep.sum(1).clamp_min(1);
+  return mean / mean.norm(2, {-1}, /*keepdim=*/true).clamp_min(1e-12);
 }
 
 }  // namespace nebula::model

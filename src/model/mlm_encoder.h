@@ -29,8 +29,17 @@ class MlmEncoderImpl : public torch::nn::Module {
   at::Tensor encode(const at::Tensor& ids);
   // Logits over the vocabulary, [batch, seq, vocab].
   at::Tensor forward(const at::Tensor& ids);
-  // Mean cross-entropy over positions whose label != kIgnoreIndex.
+  // Mean cross-entropy over positions whose label != kIgnoreIndex; the vocabulary logits are
+  // computed at those positions only (the same value as from forward()'s full logits).
   at::Tensor loss(const at::Tensor& ids, const at::Tensor& labels);
+  // The same from encode()'s hidden states (so one encode() can serve several objectives).
+  at::Tensor masked_loss(const at::Tensor& hidden, const at::Tensor& labels);
+  // Sentence embeddings [batch, dim]: the mean of encode()'s hidden states over the non-pad
+  // tokens, scaled to unit length. Differentiable (the contrastive objective trains through it;
+  // the retrieval probe uses it under no_grad).
+  at::Tensor embed(const at::Tensor& ids);
+  // The same from encode(ids)'s hidden states.
+  at::Tensor pool(const at::Tensor& hidden, const at::Tensor& ids) const;
 
   int64_t max_len() const { return max_len_; }
   const ModelConfig& config() const { return config_; }

@@ -1,6 +1,9 @@
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
+#include <torch/csrc/autograd/autograd.h>
 #include <torch/optim/adamw.h>
+
+#include <cmath>
 
 #include "model/mlm_batch.h"
 #include "model/mlm_encoder.h"
@@ -161,6 +164,75 @@ TEST(Xlingual, EmbeddingsIgnorePaddingAndIdenticalPairsAreAllRetrieved) {
   auto rotated = seqs;
   std::rotate(rotated.begin(), rotated.begin() + 1, rotated.end());
   EXPECT_EQ(retrieval_accuracy(*model, seqs, rotated, 0).correct, 0);
+}
+
+// The loss from masked positions' logits only equals the cross-entropy of forward()'s full
+// logits restricted to those positions, value and gradient.
+TEST(MlmEncoder, MaskedOnlyLogitsGiveTheFullLogitsLoss) {
+  at::manual_seed(5);
+  ModelConfig c;
+  c.dim = 16;
+  c.layers = 1;
+  c.heads = 2;
+  c.ffn = 32;
+  c.max_len = 16;
+  MlmEncoder model(c, 50, 0);
+  SpecialIds ids;
+  ids.vocab_size = 50;
+  MlmBatcher batcher(toy_sequences(12, 50), ids, 0.3, 6, 11);
+  MlmBatch b = batcher.next();
+  const at::Tensor got = model->loss(b.ids, b.labels);
+  const at::Tensor logits = model->forward(b.ids);
+  const at::Tensor want = at::cross_entropy_loss(logits.reshape({-1, 50}), b.labels.reshape({-1}), {},
+                                                 at::Reduction::Mean, kIgnoreIndex);
+  EXPECT_NEAR(got.item<double>(), want.item<double>(), 1e-5);
+  const auto& w = model->token_embedding()->weight;
+  const at::Tensor g_got = torch::autograd::grad({got}, {w}, {}, true)[0];
+  const at::Tensor g_want = torch::autograd::grad({want}, {w})[0];
+  EXPECT_TRUE(at::allclose(g_got, g_want, 1e-5, 1e-6));
+  // The pooled embedding: unit rows, the same from embed() as from pool(encode()).
+  const at::Tensor e = model->embed(b.ids);
+  EXPECT_NEAR(e.norm(2, {1}).min().item<double>(), 1.0, 1e-5);
+  EXPECT_TRUE(at::allclose(e, model->pool(model->encode(b.ids), b.ids)));
+}
+
+// The translation-ranking loss against a hand computation: two pairs of 2-d unit vectors.
+TEST(Xlingual, TranslationRankingLossMatchesAHandComputation) {
+  const at::Tensor en = at::tensor({1.0f, 0.0f, 0.0f, 1.0f}).view({2, 2});
+  const double c = std::sqrt(0.5);
+  const at::Tensor other = at::tensor({1.0f, 0.0f, static_cast<float>(c), static_cast<float>(c)}).view({2, 2});
+  // Similarities: [[1, c], [0, c]]; at temperature 0.5 the logits are twice those.
+  const double t = 0.5;
+  auto lse2 = [](double a, double b) { return std::log(std::exp(a) + std::exp(b)); };
+  const double rows = ((lse2(2, 2 * c) - 2) + (lse2(0, 2 * c) - 2 * c)) / 2;  // en → other
+  const double cols = ((lse2(2, 0) - 2) + (lse2(2 * c, 2 * c) - 2 * c)) / 2;  // other → en
+  EXPECT_NEAR(translation_ranking_loss(en, other, t).item<double>(), (rows + cols) / 2, 1e-6);
+  // Perfectly separated pairs at a low temperature: the loss vanishes.
+  EXPECT_NEAR(translation_ranking_loss(en, en, 0.01).item<double>(), 0.0, 1e-6);
+  EXPECT_THROW(translation_ranking_loss(en, other.narrow(0, 0, 1), t), Error);
+  EXPECT_THROW(translation_ranking_loss(en, other, 0), Error);
+}
+
+// Pair batches keep each pair together (the English of row i is the translation's pair) and
+// repeat exactly from a restored state.
+TEST(PairBatcher, KeepsPairsTogetherAndRestoresExactly) {
+  std::vector<std::vector<int>> en, other;
+  for (int i = 0; i < 10; ++i) {
+    en.push_back({2, 10 + i, 3});
+    other.push_back(std::vector<int>(static_cast<size_t>(2 + i % 3), 30 + i));  // lengths differ: padded
+  }
+  PairBatcher a(en, other, 0, 4, 99);
+  for (int step = 0; step < 5; ++step) {
+    PairBatch b = a.next();
+    ASSERT_EQ(b.en.size(0), 4);
+    for (int r = 0; r < 4; ++r) EXPECT_EQ(b.other[r][0].item<int64_t>(), b.en[r][1].item<int64_t>() + 20);
+  }
+  const BatcherState st = a.state();
+  PairBatcher b(en, other, 0, 4, 1);
+  b.restore(st);
+  EXPECT_TRUE(at::equal(a.next().en, b.next().en));
+  EXPECT_THROW(PairBatcher({}, {}, 0, 4, 1), Error);
+  EXPECT_THROW(PairBatcher(en, {other[0]}, 0, 4, 1), Error);
 }
 
 }  // namespace

@@ -25,13 +25,19 @@ at::Tensor sentence_embeddings(MlmEncoderImpl& model, const std::vector<std::vec
   std::vector<at::Tensor> out;
   for (size_t b = 0; b < sequences.size(); b += static_cast<size_t>(batch_size)) {
     const size_t e = std::min(sequences.size(), b + static_cast<size_t>(batch_size));
-    at::Tensor ids = pad_sequences(sequences, pad_id, b, e);
-    at::Tensor keep = ids.ne(pad_id).unsqueeze(-1).to(at::kFloat);          // [B, T, 1]
-    at::Tensor mean = (model.encode(ids).cpu() * keep).sum(1) / keep.sum(1).clamp_min(1);
-    out.push_back(mean / mean.norm(2, {1}, true).clamp_min(1e-12));
+    out.push_back(model.embed(pad_sequences(sequences, pad_id, b, e)).cpu());
   }
   if (out.empty()) return at::empty({0, model.config().dim});
   return at::cat(out);
+}
+
+at::Tensor translation_ranking_loss(const at::Tensor& en, const at::Tensor& other, double temperature) {
+  NEBULA_CHECK(en.dim() == 2 && en.sizes() == other.sizes() && en.size(0) >= 1, "translation ranking needs two [n, dim] ",
+               "embeddings of the same shape, got ", en.sizes(), " and ", other.sizes());
+  NEBULA_CHECK(temperature > 0, "translation ranking: temperature ", temperature);
+  const at::Tensor logits = at::matmul(en, other.t()) / temperature;  // [n, n]; the pairs on the diagonal
+  const at::Tensor truth = at::arange(en.size(0), at::TensorOptions().dtype(at::kLong).device(en.device()));
+  return 0.5 * (at::cross_entropy_loss(logits, truth) + at::cross_entropy_loss(logits.t(), truth));
 }
 
 Accuracy retrieval_accuracy(MlmEncoderImpl& model, const std::vector<std::vector<int>>& en,

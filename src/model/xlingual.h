@@ -1,4 +1,5 @@
-// Cross-lingual evaluation of a pre-trained MlmEncoder (issue [5/7]):
+// Cross-lingual evaluation of a pre-trained MlmEncoder (issue [5/7]), and the contrastive
+// objective that trains for it:
 //
 //  * MLM accuracy: of the masked positions of held-out sentences, the share whose arg-max
 //    prediction is the original token (masking as in training, with a fixed seed, so two
@@ -14,7 +15,8 @@
 // Both return counts (correct, total), so that several workers' or sites' results add up
 // exactly before the division.
 //
-// Not thread-safe (uses the module); runs under no_grad and eval mode, restoring the mode.
+// The evaluations are not thread-safe (they use the module) and run under no_grad and eval mode,
+// restoring the mode; translation_ranking_loss is a function of its tensors.
 #pragma once
 
 #include <cstdint>
@@ -34,6 +36,12 @@ struct Accuracy {
 // [n, dim] float32, each row of unit length. `sequences` as MlmBatcher takes them.
 at::Tensor sentence_embeddings(MlmEncoderImpl& model, const std::vector<std::vector<int>>& sequences,
                                int64_t pad_id, int64_t batch_size = 64);
+
+// The contrastive translation-ranking loss (InfoXLM's cross-lingual contrast, LaBSE's
+// in-batch negatives): en[i] and other[i] ([n, dim], unit rows, MlmEncoderImpl::embed) are
+// translations; each row must pick its own translation among the other side's n rows, both
+// ways. The mean of the two cross-entropies of similarity / temperature against the diagonal.
+at::Tensor translation_ranking_loss(const at::Tensor& en, const at::Tensor& other, double temperature);
 
 // en[i] and other[i] are translations of each other. total = 2·n (both directions).
 Accuracy retrieval_accuracy(MlmEncoderImpl& model, const std::vector<std::vector<int>>& en,

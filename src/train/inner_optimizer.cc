@@ -1,8 +1,10 @@
 #include "train/inner_optimizer.h"
 
 #include <ATen/ATen.h>
+#include <torch/nn/utils/clip_grad.h>
 
 #include <algorithm>
+#include <cmath>
 
 #include "nebula/error.h"
 #include "train/optimizer_state.h"
@@ -60,6 +62,35 @@ InnerOptimizer::InnerOptimizer(std::vector<at::Tensor> params, double lr, double
   }
   adamw_ = std::make_unique<torch::optim::AdamW>(optimized_,
                                                  torch::optim::AdamWOptions(lr).weight_decay(weight_decay));
+}
+
+double scheduled_lr(const ModelConfig& m, int64_t step, int64_t steps) {
+  NEBULA_CHECK(step >= 0 && steps > 0, "scheduled_lr: step ", step, " of ", steps);
+  if (step < m.warmup_steps) return m.lr * static_cast<double>(step + 1) / static_cast<double>(m.warmup_steps);
+  if (m.lr_schedule == "constant") return m.lr;
+  const double span = static_cast<double>(std::max<int64_t>(1, steps - 1 - m.warmup_steps));
+  const double progress = std::clamp(static_cast<double>(step - m.warmup_steps) / span, 0.0, 1.0);
+  const double decay = m.lr_schedule == "cosine" ? 0.5 * (1 + std::cos(M_PI * progress)) : 1 - progress;
+  NEBULA_CHECK(m.lr_schedule == "cosine" || m.lr_schedule == "linear", "model.lr_schedule '", m.lr_schedule, "'");
+  return m.lr * (m.lr_floor + (1 - m.lr_floor) * decay);
+}
+
+void InnerOptimizer::set_lr(double lr) {
+  for (auto& group : adamw_->param_groups())
+    static_cast<torch::optim::AdamWOptions&>(group.options()).lr(lr);
+}
+
+double InnerOptimizer::clip_grad_norm(double max_norm) {
+  NEBULA_CHECK(max_norm > 0, "clip_grad_norm: max_norm ", max_norm);
+  if (!gradients_sharded_) return torch::nn::utils::clip_grad_norm_(params_, max_norm);
+  // ZeRO-2/3: this worker holds the site's average for its shard only.
+  at::NoGradGuard no_grad;
+  at::Tensor mine = full_ ? flat_grad_ : flat_grad_.narrow(0, site_.rank() * shard_numel_, shard_numel_);
+  at::Tensor sq = mine.pow(2).sum().reshape({1});
+  site_.allreduce_sum(sq);
+  const double norm = std::sqrt(sq.item<double>());
+  if (norm > max_norm) mine.mul_(max_norm / (norm + 1e-6));
+  return norm;
 }
 
 void InnerOptimizer::zero_grad() {

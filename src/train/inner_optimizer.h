@@ -46,10 +46,16 @@
 #include <vector>
 
 #include "collective/site_group.h"
+#include "nebula/config.h"
 #include "train/checkpoint.h"
 #include "train/full_shard.h"
 
 namespace nebula::train {
+
+// The learning rate of 0-based step `step` of a job of `steps` steps ([model] lr_schedule):
+// linear warmup from lr/warmup_steps to lr over the first warmup_steps steps, then lr
+// ("constant") or a decay to lr_floor·lr at the last step ("cosine": half a cosine; "linear").
+double scheduled_lr(const ModelConfig& model, int64_t step, int64_t steps);
 
 class InnerOptimizer {
  public:
@@ -62,6 +68,13 @@ class InnerOptimizer {
   // One AdamW step on the gradients in the parameters' .grad(); when sharded a
   // site collective (every worker of the site calls it at the same step).
   void step();
+  // The learning rate of the next step() (scheduled_lr).
+  void set_lr(double lr);
+  // Scales the gradients that the next step() uses (the site's average, after the strategy's
+  // sync) so that their global L2 norm is at most max_norm > 0, and returns the norm before.
+  // The same scale on every worker of the site: sharded gradients' norm is summed over the
+  // site (a site collective then, like step()).
+  double clip_grad_norm(double max_norm);
 
   // Elements whose AdamW moments this worker holds (n, or S when sharded).
   int64_t state_numel() const { return sharded_ ? shard_numel_ : total_numel_; }

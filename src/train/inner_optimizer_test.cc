@@ -3,6 +3,7 @@
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <functional>
 #include <mutex>
 #include <thread>
@@ -105,6 +106,83 @@ void check_sharded_adamw(const int kWorkers, const std::string& mode) {
         EXPECT_NE(std::string(e.what()).find("parallel.shard"), std::string::npos) << e.what();
       }
     }
+  });
+}
+
+// The schedule's values at known steps: warmup from lr/W to lr, then cosine or linear decay
+// to lr_floor·lr at the last step, or lr throughout.
+TEST(LrSchedule, WarmupThenDecayToTheFloorAtTheLastStep) {
+  ModelConfig m;
+  m.lr = 1e-3;
+  m.warmup_steps = 10;
+  m.lr_floor = 0.1;
+  m.lr_schedule = "cosine";
+  EXPECT_DOUBLE_EQ(scheduled_lr(m, 0, 110), 1e-4);
+  EXPECT_DOUBLE_EQ(scheduled_lr(m, 4, 110), 5e-4);
+  EXPECT_DOUBLE_EQ(scheduled_lr(m, 9, 110), 1e-3);
+  EXPECT_DOUBLE_EQ(scheduled_lr(m, 10, 110), 1e-3);                          // decay starts at the peak
+  EXPECT_NEAR(scheduled_lr(m, 59, 110), 1e-3 * (0.1 + 0.9 * 0.5 * (1 + std::cos(M_PI * 49 / 99.0))), 1e-15);
+  EXPECT_NEAR(scheduled_lr(m, 109, 110), 1e-4, 1e-15);                      // the floor at the last step
+  EXPECT_NEAR(scheduled_lr(m, 500, 110), 1e-4, 1e-15);                      // and after it (diloco's drain)
+  m.lr_schedule = "linear";
+  EXPECT_NEAR(scheduled_lr(m, 10 + 33, 110), 1e-3 * (1 - 0.9 / 3), 1e-15);
+  EXPECT_NEAR(scheduled_lr(m, 109, 110), 1e-4, 1e-15);
+  m.lr_schedule = "constant";
+  EXPECT_DOUBLE_EQ(scheduled_lr(m, 3, 110), 4e-4);
+  EXPECT_DOUBLE_EQ(scheduled_lr(m, 109, 110), 1e-3);
+  m.warmup_steps = 0;
+  EXPECT_DOUBLE_EQ(scheduled_lr(m, 0, 110), 1e-3);
+  EXPECT_THROW(scheduled_lr(m, -1, 110), Error);
+}
+
+// Clipping bounds the gradient the step uses to the norm given (a gradient below it is left
+// alone), and set_lr is the step size AdamW takes: its first step moves each value by ~lr.
+TEST(InnerOptimizer, ClippingBoundsTheGradientAndSetLrSetsTheStep) {
+  collective::testing::StorePort port;
+  collective::SiteGroup solo = collective::testing::join_group("clip", 0, 1, 30s, port);
+  std::vector<at::Tensor> params = make_params();
+  InnerOptimizer o(params, 1e-2, 0.0, "none", solo);
+  set_grads(params, 3);
+  auto norm = [&] {
+    double sq = 0;
+    for (const auto& p : params) sq += p.grad().pow(2).sum().item<double>();
+    return std::sqrt(sq);
+  };
+  const double before = norm();
+  ASSERT_GT(before, 2.0);
+  EXPECT_NEAR(o.clip_grad_norm(1.0), before, 1e-4);
+  EXPECT_NEAR(norm(), 1.0, 1e-4);
+  EXPECT_NEAR(o.clip_grad_norm(5.0), 1.0, 1e-4);  // below the bound: unchanged
+  EXPECT_NEAR(norm(), 1.0, 1e-4);
+  EXPECT_THROW(o.clip_grad_norm(0), Error);
+  const at::Tensor start = params[0].detach().clone();
+  o.set_lr(0.5);
+  o.step();
+  // AdamW's first step is lr·sign(g) (bias-corrected m/sqrt(v)), so every value moved by 0.5.
+  EXPECT_NEAR((params[0].detach() - start).abs().max().item<double>(), 0.5, 1e-3);
+}
+
+// ZeRO-2: the norm is the site's (each worker holds the average of its shard only), so every
+// worker scales by the same factor and the clipped shards are the whole clipped gradient's.
+TEST(InnerOptimizer, ClippingShardedGradientsUsesTheWholeNorm) {
+  std::vector<at::Tensor> reference = make_params();
+  set_grads(reference, 2);
+  double sq = 0;
+  for (const auto& p : reference) sq += p.grad().pow(2).sum().item<double>();
+  const double whole = std::sqrt(sq);
+  collective::testing::run_site("clip-zero2", 3, [&](collective::SiteGroup& site) {
+    std::vector<at::Tensor> params = make_params();
+    InnerOptimizer o(params, 1e-2, 0.0, "gradients", site);
+    o.zero_grad();
+    set_grads(params, 2);  // as after the reduce-scatter: every shard holds the average
+    EXPECT_NEAR(o.clip_grad_norm(1.0), whole, 1e-4);
+    const int64_t n = o.flat_grad().numel() / site.size();
+    const at::Tensor mine = o.flat_grad().narrow(0, site.rank() * n, n);
+    std::vector<at::Tensor> flat;
+    for (const auto& p : reference) flat.push_back(p.grad().reshape({-1}) / (whole + 1e-6));
+    at::Tensor want = at::cat(flat);
+    want = at::constant_pad_nd(want, {0, n * site.size() - want.numel()}, 0).narrow(0, site.rank() * n, n);
+    EXPECT_TRUE(at::allclose(mine, want, 1e-5, 1e-6));
   });
 }
 

@@ -3,10 +3,12 @@
 #include <ATen/core/grad_mode.h>
 #include <spdlog/spdlog.h>
 
+#include <algorithm>
 #include <filesystem>
 
 #include "model/mlm_encoder.h"
 #include "model/peft.h"
+#include "model/xlingual.h"
 #include "nebula/error.h"
 #include "train/evaluation.h"
 #include "train/site_data.h"
@@ -32,6 +34,22 @@ class MlmTask : public Task {
     const uint64_t stream = batch_seed(c_, ctx.who);
     batches_ = std::make_unique<model::MlmBatcher>(std::move(sequences), ctx.ids, c_.data.mask_prob,
                                                    c_.data.batch_size, stream);
+    if (c_.data.contrastive_weight > 0) {  // the site's own training pairs, this worker's share
+      std::vector<std::string> en, other;
+      for (const auto& p : text.train_pairs)
+        if (!p.other.empty()) {
+          en.push_back(p.en);
+          other.push_back(p.other);
+        }
+      if (en.empty())
+        throw ConfigError(str_cat(c_.source_path, ": data.contrastive_weight = ", c_.data.contrastive_weight,
+                                  " needs parallel pairs, and worker ", ctx.who.local_rank, " of site '", site.name,
+                                  "' has none (data.source \"", c_.data.source, "\"): set it to 0"));
+      pairs_ = std::make_unique<model::PairBatcher>(encode_all(*ctx.tokenizer, en, c_.model.max_len),
+                                                    encode_all(*ctx.tokenizer, other, c_.model.max_len),
+                                                    ctx.tokenizer->pad_id(), c_.data.contrastive_batch,
+                                                    stream ^ 0x9e3779b97f4a7c15ull);
+    }
     if (!text.valid.empty())
       valid_ = std::make_unique<model::MlmBatcher>(encode_all(*ctx.tokenizer, text.valid, c_.model.max_len), ctx.ids,
                                                    c_.data.mask_prob, c_.data.batch_size, c_.job.seed);
@@ -61,7 +79,25 @@ class MlmTask : public Task {
 
   Step forward(int64_t) override {
     model::MlmBatch b = batches_->next();
-    return {model_->loss(b.ids, b.labels), static_cast<double>(b.predicted), b.tokens};
+    if (!pairs_) return {model_->loss(b.ids, b.labels), static_cast<double>(b.predicted), b.tokens};
+    // MLM and the translation ranking in one encoder pass: the three batches, padded on the
+    // right to one width (padding changes no real token's hidden state), stacked.
+    model::PairBatch p = pairs_->next();
+    const int64_t width = std::max({b.ids.size(1), p.en.size(1), p.other.size(1)});
+    const int64_t pad = ctx_.tokenizer->pad_id();
+    auto widen = [&](const at::Tensor& t) { return at::constant_pad_nd(t, {0, width - t.size(1)}, pad); };
+    const at::Tensor ids = at::cat({widen(b.ids), widen(p.en), widen(p.other)});
+    const at::Tensor hidden = model_->encode(ids);
+    const int64_t n = b.ids.size(0), k = p.en.size(0);
+    const at::Tensor labels = at::constant_pad_nd(b.labels, {0, width - b.labels.size(1)}, model::kIgnoreIndex);
+    const at::Tensor mlm = model_->masked_loss(hidden.narrow(0, 0, n), labels);
+    const at::Tensor en = model_->pool(hidden.narrow(0, n, k), ids.narrow(0, n, k));
+    const at::Tensor other = model_->pool(hidden.narrow(0, n + k, k), ids.narrow(0, n + k, k));
+    const at::Tensor rank = model::translation_ranking_loss(en, other, c_.data.contrastive_temperature);
+    contrastive_sum_ += rank.item<double>();
+    ++contrastive_steps_;
+    return {mlm + c_.data.contrastive_weight * rank, static_cast<double>(b.predicted),
+            b.tokens + p.en.ne(pad).sum().item<int64_t>() + p.other.ne(pad).sum().item<int64_t>()};
   }
 
   bool has_validation() const override { return valid_ != nullptr; }
@@ -88,10 +124,23 @@ class MlmTask : public Task {
     return XlingualProbe::to_json(c_, counts);
   }
 
-  nlohmann::json summary() const override { return {{"objective", c_.data.objective}, {"peft", c_.peft.kind}}; }
+  nlohmann::json summary() const override {
+    nlohmann::json j = {{"objective", c_.data.objective}, {"peft", c_.peft.kind}};
+    if (pairs_)
+      j["contrastive"] = {{"weight", c_.data.contrastive_weight},
+                          {"pairs", pairs_->size()},
+                          {"mean_loss", contrastive_steps_ ? contrastive_sum_ / contrastive_steps_ : 0.0}};
+    return j;
+  }
 
-  void save_state(Checkpoint& checkpoint) const override { put_batcher(checkpoint, "train", batches_->state()); }
-  void load_state(const Checkpoint& checkpoint) override { batches_->restore(get_batcher(checkpoint, "train")); }
+  void save_state(Checkpoint& checkpoint) const override {
+    put_batcher(checkpoint, "train", batches_->state());
+    if (pairs_) put_batcher(checkpoint, "pairs", pairs_->state());
+  }
+  void load_state(const Checkpoint& checkpoint) override {
+    batches_->restore(get_batcher(checkpoint, "train"));
+    if (pairs_) pairs_->restore(get_batcher(checkpoint, "pairs"));
+  }
 
   std::map<std::string, std::string> model_metadata() const override {
     return {{"format", "nebula"},
@@ -110,6 +159,9 @@ class MlmTask : public Task {
   const TaskContext& ctx_;
   const Config& c_;
   std::unique_ptr<model::MlmBatcher> batches_, valid_;
+  std::unique_ptr<model::PairBatcher> pairs_;  // data.contrastive_weight > 0: the site's own pairs
+  double contrastive_sum_ = 0;                 // the ranking loss summed over this worker's steps
+  int64_t contrastive_steps_ = 0;
   std::unique_ptr<XlingualProbe> probe_;
   model::MlmEncoder model_{nullptr};
   std::vector<at::Tensor> params_;

@@ -106,7 +106,8 @@ class TranslationTask : public Task {
   Step forward(int64_t) override {
     if (!client_) {
       model::Seq2SeqBatch b = batches_->next();
-      return {model_->loss(b.src, b.tgt_in, b.tgt_out), static_cast<double>(b.target_tokens), b.src.numel()};
+      return {model_->loss(b.src, b.tgt_in, b.tgt_out, c_.model.label_smoothing), static_cast<double>(b.target_tokens),
+              b.src.numel()};
     }
     // Keep `prefetch` batches requested ahead of this one, so the teacher's answers (a WAN
     // round trip plus its compute away) are already here when they are needed.
@@ -116,7 +117,7 @@ class TranslationTask : public Task {
     distill::TopK teacher = client_->wait(id, Deadline::after(c_.job.timeout));
     at::Tensor logits = model_->forward(b.src, b.tgt_in);  // [B, T, V]
     at::Tensor ce = at::cross_entropy_loss(logits.reshape({-1, logits.size(-1)}), b.tgt_out.reshape({-1}), {},
-                                           at::Reduction::Mean, model::kIgnoreIndex);
+                                           at::Reduction::Mean, model::kIgnoreIndex, c_.model.label_smoothing);
     // The teacher's rows are the tgt_in positions without padding, sequence by sequence.
     at::Tensor rows = logits.index({b.tgt_in.ne(ctx_.ids.pad)});
     at::Tensor kd = distill::kd_loss(rows, teacher, c_.distill.temperature);

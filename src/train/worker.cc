@@ -476,6 +476,8 @@ int run_worker(const Config& c, const WorkerIdentity& who, bool resume, bool rej
     batch.loss.backward();  // gradient buckets start crossing the WAN while this runs
     if (full) full->end_backward();
     strategy->sync_gradients(params, batch.weight);
+    if (c.model.clip_norm > 0) optimizer.clip_grad_norm(c.model.clip_norm);
+    optimizer.set_lr(scheduled_lr(c.model, step, c.job.steps));
     optimizer.step();
     strategy->after_step(step);
     if (site.slowdown > 1)  // emulated slower hardware: this step takes `slowdown` times as long

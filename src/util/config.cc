@@ -198,6 +198,11 @@ Config build(const toml::table& root, const std::string& file) {
     s.number("dropout", c.model.dropout, 0.0, 0.99);
     s.number("lr", c.model.lr, 0.0, 10.0);
     s.number("weight_decay", c.model.weight_decay, 0.0, 10.0);
+    s.string("lr_schedule", c.model.lr_schedule, {"constant", "cosine", "linear"});
+    s.integer("warmup_steps", c.model.warmup_steps, 0, INT64_MAX);
+    s.number("lr_floor", c.model.lr_floor, 0.0, 1.0);
+    s.number("clip_norm", c.model.clip_norm, 0.0, 1e9);
+    s.number("label_smoothing", c.model.label_smoothing, 0.0, 0.9);
     s.integer("decoder_layers", c.model.decoder_layers, 1, 1024);
     s.string("init", c.model.init);
     s.string("script", c.model.script);
@@ -207,6 +212,10 @@ Config build(const toml::table& root, const std::string& file) {
       s.fail(*t, "script", "model.kind = \"torchscript\" needs the module: script = \"model.pt\" (torch.jit.save's file)");
     if (c.model.kind != "torchscript" && !c.model.script.empty())
       s.fail(*t->get("script"), "script", "a TorchScript module is trained with kind = \"torchscript\": set it or remove script");
+    if (c.model.label_smoothing > 0 && c.model.kind != "seq2seq")
+      s.fail(*t->get("label_smoothing"), "label_smoothing",
+             str_cat("applies to the translation loss (kind = \"seq2seq\"), not to kind \"", c.model.kind,
+                     "\": remove it"));
     if (!c.model.init.empty() && c.model.kind != "seq2seq")
       s.fail(*t, "init", "only a seq2seq model starts from a pre-trained encoder: set kind = \"seq2seq\" or remove init");
     if (c.model.dim % c.model.heads != 0) {
@@ -231,8 +240,16 @@ Config build(const toml::table& root, const std::string& file) {
     s.integer("batch_size", c.data.batch_size, 1, 1 << 20);
     s.number("mask_prob", c.data.mask_prob, 0.01, 0.9);
     s.string("objective", c.data.objective, {"mlm", "mlm+tlm"});
+    s.number("contrastive_weight", c.data.contrastive_weight, 0.0, 1000.0);
+    s.integer("contrastive_batch", c.data.contrastive_batch, 2, 1 << 16);
+    s.number("contrastive_temperature", c.data.contrastive_temperature, 1e-4, 10.0);
     s.finish();
+    if (c.data.contrastive_weight > 0 && c.model.kind != "mlm_encoder")
+      s.fail(*t->get("contrastive_weight"), "contrastive_weight",
+             str_cat("the contrastive alignment objective trains an mlm_encoder (model.kind is \"", c.model.kind,
+                     "\"): remove contrastive_weight or set it to 0"));
   }
+
 
   std::set<std::string> names;
   size_t index = 0;
@@ -567,6 +584,11 @@ std::string to_toml(const Config& c) {
                                    {"dropout", c.model.dropout},
                                    {"lr", c.model.lr},
                                    {"weight_decay", c.model.weight_decay},
+                                   {"lr_schedule", c.model.lr_schedule},
+                                   {"warmup_steps", c.model.warmup_steps},
+                                   {"lr_floor", c.model.lr_floor},
+                                   {"clip_norm", c.model.clip_norm},
+                                   {"label_smoothing", c.model.label_smoothing},
                                    {"decoder_layers", c.model.decoder_layers},
                                    {"init", c.model.init},
                                    {"script", c.model.script},
@@ -583,7 +605,10 @@ std::string to_toml(const Config& c) {
                                   {"tokenizer_corpus", c.data.tokenizer_corpus},
                                   {"batch_size", c.data.batch_size},
                                   {"mask_prob", c.data.mask_prob},
-                                  {"objective", c.data.objective}});
+                                  {"objective", c.data.objective},
+                                  {"contrastive_weight", c.data.contrastive_weight},
+                                  {"contrastive_batch", c.data.contrastive_batch},
+                                  {"contrastive_temperature", c.data.contrastive_temperature}});
   toml::array sites;
   for (const auto& s : c.sites) {
     sites.push_back(toml::table{{"name", s.name},

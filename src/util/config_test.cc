@@ -323,6 +323,35 @@ TEST(Config, TranslationAndDistillKeysAreValidated) {
   expect_error(kValid, {"'eval.beam'"}, {"eval.beam=0"});
 }
 
+// [5/5]: the training recipe's keys (schedule, clipping, label smoothing, the contrastive
+// objective) round-trip and bad values name the key.
+TEST(Config, RecipeKeysAreValidated) {
+  Config c = parse_config(kValid, "job.toml",
+                          {"model.lr_schedule=\"cosine\"", "model.warmup_steps=100", "model.lr_floor=0.05",
+                           "model.clip_norm=1.0", "data.contrastive_weight=0.5", "data.contrastive_batch=24",
+                           "data.contrastive_temperature=0.1"});
+  Config round = parse_config(to_toml(c), "resolved.toml");
+  EXPECT_EQ(round.model.lr_schedule, "cosine");
+  EXPECT_EQ(round.model.warmup_steps, 100);
+  EXPECT_DOUBLE_EQ(round.model.lr_floor, 0.05);
+  EXPECT_DOUBLE_EQ(round.model.clip_norm, 1.0);
+  EXPECT_DOUBLE_EQ(round.data.contrastive_weight, 0.5);
+  EXPECT_EQ(round.data.contrastive_batch, 24);
+  EXPECT_DOUBLE_EQ(round.data.contrastive_temperature, 0.1);
+  EXPECT_NE(training_fingerprint(c), training_fingerprint(parse_config(kValid, "job.toml")));
+  Config mt = parse_config(kValid, "job.toml", {"model.kind=seq2seq", "model.label_smoothing=0.1"});
+  EXPECT_DOUBLE_EQ(mt.model.label_smoothing, 0.1);
+
+  expect_error(kValid, {"'model.lr_schedule'", "cosine"}, {"model.lr_schedule=\"step\""});
+  expect_error(kValid, {"'model.lr_floor'"}, {"model.lr_floor=2"});
+  expect_error(kValid, {"'model.clip_norm'"}, {"model.clip_norm=-1"});
+  expect_error(kValid, {"'model.warmup_steps'"}, {"model.warmup_steps=-5"});
+  expect_error(kValid, {"'model.label_smoothing'", "seq2seq"}, {"model.label_smoothing=0.1"});
+  expect_error(kValid, {"'data.contrastive_weight'", "mlm_encoder"}, {"model.kind=seq2seq", "data.contrastive_weight=1"});
+  expect_error(kValid, {"'data.contrastive_batch'"}, {"data.contrastive_batch=1"});
+  expect_error(kValid, {"'data.contrastive_temperature'"}, {"data.contrastive_temperature=0"});
+}
+
 // [1/5] review: the vocabulary is trained on one site's data or a shareable file.
 TEST(Config, TokenizerSiteNamesASiteOrTheCorpusIsGivenInstead) {
   Config c = parse_config(kValid, "job.toml", {"data.tokenizer_site=b"});
