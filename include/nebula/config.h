@@ -43,7 +43,9 @@ struct EvalConfig {
 };
 
 struct ModelConfig {
-  // mlm_encoder (pre-training) | seq2seq (English→X translation) | torchscript (the user's own
+  // mlm_encoder (pre-training) | seq2seq (English→X translation) | classifier (zero-shot
+  // cross-lingual transfer: which of data.packages a message belongs to, trained on English
+  // messages, evaluated on their translations in data.languages) | torchscript (the user's own
   // module: model.script, fed from data.source = "tensors"; dim ... decoder_layers do not apply)
   std::string kind = "mlm_encoder";
   int64_t dim = 64;
@@ -65,9 +67,12 @@ struct ModelConfig {
   double clip_norm = 0;
   // seq2seq: label smoothing of the translation cross-entropy (0 = none).
   double label_smoothing = 0;
+  // classifier: train the head alone on the (pre-trained) encoder, a linear probe; the
+  // encoder's weights stay as loaded.
+  bool freeze_encoder = false;
   int64_t decoder_layers = 2;        // seq2seq: decoder layers (`layers` is the encoder's)
-  // seq2seq: a pre-trained mlm_encoder's model.safetensors to initialise the encoder from
-  // (its dims must match); empty = random.
+  // seq2seq, classifier: a pre-trained mlm_encoder's model.safetensors to initialise the
+  // encoder from (its dims and vocabulary must match); empty = random.
   std::string init;
   // torchscript: the module saved by torch.jit.save, and how its forward gives the loss:
   // "output" (forward(inputs, targets) returns it) | "cross_entropy" | "mse" (forward(inputs)
@@ -107,6 +112,9 @@ struct DataConfig {
   // pick its own translation among the batch's (and back), at temperature
   // contrastive_temperature. The pairs are the site's; no batch element comes from elsewhere.
   double contrastive_weight = 0;
+  // classifier: the gettext domains whose messages are classified (label = index; package
+  // "git" is LC_MESSAGES/git.mo), at least 2, each with a catalog in every data.languages.
+  std::vector<std::string> packages;
   int64_t contrastive_batch = 32;
   double contrastive_temperature = 0.05;
 };

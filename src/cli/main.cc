@@ -230,6 +230,7 @@ int main(int argc, char** argv) {
       o.executable = self_executable();
       o.pretrain_config = nebula::kDemoConfig;
       o.translate_config = nebula::kDemoMtConfig;
+      o.transfer_config = nebula::kTransferConfig;
       o.overrides = overrides;
       return nebula::train::run_demo(o);
     }

@@ -7,9 +7,11 @@
 #include <array>
 #include <cstdio>
 #include <filesystem>
+#include <map>
 #include <optional>
 #include <set>
 #include <system_error>
+#include <tuple>
 #include <utility>
 
 #include "data/file_io.h"
@@ -812,6 +814,50 @@ std::vector<SentencePair> select_languages(const std::vector<SentencePair>& pair
   for (const SentencePair& p : pairs) {
     if (wanted.count(p.lang)) out.push_back(p);
   }
+  return out;
+}
+
+std::vector<PackageMessage> read_package_messages(const std::string& locale_dir, const std::vector<std::string>& packages,
+                                                  const std::vector<std::string>& languages, size_t min_chars,
+                                                  size_t max_chars) {
+  NEBULA_CHECK(!packages.empty() && !languages.empty(), "read_package_messages: ", packages.size(), " packages, ",
+               languages.size(), " languages");
+  auto usable = [&](const std::string& x) { return x.size() >= min_chars && x.size() <= max_chars; };
+  // English message -> (label, translations); labels of messages seen in several packages.
+  std::map<std::string, PackageMessage> by_en;
+  std::map<std::string, std::set<int>> labels_of;
+  for (size_t k = 0; k < packages.size(); ++k) {
+    const int label = static_cast<int>(k);
+    for (const std::string& lang : languages) {
+      const std::string file = (fs::path(locale_dir) / lang / "LC_MESSAGES" / (packages[k] + ".mo")).string();
+      if (!fs::exists(file))
+        throw DataError(str_cat(file, ": no catalog of package '", packages[k], "' in language '", lang,
+                                "'; choose packages that every language of data.languages has"));
+      for (const MoEntry& e : read_mo_file(file)) {
+        if (e.translations.empty() || e.translations[0].empty()) continue;
+        std::string en = clean_message(e.msgid), other = clean_message(e.translations[0]);
+        if (!usable(en) || !usable(other) || en == other) continue;
+        labels_of[en].insert(label);
+        PackageMessage& m = by_en[en];
+        m.en = en;
+        m.label = label;
+        m.translations.emplace(lang, std::move(other));  // the first entry of a message wins
+      }
+    }
+  }
+  std::vector<PackageMessage> out;
+  std::vector<size_t> per_package(packages.size(), 0);
+  for (auto& [en, m] : by_en) {
+    if (labels_of[en].size() > 1) continue;
+    ++per_package[static_cast<size_t>(m.label)];
+    out.push_back(std::move(m));
+  }
+  for (size_t k = 0; k < packages.size(); ++k)
+    if (per_package[k] == 0)
+      throw DataError(str_cat("package '", packages[k], "' (", locale_dir, "/*/LC_MESSAGES/", packages[k],
+                              ".mo): no message of its own with a usable translation"));
+  std::sort(out.begin(), out.end(),
+            [](const PackageMessage& a, const PackageMessage& b) { return std::tie(a.label, a.en) < std::tie(b.label, b.en); });
   return out;
 }
 

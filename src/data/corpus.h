@@ -106,6 +106,25 @@ std::vector<std::string> list_gettext_languages(const std::string& locale_dir);
 // throws DataError naming the language and the directory.
 std::vector<SentencePair> build_gettext_corpus(const CorpusOptions& options, CorpusStats* stats = nullptr);
 
+// Zero-shot cross-lingual transfer (train/classifier_task.cc): which software package a
+// message belongs to. The messages of the gettext domains `packages` (package "git" is
+// <locale_dir>/<lang>/LC_MESSAGES/git.mo), labelled by the package's index in `packages`.
+struct PackageMessage {
+  std::string en;                                    // the English message (msgid), cleaned
+  int label = 0;                                     // its package's index
+  std::map<std::string, std::string> translations;  // language -> translation (cleaned)
+};
+
+// Every English message of the packages with a usable translation (cleaned as
+// build_gettext_corpus cleans, within min_chars..max_chars, not equal to the English) in at
+// least one of `languages`, with those translations (the first entry of a message wins). A
+// message found in two or more of the packages is dropped: its label would be ambiguous.
+// Sorted by (label, en). DataError naming the file for a package without a catalog in one of
+// the languages, and naming the package for one left without messages.
+std::vector<PackageMessage> read_package_messages(const std::string& locale_dir, const std::vector<std::string>& packages,
+                                                  const std::vector<std::string>& languages, size_t min_chars = 2,
+                                                  size_t max_chars = 200);
+
 // One segment per line, empty lines kept (for files that must stay aligned line by line,
 // such as translations and their references: an empty hypothesis is still a segment).
 // A trailing '\r' is stripped; a final newline does not add an empty line. Unreadable ->

@@ -111,6 +111,44 @@ TEST(CleanMessage, NoSpaceLeftInsideQuotes) {
   EXPECT_EQ(clean_message("'a' %s 'b'"), "'a' 'b'");
 }
 
+// --- package messages (zero-shot transfer) --------------------------------------------
+
+// Messages are labelled by their package; one in two packages is dropped (ambiguous); each
+// keeps the translations of every language that has a usable one; a package missing in a
+// language names the file.
+TEST(PackageMessages, LabelledByPackageWithTheirTranslations) {
+  TempDir dir{"packages"};
+  write_bytes(dir.file("de/LC_MESSAGES/git.mo"), write_mo({{"", "Commit changes", "", {"Änderungen committen"}},
+                                                          {"", "Cancel", "", {"Abbrechen"}},
+                                                          {"", "Untranslated", "", {""}}},
+                                                         false));
+  write_bytes(dir.file("fr/LC_MESSAGES/git.mo"), write_mo({{"", "Commit changes", "", {"Valider les modifications"}},
+                                                          {"", "Cancel", "", {"Annuler"}}},
+                                                         false));
+  write_bytes(dir.file("de/LC_MESSAGES/tar.mo"), write_mo({{"", "Extract files", "", {"Dateien entpacken"}},
+                                                          {"", "Cancel", "", {"Abbrechen"}}},
+                                                         true));
+  write_bytes(dir.file("fr/LC_MESSAGES/tar.mo"), write_mo({{"", "Extract files", "", {"Extraire les fichiers"}},
+                                                          {"", "Only in French", "", {"Seulement en français"}}},
+                                                         false));
+  const auto m = read_package_messages(dir.path(), {"git", "tar"}, {"de", "fr"});
+  ASSERT_EQ(m.size(), 3u);  // "Cancel" is in both packages: dropped
+  EXPECT_EQ(m[0].en, "Commit changes");
+  EXPECT_EQ(m[0].label, 0);
+  EXPECT_EQ(m[0].translations, (std::map<std::string, std::string>{{"de", "Änderungen committen"},
+                                                                   {"fr", "Valider les modifications"}}));
+  EXPECT_EQ(m[1].en, "Extract files");
+  EXPECT_EQ(m[1].label, 1);
+  EXPECT_EQ(m[2].en, "Only in French");
+  EXPECT_EQ(m[2].translations.size(), 1u);
+  try {
+    read_package_messages(dir.path(), {"git", "dpkg"}, {"de"});
+    ADD_FAILURE() << "a package without catalogs was read";
+  } catch (const DataError& e) {
+    EXPECT_NE(std::string(e.what()).find("dpkg.mo"), std::string::npos) << e.what();
+  }
+}
+
 // --- gettext corpus on a hand-built locale directory ----------------------------------
 
 struct FakeLocale {

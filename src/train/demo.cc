@@ -23,7 +23,7 @@ namespace nebula::train {
 namespace fs = std::filesystem;
 namespace {
 
-constexpr int kStages = 6;
+constexpr int kStages = 7;
 
 void banner(int stage, const std::string& what) {
   std::printf("\n\033[1m[%d/%d] %s\033[0m\n", stage, kStages, what.c_str());
@@ -167,7 +167,29 @@ int run_demo(const DemoOptions& o) {
                     " steps with synchronous data parallel (every step's gradients over the WAN; an unlimited link)"));
   if (int rc = run_stage(sync, o)) return rc;
 
-  // 4–6. Translation (examples/demo_mt.toml): the teacher on site A, then the student on site
+  // 4. Zero-shot cross-lingual transfer (examples/transfer.toml): a package classifier trained
+  // on English messages alone, on the pre-trained encoder and on a random one, both scored on
+  // held-out translations in the pre-training languages.
+  Config xfer = parse_config(o.transfer_config, "examples/transfer.toml",
+                             {"data.tokenizer=\"" + tokenizer + "\"", "model.init=\"" + pre.job.run_dir + "/model.safetensors\"",
+                              "job.run_dir=\"" + run + "/transfer\""});
+  if (q) {
+    xfer.job.steps = 20;
+    xfer.job.log_every = 5;
+    xfer.eval.every = 0;
+    xfer.eval.pairs = 40;
+  }
+  banner(4, str_cat("zero-shot transfer: which of ", xfer.data.packages.size(),
+                    " packages a message is from, trained on English only, scored in ",
+                    xfer.data.languages.size(), " languages; the pre-trained encoder, then a random one"));
+  if (int rc = run_stage(xfer, o)) return rc;
+  Config xfer_random = xfer;
+  xfer_random.job.name = "transfer-random";
+  xfer_random.job.run_dir = run + "/transfer-random";
+  xfer_random.model.init.clear();
+  if (int rc = run_stage(xfer_random, o)) return rc;
+
+  // 5–7. Translation (examples/demo_mt.toml): the teacher on site A, then the student on site
   // B with and without distillation from it.
   Config mt = parse_config(o.translate_config, "examples/demo_mt.toml",
                            {"data.path=\"" + run + "/corpus-de\"", "data.tokenizer=\"" + tokenizer + "\"",
@@ -186,14 +208,14 @@ int run_demo(const DemoOptions& o) {
   teacher.job.steps = q ? 20 : 3 * mt.job.steps;  // three times the student's: the fine-tuned model
   teacher.sites = {mt.sites[0]};
   teacher.distill = DistillConfig{};
-  banner(4, str_cat("teacher: en->", mt.data.languages[0], " fine-tuned on all of ", teacher.sites[0].name,
+  banner(5, str_cat("teacher: en->", mt.data.languages[0], " fine-tuned on all of ", teacher.sites[0].name,
                     "'s pairs from the pre-trained encoder, ", teacher.job.steps, " steps"));
   if (int rc = run_stage(teacher, o)) return rc;
 
   Config kd = mt;
   kd.job.name = "demo-student-kd";
   kd.job.run_dir = run + "/student-kd";
-  banner(5, str_cat("student with distillation: trains on ", kd.sites[1].name, " (", kd.sites[1].max_pairs_per_language,
+  banner(6, str_cat("student with distillation: trains on ", kd.sites[1].name, " (", kd.sites[1].max_pairs_per_language,
                     " pairs at most), asks the teacher on ", kd.sites[0].name, " for its top-", kd.distill.top_k,
                     " over the WAN"));
   if (int rc = run_stage(kd, o)) return rc;
@@ -203,7 +225,7 @@ int run_demo(const DemoOptions& o) {
   alone.job.run_dir = run + "/student";
   alone.sites = {mt.sites[1]};
   alone.distill = DistillConfig{};
-  banner(6, "student without distillation (the baseline): the same site, data, steps and seed");
+  banner(7, "student without distillation (the baseline): the same site, data, steps and seed");
   if (int rc = run_stage(alone, o)) return rc;
 
   // The summary: one table and three charts.
@@ -251,6 +273,29 @@ int run_demo(const DemoOptions& o) {
   }
   md += str_cat("\nThe controller's decisions: ", s_pre["decisions"].dump(), "\n\n");
 
+  // Zero-shot transfer: accuracy per language, pre-trained encoder against random.
+  const auto s_xfer = read_json(xfer.job.run_dir + "/summary.json"),
+             s_xfer_random = read_json(xfer_random.job.run_dir + "/summary.json");
+  auto acc = [](const nlohmann::json& s, const std::string& lang) {
+    return s["eval"].contains(lang) ? s["eval"][lang].value("accuracy", 0.0) : 0.0;
+  };
+  md += str_cat("## Zero-shot cross-lingual transfer\n\nWhich of ", xfer.data.packages.size(),
+                " software packages a message comes from (chance ", pct(1.0 / double(xfer.data.packages.size())),
+                "), a linear probe trained on English messages only (", xfer.job.steps,
+                " steps), scored on held-out messages that no training message shares in any language:\n\n"
+                "| held out | pre-trained encoder | × English | random encoder |\n|---|---|---|---|\n");
+  nlohmann::json transfer_summary = nlohmann::json::object();
+  for (const std::string& lang : std::vector<std::string>{"en", "de", "es", "fr", "it"}) {
+    if (!s_xfer["eval"].contains(lang)) continue;
+    const double ratio = acc(s_xfer, "en") > 0 ? acc(s_xfer, lang) / acc(s_xfer, "en") : 0.0;
+    md += str_cat("| ", lang, " (", fixed(s_xfer["eval"][lang].value("messages", 0.0), 0), " messages) | ",
+                  pct(acc(s_xfer, lang)), " | ", lang == "en" ? "–" : fixed(ratio, 2), " | ", pct(acc(s_xfer_random, lang)),
+                  " |\n");
+    transfer_summary[lang] = {{"pretrained", acc(s_xfer, lang)}, {"random", acc(s_xfer_random, lang)},
+                              {"vs_english", ratio}, {"messages", s_xfer["eval"][lang].value("messages", 0.0)}};
+  }
+  md += "\n";
+
   // Translation: the two students saw the same batches in the same order (batch_seed is keyed by
   // the site's name); the difference of their BLEU on the whole test split, with its noise.
   const auto boot = bootstrap_students(alone.job.run_dir, kd.job.run_dir, mt.sites[1].name);
@@ -288,8 +333,8 @@ int run_demo(const DemoOptions& o) {
                          {"Translation training loss (with KD: (1-a)·CE + a·KD)", "step", "training loss"});
   md += str_cat("\nCharts: ", run, "/pretrain_loss.svg, ", run, "/retrieval.svg, ", run, "/translation_loss.svg\n");
   // Every stage side by side (`nebula report`): charts, a page and TensorBoard event files.
-  const auto report = write_report({pre.job.run_dir, sync.job.run_dir, teacher.job.run_dir, kd.job.run_dir,
-                                    alone.job.run_dir},
+  const auto report = write_report({pre.job.run_dir, sync.job.run_dir, xfer.job.run_dir, xfer_random.job.run_dir,
+                                    teacher.job.run_dir, kd.job.run_dir, alone.job.run_dir},
                                    run + "/report");
   md += str_cat("Report of every stage: ", report.files.back(), "; TensorBoard: tensorboard --logdir ", run,
                 "/report/tensorboard (", report.event_files.size(), " event files)\n");
@@ -304,6 +349,7 @@ int run_demo(const DemoOptions& o) {
                             {"pretrain_sync", s_sync},
                             {"wan_reduction_vs_sync", reduction},
                             {"val_loss_cost_vs_sync", loss_cost},
+                            {"transfer", transfer_summary},
                             {"teacher_bleu", bleu(s_teacher)},
                             {"student_bleu", bleu(s_alone)},
                             {"student_kd_bleu", bleu(s_kd)},

@@ -24,6 +24,7 @@ struct DemoOptions {
   std::string executable;              // the nebula binary (workers are spawned with it)
   std::string pretrain_config;         // examples/demo.toml's text
   std::string translate_config;        // examples/demo_mt.toml's text
+  std::string transfer_config;         // examples/transfer.toml's text
   std::vector<std::string> overrides;  // --set: applied to the pre-training config
 };
 

@@ -400,6 +400,18 @@ bool print_summary(const std::string& run_dir) {
   if (j.contains("eval") && j["eval"].contains("bleu")) {
     std::printf("  BLEU              %.2f on %.0f test pairs (beam %d)\n", j["eval"].value("bleu", 0.0),
                 j["eval"].value("sentences", 0.0), j["eval"].value("beam", 1));
+  } else if (j.contains("eval") && j.contains("packages")) {
+    // Zero-shot transfer (a classifier trained on English): accuracy per language, start → end.
+    const double en = j["eval"].contains("en") ? j["eval"]["en"].value("accuracy", 0.0) : 0.0;
+    std::printf("  %-8s %-24s (chance %.1f%%, %zu packages; trained on English only)\n", "held-out", "package accuracy",
+                100 * j.value("chance", 0.0), j["packages"].size());
+    for (auto& [lang, e] : j["eval"].items()) {
+      const auto& s = j.contains("eval_start") && j["eval_start"].contains(lang) ? j["eval_start"][lang] : e;
+      std::printf("  %-8s %5.1f%% -> %5.1f%%  %4.0f messages", lang.c_str(), 100 * s.value("accuracy", 0.0),
+                  100 * e.value("accuracy", 0.0), e.value("messages", 0.0));
+      if (lang != "en" && en > 0) std::printf("  %.2fx English", e.value("accuracy", 0.0) / en);
+      std::printf("\n");
+    }
   } else if (j.contains("eval") && j["eval"].is_object() && !j["eval"].empty()) {
     // Cross-lingual evaluation, start → end of the run, per language.
     std::printf("  %-8s %-22s %s\n", "held-out", "MLM accuracy", "retrieval accuracy (chance)");

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <filesystem>
+#include <map>
 #include <set>
 #include <string_view>
 
@@ -286,6 +287,89 @@ std::vector<std::vector<int>> encode_tlm(const data::Tokenizer& tok, const std::
     out.push_back(std::move(ids));
   }
   return out;
+}
+
+namespace {
+constexpr uint64_t kTransferSliceSalt = 0x7472736c6963ULL;  // "trslic": sites' slices of the messages
+constexpr uint64_t kTransferPickSalt = 0x747270696bULL;     // "trpik": which messages a cap keeps
+
+// At most `per_class` of each label's entries (hash order), and no more than the rarest label
+// has: balanced classes.
+TransferData::Labelled balanced(const TransferData::Labelled& in, size_t classes, size_t per_class_cap) {
+  std::vector<TransferData::Labelled> by_label(classes);
+  for (const auto& e : in) by_label[static_cast<size_t>(e.second)].push_back(e);
+  size_t per_class = per_class_cap;
+  for (auto& v : by_label) {
+    std::sort(v.begin(), v.end(), [](const auto& a, const auto& b) {
+      return std::pair(data::sentence_hash(a.first, kTransferPickSalt), a.first) <
+             std::pair(data::sentence_hash(b.first, kTransferPickSalt), b.first);
+    });
+    per_class = std::min(per_class, v.size());
+  }
+  TransferData::Labelled out;
+  for (const auto& v : by_label) out.insert(out.end(), v.begin(), v.begin() + static_cast<std::ptrdiff_t>(per_class));
+  return out;
+}
+}  // namespace
+
+TransferData split_transfer_messages(const std::vector<data::PackageMessage>& messages,
+                                     const std::vector<std::string>& languages, size_t packages,
+                                     double valid_fraction, double test_fraction, size_t site, size_t sites,
+                                     size_t test_per_language) {
+  NEBULA_CHECK(packages >= 2 && sites >= 1 && site < sites, "transfer split: ", packages, " packages, site ", site,
+               " of ", sites);
+  TransferData out;
+  TransferData::Labelled test_en;
+  std::map<std::string, TransferData::Labelled> test_other;
+  // Texts a training message has, per language ("en": the message itself).
+  std::map<std::string, std::set<std::string>> trained;
+  std::vector<const data::PackageMessage*> held_out;
+  for (const auto& m : messages) {
+    NEBULA_CHECK(m.label >= 0 && static_cast<size_t>(m.label) < packages, "message '", m.en, "' has label ", m.label,
+                 " of ", packages, " packages");
+    if (sites > 1 && data::sentence_hash(m.en, kTransferSliceSalt) % sites != site) continue;
+    switch (data::split_of_sentence(m.en, valid_fraction, test_fraction)) {
+      case data::Split::kTrain:
+        out.train.emplace_back(m.en, m.label);
+        break;
+      case data::Split::kValid:
+        out.valid.emplace_back(m.en, m.label);
+        break;
+      case data::Split::kTest:
+        held_out.push_back(&m);
+        break;
+    }
+  }
+  out.train = balanced(out.train, packages, SIZE_MAX);
+  // What the kept training messages are, in every language (a translation counts even in a
+  // language this job does not evaluate: it is text the classifier saw the meaning of).
+  std::set<std::string> train_en;
+  for (const auto& [en, label] : out.train) train_en.insert(en);
+  for (const auto& m : messages)
+    if (train_en.count(m.en)) {
+      trained["en"].insert(m.en);
+      for (const auto& [lang, text] : m.translations) trained[lang].insert(text);
+    }
+  const size_t per_class = std::max<size_t>(1, test_per_language / packages);
+  auto seen = [&](const std::string& lang, const std::string& text) {
+    auto it = trained.find(lang);
+    return trained["en"].count(text) > 0 || (it != trained.end() && it->second.count(text) > 0);
+  };
+  for (const auto* m : held_out) {
+    if (!seen("en", m->en)) test_en.emplace_back(m->en, m->label);
+    for (const std::string& lang : languages)
+      if (auto t = m->translations.find(lang); t != m->translations.end() && !seen(lang, t->second))
+        test_other[lang].emplace_back(t->second, m->label);
+  }
+  out.test["en"] = balanced(test_en, packages, per_class);
+  for (const std::string& lang : languages) out.test[lang] = balanced(test_other[lang], packages, per_class);
+  return out;
+}
+
+TransferData load_transfer_data(const Config& c, size_t site) {
+  const auto messages = data::read_package_messages(c.data.path, c.data.packages, c.data.languages);
+  return split_transfer_messages(messages, c.data.languages, c.data.packages.size(), c.data.valid_fraction,
+                                 c.data.test_fraction, site, c.sites.size(), static_cast<size_t>(c.eval.pairs));
 }
 
 }  // namespace nebula::train

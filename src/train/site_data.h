@@ -3,7 +3,9 @@
 // every k-th sentence of its site's share.
 #pragma once
 
+#include <map>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <ATen/core/Tensor.h>
@@ -57,6 +59,34 @@ SiteTensors load_site_tensors(const Config& config, size_t site_index, int rank,
 // first site with shareable = true, else the first site; nullptr when data.tokenizer_corpus
 // (a shareable file) is given instead. Throws ConfigError for a tokenizer_site no site has.
 const SiteConfig* tokenizer_site(const Config& config);
+// The classifier's data (model.kind = "classifier", zero-shot cross-lingual transfer): English
+// messages with their package labels to train and validate on, and held-out messages in
+// English and in each of data.languages to evaluate on.
+struct TransferData {
+  using Labelled = std::vector<std::pair<std::string, int>>;  // (text, label)
+  Labelled train, valid;                                     // English only
+  std::map<std::string, Labelled> test;                      // "en" and each language
+};
+
+// Splits `messages` (data::read_package_messages) as a job does, deterministically:
+//  * by the English message (data::split_of_sentence with valid/test fractions): a message
+//    and all its translations are in one split, the same one the pre-training corpus put its
+//    English sentence in (so the pre-trained encoder never trained on an evaluated message);
+//  * with several sites, site `site` of `sites` keeps the messages of its hash slice (each
+//    site evaluates its slice; the job sums the counts);
+//  * an evaluated text equal to a training message or to a training message's translation in
+//    the same language is dropped (catalogs translate different messages alike), so no English
+//    training message appears, in any language, among the evaluated ones;
+//  * balanced: every package keeps as many training messages as the smallest one, and as many
+//    evaluated messages per language as the smallest one there, at most test_per_language /
+//    packages; chance is then 1 / packages everywhere. Picks are hash-ordered, not alphabetical.
+TransferData split_transfer_messages(const std::vector<data::PackageMessage>& messages,
+                                     const std::vector<std::string>& languages, size_t packages,
+                                     double valid_fraction, double test_fraction, size_t site, size_t sites,
+                                     size_t test_per_language);
+// read_package_messages from the config's catalogs, then split_transfer_messages for `site`.
+TransferData load_transfer_data(const Config& config, size_t site);
+
 // Trains the job's shared SentencePiece vocabulary into `model_prefix` (.model/.vocab) on the
 // training split of tokenizer_site's data only, or on the lines of data.tokenizer_corpus: never
 // on another site's text. The vocabulary then goes to every site (its pieces reveal frequent

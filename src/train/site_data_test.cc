@@ -8,6 +8,7 @@
 #include <filesystem>
 #include <fstream>
 #include <iterator>
+#include <map>
 #include <set>
 
 #include "data/corpus.h"
@@ -361,6 +362,60 @@ TEST(SiteData, BadTensorFilesNameTheFileAndWhatIsWrong) {
   f.tensors["targets"] = at::zeros({3});
   model::save_safetensors(dir.file("a.safetensors"), f);
   EXPECT_NE(error().find("\"inputs\" has 4 rows and \"targets\" 3"), std::string::npos) << error();
+}
+
+// Zero-shot transfer's splits: deterministic; held out by the English message; no training
+// message appears among the evaluated texts in English or in any language (also when a
+// catalog translates two messages alike); balanced classes; sites' slices are disjoint.
+TEST(TransferSplits, NoTrainingMessageIsEvaluatedInAnyLanguage) {
+  std::vector<data::PackageMessage> messages;
+  for (int i = 0; i < 600; ++i) {
+    data::PackageMessage m;
+    m.en = "message number " + std::to_string(i);
+    m.label = i % 3;
+    m.translations["de"] = "Nachricht " + std::to_string(i);
+    if (i % 2 == 0) m.translations["fr"] = "message n° " + std::to_string(i);
+    messages.push_back(m);
+  }
+  // Two messages whose German translations coincide, and a translation equal to an English message.
+  messages[10].translations["de"] = messages[11].translations["de"] = "Gleich";
+  messages[12].translations["fr"] = messages[13].en;
+  const std::vector<std::string> langs = {"de", "fr"};
+  const TransferData a = split_transfer_messages(messages, langs, 3, 0.1, 0.3, 0, 1, 90);
+  const TransferData b = split_transfer_messages(messages, langs, 3, 0.1, 0.3, 0, 1, 90);
+  EXPECT_EQ(a.train, b.train);
+  EXPECT_EQ(a.test, b.test);
+  ASSERT_FALSE(a.train.empty());
+  std::map<std::string, std::set<std::string>> trained;  // every text of a training message
+  for (const auto& [en, label] : a.train) {
+    EXPECT_EQ(data::split_of_sentence(en, 0.1, 0.3), data::Split::kTrain) << en;
+    for (const auto& m : messages)
+      if (m.en == en) {
+        trained["en"].insert(en);
+        for (const auto& [lang, text] : m.translations) trained[lang].insert(text);
+      }
+  }
+  for (const auto& [slot, items] : a.test) {
+    ASSERT_FALSE(items.empty()) << slot;
+    std::map<int, int> per_label;
+    for (const auto& [text, label] : items) {
+      EXPECT_EQ(trained[slot].count(text) + trained["en"].count(text), 0u) << slot << ": '" << text << "' was trained on";
+      ++per_label[label];
+    }
+    EXPECT_EQ(per_label.size(), 3u) << slot;
+    for (const auto& [label, n] : per_label) EXPECT_EQ(n, per_label.begin()->second) << slot << " unbalanced";
+    EXPECT_LE(items.size(), 90u);
+  }
+  std::map<int, int> train_labels;
+  for (const auto& [en, label] : a.train) ++train_labels[label];
+  for (const auto& [label, n] : train_labels) EXPECT_EQ(n, train_labels.begin()->second);
+  // Two sites: disjoint slices of the messages.
+  const TransferData s0 = split_transfer_messages(messages, langs, 3, 0.1, 0.3, 0, 2, 90);
+  const TransferData s1 = split_transfer_messages(messages, langs, 3, 0.1, 0.3, 1, 2, 90);
+  std::set<std::string> first;
+  for (const auto& [en, label] : s0.train) first.insert(en);
+  for (const auto& [en, label] : s1.train) EXPECT_EQ(first.count(en), 0u) << en;
+  EXPECT_THROW(split_transfer_messages(messages, langs, 1, 0.1, 0.3, 0, 1, 90), Error);
 }
 
 }  // namespace

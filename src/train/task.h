@@ -5,6 +5,8 @@
 //                                 evaluation (MLM accuracy, retrieval) per language
 //   seq2seq      TranslationTask  English→X translation, optionally distilled from a teacher on
 //                                 another site ([distill]); BLEU on the site's test pairs
+//   classifier   ClassifierTask   zero-shot cross-lingual transfer: which package a gettext
+//                                 message is from, trained in English, scored in every language
 //   torchscript  ScriptTask       the user's own TorchScript module on the site's tensor files
 //
 // A task lives on one worker thread (not thread-safe). Evaluation counts are plain numbers
@@ -94,6 +96,7 @@ class Task {
 };
 
 std::unique_ptr<Task> make_mlm_task(const TaskContext& context);
+std::unique_ptr<Task> make_classifier_task(const TaskContext& context);
 // `teacher`: the link to the teacher site with [distill] (on the gateway; not owned), else null.
 std::unique_ptr<Task> make_translation_task(const TaskContext& context, transport::Link* teacher);
 std::unique_ptr<Task> make_script_task(const TaskContext& context);

@@ -235,6 +235,7 @@ int run_worker(const Config& c, const WorkerIdentity& who, bool resume, bool rej
 
   std::unique_ptr<Task> task = c.model.kind == "seq2seq"       ? make_translation_task(ctx, site_comm.teacher.get())
                                : c.model.kind == "torchscript" ? make_script_task(ctx)
+                               : c.model.kind == "classifier"  ? make_classifier_task(ctx)
                                                                : make_mlm_task(ctx);
   std::vector<at::Tensor> params = task->trainable();
   auto strategy =

@@ -189,7 +189,7 @@ Config build(const toml::table& root, const std::string& file) {
 
   if (auto* t = top.table("model")) {
     Section s(*t, "model", file);
-    s.string("kind", c.model.kind, {"mlm_encoder", "seq2seq", "torchscript"});
+    s.string("kind", c.model.kind, {"mlm_encoder", "seq2seq", "classifier", "torchscript"});
     s.integer("dim", c.model.dim, 8, 65536);
     s.integer("layers", c.model.layers, 1, 1024);
     s.integer("heads", c.model.heads, 1, 1024);
@@ -203,6 +203,7 @@ Config build(const toml::table& root, const std::string& file) {
     s.number("lr_floor", c.model.lr_floor, 0.0, 1.0);
     s.number("clip_norm", c.model.clip_norm, 0.0, 1e9);
     s.number("label_smoothing", c.model.label_smoothing, 0.0, 0.9);
+    s.boolean("freeze_encoder", c.model.freeze_encoder);
     s.integer("decoder_layers", c.model.decoder_layers, 1, 1024);
     s.string("init", c.model.init);
     s.string("script", c.model.script);
@@ -212,12 +213,17 @@ Config build(const toml::table& root, const std::string& file) {
       s.fail(*t, "script", "model.kind = \"torchscript\" needs the module: script = \"model.pt\" (torch.jit.save's file)");
     if (c.model.kind != "torchscript" && !c.model.script.empty())
       s.fail(*t->get("script"), "script", "a TorchScript module is trained with kind = \"torchscript\": set it or remove script");
+    if (c.model.freeze_encoder && c.model.kind != "classifier")
+      s.fail(*t->get("freeze_encoder"), "freeze_encoder",
+             str_cat("trains a classifier's head alone (kind = \"classifier\"), not a \"", c.model.kind,
+                     "\": remove it (PEFT, [peft], freezes an mlm_encoder's backbone)"));
     if (c.model.label_smoothing > 0 && c.model.kind != "seq2seq")
       s.fail(*t->get("label_smoothing"), "label_smoothing",
              str_cat("applies to the translation loss (kind = \"seq2seq\"), not to kind \"", c.model.kind,
                      "\": remove it"));
-    if (!c.model.init.empty() && c.model.kind != "seq2seq")
-      s.fail(*t, "init", "only a seq2seq model starts from a pre-trained encoder: set kind = \"seq2seq\" or remove init");
+    if (!c.model.init.empty() && c.model.kind != "seq2seq" && c.model.kind != "classifier")
+      s.fail(*t, "init", "only a seq2seq model or a classifier starts from a pre-trained encoder: set kind = "
+                         "\"seq2seq\" or \"classifier\", or remove init");
     if (c.model.dim % c.model.heads != 0) {
       const toml::node* dim = t->get("dim");
       s.fail(dim ? *dim : *t, "dim", str_cat(c.model.dim, " must be divisible by heads (", c.model.heads,
@@ -243,7 +249,19 @@ Config build(const toml::table& root, const std::string& file) {
     s.number("contrastive_weight", c.data.contrastive_weight, 0.0, 1000.0);
     s.integer("contrastive_batch", c.data.contrastive_batch, 2, 1 << 16);
     s.number("contrastive_temperature", c.data.contrastive_temperature, 1e-4, 10.0);
+    s.strings("packages", c.data.packages);
     s.finish();
+    if (c.model.kind == "classifier" && (c.data.packages.size() < 2 || c.data.source != "gettext" ||
+                                         c.data.languages.empty()))
+      s.fail(*t, "packages",
+             str_cat("a classifier (model.kind) learns which of data.packages a message belongs to, from gettext "
+                     "catalogs (source = \"gettext\", now \"", c.data.source, "\"), and is evaluated in "
+                     "data.languages (", c.data.languages.size(), " given): name 2 or more packages, e.g. packages = "
+                     "[\"git\", \"coreutils\", \"dpkg\"]"));
+    if (!c.data.packages.empty() && c.model.kind != "classifier")
+      s.fail(*t->get("packages"), "packages",
+             str_cat("labels the messages of a classifier (model.kind = \"classifier\"), not of kind \"",
+                     c.model.kind, "\": remove it"));
     if (c.data.contrastive_weight > 0 && c.model.kind != "mlm_encoder")
       s.fail(*t->get("contrastive_weight"), "contrastive_weight",
              str_cat("the contrastive alignment objective trains an mlm_encoder (model.kind is \"", c.model.kind,
@@ -589,6 +607,7 @@ std::string to_toml(const Config& c) {
                                    {"lr_floor", c.model.lr_floor},
                                    {"clip_norm", c.model.clip_norm},
                                    {"label_smoothing", c.model.label_smoothing},
+                                   {"freeze_encoder", c.model.freeze_encoder},
                                    {"decoder_layers", c.model.decoder_layers},
                                    {"init", c.model.init},
                                    {"script", c.model.script},
@@ -608,7 +627,8 @@ std::string to_toml(const Config& c) {
                                   {"objective", c.data.objective},
                                   {"contrastive_weight", c.data.contrastive_weight},
                                   {"contrastive_batch", c.data.contrastive_batch},
-                                  {"contrastive_temperature", c.data.contrastive_temperature}});
+                                  {"contrastive_temperature", c.data.contrastive_temperature},
+                                  {"packages", strs(c.data.packages)}});
   toml::array sites;
   for (const auto& s : c.sites) {
     sites.push_back(toml::table{{"name", s.name},
