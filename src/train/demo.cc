@@ -143,7 +143,7 @@ int run_demo(const DemoOptions& o) {
   // 2. Multilingual pre-training on two sites (different languages each) over the emulated WAN.
   std::vector<std::string> sets = {"job.run_dir=\"" + run + "/pretrain\"", "data.source=\"corpus\"",
                                    "data.path=\"" + run + "/corpus\""};
-  if (q) sets.insert(sets.end(), {"job.steps=20", "job.log_every=5", "eval.every=10", "eval.pairs=30"});
+  if (q) sets.insert(sets.end(), {"job.steps=20", "job.log_every=5", "eval.every=10", "eval.pairs=30", "model.warmup_steps=2"});
   sets.insert(sets.end(), o.overrides.begin(), o.overrides.end());
   Config pre = parse_config(o.pretrain_config, "examples/demo.toml", sets);
   banner(2, str_cat("pre-training: MLM + TLM on ", pre.sites[0].name, " (", pre.sites[0].languages.size(),
@@ -175,6 +175,7 @@ int run_demo(const DemoOptions& o) {
                               "job.run_dir=\"" + run + "/transfer\""});
   if (q) {
     xfer.job.steps = 20;
+    xfer.model.warmup_steps = 2;
     xfer.job.log_every = 5;
     xfer.eval.every = 0;
     xfer.eval.pairs = 40;
