@@ -71,8 +71,10 @@ struct ModelConfig {
   // encoder's weights stay as loaded.
   bool freeze_encoder = false;
   int64_t decoder_layers = 2;        // seq2seq: decoder layers (`layers` is the encoder's)
-  // seq2seq, classifier: a pre-trained mlm_encoder's model.safetensors to initialise the
-  // encoder from (its dims and vocabulary must match); empty = random.
+  // A trained model's model.safetensors to start from (its dims and vocabulary must match): a
+  // model of this kind, whole (e.g. a seq2seq fine-tuned further, with [peft] on top of it), or
+  // a pre-trained mlm_encoder: the whole of an mlm_encoder job, the encoder of a seq2seq or a
+  // classifier. Empty = random.
   std::string init;
   // torchscript: the module saved by torch.jit.save, and how its forward gives the loss:
   // "output" (forward(inputs, targets) returns it) | "cross_entropy" | "mse" (forward(inputs)

@@ -1,8 +1,10 @@
 // Forward+backward time of the demo-size MLM encoder (examples/demo.toml [model]: dim 64,
 // 2 layers, 4 heads, ffn 128, max_len 32; batch 16, vocab 1000), one intra-op thread as in a
 // worker. Side by side in one run: the encoder stack alone, torch::nn::TransformerEncoderLayer
-// vs ours; then the whole MlmEncoder step without PEFT, with LoRA r=8 and with adapters 16,
-// and each one's trainable parameter count. Not a test: prints ms per step.
+// vs ours; the MLM loss from full logits (before [5/5]) vs from the masked positions' only
+// (tokens/s); then the whole MlmEncoder step without PEFT, with LoRA r=8 and with adapters 16,
+// and each one's trainable parameter count. Prints ms per step; ctest runs a tiny mode
+// (bench.encoder_bench, 20 steps) so it cannot rot.
 //   build/src/model/encoder_bench [steps]
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -93,6 +95,26 @@ int main(int argc, char** argv) {
       m->zero_grad();
       m->loss(ids, labels).backward();
     });
+  }
+  {
+    // [5/5] recipe: the MLM loss from logits at the masked positions only (MlmEncoderImpl::loss)
+    // against the full [batch, seq, vocab] logits restricted afterwards (before [5/5]).
+    model::MlmEncoder m(c, vocab, pad);
+    const double tokens = static_cast<double>(ids.ne(pad).sum().item<int64_t>());
+    auto full = [&] {
+      m->zero_grad();
+      const at::Tensor logits = m->forward(ids);
+      at::cross_entropy_loss(logits.reshape({-1, vocab}), labels.reshape({-1}), {}, at::Reduction::Mean,
+                             model::kIgnoreIndex)
+          .backward();
+    };
+    auto masked = [&] {
+      m->zero_grad();
+      m->loss(ids, labels).backward();
+    };
+    auto t = ms_per_step({full, masked}, steps);
+    std::printf("  MLM loss, full logits %.3f (%.0f tokens/s)  masked positions only %.3f (%.0f tokens/s): %.2fx\n",
+                t[0], 1e3 * tokens / t[0], t[1], 1e3 * tokens / t[1], t[0] / t[1]);
   }
   auto t = ms_per_step(steps_of, steps);
   for (size_t i = 0; i < pefts.size(); ++i)

@@ -61,6 +61,31 @@ std::vector<at::Tensor> apply_peft(MlmEncoderImpl& model, const PeftConfig& peft
   return model.trainable_parameters();
 }
 
+std::vector<at::Tensor> apply_peft(Seq2SeqImpl& model, const PeftConfig& peft) {
+  ModelConfig config = model.encoder()->config();
+  config.kind = "seq2seq";
+  check_peft(config, peft);
+  const auto all = model.parameters();
+  NEBULA_CHECK(std::all_of(all.begin(), all.end(), [](const at::Tensor& p) { return p.requires_grad(); }),
+               "apply_peft on a model that already has frozen parameters (PEFT applied twice?)");
+  if (peft.kind == "none") return all;
+  for (auto& p : all) p.set_requires_grad(false);
+  for (EncoderLayer layer : model.encoder()->layers())
+    for (size_t p = 0; p < EncoderLayerImpl::kNumProjections; ++p) {
+      const auto which = static_cast<EncoderLayerImpl::Projection>(p);
+      layer->set_projection(which, torch::nn::AnyModule(LoraLinear(layer->linear(which), peft.rank, peft.alpha)));
+    }
+  for (DecoderLayer layer : model.decoder_layers())
+    for (size_t p = 0; p < DecoderLayerImpl::kNumProjections; ++p) {
+      const auto which = static_cast<DecoderLayerImpl::Projection>(p);
+      layer->set_projection(which, torch::nn::AnyModule(LoraLinear(layer->linear(which), peft.rank, peft.alpha)));
+    }
+  std::vector<at::Tensor> out;
+  for (const auto& p : model.parameters())
+    if (p.requires_grad()) out.push_back(p);
+  return out;
+}
+
 int64_t numel(const std::vector<at::Tensor>& tensors) {
   int64_t n = 0;
   for (const auto& t : tensors) n += t.numel();

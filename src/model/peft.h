@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "model/mlm_encoder.h"
+#include "model/seq2seq.h"
 #include "nebula/config.h"
 
 namespace nebula::model {
@@ -68,6 +69,11 @@ TORCH_MODULE(Adapter);
 // lora_A then lora_B; or each layer's two adapters), or with kind "none" every parameter.
 // Draws the new parameters' initial values from the default generator. Once per model.
 std::vector<at::Tensor> apply_peft(MlmEncoderImpl& model, const PeftConfig& peft);
+// The same for a translation model: LoRA in every Linear of every encoder and decoder layer
+// (self- and cross-attention, FFN); embeddings (tied to the output), norms and base weights
+// frozen. Adapters are not built for the decoder (check_peft refuses them). Returns the
+// trainable parameters in registration order.
+std::vector<at::Tensor> apply_peft(Seq2SeqImpl& model, const PeftConfig& peft);
 
 // Total number of values in `tensors`.
 int64_t numel(const std::vector<at::Tensor>& tensors);

@@ -13,7 +13,6 @@
 
 #include "model/classifier.h"
 #include "model/mlm_batch.h"
-#include "model/safetensors.h"
 #include "nebula/error.h"
 #include "train/site_data.h"
 #include "train/task.h"
@@ -61,19 +60,7 @@ class ClassifierTask : public Task {
     at::manual_seed(c_.job.seed);  // the same initial weights on every worker
     model_ = model::Classifier(c_.model, ctx.tokenizer->vocab_size(), ctx.tokenizer->pad_id(),
                                static_cast<int64_t>(c_.data.packages.size()));
-    if (!c_.model.init.empty()) {
-      const model::TensorFile init = model::load_safetensors(c_.model.init);
-      if (auto kind = init.metadata.find("kind"); kind != init.metadata.end() && kind->second != "mlm_encoder")
-        throw DataError(str_cat(c_.model.init, " (model.init): a ", kind->second,
-                                " model; the classifier's encoder starts from a pre-trained mlm_encoder"));
-      if (auto vocab = init.metadata.find("vocab");
-          vocab != init.metadata.end() && vocab->second != std::to_string(ctx.tokenizer->vocab_size()))
-        throw DataError(str_cat(c_.model.init, " (model.init): pre-trained with a vocabulary of ", vocab->second,
-                                " pieces, but ", ctx.tokenizer_path, " has ", ctx.tokenizer->vocab_size(),
-                                "; set data.tokenizer to the pre-training run's tokenizer.model"));
-      model::load_module(*model_->encoder(), init, c_.model.init);
-      spdlog::info("encoder initialised from {}", c_.model.init);
-    }
+    if (!c_.model.init.empty()) load_pretrained(ctx, *model_, *model_->encoder());
     // model.freeze_encoder: a linear probe. The encoder stays as pre-trained (its languages stay
     // aligned: fine-tuning it on English alone pulls English away from the others); only the
     // head learns, and only it crosses the WAN.

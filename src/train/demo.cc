@@ -146,7 +146,8 @@ int run_demo(const DemoOptions& o) {
   if (q) sets.insert(sets.end(), {"job.steps=20", "job.log_every=5", "eval.every=10", "eval.pairs=30", "model.warmup_steps=2"});
   sets.insert(sets.end(), o.overrides.begin(), o.overrides.end());
   Config pre = parse_config(o.pretrain_config, "examples/demo.toml", sets);
-  banner(2, str_cat("pre-training: MLM + TLM on ", pre.sites[0].name, " (", pre.sites[0].languages.size(),
+  banner(2, str_cat("pre-training: MLM + TLM", pre.data.contrastive_weight > 0 ? " + contrastive alignment" : "", " on ",
+                    pre.sites[0].name, " (", pre.sites[0].languages.size(),
                     " languages) and ", pre.sites[1].name, ", ", pre.job.steps, " steps, strategy ", pre.strategy.kind,
                     " with codec ", pre.strategy.codec, ", over ", format_rate_bits(pre.wan.path.bandwidth_bits), " / ",
                     std::chrono::duration_cast<std::chrono::milliseconds>(pre.wan.path.rtt).count(), " ms"));

@@ -4,7 +4,10 @@
 //   RUN/corpus          `nebula corpus build` of this machine's gettext catalogs (de, fr, es, it)
 //   RUN/pretrain        multilingual MLM + TLM pre-training on two sites that hold different
 //                       languages, over an emulated WAN, with the adaptive strategy ([4/7])
-//   RUN/pretrain-sync   a few steps of synchronous data parallel, to measure its bytes per step
+//   RUN/pretrain-sync   the same steps with synchronous data parallel (equal tokens)
+//   RUN/transfer        zero-shot transfer: a package classifier (linear probe) on the
+//                       pre-trained encoder, trained on English, scored in de/es/fr/it
+//   RUN/transfer-random the same on a randomly initialised encoder (the baseline)
 //   RUN/teacher         the en→de teacher, fine-tuned on site europe-west from the encoder
 //   RUN/student-kd      the student on europe-south, distilled from the teacher across the WAN
 //   RUN/student         the same student without distillation (the baseline)

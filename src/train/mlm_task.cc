@@ -60,6 +60,7 @@ class MlmTask : public Task {
 
     at::manual_seed(c_.job.seed);  // the same initial weights on every worker
     model_ = model::MlmEncoder(c_.model, ctx.tokenizer->vocab_size(), ctx.tokenizer->pad_id());
+    if (!c_.model.init.empty()) load_pretrained(ctx, *model_, *model_);  // PEFT below freezes it
     // PEFT freezes the backbone (equal on every worker: same seed). Only the trainable
     // parameters are optimized and synchronized, so they alone cross the WAN.
     params_ = model::apply_peft(*model_, c_.peft);

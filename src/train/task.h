@@ -25,6 +25,7 @@
 #include "data/tokenizer.h"
 #include "model/layer_gather.h"
 #include "model/mlm_batch.h"
+#include "model/mlm_encoder.h"
 #include "nebula/config.h"
 #include "train/checkpoint.h"
 #include "train/worker.h"
@@ -94,6 +95,13 @@ class Task {
   // model.safetensors (module() and `metadata`); a task may add its own format next to it.
   virtual void save_model(const std::string& run_dir, const std::map<std::string, std::string>& metadata);
 };
+
+// model.init: copies a trained model's model.safetensors in. A model of the job's own kind
+// (model.kind) goes into `whole`; a pre-trained mlm_encoder into `encoder` (the encoder of a
+// seq2seq or classifier; for an mlm_encoder job the two are one). DataError naming the file
+// for another kind of model, or one trained with another vocabulary size than the context's
+// tokenizer. Call it before PEFT, which then freezes what was loaded. Returns the file's kind.
+std::string load_pretrained(const TaskContext& context, torch::nn::Module& whole, model::MlmEncoderImpl& encoder);
 
 std::unique_ptr<Task> make_mlm_task(const TaskContext& context);
 std::unique_ptr<Task> make_classifier_task(const TaskContext& context);

@@ -12,7 +12,7 @@
 #include "distill/teacher_service.h"
 #include "eval/bleu.h"
 #include "model/mlm_encoder.h"
-#include "model/safetensors.h"
+#include "model/peft.h"
 #include "model/seq2seq.h"
 #include "model/seq2seq_batch.h"
 #include "nebula/error.h"
@@ -77,14 +77,12 @@ class TranslationTask : public Task {
 
     at::manual_seed(c_.job.seed);  // the same initial weights on every worker
     model_ = model::Seq2Seq(c_.model, c_.model.decoder_layers, ctx.tokenizer->vocab_size(), ctx.ids);
-    if (!c_.model.init.empty()) {  // the pre-trained encoder (mlm_encoder job's model.safetensors)
-      const model::TensorFile init = model::load_safetensors(c_.model.init);
-      if (auto kind = init.metadata.find("kind"); kind != init.metadata.end() && kind->second != "mlm_encoder")
-        throw DataError(str_cat(c_.model.init, " (model.init): a ", kind->second,
-                                " model; the encoder starts from a pre-trained mlm_encoder"));
-      model::load_module(*model_->encoder(), init, c_.model.init);
-      spdlog::info("encoder initialised from {}", c_.model.init);
-    }
+    if (!c_.model.init.empty()) load_pretrained(ctx, *model_, *model_->encoder());
+    // [peft] (LoRA): the loaded encoder and the decoder frozen, low-rank updates in every layer.
+    params_ = model::apply_peft(*model_, c_.peft);
+    if (c_.peft.kind != "none")
+      spdlog::info("{} trainable of {} parameters (peft: {})", model::numel(params_), model::numel(model_->parameters()),
+                   c_.peft.kind);
     if (teacher) {
       client_ = std::make_unique<distill::TeacherClient>(*teacher);
       teacher_link_ = teacher;
@@ -94,7 +92,7 @@ class TranslationTask : public Task {
   }
 
   torch::nn::Module& module() override { return *model_; }
-  std::vector<at::Tensor> trainable() override { return model_->parameters(); }
+  std::vector<at::Tensor> trainable() override { return params_; }
   std::vector<torch::nn::Module*> layers() override {
     std::vector<torch::nn::Module*> out;
     for (const auto& layer : model_->encoder()->layers()) out.push_back(layer.ptr().get());
@@ -268,6 +266,7 @@ class TranslationTask : public Task {
   std::unique_ptr<model::Seq2SeqBatcher> batches_, valid_;
   std::vector<data::SentencePair> test_;
   model::Seq2Seq model_{nullptr};
+  std::vector<at::Tensor> params_;  // what trains: every parameter, or PEFT's
   std::unique_ptr<distill::TeacherClient> client_;
   transport::Link* teacher_link_ = nullptr;
   std::deque<Pending> queue_;

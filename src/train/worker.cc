@@ -178,6 +178,27 @@ void Task::save_model(const std::string& run_dir, const std::map<std::string, st
   model::save_module(module(), run_dir + "/model.safetensors", metadata);
 }
 
+std::string load_pretrained(const TaskContext& ctx, torch::nn::Module& whole, model::MlmEncoderImpl& encoder) {
+  const std::string& path = ctx.config.model.init;
+  const model::TensorFile init = model::load_safetensors(path);
+  const auto kind_of = init.metadata.find("kind");
+  const std::string kind = kind_of == init.metadata.end() ? "mlm_encoder" : kind_of->second;
+  if (kind != "mlm_encoder" && kind != ctx.config.model.kind)
+    throw DataError(str_cat(path, " (model.init): a ", kind, " model; a ", ctx.config.model.kind,
+                            " starts from a pre-trained mlm_encoder or from a ", ctx.config.model.kind, " model"));
+  if (auto vocab = init.metadata.find("vocab");
+      ctx.tokenizer && vocab != init.metadata.end() && vocab->second != std::to_string(ctx.tokenizer->vocab_size()))
+    throw DataError(str_cat(path, " (model.init): trained with a vocabulary of ", vocab->second, " pieces, but ",
+                            ctx.tokenizer_path, " has ", ctx.tokenizer->vocab_size(),
+                            "; set data.tokenizer to that run's tokenizer.model"));
+  if (kind == ctx.config.model.kind)
+    model::load_module(whole, init, path);
+  else
+    model::load_module(encoder, init, path);
+  spdlog::info("{} initialised from {} (a {} model)", kind == ctx.config.model.kind ? "model" : "encoder", path, kind);
+  return kind;
+}
+
 uint64_t batch_seed(const Config& c, const WorkerIdentity& who) {
   const std::string& name = c.sites.at(who.site).name;
   const uint32_t site = wire::crc32(0, {reinterpret_cast<const uint8_t*>(name.data()), name.size()});

@@ -221,9 +221,8 @@ Config build(const toml::table& root, const std::string& file) {
       s.fail(*t->get("label_smoothing"), "label_smoothing",
              str_cat("applies to the translation loss (kind = \"seq2seq\"), not to kind \"", c.model.kind,
                      "\": remove it"));
-    if (!c.model.init.empty() && c.model.kind != "seq2seq" && c.model.kind != "classifier")
-      s.fail(*t, "init", "only a seq2seq model or a classifier starts from a pre-trained encoder: set kind = "
-                         "\"seq2seq\" or \"classifier\", or remove init");
+    if (!c.model.init.empty() && c.model.kind == "torchscript")
+      s.fail(*t, "init", "a TorchScript model starts from its own module (model.script): remove init");
     if (c.model.dim % c.model.heads != 0) {
       const toml::node* dim = t->get("dim");
       s.fail(dim ? *dim : *t, "dim", str_cat(c.model.dim, " must be divisible by heads (", c.model.heads,
@@ -731,9 +730,10 @@ void check_peft(const ModelConfig& model, const PeftConfig& peft) {
   if (peft.kind != "none" && peft.kind != "lora" && peft.kind != "adapter")
     peft_error("peft.kind", str_cat("\"", peft.kind, "\" is not one of \"none\", \"lora\", \"adapter\""));
   if (peft.kind == "none") return;
-  if (model.kind != "mlm_encoder")
+  if (model.kind != "mlm_encoder" && !(model.kind == "seq2seq" && peft.kind == "lora"))
     peft_error("peft.kind", str_cat("\"", peft.kind, "\" needs a model whose layers PEFT knows; model.kind \"",
-                                      model.kind, "\" is not one (supported: \"mlm_encoder\")"));
+                                      model.kind, "\" is not one (supported: \"mlm_encoder\" with lora or adapter, ",
+                                      "\"seq2seq\" with lora)"));
   if (peft.kind == "lora") {
     // The narrowest Linear is dim×dim (or dim×ffn): a B·A of higher rank does not exist.
     const int64_t max_rank = std::min(model.dim, model.ffn);

@@ -317,7 +317,13 @@ TEST(Config, TranslationAndDistillKeysAreValidated) {
   expect_error(kValid, {"'distill.alpha'"}, with({"distill.alpha=1.5"}));
   // A translation model has one target language.
   expect_error(kValid, {"one language", "de", "fr"}, {"model.kind=seq2seq", "sites.1.languages=[\"fr\"]"});
-  expect_error(kValid, {"'model.init'", "seq2seq"}, {"model.init=\"m.safetensors\""});
+  // A pre-trained encoder starts an mlm_encoder, a seq2seq or a classifier; not a TorchScript module.
+  EXPECT_EQ(parse_config(kValid, "job.toml", {"model.init=\"m.safetensors\""}).model.init, "m.safetensors");
+  expect_error(kValid, {"'model.init'", "TorchScript"}, {"model.kind=torchscript", "model.script=\"m.pt\"",
+                                                         "data.source=tensors", "model.init=\"m.safetensors\""});
+  // PEFT on a translation model: LoRA (in the encoder and the decoder), not adapters.
+  EXPECT_EQ(parse_config(kValid, "job.toml", with({"peft.kind=lora", "peft.rank=4"})).peft.kind, "lora");
+  expect_error(kValid, {"'peft.kind'", "seq2seq"}, with({"peft.kind=adapter"}));
   expect_error(kValid, {"'data.objective'"}, {"data.objective=\"clm\""});
   expect_error(kValid, {"leaves nothing to train on"}, {"data.valid_fraction=0.5", "data.test_fraction=0.5"});
   expect_error(kValid, {"'eval.beam'"}, {"eval.beam=0"});
