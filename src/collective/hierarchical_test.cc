@@ -6,6 +6,7 @@
 
 #include <atomic>
 #include <cmath>
+#include <functional>
 #include <mutex>
 #include <thread>
 
@@ -364,46 +365,75 @@ TEST(Hierarchical, EveryWorkerExchangesItsOwnPartsAsTheGatewayWould) {
       }
 }
 
+// every_worker exchanges of a cluster where worker r of site s sends its part (cuts of n) of
+// input(s) with the options options(s): the parts each site ends with, put together, and the
+// rejections each worker saw.
+struct EveryWorkerOutcome {
+  std::vector<at::Tensor> assembled;                        // per site
+  std::vector<std::vector<std::vector<Rejection>>> rejected;  // per site, per worker
+};
+EveryWorkerOutcome exchange_every_worker(const std::vector<int>& sites, int64_t n,
+                                         const std::function<at::Tensor(size_t site)>& input,
+                                         const std::function<AllreduceOptions(size_t site)>& options) {
+  const auto cuts = zero_cuts(sites, n);
+  std::mutex mu;
+  EveryWorkerOutcome out;
+  out.assembled.resize(sites.size());
+  for (auto& a : out.assembled) a = at::full({n}, NAN);
+  for (int w : sites) out.rejected.emplace_back(static_cast<size_t>(w));
+  testing::run_cluster(
+      sites,
+      [&](testing::Rank& r) {
+        const at::Tensor x = input(r.site);
+        const int64_t lo = cuts[r.site][static_cast<size_t>(r.local_rank)];
+        const int64_t hi = cuts[r.site][static_cast<size_t>(r.local_rank) + 1];
+        at::Tensor part = x.narrow(0, lo, hi - lo).clone();
+        auto work = r.hierarchy->exchange_parts_async(part, cuts, options(r.site));
+        work->wait(Deadline::after(std::chrono::seconds(30)));
+        std::lock_guard<std::mutex> lock(mu);
+        out.assembled[r.site].narrow(0, lo, hi - lo).copy_(part);
+        out.rejected[r.site][static_cast<size_t>(r.local_rank)] = work->rejected();
+      },
+      std::chrono::seconds(60), /*every_worker=*/true);
+  return out;
+}
+
+// Every worker of every site assembled ones (the one site left in) and rejected exactly sites
+// `first` and `second`, for reasons containing `why_first` and `why_second`.
+void expect_two_left_out(const std::vector<int>& sites, const EveryWorkerOutcome& o, size_t first,
+                         const std::string& why_first, size_t second, const std::string& why_second) {
+  for (size_t s = 0; s < sites.size(); ++s) {
+    EXPECT_TRUE(at::equal(o.assembled[s], at::ones({o.assembled[s].numel()}))) << "site " << s << ": " << o.assembled[s];
+    for (int q = 0; q < sites[s]; ++q) {
+      const auto& rj = o.rejected[s][static_cast<size_t>(q)];
+      ASSERT_EQ(rj.size(), 2u) << "worker " << s << "/" << q;
+      EXPECT_EQ(rj[0].site, first);
+      EXPECT_NE(rj[0].reason.find(why_first), std::string::npos) << rj[0].reason;
+      EXPECT_EQ(rj[1].site, second);
+      EXPECT_NE(rj[1].reason.find(why_second), std::string::npos) << rj[1].reason;
+    }
+  }
+}
+
 // The update guard decides on a site's whole contribution, though each worker holds a part of
 // it: a NaN in one worker's part rejects the whole site on every worker of every site, and so
 // does a norm that only the site's parts together exceed.
 TEST(Hierarchical, EveryWorkerUpdateGuardDecidesOnTheWholeSite) {
   const std::vector<int> sites{2, 3, 1};
-  const int64_t n = 30;
-  const auto cuts = zero_cuts(sites, n);
-  std::mutex mu;
-  std::vector<at::Tensor> assembled(sites.size());
-  for (auto& a : assembled) a = at::full({n}, NAN);
-  std::vector<std::vector<std::vector<Rejection>>> rejected(sites.size(), std::vector<std::vector<Rejection>>(3));
-  testing::run_cluster(
-      sites,
-      [&](testing::Rank& r) {
-        at::Tensor x = at::full({n}, r.site == 2 ? 1.0f : 3.0f);  // site 2's norm √30 = 5.5
-        if (r.site == 1) x[2] = NAN;  // in worker 0's part only (cuts of 10)
+  const auto outcome = exchange_every_worker(
+      sites, 30,
+      [](size_t site) {
+        at::Tensor x = at::full({30}, site == 2 ? 1.0f : 3.0f);  // site 2's norm √30 = 5.5
+        if (site == 1) x[2] = NAN;  // in worker 0's part only (cuts of 10)
         // Site 0: each of its two parts has norm 3√15 = 11.6, the site's 3√30 = 16.4.
-        const int64_t lo = cuts[r.site][static_cast<size_t>(r.local_rank)];
-        const int64_t hi = cuts[r.site][static_cast<size_t>(r.local_rank) + 1];
-        at::Tensor part = x.narrow(0, lo, hi - lo).clone();
+        return x;
+      },
+      [](size_t) {
         AllreduceOptions o;
         o.max_norm = 15;
-        auto work = r.hierarchy->exchange_parts_async(part, cuts, o);
-        work->wait(Deadline::after(std::chrono::seconds(30)));
-        std::lock_guard<std::mutex> lock(mu);
-        assembled[r.site].narrow(0, lo, hi - lo).copy_(part);
-        rejected[r.site][static_cast<size_t>(r.local_rank)] = work->rejected();
-      },
-      std::chrono::seconds(60), /*every_worker=*/true);
-  for (size_t s = 0; s < sites.size(); ++s) {
-    EXPECT_TRUE(at::equal(assembled[s], at::ones({n}))) << "site " << s << ": " << assembled[s];
-    for (int q = 0; q < sites[s]; ++q) {
-      const auto& rj = rejected[s][static_cast<size_t>(q)];
-      ASSERT_EQ(rj.size(), 2u) << "worker " << s << "/" << q;
-      EXPECT_EQ(rj[0].site, 0u);
-      EXPECT_NE(rj[0].reason.find("above the bound 15"), std::string::npos) << rj[0].reason;
-      EXPECT_EQ(rj[1].site, 1u);
-      EXPECT_NE(rj[1].reason.find("1 NaN"), std::string::npos) << rj[1].reason;
-    }
-  }
+        return o;
+      });
+  expect_two_left_out(sites, outcome, 0, "above the bound 15", 1, "1 NaN");
 }
 
 // With every_worker each worker sends its site's weight on its own links: a weight out of
@@ -411,39 +441,14 @@ TEST(Hierarchical, EveryWorkerUpdateGuardDecidesOnTheWholeSite) {
 // ones), and the site is left out by every worker of every site alike.
 TEST(Hierarchical, EveryWorkerPeersWeightOutsideItsBoundsIsRejected) {
   const std::vector<int> sites{2, 1, 2};
-  const int64_t n = 20;
-  const auto cuts = zero_cuts(sites, n);
-  std::mutex mu;
-  std::vector<at::Tensor> assembled(sites.size());
-  for (auto& a : assembled) a = at::full({n}, NAN);
-  std::vector<std::vector<std::vector<Rejection>>> rejected(sites.size(), std::vector<std::vector<Rejection>>(2));
-  testing::run_cluster(
-      sites,
-      [&](testing::Rank& r) {
-        at::Tensor x = at::full({n}, static_cast<float>(r.site + 1));
-        const int64_t lo = cuts[r.site][static_cast<size_t>(r.local_rank)];
-        const int64_t hi = cuts[r.site][static_cast<size_t>(r.local_rank) + 1];
-        at::Tensor part = x.narrow(0, lo, hi - lo).clone();
+  const auto outcome = exchange_every_worker(
+      sites, 20, [](size_t site) { return at::full({20}, static_cast<float>(site + 1)); },
+      [](size_t site) {
         AllreduceOptions o;
-        o.weight = r.site == 1 ? 1e30 : r.site == 2 ? 1e20 : 1.0;  // finite, so they pass the sender's own check
-        auto work = r.hierarchy->exchange_parts_async(part, cuts, o);
-        work->wait(Deadline::after(std::chrono::seconds(30)));
-        std::lock_guard<std::mutex> lock(mu);
-        assembled[r.site].narrow(0, lo, hi - lo).copy_(part);
-        rejected[r.site][static_cast<size_t>(r.local_rank)] = work->rejected();
-      },
-      std::chrono::seconds(60), /*every_worker=*/true);
-  for (size_t s = 0; s < sites.size(); ++s) {
-    EXPECT_TRUE(at::equal(assembled[s], at::ones({n}))) << "site " << s << ": " << assembled[s];
-    for (int q = 0; q < sites[s]; ++q) {
-      const auto& rj = rejected[s][static_cast<size_t>(q)];
-      ASSERT_EQ(rj.size(), 2u) << "worker " << s << "/" << q;
-      EXPECT_EQ(rj[0].site, 1u);
-      EXPECT_NE(rj[0].reason.find("weight 1e+30"), std::string::npos) << rj[0].reason;
-      EXPECT_EQ(rj[1].site, 2u);
-      EXPECT_NE(rj[1].reason.find("weight 1e+20"), std::string::npos) << rj[1].reason;
-    }
-  }
+        o.weight = site == 1 ? 1e30 : site == 2 ? 1e20 : 1.0;  // finite, so they pass the sender's own check
+        return o;
+      });
+  expect_two_left_out(sites, outcome, 1, "weight 1e+30", 2, "weight 1e+20");
 }
 
 TEST(Hierarchical, MismatchedSizesAreAnErrorNotAHang) {

@@ -27,6 +27,17 @@ std::vector<std::vector<int>> toy_sequences(int n, int vocab) {
   return seqs;
 }
 
+// A one-layer, 16-wide encoder for the probes' and losses' tests.
+ModelConfig tiny_config() {
+  ModelConfig c;
+  c.dim = 16;
+  c.layers = 1;
+  c.heads = 2;
+  c.ffn = 32;
+  c.max_len = 16;
+  return c;
+}
+
 TEST(MlmBatcher, MasksAsSpecifiedAndIsDeterministic) {
   SpecialIds ids;
   ids.vocab_size = 50;
@@ -141,13 +152,7 @@ TEST(MlmEncoder, AccuracyProbeGivesACopyingModelNothingForFree) {
 
 TEST(Xlingual, EmbeddingsIgnorePaddingAndIdenticalPairsAreAllRetrieved) {
   at::manual_seed(3);
-  ModelConfig c;
-  c.dim = 16;
-  c.layers = 1;
-  c.heads = 2;
-  c.ffn = 32;
-  c.max_len = 16;
-  MlmEncoder model(c, 60, 0);
+  MlmEncoder model(tiny_config(), 60, 0);
   std::vector<std::vector<int>> seqs;  // 20 distinct sentences
   for (int i = 0; i < 20; ++i) seqs.push_back({2, 5 + i, 30 + (i * 7) % 25, 5 + (i * 3) % 20, 40 + i % 9, 3});
   seqs[0].resize(4);  // shorter than the rest: padded in the batch
@@ -170,13 +175,7 @@ TEST(Xlingual, EmbeddingsIgnorePaddingAndIdenticalPairsAreAllRetrieved) {
 // logits restricted to those positions, value and gradient.
 TEST(MlmEncoder, MaskedOnlyLogitsGiveTheFullLogitsLoss) {
   at::manual_seed(5);
-  ModelConfig c;
-  c.dim = 16;
-  c.layers = 1;
-  c.heads = 2;
-  c.ffn = 32;
-  c.max_len = 16;
-  MlmEncoder model(c, 50, 0);
+  MlmEncoder model(tiny_config(), 50, 0);
   SpecialIds ids;
   ids.vocab_size = 50;
   MlmBatcher batcher(toy_sequences(12, 50), ids, 0.3, 6, 11);

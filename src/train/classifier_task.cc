@@ -8,7 +8,6 @@
 #include <ATen/core/grad_mode.h>
 #include <spdlog/spdlog.h>
 
-#include <filesystem>
 #include <numeric>
 
 #include "model/classifier.h"
@@ -151,17 +150,11 @@ class ClassifierTask : public Task {
   std::map<std::string, std::string> model_metadata() const override {
     std::string packages;
     for (const auto& p : c_.data.packages) packages += (packages.empty() ? "" : ",") + p;
-    return {{"format", "nebula"},
-            {"kind", "classifier"},
-            {"dim", std::to_string(c_.model.dim)},
-            {"layers", std::to_string(c_.model.layers)},
-            {"heads", std::to_string(c_.model.heads)},
-            {"ffn", std::to_string(c_.model.ffn)},
-            {"max_len", std::to_string(c_.model.max_len)},
-            {"vocab", std::to_string(ctx_.tokenizer->vocab_size())},
-            {"packages", packages},
-            {"tokenizer", std::filesystem::absolute(ctx_.tokenizer_path).string()}};
+    auto m = text_model_metadata(ctx_, "classifier");
+    m["packages"] = packages;
+    return m;
   }
+
 
  private:
   std::vector<std::string> slot_names() const {

@@ -4,7 +4,6 @@
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
-#include <filesystem>
 
 #include "model/mlm_encoder.h"
 #include "model/peft.h"
@@ -144,17 +143,11 @@ class MlmTask : public Task {
   }
 
   std::map<std::string, std::string> model_metadata() const override {
-    return {{"format", "nebula"},
-            {"kind", "mlm_encoder"},
-            {"dim", std::to_string(c_.model.dim)},
-            {"layers", std::to_string(c_.model.layers)},
-            {"heads", std::to_string(c_.model.heads)},
-            {"ffn", std::to_string(c_.model.ffn)},
-            {"max_len", std::to_string(c_.model.max_len)},
-            {"vocab", std::to_string(ctx_.tokenizer->vocab_size())},
-            {"peft", c_.peft.kind},
-            {"tokenizer", std::filesystem::absolute(ctx_.tokenizer_path).string()}};
+    auto m = text_model_metadata(ctx_, "mlm_encoder");
+    m["peft"] = c_.peft.kind;
+    return m;
   }
+
 
  private:
   const TaskContext& ctx_;

@@ -103,6 +103,10 @@ class Task {
 // tokenizer. Call it before PEFT, which then freezes what was loaded. Returns the file's kind.
 std::string load_pretrained(const TaskContext& context, torch::nn::Module& whole, model::MlmEncoderImpl& encoder);
 
+// A text model file's metadata (Task::model_metadata): format, `kind`, the [model] shape, the
+// vocabulary's size and the tokenizer's absolute path; a task adds its own keys.
+std::map<std::string, std::string> text_model_metadata(const TaskContext& context, const std::string& kind);
+
 std::unique_ptr<Task> make_mlm_task(const TaskContext& context);
 std::unique_ptr<Task> make_classifier_task(const TaskContext& context);
 // `teacher`: the link to the teacher site with [distill] (on the gateway; not owned), else null.

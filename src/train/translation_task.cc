@@ -5,7 +5,6 @@
 #include <spdlog/spdlog.h>
 
 #include <deque>
-#include <filesystem>
 #include <fstream>
 
 #include "distill/kd_loss.h"
@@ -235,17 +234,11 @@ class TranslationTask : public Task {
   }
 
   std::map<std::string, std::string> model_metadata() const override {
-    return {{"format", "nebula"},
-            {"kind", "seq2seq"},
-            {"dim", std::to_string(c_.model.dim)},
-            {"layers", std::to_string(c_.model.layers)},
-            {"decoder_layers", std::to_string(c_.model.decoder_layers)},
-            {"heads", std::to_string(c_.model.heads)},
-            {"ffn", std::to_string(c_.model.ffn)},
-            {"max_len", std::to_string(c_.model.max_len)},
-            {"vocab", std::to_string(ctx_.tokenizer->vocab_size())},
-            {"tokenizer", std::filesystem::absolute(ctx_.tokenizer_path).string()}};
+    auto m = text_model_metadata(ctx_, "seq2seq");
+    m["decoder_layers"] = std::to_string(c_.model.decoder_layers);
+    return m;
   }
+
 
  private:
   // Asks the teacher for its distribution on the batch of these pairs; queued for forward().

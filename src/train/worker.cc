@@ -199,6 +199,19 @@ std::string load_pretrained(const TaskContext& ctx, torch::nn::Module& whole, mo
   return kind;
 }
 
+std::map<std::string, std::string> text_model_metadata(const TaskContext& ctx, const std::string& kind) {
+  const ModelConfig& m = ctx.config.model;
+  return {{"format", "nebula"},
+          {"kind", kind},
+          {"dim", std::to_string(m.dim)},
+          {"layers", std::to_string(m.layers)},
+          {"heads", std::to_string(m.heads)},
+          {"ffn", std::to_string(m.ffn)},
+          {"max_len", std::to_string(m.max_len)},
+          {"vocab", std::to_string(ctx.tokenizer->vocab_size())},
+          {"tokenizer", std::filesystem::absolute(ctx.tokenizer_path).string()}};
+}
+
 uint64_t batch_seed(const Config& c, const WorkerIdentity& who) {
   const std::string& name = c.sites.at(who.site).name;
   const uint32_t site = wire::crc32(0, {reinterpret_cast<const uint8_t*>(name.data()), name.size()});
