@@ -701,7 +701,7 @@ TEST(EndToEnd, DemoQuickRunsEveryStageAndTranslateUsesItsModel) {
   const std::string dir = temp_run_dir("demo");
   Result r = run("demo --quick --run-dir " + dir + " --set 'metrics.progress=\"off\"'", 600);
   ASSERT_EQ(r.exit_code, 0) << r.output;
-  for (const char* stage : {"[1/7]", "[2/7]", "[3/7]", "[4/7]", "[5/7]", "[6/7]", "[7/7]"})
+  for (const char* stage : {"[1/8]", "[2/8]", "[3/8]", "[4/8]", "[5/8]", "[6/8]", "[7/8]", "[8/8]"})
     EXPECT_NE(r.output.find(stage), std::string::npos) << stage;
   const nlohmann::json s = nlohmann::json::parse(read_file(dir + "/summary.json"));
   EXPECT_TRUE(s["quick"].get<bool>());
@@ -765,6 +765,37 @@ TEST(EndToEnd, DemoQuickRunsEveryStageAndTranslateUsesItsModel) {
   EXPECT_LE(boot["low"].get<double>(), boot["delta"].get<double>());
   EXPECT_GE(boot["high"].get<double>(), boot["delta"].get<double>());
   EXPECT_NEAR(boot["delta"].get<double>(), s["student_kd_bleu"].get<double>() - s["student_bleu"].get<double>(), 1e-6);
+  // PEFT on the trained teacher: LoRA's backbone is the teacher's, bit for bit (a LoRA-wrapped
+  // Linear keeps its weights under ".base"), and only the trainable values crossed the WAN: the
+  // two runs exchanged the same frames but for each step's gradient, whose size is the encoded
+  // size of the trainable values (float32, codec none), so their WAN bytes differ by exactly
+  // steps x sites x 4 x the difference of their trainable values.
+  const auto& peft = s["peft"];
+  const double full_values = peft["full"]["trainable_parameters"], lora_values = peft["lora"]["trainable_parameters"];
+  EXPECT_GT(lora_values, 0);
+  EXPECT_LT(lora_values, full_values / 4);
+  const auto s_full = nlohmann::json::parse(read_file(dir + "/peft-full/summary.json"));
+  EXPECT_EQ(s_full["parameters"].get<double>(), full_values);
+  EXPECT_EQ(peft["full"]["wan_bytes"].get<double>() - peft["lora"]["wan_bytes"].get<double>(),
+            s_full["steps"].get<double>() * s_full["sites"].get<double>() * 4 * (full_values - lora_values))
+      << peft.dump();
+  const auto teacher_weights = tensor_bytes(dir + "/teacher/model.safetensors");
+  const auto lora_weights = tensor_bytes(dir + "/peft-lora/model.safetensors");
+  size_t wrapped = 0;
+  for (const auto& [name, bytes] : teacher_weights) {
+    std::string there = name;
+    if (!lora_weights.count(there)) {
+      there = name.substr(0, name.rfind('.')) + ".base" + name.substr(name.rfind('.'));
+      ++wrapped;
+    }
+    ASSERT_TRUE(lora_weights.count(there)) << name;
+    EXPECT_EQ(lora_weights.at(there), bytes) << name << " changed under LoRA";
+  }
+  EXPECT_GT(wrapped, 10u);
+  EXPECT_NE(tensor_bytes(dir + "/peft-full/model.safetensors"), teacher_weights);  // full fine-tuning moved them
+  EXPECT_LE(peft["bleu_bootstrap"]["low"].get<double>(), peft["bleu_bootstrap"]["delta"].get<double>());
+  EXPECT_NEAR(peft["bleu_bootstrap"]["delta"].get<double>(),
+              peft["lora"]["bleu"].get<double>() - peft["full"]["bleu"].get<double>(), 1e-6);
   // Distillation happened over the link, compressed: top-8 of a 1000-piece vocabulary is
   // 8 × (2 + 1) bytes + 1 per token against 4000 for float32 logits.
   const auto& d = s["distill"];

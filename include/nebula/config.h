@@ -40,6 +40,9 @@ struct EvalConfig {
   int64_t every = 0;
   int64_t pairs = 200;               // held-out pairs per language used by each evaluation (0 = all)
   int64_t beam = 4;                  // seq2seq: beam width of the BLEU evaluation (1 = greedy)
+  // seq2seq: α of the beam's length normalisation, score = Σ log p / ((5 + n) / 6)^α (GNMT);
+  // 0 = plain sums (short hypotheses win), larger = longer translations.
+  double length_penalty = 0.6;
 };
 
 struct ModelConfig {

@@ -181,6 +181,11 @@ int main(int argc, char** argv) {
                         "The SentencePiece model (default: the one recorded in the model file)");
   translate->add_option("--beam", beam, "Beam width (1 = greedy)")->check(CLI::Range(1, 64))->capture_default_str();
   translate->add_option("--input", input_path, "A file of sentences (default: stdin)")->check(CLI::ExistingFile);
+  double length_penalty = 0.6;
+  translate->add_option("--length-penalty", length_penalty,
+                        "The beam's length normalisation alpha (as [eval] length_penalty; larger = longer)")
+      ->check(CLI::Range(0.0, 10.0))
+      ->capture_default_str();
 
   std::vector<std::string> report_runs;
   std::string report_out;
@@ -299,7 +304,7 @@ int main(int argc, char** argv) {
       } else {
         for (std::string line; std::getline(std::cin, line);) lines.push_back(line);
       }
-      for (const std::string& out : nebula::train::translate(*t.model, tok, lines, beam)) std::printf("%s\n", out.c_str());
+      for (const std::string& out : nebula::train::translate(*t.model, tok, lines, beam, length_penalty)) std::printf("%s\n", out.c_str());
       return 0;
     }
     if (*bleu) {

@@ -70,16 +70,28 @@ std::vector<at::Tensor> apply_peft(Seq2SeqImpl& model, const PeftConfig& peft) {
                "apply_peft on a model that already has frozen parameters (PEFT applied twice?)");
   if (peft.kind == "none") return all;
   for (auto& p : all) p.set_requires_grad(false);
-  for (EncoderLayer layer : model.encoder()->layers())
+  const int64_t dim = config.dim;
+  auto adapter = [&] { return torch::nn::AnyModule(Adapter(dim, peft.adapter_dim)); };
+  for (EncoderLayer layer : model.encoder()->layers()) {
+    if (peft.kind == "adapter") {
+      layer->set_adapters(adapter(), adapter());
+      continue;
+    }
     for (size_t p = 0; p < EncoderLayerImpl::kNumProjections; ++p) {
       const auto which = static_cast<EncoderLayerImpl::Projection>(p);
       layer->set_projection(which, torch::nn::AnyModule(LoraLinear(layer->linear(which), peft.rank, peft.alpha)));
     }
-  for (DecoderLayer layer : model.decoder_layers())
+  }
+  for (DecoderLayer layer : model.decoder_layers()) {
+    if (peft.kind == "adapter") {
+      layer->set_adapters(adapter(), adapter(), adapter());
+      continue;
+    }
     for (size_t p = 0; p < DecoderLayerImpl::kNumProjections; ++p) {
       const auto which = static_cast<DecoderLayerImpl::Projection>(p);
       layer->set_projection(which, torch::nn::AnyModule(LoraLinear(layer->linear(which), peft.rank, peft.alpha)));
     }
+  }
   std::vector<at::Tensor> out;
   for (const auto& p : model.parameters())
     if (p.requires_grad()) out.push_back(p);

@@ -4,7 +4,8 @@
 //            base(x) + (alpha / r) · x Aᵀ Bᵀ with the base frozen, A: [r, in], B: [out, r]
 //            (Hu et al. 2021). r·(in + out) trainable values per Linear.
 //   adapter  a bottleneck x + up(gelu(down(x))) after the attention block and after the FFN
-//            of every layer (Houlsby et al. 2019). 2·dim·a + a + dim values per adapter.
+//            of every layer, and after the cross-attention of a decoder layer (Houlsby et al.
+//            2019). 2·dim·a + a + dim values per adapter.
 //   none     nothing added, nothing frozen.
 //
 // Both start as the identity change (B = 0, up = 0): right after apply_peft the model computes
@@ -70,9 +71,10 @@ TORCH_MODULE(Adapter);
 // Draws the new parameters' initial values from the default generator. Once per model.
 std::vector<at::Tensor> apply_peft(MlmEncoderImpl& model, const PeftConfig& peft);
 // The same for a translation model: LoRA in every Linear of every encoder and decoder layer
-// (self- and cross-attention, FFN); embeddings (tied to the output), norms and base weights
-// frozen. Adapters are not built for the decoder (check_peft refuses them). Returns the
-// trainable parameters in registration order.
+// (self- and cross-attention, FFN), or adapters (two per encoder layer as above, three per
+// decoder layer: after self-attention, cross-attention and the FFN); embeddings (tied to the
+// output), norms and base weights frozen. Returns the trainable parameters in registration
+// order.
 std::vector<at::Tensor> apply_peft(Seq2SeqImpl& model, const PeftConfig& peft);
 
 // Total number of values in `tensors`.

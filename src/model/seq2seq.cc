@@ -66,6 +66,14 @@ Seq2SeqImpl::Seq2SeqImpl(const ModelConfig& c, int64_t decoder_layers, int64_t v
 at::Tensor Seq2SeqImpl::encode(const at::Tensor& src) { return encoder_->encode(src); }
 
 at::Tensor Seq2SeqImpl::decode(const at::Tensor& memory, const at::Tensor& src, const at::Tensor& tgt_in) {
+  return project(decode_hidden(memory, src, tgt_in));
+}
+
+at::Tensor Seq2SeqImpl::project(const at::Tensor& hidden) {
+  return at::matmul(hidden, encoder_->token_embedding()->weight.t());
+}
+
+at::Tensor Seq2SeqImpl::decode_hidden(const at::Tensor& memory, const at::Tensor& src, const at::Tensor& tgt_in) {
   NEBULA_CHECK(src.dim() == 2 && memory.dim() == 3 && memory.size(0) == src.size(0) &&
                    memory.size(1) == src.size(1) && tgt_in.dim() == 2 && tgt_in.size(0) == src.size(0) &&
                    tgt_in.size(1) >= 1 && tgt_in.size(1) <= config_.max_len,
@@ -79,20 +87,27 @@ at::Tensor Seq2SeqImpl::decode(const at::Tensor& memory, const at::Tensor& src, 
     h = run_layer(gather_, *layer.ptr(), {h, memory}, [layer, tgt_pad, src_pad](const std::vector<at::Tensor>& in) {
       return DecoderLayer(layer)(in[0], in[1], tgt_pad, src_pad);
     });
-  return at::matmul(norm_(h), tokens->weight.t());
+  return norm_(h);
 }
 
 at::Tensor Seq2SeqImpl::forward(const at::Tensor& src, const at::Tensor& tgt_in) {
   return decode(encode(src), src, tgt_in);
 }
 
+at::Tensor Seq2SeqImpl::target_logits(const at::Tensor& src, const at::Tensor& tgt_in, const at::Tensor& tgt_out) {
+  NEBULA_CHECK(tgt_out.sizes() == tgt_in.sizes(), "tgt_out ", tgt_out.sizes(), " for tgt_in ", tgt_in.sizes());
+  const at::Tensor h = decode_hidden(encode(src), src, tgt_in);
+  const at::Tensor rows = tgt_out.reshape({-1}).ne(kIgnoreIndex).nonzero().squeeze(1);
+  return project(h.reshape({-1, h.size(-1)}).index_select(0, rows));
+}
+
 at::Tensor Seq2SeqImpl::loss(const at::Tensor& src, const at::Tensor& tgt_in, const at::Tensor& tgt_out,
                              double label_smoothing) {
-  NEBULA_CHECK(tgt_out.sizes() == tgt_in.sizes(), "tgt_out ", tgt_out.sizes(), " for tgt_in ", tgt_in.sizes());
   NEBULA_CHECK(label_smoothing >= 0 && label_smoothing < 1, "label_smoothing ", label_smoothing);
-  at::Tensor logits = forward(src, tgt_in);
-  return at::cross_entropy_loss(logits.reshape({-1, logits.size(-1)}), tgt_out.reshape({-1}), /*weight=*/{},
-                                at::Reduction::Mean, kIgnoreIndex, label_smoothing);
+  const at::Tensor logits = target_logits(src, tgt_in, tgt_out);
+  const at::Tensor flat = tgt_out.reshape({-1});
+  return at::cross_entropy_loss(logits, flat.index_select(0, flat.ne(kIgnoreIndex).nonzero().squeeze(1)),
+                                /*weight=*/{}, at::Reduction::Mean, kIgnoreIndex, label_smoothing);
 }
 
 void Seq2SeqImpl::init_encoder_from(MlmEncoderImpl& pretrained) {
@@ -122,7 +137,7 @@ std::vector<std::vector<int>> Seq2SeqImpl::greedy(const at::Tensor& src, int64_t
   std::vector<bool> done(batch, false);
   int64_t live = batch;
   for (int64_t step = 0; step < max_len && live > 0; ++step) {
-    at::Tensor next = decode(memory, src, ys).select(1, -1).argmax(-1).to(at::kCPU);  // [batch]
+    at::Tensor next = project(decode_hidden(memory, src, ys).select(1, -1)).argmax(-1).to(at::kCPU);  // [batch]
     auto tok = next.accessor<int64_t, 1>();
     for (int64_t i = 0; i < batch; ++i) {
       if (done[i]) {
@@ -162,7 +177,8 @@ std::vector<std::vector<Seq2SeqImpl::Hypothesis>> Seq2SeqImpl::beam_search_nbest
   for (int64_t step = 0; step < max_len; ++step) {
     const bool last = step == max_len - 1;
     // Double precision: no two distinct logits become equal, so beam 1 picks greedy's argmax.
-    at::Tensor logp = decode(memory, src_rep, seqs).select(1, -1).to(at::kCPU, at::kDouble).log_softmax(-1);
+    at::Tensor logp =
+        project(decode_hidden(memory, src_rep, seqs).select(1, -1)).to(at::kCPU, at::kDouble).log_softmax(-1);
     at::Tensor total = (logp + at::tensor(scores, logp.options()).unsqueeze(1)).view({batch, k * vocab});
     auto [top_values, top_indices] = total.topk(candidates, -1);  // sorted, best first
     auto value = top_values.accessor<double, 2>();

@@ -49,10 +49,19 @@ class Seq2SeqImpl : public torch::nn::Module {
   // memory: encode(src); src gives the memory's padding. tgt_in: [batch, T] int64 padded with
   // ids.pad, T ≤ max_len. Returns logits [batch, T, vocab]; position t sees tgt_in[:, ≤ t] only.
   at::Tensor decode(const at::Tensor& memory, const at::Tensor& src, const at::Tensor& tgt_in);
+  // decode() before the output projection: the final decoder states [batch, T, dim].
+  at::Tensor decode_hidden(const at::Tensor& memory, const at::Tensor& src, const at::Tensor& tgt_in);
+  // The output projection (tied to the token embedding): [..., dim] → [..., vocab].
+  at::Tensor project(const at::Tensor& hidden);
   // decode(encode(src), src, tgt_in).
   at::Tensor forward(const at::Tensor& src, const at::Tensor& tgt_in);
+  // forward()'s logits at the target positions only (tgt_out != kIgnoreIndex; padding skipped):
+  // [N, vocab], sequence by sequence, position by position. With a large vocabulary most of a
+  // step's work is this projection, so padded positions are not projected at all.
+  at::Tensor target_logits(const at::Tensor& src, const at::Tensor& tgt_in, const at::Tensor& tgt_out);
   // Mean cross-entropy of forward(src, tgt_in) over positions whose tgt_out != kIgnoreIndex
-  // (make_seq2seq_batch's tensors). label_smoothing in [0, 1): torch's definition.
+  // (make_seq2seq_batch's tensors), computed from target_logits. label_smoothing in [0, 1):
+  // torch's definition.
   at::Tensor loss(const at::Tensor& src, const at::Tensor& tgt_in, const at::Tensor& tgt_out,
                   double label_smoothing = 0);
 

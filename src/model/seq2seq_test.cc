@@ -142,6 +142,10 @@ TEST(Seq2Seq, LossIsMeanCrossEntropyOverLabels) {
   uniform /= static_cast<double>(b.target_tokens);
   EXPECT_NEAR(model->loss(b.src, b.tgt_in, b.tgt_out).item<double>(), nll, 1e-5);
   EXPECT_NEAR(model->loss(b.src, b.tgt_in, b.tgt_out, 0.1).item<double>(), 0.9 * nll + 0.1 * uniform, 1e-5);
+  // The loss projects only the labelled positions: forward()'s rows there, in order.
+  const at::Tensor rows = model->target_logits(b.src, b.tgt_in, b.tgt_out);
+  ASSERT_EQ(rows.size(0), b.target_tokens);
+  EXPECT_TRUE(at::allclose(rows, model->forward(b.src, b.tgt_in).index({b.tgt_out.ne(kIgnoreIndex)}), 1e-5, 1e-6));
 }
 
 TEST(Seq2Seq, InitEncoderFromCopiesAPretrainedEncoder) {
@@ -235,7 +239,9 @@ TEST(Seq2Seq, BeamSearchScoresAsDefinedBeamOfOneIsGreedyWiderBeamsNotWorse) {
           EXPECT_EQ(hyp.eos, static_cast<int64_t>(hyp.tokens.size()) < kMaxLen);
           EXPECT_NEAR(hyp.score, hypothesis_score(model, src[i], hyp.tokens, kMaxLen, alpha, ids), 1e-4)
               << "seed " << seed << " alpha " << alpha << " sentence " << i << " hypothesis " << h;
-          if (h > 0) EXPECT_GE(nbest[i][h - 1].score, hyp.score);
+          if (h > 0) {
+            EXPECT_GE(nbest[i][h - 1].score, hyp.score);
+          }
           lengths.insert(hyp.tokens.size());
         }
       }

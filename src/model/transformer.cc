@@ -152,12 +152,23 @@ at::Tensor DecoderLayerImpl::forward(const at::Tensor& x, const at::Tensor& memo
   const double attention_dropout = is_training() ? dropout_ : 0.0;
   at::Tensor h = multi_head_attention(project(kSelfQuery, x), project(kSelfKey, x), project(kSelfValue, x), heads_,
                                       tgt_padding_mask, /*causal=*/true, attention_dropout);
-  at::Tensor y = norms_[0](x + drop(project(kSelfOut, h)));
+  at::Tensor y = norms_[0](x + adapt(0, drop(project(kSelfOut, h))));
   h = multi_head_attention(project(kCrossQuery, y), project(kCrossKey, memory), project(kCrossValue, memory), heads_,
                            memory_padding_mask, /*causal=*/false, attention_dropout);
-  y = norms_[1](y + drop(project(kCrossOut, h)));
+  y = norms_[1](y + adapt(1, drop(project(kCrossOut, h))));
   h = drop(project(kFfnOut, drop(at::gelu(project(kFfnIn, y)))));
-  return norms_[2](y + h);
+  return norms_[2](y + adapt(2, h));
+}
+
+void DecoderLayerImpl::set_adapters(torch::nn::AnyModule after_self, torch::nn::AnyModule after_cross,
+                                    torch::nn::AnyModule after_ffn) {
+  NEBULA_CHECK(!has_adapters(), "the decoder layer already has adapters");
+  NEBULA_CHECK(!after_self.is_empty() && !after_cross.is_empty() && !after_ffn.is_empty(),
+               "set_adapters with an empty module");
+  register_module("adapter1", after_self.ptr());
+  register_module("adapter2", after_cross.ptr());
+  register_module("adapter3", after_ffn.ptr());
+  adapters_ = {std::move(after_self), std::move(after_cross), std::move(after_ffn)};
 }
 
 void DecoderLayerImpl::set_projection(Projection p, torch::nn::AnyModule module) {

@@ -119,10 +119,15 @@ class DecoderLayerImpl : public torch::nn::Module {
 
   // As EncoderLayerImpl::set_projection (a PEFT hook): replaces what computes projection `p`.
   void set_projection(Projection p, torch::nn::AnyModule module);
+  // As EncoderLayerImpl::set_adapters, one slot per sub-block: on the self-attention output, the
+  // cross-attention output and the FFN output, each before its residual sum. Once per layer.
+  void set_adapters(torch::nn::AnyModule after_self, torch::nn::AnyModule after_cross, torch::nn::AnyModule after_ffn);
+  bool has_adapters() const { return !adapters_[0].is_empty(); }
 
  private:
   at::Tensor project(Projection p, const at::Tensor& x) { return projections_[p].forward(x); }
   at::Tensor drop(const at::Tensor& x) const;
+  at::Tensor adapt(size_t slot, const at::Tensor& x) { return has_adapters() ? adapters_[slot].forward(x) : x; }
 
   int64_t dim_, heads_;
   double dropout_;
@@ -130,6 +135,7 @@ class DecoderLayerImpl : public torch::nn::Module {
                                                           nullptr, nullptr, nullptr, nullptr, nullptr};
   std::array<torch::nn::AnyModule, kNumProjections> projections_;  // what forward calls: linears_ or wrappers
   std::array<torch::nn::LayerNorm, 3> norms_{nullptr, nullptr, nullptr};
+  std::array<torch::nn::AnyModule, 3> adapters_;  // empty = identity
 };
 TORCH_MODULE(DecoderLayer);
 

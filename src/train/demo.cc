@@ -23,7 +23,7 @@ namespace nebula::train {
 namespace fs = std::filesystem;
 namespace {
 
-constexpr int kStages = 7;
+constexpr int kStages = 8;
 
 void banner(int stage, const std::string& what) {
   std::printf("\n\033[1m[%d/%d] %s\033[0m\n", stage, kStages, what.c_str());
@@ -87,16 +87,23 @@ Translations read_translations(const std::string& path) {
   return t;
 }
 
-// The distilled student's BLEU against the plain one's on the same test sentences.
-eval::PairedBootstrap bootstrap_students(const std::string& plain_dir, const std::string& kd_dir, const std::string& site) {
-  const Translations plain = read_translations(str_cat(plain_dir, "/translations-", site, ".tsv"));
-  const Translations kd = read_translations(str_cat(kd_dir, "/translations-", site, ".tsv"));
-  if (plain.sources != kd.sources || plain.references != kd.references)
-    throw DataError(str_cat(plain_dir, " and ", kd_dir, ": the two students translated different test sentences (",
-                            plain.sources.size(), " and ", kd.sources.size(), "); they cannot be compared pairwise"));
+// One translation run's BLEU against another's on the same test sentences of `site` (the
+// system's minus the baseline's, with its paired-bootstrap interval).
+eval::PairedBootstrap bootstrap_runs(const std::string& baseline_dir, const std::string& system_dir,
+                                     const std::string& site) {
+  const Translations base = read_translations(str_cat(baseline_dir, "/translations-", site, ".tsv"));
+  const Translations sys = read_translations(str_cat(system_dir, "/translations-", site, ".tsv"));
+  if (base.sources != sys.sources || base.references != sys.references)
+    throw DataError(str_cat(baseline_dir, " and ", system_dir, ": the two runs translated different test sentences (",
+                            base.sources.size(), " and ", sys.sources.size(), "); they cannot be compared pairwise"));
   eval::BootstrapOptions o;
   o.bleu.smoothing = eval::BleuSmoothing::kExp;  // as the task's own BLEU
-  return eval::paired_bootstrap(plain.hypotheses, kd.hypotheses, plain.references, o);
+  return eval::paired_bootstrap(base.hypotheses, sys.hypotheses, base.references, o);
+}
+
+nlohmann::json bootstrap_json(const eval::PairedBootstrap& b) {
+  return {{"delta", b.delta}, {"low", b.low}, {"high", b.high}, {"segments", b.segments}, {"samples", b.samples},
+          {"system_better", b.system_better}};
 }
 
 int run_stage(const Config& c, const DemoOptions& o) {
@@ -192,26 +199,30 @@ int run_demo(const DemoOptions& o) {
   if (int rc = run_stage(xfer_random, o)) return rc;
 
   // 5–7. Translation (examples/demo_mt.toml): the teacher on site A, then the student on site
-  // B with and without distillation from it.
+  // B with and without distillation from it. The teacher trains the translation vocabulary on
+  // its site's pairs (RUN/teacher/tokenizer.model); the students use it too.
   Config mt = parse_config(o.translate_config, "examples/demo_mt.toml",
-                           {"data.path=\"" + run + "/corpus-de\"", "data.tokenizer=\"" + tokenizer + "\"",
-                            "model.init=\"" + pre.job.run_dir + "/model.safetensors\"",
+                           {"data.path=\"" + run + "/corpus-de\"",
+                            "data.tokenizer=\"" + run + "/teacher/tokenizer.model\"",
                             "distill.teacher=\"" + run + "/teacher/model.safetensors\""});
   if (q) {
     mt.job.steps = 20;
     mt.job.log_every = 5;
     mt.eval.pairs = 20;
     mt.eval.beam = 2;
+    mt.data.vocab_size = 1000;  // a quick corpus is too small for more pieces
+    mt.model.warmup_steps = 2;
     mt.sites[1].max_pairs_per_language = 150;
   }
   Config teacher = mt;
   teacher.job.name = "demo-teacher";
   teacher.job.run_dir = run + "/teacher";
-  teacher.job.steps = q ? 20 : 3 * mt.job.steps;  // three times the student's: the fine-tuned model
+  teacher.job.steps = q ? 20 : 3 * mt.job.steps;  // three times the student's
   teacher.sites = {mt.sites[0]};
   teacher.distill = DistillConfig{};
-  banner(5, str_cat("teacher: en->", mt.data.languages[0], " fine-tuned on all of ", teacher.sites[0].name,
-                    "'s pairs from the pre-trained encoder, ", teacher.job.steps, " steps"));
+  teacher.data.tokenizer.clear();  // trained on this (single-site) job's training pairs
+  banner(5, str_cat("teacher: en->", mt.data.languages[0], " trained on all of ", teacher.sites[0].name, "'s pairs with a ",
+                    mt.data.vocab_size, "-piece vocabulary of its own, ", teacher.job.steps, " steps"));
   if (int rc = run_stage(teacher, o)) return rc;
 
   Config kd = mt;
@@ -229,6 +240,28 @@ int run_demo(const DemoOptions& o) {
   alone.distill = DistillConfig{};
   banner(7, "student without distillation (the baseline): the same site, data, steps and seed");
   if (int rc = run_stage(alone, o)) return rc;
+
+  // 8. PEFT (examples/demo_mt.toml + [peft]): the teacher adapted further on both sites' pairs
+  // with sync over the WAN, once fully and once with LoRA, the same steps and batches: what
+  // crosses the WAN is each step's gradient of the trainable values only.
+  Config full = mt;
+  full.job.name = "demo-peft-full";
+  full.job.run_dir = run + "/peft-full";
+  full.job.steps = q ? 10 : mt.job.steps / 2;
+  full.distill = DistillConfig{};
+  full.strategy = StrategyConfig{};  // sync: every step's gradients cross the WAN
+  full.model.init = teacher.job.run_dir + "/model.safetensors";
+  full.model.lr = mt.model.lr / 2;
+  full.peft = PeftConfig{};
+  Config lora = full;
+  lora.job.name = "demo-peft-lora";
+  lora.job.run_dir = run + "/peft-lora";
+  lora.peft.kind = "lora";
+  lora.peft.rank = 8;
+  banner(8, str_cat("PEFT: the teacher adapted on both sites' pairs with sync over the WAN, ", full.job.steps,
+                    " steps, fully and then with LoRA rank ", lora.peft.rank, " (only its values cross the WAN)"));
+  if (int rc = run_stage(full, o)) return rc;
+  if (int rc = run_stage(lora, o)) return rc;
 
   // The summary: one table and three charts.
   const auto s_pre = read_json(pre.job.run_dir + "/summary.json"), s_sync = read_json(sync.job.run_dir + "/summary.json"),
@@ -300,7 +333,7 @@ int run_demo(const DemoOptions& o) {
 
   // Translation: the two students saw the same batches in the same order (batch_seed is keyed by
   // the site's name); the difference of their BLEU on the whole test split, with its noise.
-  const auto boot = bootstrap_students(alone.job.run_dir, kd.job.run_dir, mt.sites[1].name);
+  const auto boot = bootstrap_runs(alone.job.run_dir, kd.job.run_dir, mt.sites[1].name);
   md += "## Translation\n\n| model | BLEU | validation loss |\n|---|---|---|\n";
   md += str_cat("| teacher (", teacher.sites[0].name, ", ", teacher.job.steps, " steps) | ", fixed(bleu(s_teacher), 2), " | ",
                 fixed(val(s_teacher), 3), " |\n");
@@ -319,6 +352,32 @@ int run_demo(const DemoOptions& o) {
   md += str_cat("\nBLEU: sacreBLEU-compatible corpus BLEU (13a tokenization, exp smoothing), beam ", mt.eval.beam, ", on ",
                 s_kd["eval"].value("sentences", 0.0), " en→", mt.data.languages[0], " test pairs.\n");
 
+  // PEFT against full fine-tuning: BLEU on the teacher site's whole test split, WAN bytes.
+  const auto s_full = read_json(full.job.run_dir + "/summary.json"), s_lora = read_json(lora.job.run_dir + "/summary.json");
+  const auto peft_boot = bootstrap_runs(full.job.run_dir, lora.job.run_dir, full.sites[0].name);
+  auto site_bleu = [](const std::string& dir, const std::string& site) {
+    const Translations t = read_translations(str_cat(dir, "/translations-", site, ".tsv"));
+    eval::BleuOptions o;
+    o.smoothing = eval::BleuSmoothing::kExp;
+    return eval::corpus_bleu(t.hypotheses, t.references, o).score;
+  };
+  const double full_bleu = site_bleu(full.job.run_dir, full.sites[0].name),
+               lora_bleu = site_bleu(lora.job.run_dir, full.sites[0].name);
+  const double full_bytes = s_full.value("wan_bytes", 0.0), lora_bytes = s_lora.value("wan_bytes", 0.0);
+  auto trainable = [](const nlohmann::json& s) { return s.contains("trainable_parameters") ? s["trainable_parameters"].get<double>() : 0.0; };
+  md += str_cat("\n## PEFT: adapting the teacher on both sites\n\nThe teacher fine-tuned further on ", full.sites[0].name,
+                "'s and ", full.sites[1].name, "'s pairs, sync over the WAN, ", full.job.steps,
+                " steps on the same batches; BLEU on ", full.sites[0].name, "'s test split (beam ", mt.eval.beam, "):\n\n"
+                "| | full fine-tuning | LoRA r = ", lora.peft.rank, " |\n|---|---|---|\n");
+  md += str_cat("| trainable values | ", fixed(trainable(s_full), 0), " | ", fixed(trainable(s_lora), 0), " |\n");
+  md += str_cat("| WAN bytes | ", format_bytes(full_bytes), " | ", format_bytes(lora_bytes), " (",
+                fixed(full_bytes / std::max(1.0, lora_bytes), 1), "× fewer) |\n");
+  md += str_cat("| BLEU | ", fixed(full_bleu, 2), " | ", fixed(lora_bleu, 2), " |\n");
+  md += str_cat("| validation loss | ", fixed(val(s_full), 3), " | ", fixed(val(s_lora), 3), " |\n");
+  md += str_cat("\nLoRA minus full fine-tuning: ", peft_boot.delta >= 0 ? "+" : "", fixed(peft_boot.delta, 2),
+                " BLEU (95% paired-bootstrap interval ", fixed(peft_boot.low, 2), " to ", fixed(peft_boot.high, 2), ", ",
+                peft_boot.segments, " test sentences).\n\n");
+
   eval::ChartOptions loss_chart{"Pre-training loss per site", "step", "training loss (MLM + TLM)"};
   auto series = loss_series(pre.job.run_dir, "");
   for (auto& s : loss_series(sync.job.run_dir, "sync: ")) series.push_back(std::move(s));
@@ -336,7 +395,8 @@ int run_demo(const DemoOptions& o) {
   md += str_cat("\nCharts: ", run, "/pretrain_loss.svg, ", run, "/retrieval.svg, ", run, "/translation_loss.svg\n");
   // Every stage side by side (`nebula report`): charts, a page and TensorBoard event files.
   const auto report = write_report({pre.job.run_dir, sync.job.run_dir, xfer.job.run_dir, xfer_random.job.run_dir,
-                                    teacher.job.run_dir, kd.job.run_dir, alone.job.run_dir},
+                                    teacher.job.run_dir, kd.job.run_dir, alone.job.run_dir, full.job.run_dir,
+                                    lora.job.run_dir},
                                    run + "/report");
   md += str_cat("Report of every stage: ", report.files.back(), "; TensorBoard: tensorboard --logdir ", run,
                 "/report/tensorboard (", report.event_files.size(), " event files)\n");
@@ -356,9 +416,17 @@ int run_demo(const DemoOptions& o) {
                             {"student_bleu", bleu(s_alone)},
                             {"student_kd_bleu", bleu(s_kd)},
                             {"distill", d},
-                            {"distill_bleu_bootstrap", {{"delta", boot.delta}, {"low", boot.low}, {"high", boot.high},
-                                                        {"segments", boot.segments}, {"samples", boot.samples},
-                                                        {"system_better", boot.system_better}}}};
+                            {"distill_bleu_bootstrap", bootstrap_json(boot)},
+                            {"peft", {{"full", {{"bleu", full_bleu},
+                                                {"wan_bytes", full_bytes},
+                                                {"trainable_parameters", trainable(s_full)},
+                                                {"final_val_loss", val(s_full)}}},
+                                      {"lora", {{"bleu", lora_bleu},
+                                                {"wan_bytes", lora_bytes},
+                                                {"trainable_parameters", trainable(s_lora)},
+                                                {"final_val_loss", val(s_lora)}}},
+                                      {"wan_reduction", full_bytes / std::max(1.0, lora_bytes)},
+                                      {"bleu_bootstrap", bootstrap_json(peft_boot)}}}};
   write_json_atomically(run + "/summary.json", summary);
   {
     std::ofstream out(run + "/summary.md");

@@ -3,6 +3,7 @@
 #include <ATen/ATen.h>
 
 #include <algorithm>
+#include <numeric>
 
 #include "model/safetensors.h"
 #include "nebula/error.h"
@@ -65,13 +66,24 @@ LoadedTranslator load_translator(const model::TensorFile& file, const std::strin
 }
 
 std::vector<std::string> translate(model::Seq2SeqImpl& model, const data::Tokenizer& tok,
-                                   const std::vector<std::string>& sentences, int64_t beam, int64_t batch_size) {
-  const auto src = encode_all(tok, sentences, model.max_len());
-  std::vector<std::string> out;
-  out.reserve(sentences.size());
+                                   const std::vector<std::string>& sentences, int64_t beam, double length_penalty,
+                                   int64_t batch_size) {
+  NEBULA_CHECK(batch_size >= 1, "translation batch ", batch_size);
+  const auto encoded = encode_all(tok, sentences, model.max_len());
+  // Batches of sentences of similar length: a batch decodes until its longest hypothesis ends,
+  // so mixing a long sentence into short ones would keep them all going (and padding them).
+  std::vector<size_t> order(encoded.size());
+  std::iota(order.begin(), order.end(), size_t{0});
+  std::stable_sort(order.begin(), order.end(),
+                   [&](size_t a, size_t b) { return encoded[a].size() < encoded[b].size(); });
+  std::vector<std::vector<int>> src;
+  src.reserve(order.size());
+  for (size_t i : order) src.push_back(encoded[i]);
+  std::vector<std::string> out(sentences.size());
   for (size_t b = 0; b < src.size(); b += static_cast<size_t>(batch_size)) {
     at::Tensor ids = model::pad_sequences(src, tok.pad_id(), b, b + static_cast<size_t>(batch_size));
-    for (const auto& hyp : model.beam_search(ids, beam, model.max_len() - 1)) out.push_back(tok.decode(hyp));
+    size_t i = b;
+    for (const auto& hyp : model.beam_search(ids, beam, model.max_len() - 1, length_penalty)) out[order[i++]] = tok.decode(hyp);
   }
   return out;
 }

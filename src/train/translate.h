@@ -34,9 +34,11 @@ LoadedTranslator load_translator(const std::string& path, const data::Tokenizer&
 // The same from a file already read (e.g. for the tokenizer path in its metadata).
 LoadedTranslator load_translator(const model::TensorFile& file, const std::string& path, const data::Tokenizer& tok);
 
-// Translates each sentence (beam search; beam 1 = greedy), batched. Sentences longer than the
-// model's max_len are cut, as in training.
+// Translates each sentence (beam search with length_penalty α, see Seq2SeqImpl; beam 1 =
+// greedy), batched by length, in the input's order. Sentences longer than the model's max_len
+// are cut, as in training.
 std::vector<std::string> translate(model::Seq2SeqImpl& model, const data::Tokenizer& tok,
-                                   const std::vector<std::string>& sentences, int64_t beam, int64_t batch_size = 32);
+                                   const std::vector<std::string>& sentences, int64_t beam,
+                                   double length_penalty = 0.6, int64_t batch_size = 32);
 
 }  // namespace nebula::train

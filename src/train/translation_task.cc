@@ -112,11 +112,11 @@ class TranslationTask : public Task {
     auto [id, indices, b] = std::move(queue_.front());
     queue_.pop_front();
     distill::TopK teacher = client_->wait(id, Deadline::after(c_.job.timeout));
-    at::Tensor logits = model_->forward(b.src, b.tgt_in);  // [B, T, V]
-    at::Tensor ce = at::cross_entropy_loss(logits.reshape({-1, logits.size(-1)}), b.tgt_out.reshape({-1}), {},
-                                           at::Reduction::Mean, model::kIgnoreIndex, c_.model.label_smoothing);
-    // The teacher's rows are the tgt_in positions without padding, sequence by sequence.
-    at::Tensor rows = logits.index({b.tgt_in.ne(ctx_.ids.pad)});
+    // The teacher's rows are the target positions, sequence by sequence: target_logits' rows.
+    at::Tensor rows = model_->target_logits(b.src, b.tgt_in, b.tgt_out);  // [N, V]
+    at::Tensor targets = b.tgt_out.index({b.tgt_out.ne(model::kIgnoreIndex)});
+    at::Tensor ce = at::cross_entropy_loss(rows, targets, {}, at::Reduction::Mean, model::kIgnoreIndex,
+                                           c_.model.label_smoothing);
     at::Tensor kd = distill::kd_loss(rows, teacher, c_.distill.temperature);
     kd_sum_ += kd.item<double>() * static_cast<double>(b.target_tokens);
     kd_tokens_ += static_cast<double>(b.target_tokens);
@@ -173,7 +173,7 @@ class TranslationTask : public Task {
       sources.push_back(p.en);
       refs.push_back(p.other);
     }
-    const auto hyps = translate(*model_, *ctx_.tokenizer, sources, c_.eval.beam);
+    const auto hyps = translate(*model_, *ctx_.tokenizer, sources, c_.eval.beam, c_.eval.length_penalty);
     const eval::BleuScore s = eval::corpus_bleu(hyps, refs);
     for (int n = 0; n < 4; ++n) {
       out[static_cast<size_t>(n)] = static_cast<double>(s.counts[static_cast<size_t>(n)]);
@@ -200,7 +200,8 @@ class TranslationTask : public Task {
     o.smoothing = eval::BleuSmoothing::kExp;
     const eval::BleuScore s =
         eval::compute_bleu(counts, totals, static_cast<size_t>(c[8]), static_cast<size_t>(c[9]), o);
-    return {{"bleu", s.score}, {"sentences", c[10]}, {"beam", c_.eval.beam}, {"bleu_line", s.format()}};
+    return {{"bleu", s.score}, {"sentences", c[10]}, {"beam", c_.eval.beam},
+            {"length_penalty", c_.eval.length_penalty}, {"bleu_line", s.format()}};
   }
 
   void finish() override {
@@ -288,9 +289,9 @@ void run_teacher(const TaskContext& ctx) {
   const int64_t pad = ctx.ids.pad;
   auto fn = [&](const distill::Sequences& src, const distill::Sequences& tgt_in) {
     at::NoGradGuard no_grad;
-    at::Tensor tgt = model::pad_sequences(tgt_in, pad);
-    at::Tensor logits = teacher.model->forward(model::pad_sequences(src, pad), tgt);
-    return logits.index({tgt.ne(pad)});  // [Σ len(tgt_in), V], sequence by sequence
+    at::Tensor tgt = model::pad_sequences(tgt_in, pad), src_ids = model::pad_sequences(src, pad);
+    at::Tensor hidden = teacher.model->decode_hidden(teacher.model->encode(src_ids), src_ids, tgt);
+    return teacher.model->project(hidden.index({tgt.ne(pad)}));  // [Σ len(tgt_in), V], sequence by sequence
   };
   distill::ServeOptions o;
   o.vocab = ctx.tokenizer->vocab_size();

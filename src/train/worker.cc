@@ -272,6 +272,9 @@ int run_worker(const Config& c, const WorkerIdentity& who, bool resume, bool rej
                                : c.model.kind == "classifier"  ? make_classifier_task(ctx)
                                                                : make_mlm_task(ctx);
   std::vector<at::Tensor> params = task->trainable();
+  int64_t trainable_values = 0, model_values = 0;  // before any sharding
+  for (const auto& p : params) trainable_values += p.numel();
+  for (const auto& p : task->module().parameters()) model_values += p.numel();
   auto strategy =
       strategy::make_strategy(c.strategy, comm, timeout, training_names.size(), training_index, c.privacy);
   strategy->set_buffers(task->module().buffers());  // BatchNorm statistics ...: kept equal too
@@ -603,6 +606,8 @@ int run_worker(const Config& c, const WorkerIdentity& who, bool resume, bool rej
           {"final_train_loss", total(4) > 0 ? total(3) / total(4) : 0.0},
           {"final_val_loss", total(6) > 0 ? nlohmann::json(total(5) / total(6)) : nlohmann::json(nullptr)},
           {"model_kind", c.model.kind},
+          {"parameters", model_values},
+          {"trainable_parameters", trainable_values},  // what the strategy keeps equal: all of them, or [peft]'s
           {"model", c.job.run_dir + "/model.safetensors"},
           {"wan_bytes", total(1)},
           {"wan_bytes_sent", total(1)},

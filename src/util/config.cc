@@ -184,6 +184,7 @@ Config build(const toml::table& root, const std::string& file) {
     s.integer("every", c.eval.every, 0, 1'000'000'000);
     s.integer("pairs", c.eval.pairs, 0, 1'000'000'000);
     s.integer("beam", c.eval.beam, 1, 256);
+    s.number("length_penalty", c.eval.length_penalty, 0.0, 10.0);
     s.finish();
   }
 
@@ -591,7 +592,8 @@ std::string to_toml(const Config& c) {
                                  {"elastic", c.job.elastic},
                                  {"restarts", c.job.restarts},
                                  {"command", strs(c.job.command)}});
-  root.insert("eval", toml::table{{"every", c.eval.every}, {"pairs", c.eval.pairs}, {"beam", c.eval.beam}});
+  root.insert("eval", toml::table{{"every", c.eval.every}, {"pairs", c.eval.pairs}, {"beam", c.eval.beam},
+                                  {"length_penalty", c.eval.length_penalty}});
   root.insert("model", toml::table{{"kind", c.model.kind},
                                    {"dim", c.model.dim},
                                    {"layers", c.model.layers},
@@ -730,10 +732,9 @@ void check_peft(const ModelConfig& model, const PeftConfig& peft) {
   if (peft.kind != "none" && peft.kind != "lora" && peft.kind != "adapter")
     peft_error("peft.kind", str_cat("\"", peft.kind, "\" is not one of \"none\", \"lora\", \"adapter\""));
   if (peft.kind == "none") return;
-  if (model.kind != "mlm_encoder" && !(model.kind == "seq2seq" && peft.kind == "lora"))
+  if (model.kind != "mlm_encoder" && model.kind != "seq2seq")
     peft_error("peft.kind", str_cat("\"", peft.kind, "\" needs a model whose layers PEFT knows; model.kind \"",
-                                      model.kind, "\" is not one (supported: \"mlm_encoder\" with lora or adapter, ",
-                                      "\"seq2seq\" with lora)"));
+                                      model.kind, "\" is not one (supported: \"mlm_encoder\", \"seq2seq\")"));
   if (peft.kind == "lora") {
     // The narrowest Linear is dim×dim (or dim×ffn): a B·A of higher rank does not exist.
     const int64_t max_rank = std::min(model.dim, model.ffn);

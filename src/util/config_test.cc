@@ -321,12 +321,17 @@ TEST(Config, TranslationAndDistillKeysAreValidated) {
   EXPECT_EQ(parse_config(kValid, "job.toml", {"model.init=\"m.safetensors\""}).model.init, "m.safetensors");
   expect_error(kValid, {"'model.init'", "TorchScript"}, {"model.kind=torchscript", "model.script=\"m.pt\"",
                                                          "data.source=tensors", "model.init=\"m.safetensors\""});
-  // PEFT on a translation model: LoRA (in the encoder and the decoder), not adapters.
+  // PEFT on a translation model: LoRA or adapters (in the encoder and the decoder); not on a
+  // classifier.
   EXPECT_EQ(parse_config(kValid, "job.toml", with({"peft.kind=lora", "peft.rank=4"})).peft.kind, "lora");
-  expect_error(kValid, {"'peft.kind'", "seq2seq"}, with({"peft.kind=adapter"}));
+  EXPECT_EQ(parse_config(kValid, "job.toml", with({"peft.kind=adapter"})).peft.kind, "adapter");
   expect_error(kValid, {"'data.objective'"}, {"data.objective=\"clm\""});
   expect_error(kValid, {"leaves nothing to train on"}, {"data.valid_fraction=0.5", "data.test_fraction=0.5"});
   expect_error(kValid, {"'eval.beam'"}, {"eval.beam=0"});
+  expect_error(kValid, {"'eval.length_penalty'"}, {"eval.length_penalty=-1"});
+  EXPECT_EQ(parse_config(to_toml(parse_config(kValid, "job.toml", {"eval.length_penalty=1.2"})), "resolved.toml")
+                .eval.length_penalty,
+            1.2);
 }
 
 // [5/5]: the training recipe's keys (schedule, clipping, label smoothing, the contrastive
