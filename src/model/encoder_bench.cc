@@ -2,8 +2,10 @@
 // 2 layers, 4 heads, ffn 128, max_len 32; batch 16, vocab 1000), one intra-op thread as in a
 // worker. Side by side in one run: the encoder stack alone, torch::nn::TransformerEncoderLayer
 // vs ours; the MLM loss from full logits (before [5/5]) vs from the masked positions' only
-// (tokens/s); then the whole MlmEncoder step without PEFT, with LoRA r=8 and with adapters 16,
-// and each one's trainable parameter count. Prints ms per step; ctest runs a tiny mode
+// (tokens/s); the translation loss of the demo's seq2seq (examples/demo_mt.toml: max_len 64,
+// vocab 8000, batch 32, targets of 4 to 40 pieces) from full logits vs from the target
+// positions' only; then the whole MlmEncoder step without PEFT, with LoRA r=8 and with
+// adapters 16, and each one's trainable parameter count. Prints ms per step; ctest runs a tiny mode
 // (bench.encoder_bench, 20 steps) so it cannot rot.
 //   build/src/model/encoder_bench [steps]
 #include <ATen/ATen.h>
@@ -18,6 +20,8 @@
 #include <vector>
 
 #include "model/peft.h"
+#include "model/seq2seq.h"
+#include "model/seq2seq_batch.h"
 
 using namespace nebula;
 
@@ -114,6 +118,44 @@ int main(int argc, char** argv) {
     };
     auto t = ms_per_step({full, masked}, steps);
     std::printf("  MLM loss, full logits %.3f (%.0f tokens/s)  masked positions only %.3f (%.0f tokens/s): %.2fx\n",
+                t[0], 1e3 * tokens / t[0], t[1], 1e3 * tokens / t[1], t[0] / t[1]);
+  }
+  {
+    // [5/5] the translation loss from logits at the target positions only (Seq2SeqImpl::loss)
+    // against the full [batch, T, vocab] logits with the padding ignored afterwards.
+    ModelConfig mt = c;
+    mt.max_len = 64;
+    const int64_t mt_vocab = 8000, mt_batch = 32;
+    model::SpecialIds sid;
+    sid.pad = 0, sid.bos = 1, sid.eos = 2, sid.vocab_size = mt_vocab;
+    std::vector<std::vector<int>> src, tgt;
+    for (int64_t i = 0; i < mt_batch; ++i)
+      for (auto* side : {&src, &tgt}) {
+        const int64_t len = 4 + at::randint(37, {1}).item<int64_t>();  // 4..40 pieces, BOS and EOS included
+        std::vector<int> s{static_cast<int>(sid.bos)};
+        for (int64_t j = 2; j < len; ++j) s.push_back(static_cast<int>(at::randint(3, mt_vocab, {1}).item<int64_t>()));
+        s.push_back(static_cast<int>(sid.eos));
+        side->push_back(std::move(s));
+      }
+    std::vector<const std::vector<int>*> sp, tp;
+    for (int64_t i = 0; i < mt_batch; ++i) sp.push_back(&src[i]), tp.push_back(&tgt[i]);
+    const model::Seq2SeqBatch b = model::make_seq2seq_batch(sp, tp, sid);
+    model::Seq2Seq m(mt, 2, mt_vocab, sid);
+    const double tokens = static_cast<double>(b.target_tokens + b.src.ne(sid.pad).sum().item<int64_t>());
+    auto full = [&] {
+      m->zero_grad();
+      const at::Tensor logits = m->forward(b.src, b.tgt_in);
+      at::cross_entropy_loss(logits.reshape({-1, mt_vocab}), b.tgt_out.reshape({-1}), {}, at::Reduction::Mean,
+                             model::kIgnoreIndex, 0.1)
+          .backward();
+    };
+    auto targets = [&] {
+      m->zero_grad();
+      m->loss(b.src, b.tgt_in, b.tgt_out, 0.1).backward();
+    };
+    auto t = ms_per_step({full, targets}, steps);
+    std::printf("  translation loss, full logits %.3f (%.0f tokens/s)  target positions only %.3f (%.0f tokens/s): "
+                "%.2fx\n",
                 t[0], 1e3 * tokens / t[0], t[1], 1e3 * tokens / t[1], t[0] / t[1]);
   }
   auto t = ms_per_step(steps_of, steps);

@@ -242,14 +242,17 @@ int run_demo(const DemoOptions& o) {
   if (int rc = run_stage(alone, o)) return rc;
 
   // 8. PEFT (examples/demo_mt.toml + [peft]): the teacher adapted further on both sites' pairs
-  // with sync over the WAN, once fully and once with LoRA, the same steps and batches: what
-  // crosses the WAN is each step's gradient of the trainable values only.
+  // with sync, once fully and once with LoRA, the same steps and batches: what crosses the WAN
+  // is each step's gradient of the trainable values only. Like the sync baseline, over an
+  // unlimited link: the bytes and the losses do not depend on it.
   Config full = mt;
   full.job.name = "demo-peft-full";
   full.job.run_dir = run + "/peft-full";
   full.job.steps = q ? 10 : mt.job.steps / 2;
   full.distill = DistillConfig{};
   full.strategy = StrategyConfig{};  // sync: every step's gradients cross the WAN
+  full.wan.path = WanPathConfig{};
+  full.wan.pairs.clear();
   full.model.init = teacher.job.run_dir + "/model.safetensors";
   full.model.lr = mt.model.lr / 2;
   full.peft = PeftConfig{};
@@ -258,7 +261,8 @@ int run_demo(const DemoOptions& o) {
   lora.job.run_dir = run + "/peft-lora";
   lora.peft.kind = "lora";
   lora.peft.rank = 8;
-  banner(8, str_cat("PEFT: the teacher adapted on both sites' pairs with sync over the WAN, ", full.job.steps,
+  lora.model.lr = mt.model.lr;  // twice full fine-tuning's, as usual for LoRA: its update starts at zero, low-rank
+  banner(8, str_cat("PEFT: the teacher adapted on both sites' pairs with sync (an unlimited link), ", full.job.steps,
                     " steps, fully and then with LoRA rank ", lora.peft.rank, " (only its values cross the WAN)"));
   if (int rc = run_stage(full, o)) return rc;
   if (int rc = run_stage(lora, o)) return rc;
@@ -366,8 +370,9 @@ int run_demo(const DemoOptions& o) {
   const double full_bytes = s_full.value("wan_bytes", 0.0), lora_bytes = s_lora.value("wan_bytes", 0.0);
   auto trainable = [](const nlohmann::json& s) { return s.contains("trainable_parameters") ? s["trainable_parameters"].get<double>() : 0.0; };
   md += str_cat("\n## PEFT: adapting the teacher on both sites\n\nThe teacher fine-tuned further on ", full.sites[0].name,
-                "'s and ", full.sites[1].name, "'s pairs, sync over the WAN, ", full.job.steps,
-                " steps on the same batches; BLEU on ", full.sites[0].name, "'s test split (beam ", mt.eval.beam, "):\n\n"
+                "'s and ", full.sites[1].name, "'s pairs with sync, ", full.job.steps, " steps on the same batches (lr ",
+                full.model.lr, " full, ", lora.model.lr, " LoRA); BLEU on ", full.sites[0].name, "'s test split (beam ",
+                mt.eval.beam, "):\n\n"
                 "| | full fine-tuning | LoRA r = ", lora.peft.rank, " |\n|---|---|---|\n");
   md += str_cat("| trainable values | ", fixed(trainable(s_full), 0), " | ", fixed(trainable(s_lora), 0), " |\n");
   md += str_cat("| WAN bytes | ", format_bytes(full_bytes), " | ", format_bytes(lora_bytes), " (",

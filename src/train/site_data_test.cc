@@ -15,6 +15,7 @@
 #include "model/safetensors.h"
 #include "nebula/error.h"
 #include "train/evaluation.h"
+#include "train/translate.h"
 #include "util/temp_dir.h"
 
 namespace nebula::train {
@@ -416,6 +417,36 @@ TEST(TransferSplits, NoTrainingMessageIsEvaluatedInAnyLanguage) {
   for (const auto& [en, label] : s0.train) first.insert(en);
   for (const auto& [en, label] : s1.train) EXPECT_EQ(first.count(en), 0u) << en;
   EXPECT_THROW(split_transfer_messages(messages, langs, 1, 0.1, 0.3, 0, 1, 90), Error);
+}
+
+// translate() decodes sentences in batches of similar length: each output is the sentence's
+// own translation (as translating it alone), in the input's order.
+TEST(Translate, BatchesByLengthAndAnswersInTheInputsOrder) {
+  CorpusJob job;
+  std::vector<std::string> text;
+  for (const auto& p : make_pairs("de", 40)) text.insert(text.end(), {p.en, p.other});
+  data::Tokenizer::train(text, job.dir.file("spm"), 30);
+  const auto tok = data::Tokenizer::load(job.dir.file("spm.model"));
+  ModelConfig c;
+  c.dim = 16, c.layers = 1, c.heads = 2, c.ffn = 32, c.max_len = 24, c.dropout = 0;
+  at::manual_seed(5);
+  model::Seq2Seq m(c, 1, tok.vocab_size(), special_ids(tok));
+  {
+    at::NoGradGuard no_grad;
+    for (auto& p : m->parameters())
+      if (p.dim() == 2) p.normal_(0, 0.3);  // a random model whose output depends on its input
+  }
+  const std::vector<std::string> sentences = {"open file number 12 and more text here", "file", "",
+                                              "number 3", "open the file number 1 2 3 4 5 6 7 8 9"};
+  const auto batched = translate(*m, tok, sentences, /*beam=*/2, 0.6, /*batch_size=*/2);
+  ASSERT_EQ(batched.size(), sentences.size());
+  std::set<std::string> distinct;
+  for (size_t i = 0; i < sentences.size(); ++i) {
+    EXPECT_EQ(batched[i], translate(*m, tok, {sentences[i]}, 2, 0.6, 1).at(0)) << "sentence " << i;
+    distinct.insert(batched[i]);
+  }
+  EXPECT_GT(distinct.size(), 2u) << ::testing::PrintToString(batched);  // different outputs, not one repeated
+  EXPECT_THROW(translate(*m, tok, sentences, 2, 0.6, 0), Error);
 }
 
 }  // namespace
