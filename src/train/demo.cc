@@ -310,7 +310,8 @@ int run_demo(const DemoOptions& o) {
                     pct(1 / std::max(1.0, e.value("pairs", 1.0))), ") | ", probe(s_pre, lang, "retrieval_accuracy"),
                     " | ", probe(s_sync, lang, "retrieval_accuracy"), " |\n");
   }
-  md += str_cat("\nThe controller's decisions: ", s_pre["decisions"].dump(), "\n\n");
+  if (!s_pre["decisions"].empty()) md += str_cat("\nThe controller's decisions: ", s_pre["decisions"].dump(), "\n");
+  md += "\n";
 
   // Zero-shot transfer: accuracy per language, pre-trained encoder against random.
   const auto s_xfer = read_json(xfer.job.run_dir + "/summary.json"),
