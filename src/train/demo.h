@@ -1,4 +1,4 @@
-// `nebula demo`: the whole story of issue [5/7] on one machine, stage by stage, each stage an
+// `nebula demo`: the whole story on one machine, stage by stage, each stage an
 // ordinary local-mode job (launcher.h) with its own run directory and files:
 //
 //   RUN/corpus          `nebula corpus build` of this machine's gettext catalogs (de, fr, es, it)
@@ -8,12 +8,15 @@
 //   RUN/transfer        zero-shot transfer: a package classifier (linear probe) on the
 //                       pre-trained encoder, trained on English, scored in de/es/fr/it
 //   RUN/transfer-random the same on a randomly initialised encoder (the baseline)
-//   RUN/teacher         the en→de teacher, fine-tuned on site europe-west from the encoder
+//   RUN/teacher         the en→de teacher on site europe-west, with the translation vocabulary
+//                       it trains on that site's pairs (RUN/teacher/tokenizer.model)
 //   RUN/student-kd      the student on europe-south, distilled from the teacher across the WAN
 //   RUN/student         the same student without distillation (the baseline)
+//   RUN/peft-full       the teacher adapted on both sites with sync, every parameter trained
+//   RUN/peft-lora       the same with LoRA (only its values cross the WAN)
 //   RUN/summary.json, RUN/summary.md, RUN/*.svg   the table and the charts
 //
-// quick = a tiny version of every stage (for tests): a minute or two instead of ten.
+// quick = a tiny version of every stage (for tests): under a minute instead of about sixteen.
 #pragma once
 
 #include <string>
