@@ -40,6 +40,7 @@ struct Child {
   std::string log;
   bool running = true;
   int status = 0;
+  bool ended_on_its_own = false;  // ended before this launcher signalled any worker
 };
 
 using Environment = std::vector<std::pair<std::string, std::string>>;
@@ -276,12 +277,22 @@ int run_local(Config c, const LaunchOptions& options) {
   size_t running = children.size();
   Clock::time_point stop_started{};
   while (running > 0) {
+    std::vector<Child*> ended;
     for (auto& ch : children) {
       if (!ch.running) continue;
-      pid_t r = ::waitpid(ch.pid, &ch.status, WNOHANG);
-      if (r != ch.pid) continue;
+      if (::waitpid(ch.pid, &ch.status, WNOHANG) != ch.pid) continue;
       ch.running = false;
       --running;
+      ch.ended_on_its_own = exit_code == 0 && !g_signal;
+      ended.push_back(&ch);
+    }
+    // Workers that ended within one poll: one killed by a signal is the cause, not the peers
+    // that exited because it hung up on them (they exit within milliseconds of it).
+    std::stable_partition(ended.begin(), ended.end(), [](const Child* ch) { return WIFSIGNALED(ch->status); });
+    std::set<std::string> restarted;  // elastic: sites started again in this poll
+    for (Child* ended_child : ended) {
+      Child& ch = *ended_child;
+      if (restarted.count(ch.site)) continue;  // reaped with its site, which starts again
       bool ok = WIFEXITED(ch.status) && WEXITSTATUS(ch.status) == 0;
       // A worker that stopped on a signal after writing its checkpoint (128 + SIGINT/SIGTERM):
       // the job stops as if this launcher had been interrupted.
@@ -310,6 +321,7 @@ int run_local(Config c, const LaunchOptions& options) {
             }
           ++restarts[ch.site];
           lost_sites.erase(ch.site);
+          restarted.insert(ch.site);
           spdlog::warn("starting site {} again to rejoin (restart {} of {})", ch.site, restarts[ch.site],
                        c.job.restarts);
           const size_t before = children.size();
@@ -350,10 +362,17 @@ int run_local(Config c, const LaunchOptions& options) {
     // Workers that failed on their own too (not stopped by us): the first to exit is not always
     // the cause (a worker whose peer hung up exits as fast as the peer that failed).
     for (const auto& ch : children) {
-      if (&ch == failed || !WIFEXITED(ch.status)) continue;
-      const int code = WEXITSTATUS(ch.status);
-      if (code == 0 || code == 128 + SIGTERM || code == 128 + SIGINT) continue;
-      spdlog::error("worker {}/{} failed too (exit code {}). Last lines of {}:\n{}", ch.site, ch.rank, code, ch.log,
+      if (&ch == failed || ch.running) continue;
+      std::string how;
+      if (WIFEXITED(ch.status)) {
+        const int code = WEXITSTATUS(ch.status);
+        if (code == 0 || code == 128 + SIGTERM || code == 128 + SIGINT) continue;
+        how = str_cat("exit code ", code);
+      } else {
+        if (!ch.ended_on_its_own) continue;  // our SIGKILL after the grace period
+        how = str_cat("signal ", WTERMSIG(ch.status));
+      }
+      spdlog::error("worker {}/{} failed too ({}). Last lines of {}:\n{}", ch.site, ch.rank, how, ch.log,
                     tail_of(ch.log, 15));
     }
     return exit_code;
