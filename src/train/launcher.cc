@@ -43,6 +43,11 @@ struct Child {
   bool ended_on_its_own = false;  // ended before this launcher signalled any worker
 };
 
+// How a reaped worker ended, for messages: "exit code N" or "signal N".
+std::string how_it_ended(int status) {
+  return WIFEXITED(status) ? str_cat("exit code ", WEXITSTATUS(status)) : str_cat("signal ", WTERMSIG(status));
+}
+
 using Environment = std::vector<std::pair<std::string, std::string>>;
 
 // `exe` with `args`: a path, or with `search_path` a program name found on PATH (a [job] command).
@@ -307,8 +312,7 @@ int run_local(Config c, const LaunchOptions& options) {
           if (other.running && other.site == ch.site) ::kill(other.pid, SIGKILL);
         spdlog::warn("site {} lost (worker {}/{}: {}); the other sites go on (job.elastic). Last lines of {}:\n{}",
                      ch.site, ch.site, ch.rank,
-                     WIFEXITED(ch.status) ? str_cat("exit code ", WEXITSTATUS(ch.status))
-                                          : str_cat("signal ", WTERMSIG(ch.status)),
+                     how_it_ended(ch.status),
                      ch.log, tail_of(ch.log, 5));
         if (restarts[ch.site] < c.job.restarts) {
           // Its workers are gone (killed above; reaped below): start the site again, to
@@ -355,25 +359,20 @@ int run_local(Config c, const LaunchOptions& options) {
   }
   progress.poll();
   if (failed) {
-    std::string how = WIFEXITED(failed->status) ? str_cat("exit code ", WEXITSTATUS(failed->status))
-                                                 : str_cat("signal ", WTERMSIG(failed->status));
     spdlog::error("worker {}/{} failed ({}); stopped the others. Last lines of {}:\n{}", failed->site, failed->rank,
-                  how, failed->log, tail_of(failed->log, 15));
+                  how_it_ended(failed->status), failed->log, tail_of(failed->log, 15));
     // Workers that failed on their own too (not stopped by us): the first to exit is not always
     // the cause (a worker whose peer hung up exits as fast as the peer that failed).
     for (const auto& ch : children) {
       if (&ch == failed || ch.running) continue;
-      std::string how;
       if (WIFEXITED(ch.status)) {
         const int code = WEXITSTATUS(ch.status);
         if (code == 0 || code == 128 + SIGTERM || code == 128 + SIGINT) continue;
-        how = str_cat("exit code ", code);
-      } else {
-        if (!ch.ended_on_its_own) continue;  // our SIGKILL after the grace period
-        how = str_cat("signal ", WTERMSIG(ch.status));
+      } else if (!ch.ended_on_its_own) {
+        continue;  // our SIGKILL after the grace period
       }
-      spdlog::error("worker {}/{} failed too ({}). Last lines of {}:\n{}", ch.site, ch.rank, how, ch.log,
-                    tail_of(ch.log, 15));
+      spdlog::error("worker {}/{} failed too ({}). Last lines of {}:\n{}", ch.site, ch.rank, how_it_ended(ch.status),
+                    ch.log, tail_of(ch.log, 15));
     }
     return exit_code;
   }
