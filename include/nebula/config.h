@@ -59,7 +59,7 @@ struct ModelConfig {
   double dropout = 0.0;
   double lr = 1e-3;                  // AdamW's peak learning rate
   double weight_decay = 0.01;
-  // The learning rate over the job's steps (train/inner_optimizer.h, scheduled_lr): a linear
+  // The learning rate over the job's steps (parallel/inner_optimizer.h, scheduled_lr): a linear
   // warmup over the first warmup_steps, then "constant", or a "cosine" / "linear" decay to
   // lr_floor·lr at job.steps. diloco's inner optimizer follows it too.
   std::string lr_schedule = "constant";
@@ -270,7 +270,7 @@ struct PeftConfig {
 //          "gradients"  ZeRO-2: as "optimizer", and the gradients are reduce-scattered (diloco,
 //                       streaming);
 //          "full"       ZeRO-3: the parameters are sharded too and gathered layer by layer
-//                       (train/full_shard.h; built-in models with diloco and streaming).
+//                       (parallel/full_shard.h; built-in models with diloco and streaming).
 struct ParallelConfig {
   std::string shard = "none";
 };

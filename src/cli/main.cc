@@ -20,10 +20,10 @@
 #include "nebula/log.h"
 #include "plan/plan.h"
 #include "model/safetensors.h"
-#include "train/demo.h"
-#include "train/launcher.h"
+#include "app/demo.h"
+#include "launch/launcher.h"
 #include "train/translate.h"
-#include "train/report.h"
+#include "app/report.h"
 #include "train/site_data.h"
 #include "train/worker.h"
 #include "transport/certs.h"
@@ -207,7 +207,7 @@ int main(int argc, char** argv) {
   try {
     if (*run) {
       nebula::Config c = nebula::load_config(config_path, overrides);
-      return nebula::train::run_local(c, {self_executable(), resume});
+      return nebula::launch::run_local(c, {self_executable(), resume});
     }
     if (*tokenizer) {
       nebula::Config c = nebula::load_config(config_path, overrides);
@@ -229,7 +229,7 @@ int main(int argc, char** argv) {
       return 0;
     }
     if (*demo) {
-      nebula::train::DemoOptions o;
+      nebula::app::DemoOptions o;
       o.run_dir = demo_dir;
       o.quick = demo_quick;
       o.executable = self_executable();
@@ -237,7 +237,7 @@ int main(int argc, char** argv) {
       o.translate_config = nebula::kDemoMtConfig;
       o.transfer_config = nebula::kTransferConfig;
       o.overrides = overrides;
-      return nebula::train::run_demo(o);
+      return nebula::app::run_demo(o);
     }
     if (*plan) {
       nebula::plan::Topology t = nebula::plan::load_topology(topology_path, overrides);
@@ -334,7 +334,7 @@ int main(int argc, char** argv) {
     }
     if (*report) {
       const std::string out = report_out.empty() ? report_runs.front() + "/report" : report_out;
-      const auto r = nebula::train::write_report(report_runs, out);
+      const auto r = nebula::app::write_report(report_runs, out);
       std::printf("wrote %s (%zu charts)%s\n", r.files.back().c_str(), r.files.size() - 1,
                   r.skipped_lines ? nebula::str_cat("; skipped ", r.skipped_lines, " malformed metrics lines").c_str() : "");
       return 0;

@@ -712,4 +712,20 @@ CommStats Hierarchy::stats() const {
   return s;
 }
 
+std::vector<double> sum_counters(Hierarchy& comm, const std::vector<double>& values) {
+  constexpr double kSplit = 1 << 20;
+  at::Tensor t = at::empty({static_cast<int64_t>(2 * values.size())}, at::kFloat);
+  for (size_t i = 0; i < values.size(); ++i) {
+    const double hi = std::floor(values[i] / kSplit);
+    t[static_cast<int64_t>(2 * i)] = static_cast<float>(hi);
+    t[static_cast<int64_t>(2 * i + 1)] = static_cast<float>(values[i] - hi * kSplit);
+  }
+  comm.allreduce(t, {ReduceOp::kSum, 1.0});
+  std::vector<double> out(values.size());
+  for (size_t i = 0; i < values.size(); ++i)
+    out[i] = static_cast<double>(t[static_cast<int64_t>(2 * i)].item<float>()) * kSplit +
+             static_cast<double>(t[static_cast<int64_t>(2 * i + 1)].item<float>());
+  return out;
+}
+
 }  // namespace nebula::collective

@@ -239,4 +239,9 @@ class Hierarchy {
   double encode_seconds_ GUARDED_BY(stats_mu_) = 0, decode_seconds_ GUARDED_BY(stats_mu_) = 0;
 };
 
+// Sums counters over every worker of the job, exactly for integers up to 2^44: the hierarchy
+// reduces float32 (exact only up to 2^24), so each value travels as a high and a low part.
+// Every worker of every site calls it, with as many values.
+std::vector<double> sum_counters(Hierarchy& comm, const std::vector<double>& values);
+
 }  // namespace nebula::collective

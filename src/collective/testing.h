@@ -102,7 +102,7 @@ struct Rank {
 // Builds sites with workers_per_site[i] workers each and calls body(rank) on every worker's
 // thread. Rethrows the first exception of any thread after all have finished. `every_worker`:
 // each worker links to every worker of the other sites (wan.mode = "every_worker"), and the
-// gateways' mesh runs over rank 0's links to the other rank 0s, as train/site_comm.cc builds it.
+// gateways' mesh runs over rank 0's links to the other rank 0s, as site/site_comm.cc builds it.
 inline void run_cluster(const std::vector<int>& workers_per_site, const std::function<void(Rank&)>& body,
                         std::chrono::milliseconds timeout = std::chrono::seconds(60), bool every_worker = false) {
   const size_t n = workers_per_site.size();

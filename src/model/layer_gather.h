@@ -1,5 +1,5 @@
 // What a built-in model calls around each of its layers, so that ZeRO-3 ([parallel] shard =
-// "full", train/full_shard.h) can keep the layer's parameters sharded over the site's workers
+// "full", parallel/full_shard.h) can keep the layer's parameters sharded over the site's workers
 // and gather them only while the layer runs. Without a LayerGather set, a model calls its
 // layers directly (and nothing here is used).
 //

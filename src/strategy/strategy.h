@@ -1,5 +1,5 @@
 // A Strategy decides how training uses the WAN. The training loop calls its hooks in plain
-// sight (src/train/trainer.cc):
+// sight (src/train/worker.cc):
 //
 //   strategy->init(params)                        once: every replica starts from the same weights
 //   loop while strategy->keep_training(step, steps):
@@ -59,7 +59,7 @@ class Strategy {
   virtual void before_backward(double weight) {}
   // Called after backward and before the optimizer step.
   virtual void sync_gradients(const std::vector<at::Tensor>& params, double weight) = 0;
-  // ZeRO ([parallel] shard, train/inner_optimizer.h), after init() and before the first step,
+  // ZeRO ([parallel] shard, parallel/inner_optimizer.h), after init() and before the first step,
   // on every worker of a site of N > 1 workers: the parameters are views of `params` (N S
   // values, this worker's shard the S from rank · S). A strategy with outer state per
   // parameter keeps only this worker's shard of it (diloco and streaming: θ_global, the outer
@@ -67,7 +67,7 @@ class Strategy {
   // .grad is a view of it, laid out alike, and from now on sync_gradients leaves the site's
   // average in this worker's S of it only (a reduce-scatter instead of an all-reduce);
   // strategies that cannot throw ConfigError.
-  // With `gathered` false (shard = "full", ZeRO-3, train/full_shard.h) `params` and `grads` are
+  // With `gathered` false (shard = "full", ZeRO-3, parallel/full_shard.h) `params` and `grads` are
   // this worker's S values only (the flat vector's values from rank · S), the parameters are
   // gathered layer by layer where they run, and when sync_gradients runs `grads` holds the sum
   // over the site's workers of weight · gradient already (the layers reduce-scatter in backward).
@@ -148,6 +148,11 @@ class SyncStrategy : public Strategy {
   // Only the gradient buckets' codec states (error feedback) carry over from step to step.
   void save_state(StrategyState& out) const override { save_codec_states(comm_, out); }
   void load_state(const StrategyState& in) override { load_codec_states(comm_, in); }
+  // Gradient buckets (of about bucket_bytes each; fixed by init()), and how many of this
+  // step's are queued so far: read between backward and sync_gradients, the number the
+  // gradient hooks queued while backward ran (0 without before_backward). Training thread.
+  size_t num_buckets() const { return buckets_.size(); }
+  size_t buckets_queued() const { return next_bucket_; }
 
  private:
   void on_gradient(size_t index, const at::Tensor& grad);  // autograd's thread

@@ -144,8 +144,8 @@ class ClassifierTask : public Task {
             {"train_messages_this_worker", train_.ids.size()}};
   }
 
-  void save_state(Checkpoint& checkpoint) const override { put_batcher(checkpoint, "train", passes_->state()); }
-  void load_state(const Checkpoint& checkpoint) override { passes_->restore(get_batcher(checkpoint, "train")); }
+  void save_state(parallel::Checkpoint& checkpoint) const override { parallel::put_batcher(checkpoint, "train", passes_->state()); }
+  void load_state(const parallel::Checkpoint& checkpoint) override { passes_->restore(parallel::get_batcher(checkpoint, "train")); }
 
   std::map<std::string, std::string> model_metadata() const override {
     std::string packages;

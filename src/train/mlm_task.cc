@@ -133,13 +133,13 @@ class MlmTask : public Task {
     return j;
   }
 
-  void save_state(Checkpoint& checkpoint) const override {
-    put_batcher(checkpoint, "train", batches_->state());
-    if (pairs_) put_batcher(checkpoint, "pairs", pairs_->state());
+  void save_state(parallel::Checkpoint& checkpoint) const override {
+    parallel::put_batcher(checkpoint, "train", batches_->state());
+    if (pairs_) parallel::put_batcher(checkpoint, "pairs", pairs_->state());
   }
-  void load_state(const Checkpoint& checkpoint) override {
-    batches_->restore(get_batcher(checkpoint, "train"));
-    if (pairs_) pairs_->restore(get_batcher(checkpoint, "pairs"));
+  void load_state(const parallel::Checkpoint& checkpoint) override {
+    batches_->restore(parallel::get_batcher(checkpoint, "train"));
+    if (pairs_) pairs_->restore(parallel::get_batcher(checkpoint, "pairs"));
   }
 
   std::map<std::string, std::string> model_metadata() const override {

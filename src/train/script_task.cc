@@ -63,8 +63,8 @@ class ScriptTask : public Task {
     return {loss_sum, weight};
   }
 
-  void save_state(Checkpoint& checkpoint) const override { put_batcher(checkpoint, "train", passes_.state()); }
-  void load_state(const Checkpoint& checkpoint) override { passes_.restore(get_batcher(checkpoint, "train")); }
+  void save_state(parallel::Checkpoint& checkpoint) const override { parallel::put_batcher(checkpoint, "train", passes_.state()); }
+  void load_state(const parallel::Checkpoint& checkpoint) override { passes_.restore(parallel::get_batcher(checkpoint, "train")); }
 
   nlohmann::json summary() const override {
     return {{"torchscript", std::filesystem::absolute(c_.job.run_dir + "/model.pt").string()},

@@ -27,7 +27,7 @@
 #include "model/mlm_batch.h"
 #include "model/mlm_encoder.h"
 #include "nebula/config.h"
-#include "train/checkpoint.h"
+#include "parallel/checkpoint.h"
 #include "train/worker.h"
 #include "transport/link.h"
 
@@ -55,7 +55,7 @@ class Task {
   virtual torch::nn::Module& module() = 0;
   // What the optimizer and the strategy get (PEFT: the unfrozen part).
   virtual std::vector<at::Tensor> trainable() = 0;
-  // ZeRO-3 ([parallel] shard = "full", train/full_shard.h): the modules the model runs through
+  // ZeRO-3 ([parallel] shard = "full", parallel/full_shard.h): the modules the model runs through
   // a model::LayerGather, and the setter (null: run them directly). Empty: the model cannot
   // (a user's TorchScript module).
   virtual std::vector<torch::nn::Module*> layers() { return {}; }
@@ -82,8 +82,8 @@ class Task {
 
   // Checkpoints: what the task needs besides the weights to continue exactly where it was
   // (data position, generators). The worker saves module() and the optimizer itself.
-  virtual void save_state(Checkpoint& checkpoint) const = 0;
-  virtual void load_state(const Checkpoint& checkpoint) = 0;
+  virtual void save_state(parallel::Checkpoint& checkpoint) const = 0;
+  virtual void load_state(const parallel::Checkpoint& checkpoint) = 0;
 
   // After the last step (e.g. the distillation client says goodbye).
   virtual void finish() {}

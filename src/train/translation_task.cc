@@ -15,7 +15,7 @@
 #include "model/seq2seq.h"
 #include "model/seq2seq_batch.h"
 #include "nebula/error.h"
-#include "train/gateway.h"
+#include "site/gateway.h"
 #include "train/metrics.h"
 #include "train/site_data.h"
 #include "train/task.h"
@@ -141,14 +141,14 @@ class TranslationTask : public Task {
 
   // The batcher has already drawn the batches requested ahead: they are saved as their pairs
   // and requested again after a resume, in the same order.
-  void save_state(Checkpoint& checkpoint) const override {
-    put_batcher(checkpoint, "train", batches_->state());
+  void save_state(parallel::Checkpoint& checkpoint) const override {
+    parallel::put_batcher(checkpoint, "train", batches_->state());
     nlohmann::json queued = nlohmann::json::array();
     for (const auto& p : queue_) queued.push_back(p.indices);
     checkpoint.state["data"]["queued"] = queued;
   }
-  void load_state(const Checkpoint& checkpoint) override {
-    batches_->restore(get_batcher(checkpoint, "train"));
+  void load_state(const parallel::Checkpoint& checkpoint) override {
+    batches_->restore(parallel::get_batcher(checkpoint, "train"));
     const auto& data = checkpoint.state["data"];
     if (!client_) return;
     NEBULA_CHECK(queue_.empty(), "load_state after training started");
@@ -280,7 +280,7 @@ void run_teacher(const TaskContext& ctx) {
   spdlog::info("teacher {}: dim {}, {}+{} layers; serving top-{} at temperature {}", c.distill.teacher,
                teacher.config.dim, teacher.config.layers, teacher.config.decoder_layers, c.distill.top_k,
                c.distill.temperature);
-  GatewayLinks gateway = connect_gateway(c, ctx.who.site);
+  site::GatewayLinks gateway = site::connect_gateway(c, ctx.who.site);
   transport::Link* student = nullptr;
   for (auto& l : gateway.links)
     if (l) student = l.get();  // [distill] jobs have exactly two sites

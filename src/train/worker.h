@@ -5,15 +5,11 @@
 #include <string>
 
 #include "nebula/config.h"
+#include "site/worker_identity.h"
 
 namespace nebula::train {
 
-struct WorkerIdentity {
-  size_t site = 0;     // index into config.sites
-  int local_rank = 0;  // rank inside the site; 0 is the site's gateway
-  std::string store;   // the site's c10d store, host:port (empty: [[sites]] store)
-  bool external_store = false;  // it exists already (torchrun's agent): rank 0 does not host it
-};
+using site::WorkerIdentity;
 
 // Trains to the end and returns 0; or, on SIGINT/SIGTERM, writes a checkpoint at the end of
 // the step (every worker of the site at the same one) and returns 128 + the signal. With

@@ -105,7 +105,7 @@ std::pair<size_t, size_t> refusals_in(const std::vector<nlohmann::json>& lines, 
 }
 
 // Two sites' listeners and site a's connector, with an audit log in a temporary directory.
-// As the gateway does (train/gateway.cc): accepted links take the listener's options, so the
+// As the gateway does (site/gateway.cc): accepted links take the listener's options, so the
 // listener is where wan.max_frame must be given.
 struct TwoSites {
   explicit TwoSites(const std::string& name, uint64_t max_frame = kMaxFrame)

@@ -1,4 +1,4 @@
-#include "train/optimizer_state.h"
+#include "parallel/optimizer_state.h"
 
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
@@ -9,7 +9,7 @@
 
 #include "nebula/error.h"
 
-namespace nebula::train {
+namespace nebula::parallel {
 namespace {
 
 // The optimizer keeps per-parameter state in a map keyed by the parameter's TensorImpl: as
@@ -94,4 +94,4 @@ void load_torch_rng(const Checkpoint& in) {
   g.set_state(it->second);
 }
 
-}  // namespace nebula::train
+}  // namespace nebula::parallel

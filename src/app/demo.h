@@ -22,7 +22,7 @@
 #include <string>
 #include <vector>
 
-namespace nebula::train {
+namespace nebula::app {
 
 struct DemoOptions {
   std::string run_dir = "runs/demo";
@@ -37,4 +37,4 @@ struct DemoOptions {
 // Returns the exit code (0 when every stage finished).
 int run_demo(const DemoOptions& options);
 
-}  // namespace nebula::train
+}  // namespace nebula::app

@@ -11,7 +11,7 @@
 #include "transport/site_connector.h"
 #include "transport/tls_link.h"
 
-namespace nebula::train {
+namespace nebula::site {
 
 // The CA, certificate and key that site `site` uses, from [security] (explicit paths win over
 // `certs`). ConfigError naming the keys to set when there are none.
@@ -46,4 +46,4 @@ std::string worker_address(const Config& config, size_t site, int rank);
 // security.host_certs one per worker) unless it exists, and points config.security.certs at it.
 void ensure_local_certificates(Config& config);
 
-}  // namespace nebula::train
+}  // namespace nebula::site

@@ -1,14 +1,14 @@
-#include "train/site_comm.h"
+#include "site/site_comm.h"
 
 #include <algorithm>
 #include <filesystem>
 
 #include "nebula/error.h"
 #include "nebula/units.h"
-#include "train/gateway.h"
+#include "site/gateway.h"
 #include "transport/tcp_link.h"
 
-namespace nebula::train {
+namespace nebula::site {
 
 namespace {
 
@@ -85,4 +85,4 @@ SiteComm connect_site(const Config& c, const WorkerIdentity& who, bool rejoin) {
   return out;
 }
 
-}  // namespace nebula::train
+}  // namespace nebula::site

@@ -25,7 +25,7 @@
 #include <string>
 #include <vector>
 
-namespace nebula::train {
+namespace nebula::app {
 
 struct ReportResult {
   std::vector<std::string> files;        // the charts and index.html (last)
@@ -37,4 +37,4 @@ struct ReportResult {
 // metrics.jsonl with training lines.
 ReportResult write_report(const std::vector<std::string>& run_dirs, const std::string& out_dir);
 
-}  // namespace nebula::train
+}  // namespace nebula::app

@@ -12,11 +12,11 @@
 #include "collective/hierarchical.h"
 #include "collective/site_group.h"
 #include "nebula/config.h"
-#include "train/worker.h"
+#include "site/worker_identity.h"
 #include "transport/link.h"
 #include "transport/site_connector.h"
 
-namespace nebula::train {
+namespace nebula::site {
 
 struct SiteComm {
   // Declared in the order they are built; destroyed in reverse (the hierarchy first).
@@ -36,4 +36,4 @@ struct SiteComm {
 // `teacher` and the mesh holds this site alone. `rejoin`: see run_worker.
 SiteComm connect_site(const Config& config, const WorkerIdentity& who, bool rejoin = false);
 
-}  // namespace nebula::train
+}  // namespace nebula::site

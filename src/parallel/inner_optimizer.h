@@ -24,7 +24,7 @@
 //                       flat_grad() holds the site's average, the rest is scratch. The same
 //                       update up to the summation order of the site's gradients (bit-
 //                       identical with 2 workers, whose sums are a + b either way).
-//  shard = "full"       ZeRO-3 (train/full_shard.h): the parameters themselves are sharded in
+//  shard = "full"       ZeRO-3 (parallel/full_shard.h): the parameters themselves are sharded in
 //                       the same layout and gathered layer by layer; AdamW optimizes the
 //                       FullShard's shard in place, from its gradient shard (summed by the
 //                       layers' reduce-scatters in backward, averaged by the strategy), and
@@ -47,10 +47,10 @@
 
 #include "collective/site_group.h"
 #include "nebula/config.h"
-#include "train/checkpoint.h"
-#include "train/full_shard.h"
+#include "parallel/checkpoint.h"
+#include "parallel/full_shard.h"
 
-namespace nebula::train {
+namespace nebula::parallel {
 
 // The learning rate of 0-based step `step` of a job of `steps` steps ([model] lr_schedule):
 // linear warmup from lr/warmup_steps to lr over the first warmup_steps steps, then lr
@@ -125,4 +125,4 @@ class InnerOptimizer {
   std::unique_ptr<torch::optim::AdamW> adamw_;
 };
 
-}  // namespace nebula::train
+}  // namespace nebula::parallel

@@ -26,7 +26,7 @@
 
 #include "model/mlm_batch.h"
 
-namespace nebula::train {
+namespace nebula::parallel {
 
 struct Checkpoint {
   int64_t step = 0;
@@ -52,4 +52,4 @@ void put_batcher(Checkpoint& c, const std::string& name, const model::BatcherSta
 // DataError naming the entry if it is missing or malformed.
 model::BatcherState get_batcher(const Checkpoint& c, const std::string& name);
 
-}  // namespace nebula::train
+}  // namespace nebula::parallel

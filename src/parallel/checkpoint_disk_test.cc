@@ -13,10 +13,10 @@
 #include <string>
 
 #include "nebula/error.h"
-#include "train/checkpoint.h"
+#include "parallel/checkpoint.h"
 #include "util/temp_dir.h"
 
-namespace nebula::train {
+namespace nebula::parallel {
 namespace {
 namespace fs = std::filesystem;
 
@@ -116,4 +116,4 @@ TEST(CheckpointDisk, FullDiskWhileWritingTheManifestIsADataErrorAndKeepsTheEarli
 }
 
 }  // namespace
-}  // namespace nebula::train
+}  // namespace nebula::parallel

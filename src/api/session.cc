@@ -14,7 +14,7 @@
 #include "codec/codec.h"
 #include "nebula/error.h"
 #include "strategy/strategy.h"
-#include "train/site_comm.h"
+#include "site/site_comm.h"
 #include "util/allocator.h"
 #include "wire/frame.h"
 
@@ -28,8 +28,8 @@ void set_cpu_threads(int threads) {
 
 struct Session::Impl {
   Config config;
-  train::WorkerIdentity who;
-  train::SiteComm comm;
+  site::WorkerIdentity who;
+  site::SiteComm comm;
   int global_rank = 0;
   std::optional<std::unique_ptr<codec::Codec>> wan_codec;  // allreduce_encoded's, made on first use (null: exact)
 };
@@ -53,7 +53,7 @@ Session::Session(const Config& config, const Placement& p) : impl_(std::make_uni
   impl_->who = {p.site, p.rank, p.store, p.external_store};
   for (size_t s = 0; s < p.site; ++s) impl_->global_rank += static_cast<int>(config.sites[s].workers);
   impl_->global_rank += p.rank;
-  impl_->comm = train::connect_site(impl_->config, impl_->who);
+  impl_->comm = site::connect_site(impl_->config, impl_->who);
 }
 
 Session::~Session() = default;
@@ -70,7 +70,7 @@ namespace {
 
 // A float32 all-reduce over the job. A job of one site needs no WAN leg: c10d's all-reduce over
 // the site is the job's.
-void float_allreduce(train::SiteComm& comm, at::Tensor& t, const collective::AllreduceOptions& o) {
+void float_allreduce(site::SiteComm& comm, at::Tensor& t, const collective::AllreduceOptions& o) {
   if (comm.training_names.size() == 1 && t.device().is_cpu() && o.codec == nullptr)
     comm.comm->site_allreduce(t, o);
   else

@@ -1,4 +1,4 @@
-#include "train/demo.h"
+#include "app/demo.h"
 
 #include <nlohmann/json.hpp>
 #include <spdlog/spdlog.h>
@@ -15,11 +15,11 @@
 #include "nebula/config.h"
 #include "nebula/error.h"
 #include "nebula/units.h"
-#include "train/launcher.h"
+#include "launch/launcher.h"
 #include "train/metrics.h"
-#include "train/report.h"
+#include "app/report.h"
 
-namespace nebula::train {
+namespace nebula::app {
 namespace fs = std::filesystem;
 namespace {
 
@@ -40,7 +40,7 @@ nlohmann::json read_json(const std::string& path) {
 // Training loss per site (the gateways' lines), as chart series labelled "<prefix><site>".
 std::vector<eval::Series> loss_series(const std::string& run_dir, const std::string& prefix) {
   std::map<std::string, eval::Series> by_site;
-  for (const auto& j : read_metrics(run_dir + "/metrics.jsonl"))
+  for (const auto& j : train::read_metrics(run_dir + "/metrics.jsonl"))
     if (j.contains("loss") && j.value("rank", -1) == 0) {
       auto& s = by_site[j["site"]];
       s.label = prefix + j["site"].get<std::string>();
@@ -54,7 +54,7 @@ std::vector<eval::Series> loss_series(const std::string& run_dir, const std::str
 // Retrieval accuracy per language over the steps of the run (each site evaluates its own).
 std::vector<eval::Series> retrieval_series(const std::string& run_dir, const std::string& prefix) {
   std::map<std::string, eval::Series> by_lang;
-  for (const auto& j : read_metrics(run_dir + "/metrics.jsonl")) {
+  for (const auto& j : train::read_metrics(run_dir + "/metrics.jsonl")) {
     if (!j.contains("eval")) continue;
     for (auto& [lang, e] : j["eval"].items())
       if (e.contains("retrieval_accuracy")) {
@@ -107,7 +107,7 @@ nlohmann::json bootstrap_json(const eval::PairedBootstrap& b) {
 }
 
 int run_stage(const Config& c, const DemoOptions& o) {
-  const int rc = run_local(c, {o.executable});
+  const int rc = launch::run_local(c, {o.executable});
   if (rc != 0) spdlog::error("demo stage {} failed (exit code {}); its logs are in {}/logs", c.job.name, rc, c.job.run_dir);
   return rc;
 }
@@ -433,7 +433,7 @@ int run_demo(const DemoOptions& o) {
                                                 {"final_val_loss", val(s_lora)}}},
                                       {"wan_reduction", full_bytes / std::max(1.0, lora_bytes)},
                                       {"bleu_bootstrap", bootstrap_json(peft_boot)}}}};
-  write_json_atomically(run + "/summary.json", summary);
+  train::write_json_atomically(run + "/summary.json", summary);
   {
     std::ofstream out(run + "/summary.md");
     out << md;
@@ -442,4 +442,4 @@ int run_demo(const DemoOptions& o) {
   return 0;
 }
 
-}  // namespace nebula::train
+}  // namespace nebula::app

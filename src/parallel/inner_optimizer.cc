@@ -1,4 +1,4 @@
-#include "train/inner_optimizer.h"
+#include "parallel/inner_optimizer.h"
 
 #include <ATen/ATen.h>
 #include <torch/nn/utils/clip_grad.h>
@@ -7,9 +7,10 @@
 #include <cmath>
 
 #include "nebula/error.h"
-#include "train/optimizer_state.h"
+#include "parallel/optimizer_state.h"
+#include "parallel/shard_layout.h"
 
-namespace nebula::train {
+namespace nebula::parallel {
 
 InnerOptimizer::InnerOptimizer(std::vector<at::Tensor> params, double lr, double weight_decay,
                                const std::string& shard, collective::SiteGroup& site, FullShard* full)
@@ -40,7 +41,7 @@ InnerOptimizer::InnerOptimizer(std::vector<at::Tensor> params, double lr, double
     // place and the all-gather fills the others' in place, with no copy of the model.
     at::NoGradGuard no_grad;
     const int64_t n = site_.size();
-    shard_numel_ = (total_numel_ + n - 1) / n;
+    shard_numel_ = parallel::shard_numel(total_numel_, n);
     flat_ = at::zeros({shard_numel_ * n});
     flat_grad_ = at::zeros({shard_numel_ * n});
     int64_t offset = 0;
@@ -261,4 +262,4 @@ void InnerOptimizer::load_resharded(const std::vector<const Checkpoint*>& ranks)
   }
 }
 
-}  // namespace nebula::train
+}  // namespace nebula::parallel

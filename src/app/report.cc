@@ -1,4 +1,4 @@
-#include "train/report.h"
+#include "app/report.h"
 
 #include <spdlog/spdlog.h>
 
@@ -16,7 +16,7 @@
 #include "nebula/error.h"
 #include "train/metrics.h"
 
-namespace nebula::train {
+namespace nebula::app {
 namespace fs = std::filesystem;
 namespace {
 
@@ -100,7 +100,7 @@ ReportResult write_report(const std::vector<std::string>& run_dirs, const std::s
   std::set<std::string> tensorboard_runs;
   for (const auto& dir : run_dirs) {
     size_t skipped = 0;
-    const auto lines = read_metrics(dir + "/metrics.jsonl", &skipped);
+    const auto lines = train::read_metrics(dir + "/metrics.jsonl", &skipped);
     result.skipped_lines += skipped;
     std::string tb_run = run_name(dir);
     for (int k = 2; !tensorboard_runs.insert(tb_run).second; ++k) tb_run = str_cat(run_name(dir), "-", k);
@@ -194,4 +194,4 @@ ReportResult write_report(const std::vector<std::string>& run_dirs, const std::s
   return result;
 }
 
-}  // namespace nebula::train
+}  // namespace nebula::app

@@ -1,4 +1,4 @@
-#include "train/gateway.h"
+#include "site/gateway.h"
 
 #include <algorithm>
 #include <spdlog/spdlog.h>
@@ -12,7 +12,7 @@
 #include "transport/tcp_link.h"
 #include "transport/tls_link.h"
 
-namespace nebula::train {
+namespace nebula::site {
 namespace fs = std::filesystem;
 
 transport::TlsFiles tls_files(const Config& c, const std::string& site, int rank) {
@@ -208,4 +208,4 @@ GatewayLinks connect_worker(const Config& c, size_t site, int rank) {
   return connect_endpoints(c, std::move(endpoints), std::move(site_of), self, false, rank);
 }
 
-}  // namespace nebula::train
+}  // namespace nebula::site

@@ -1,4 +1,4 @@
-#include "train/checkpoint.h"
+#include "parallel/checkpoint.h"
 
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
@@ -7,10 +7,10 @@
 #include <fstream>
 
 #include "nebula/error.h"
-#include "train/optimizer_state.h"
+#include "parallel/optimizer_state.h"
 #include "util/temp_dir.h"
 
-namespace nebula::train {
+namespace nebula::parallel {
 namespace {
 namespace fs = std::filesystem;
 
@@ -157,4 +157,4 @@ TEST(Checkpoint, OptimizerAndGeneratorStateContinueExactly) {
 }
 
 }  // namespace
-}  // namespace nebula::train
+}  // namespace nebula::parallel

@@ -10,9 +10,9 @@
 
 #include <vector>
 
-#include "train/checkpoint.h"
+#include "parallel/checkpoint.h"
 
-namespace nebula::train {
+namespace nebula::parallel {
 
 void save_optimizer(const torch::optim::AdamW& optimizer, const std::vector<at::Tensor>& params, Checkpoint& out);
 // DataError naming the entry that is missing or of the wrong shape.
@@ -21,4 +21,4 @@ void load_optimizer(torch::optim::AdamW& optimizer, const std::vector<at::Tensor
 void save_torch_rng(Checkpoint& out);
 void load_torch_rng(const Checkpoint& in);
 
-}  // namespace nebula::train
+}  // namespace nebula::parallel

@@ -1,4 +1,4 @@
-#include "train/report.h"
+#include "app/report.h"
 
 #include <gtest/gtest.h>
 
@@ -11,7 +11,7 @@
 #include "nebula/error.h"
 #include "util/temp_dir.h"
 
-namespace nebula::train {
+namespace nebula::app {
 namespace {
 
 void write(const std::string& path, const std::string& text) {
@@ -125,4 +125,4 @@ TEST(Report, ADirectoryWithoutTrainingLinesIsADataErrorNamingIt) {
 }
 
 }  // namespace
-}  // namespace nebula::train
+}  // namespace nebula::app

@@ -1,4 +1,4 @@
-#include "train/launcher.h"
+#include "launch/launcher.h"
 
 #include <fcntl.h>
 #include <signal.h>
@@ -20,13 +20,12 @@
 
 #include "nebula/error.h"
 #include "nebula/units.h"
-#include "train/gateway.h"
+#include "site/gateway.h"
 #include "train/metrics.h"
 #include "train/site_data.h"
-#include "train/worker.h"
 #include "transport/tcp_link.h"
 
-namespace nebula::train {
+namespace nebula::launch {
 namespace fs = std::filesystem;
 namespace {
 
@@ -204,14 +203,14 @@ int run_local(Config c, const LaunchOptions& options) {
   if (!options.resume)
     for (const char* stale : {"/metrics.jsonl", "/audit.jsonl"}) fs::remove(c.job.run_dir + stale);
   if (c.security.insecure) spdlog::warn("security.insecure = true: links between sites will be PLAINTEXT");
-  ensure_local_certificates(c);
+  site::ensure_local_certificates(c);
 
   // The job's shared vocabulary. In a deployment it is trained once on the tokenizer site
   // (`nebula tokenizer`) and shipped with the job (data.tokenizer); in local mode we train it
   // here before the workers start, on that one site's data only, as the tokenizer site would.
   if (c.data.tokenizer.empty() && c.model.kind != "torchscript" && c.job.command.empty()) {
     std::string prefix = c.job.run_dir + "/tokenizer";
-    if (!options.resume || !fs::exists(prefix + ".model")) train_tokenizer(c, prefix);
+    if (!options.resume || !fs::exists(prefix + ".model")) train::train_tokenizer(c, prefix);
     c.data.tokenizer = prefix + ".model";
   }
   for (auto& s : c.sites) {
@@ -270,7 +269,7 @@ int run_local(Config c, const LaunchOptions& options) {
     nlohmann::json workers = nlohmann::json::array();
     for (const auto& ch : children)
       if (ch.running) workers.push_back({{"site", ch.site}, {"rank", ch.rank}, {"pid", ch.pid}});
-    write_json_atomically(c.job.run_dir + "/workers.json", workers);
+    train::write_json_atomically(c.job.run_dir + "/workers.json", workers);
   };
   write_workers();
   std::map<std::string, int64_t> restarts;  // elastic: restarts used per site
@@ -455,4 +454,4 @@ bool print_summary(const std::string& run_dir) {
   return true;
 }
 
-}  // namespace nebula::train
+}  // namespace nebula::launch

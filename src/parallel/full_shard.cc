@@ -1,4 +1,5 @@
-#include "train/full_shard.h"
+#include "parallel/full_shard.h"
+#include "parallel/shard_layout.h"
 
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
@@ -10,7 +11,7 @@
 
 #include "nebula/error.h"
 
-namespace nebula::train {
+namespace nebula::parallel {
 namespace {
 
 at::Tensor generator_state() {
@@ -117,7 +118,7 @@ FullShard::FullShard(std::vector<at::Tensor> params, const std::vector<torch::nn
   }
   total_numel_ = start_.back();
   const int64_t n = site_.size();
-  shard_numel_ = (total_numel_ + n - 1) / n;
+  shard_numel_ = parallel::shard_numel(total_numel_, n);
 
   // The layers' parameter ranges, and the runs of parameters outside them.
   std::vector<bool> covered(params_.size(), false);
@@ -320,4 +321,4 @@ at::Tensor FullShard::run(torch::nn::Module& layer, const std::vector<at::Tensor
   return GatheredLayer::apply(this, static_cast<int64_t>(calls_.size() - 1), anchor_, at::TensorList(inputs))[0];
 }
 
-}  // namespace nebula::train
+}  // namespace nebula::parallel

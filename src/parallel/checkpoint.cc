@@ -1,4 +1,4 @@
-#include "train/checkpoint.h"
+#include "parallel/checkpoint.h"
 
 #include <fcntl.h>
 #include <spdlog/spdlog.h>
@@ -19,7 +19,7 @@
 #include "nebula/error.h"
 #include "wire/frame.h"
 
-namespace nebula::train {
+namespace nebula::parallel {
 namespace fs = std::filesystem;
 namespace {
 
@@ -196,4 +196,4 @@ model::BatcherState get_batcher(const Checkpoint& c, const std::string& name) {
   return s;
 }
 
-}  // namespace nebula::train
+}  // namespace nebula::parallel

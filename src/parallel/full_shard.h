@@ -2,7 +2,7 @@
 // site's N workers, and are gathered only while they are used.
 //
 // Layout: the trainable parameters seen as one flat vector of n values, padded to N equal
-// shards of S = ceil(n / N), as ZeRO-1's (train/inner_optimizer.h): this worker keeps its shard
+// shards of S = ceil(n / N), as ZeRO-1's (parallel/inner_optimizer.h): this worker keeps its shard
 // r = values [r S, (r + 1) S) for good (shard(), with its gradient shard_grad()); AdamW's
 // moments and diloco's outer state cover the same S values. So checkpoints, resharding and the
 // strategies' parts are the same as with "optimizer" and "gradients".
@@ -45,7 +45,7 @@
 #include "collective/site_group.h"
 #include "model/layer_gather.h"
 
-namespace nebula::train {
+namespace nebula::parallel {
 
 class FullShard : public model::LayerGather {
  public:
@@ -123,4 +123,13 @@ class FullShard : public model::LayerGather {
   at::Tensor anchor_;                 // an empty leaf that needs a gradient: every layer call is differentiable
 };
 
-}  // namespace nebula::train
+// fn() with the whole model present: gathered by full->with_full_model (ZeRO-3; `root_only`:
+// on the gateway only), or directly when `full` is null (the parameters are whole already).
+inline void with_whole_model(FullShard* full, const std::function<void()>& fn, bool root_only = false) {
+  if (full)
+    full->with_full_model(fn, root_only);
+  else
+    fn();
+}
+
+}  // namespace nebula::parallel

@@ -1,4 +1,4 @@
-#include "train/inner_optimizer.h"
+#include "parallel/inner_optimizer.h"
 
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
@@ -11,7 +11,7 @@
 #include "collective/testing.h"
 #include "nebula/error.h"
 
-namespace nebula::train {
+namespace nebula::parallel {
 namespace {
 
 using namespace std::chrono_literals;
@@ -286,4 +286,4 @@ TEST(InnerOptimizer, UnknownModesAndZeroThreeWithoutItsShardsAreRefusedNamingThe
 }
 
 }  // namespace
-}  // namespace nebula::train
+}  // namespace nebula::parallel

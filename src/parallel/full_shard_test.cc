@@ -1,4 +1,4 @@
-#include "train/full_shard.h"
+#include "parallel/full_shard.h"
 
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
@@ -10,9 +10,9 @@
 #include "model/mlm_encoder.h"
 #include "model/seq2seq.h"
 #include "model/testing.h"
-#include "train/inner_optimizer.h"
+#include "parallel/inner_optimizer.h"
 
-namespace nebula::train {
+namespace nebula::parallel {
 namespace {
 
 constexpr int64_t kVocab = 53;
@@ -222,4 +222,4 @@ TEST(FullShard, WholeModelGathersAndLayerByLayerValidation) {
 }
 
 }  // namespace
-}  // namespace nebula::train
+}  // namespace nebula::parallel

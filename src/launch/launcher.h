@@ -7,7 +7,7 @@
 
 #include "nebula/config.h"
 
-namespace nebula::train {
+namespace nebula::launch {
 
 struct LaunchOptions {
   std::string executable;  // the nebula binary to run workers with (normally /proc/self/exe)
@@ -20,4 +20,4 @@ int run_local(Config config, const LaunchOptions& options);
 // Prints RUN_DIR/summary.json as a short table. Returns false if it is missing or unreadable.
 bool print_summary(const std::string& run_dir);
 
-}  // namespace nebula::train
+}  // namespace nebula::launch

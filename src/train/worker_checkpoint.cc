@@ -1,0 +1,231 @@
+#include "train/worker_checkpoint.h"
+
+#include <spdlog/spdlog.h>
+
+#include <algorithm>
+#include <set>
+
+#include "nebula/error.h"
+#include "parallel/optimizer_state.h"
+
+namespace nebula::train {
+namespace {
+
+// Sharded, the trainable parameters go as this worker's shard (InnerOptimizer::save), the
+// rest of the model whole.
+parallel::Checkpoint capture(int64_t step, Task& task, const parallel::InnerOptimizer& optimizer, const strategy::Strategy& strategy) {
+  parallel::Checkpoint k;
+  k.step = step;
+  std::set<const void*> sharded;  // the trainable parameters, when the optimizer saves them as shards
+  if (optimizer.sharded())
+    for (const auto& p : task.trainable()) sharded.insert(p.unsafeGetTensorImpl());
+  for (const auto& item : task.module().named_parameters())
+    if (!sharded.count(item.value().unsafeGetTensorImpl())) k.tensors["model/" + item.key()] = item.value().detach();
+  for (const auto& item : task.module().named_buffers()) k.tensors["model/" + item.key()] = item.value();
+  optimizer.save(k);
+  parallel::save_torch_rng(k);
+  task.save_state(k);
+  strategy::StrategyState st;
+  strategy.save_state(st);
+  for (const auto& [name, t] : st.tensors) k.tensors["strategy/" + name] = t;
+  k.state["strategy"] = {{"numbers", st.numbers}, {"strings", st.strings}, {"decisions", st.decisions}};
+  return k;
+}
+
+// A checkpoint with the trainable parameters as shards holds only the rest here: the
+// optimizer writes them (InnerOptimizer::load / load_resharded).
+void load_model(const parallel::Checkpoint& k, Task& task) {
+  at::NoGradGuard no_grad;
+  std::set<const void*> sharded;
+  if (parallel::InnerOptimizer::holds_parameter_shards(k))
+    for (const auto& p : task.trainable()) sharded.insert(p.unsafeGetTensorImpl());
+  auto load = [&](const std::string& name, at::Tensor t) {
+    if (sharded.count(t.unsafeGetTensorImpl())) return;
+    auto it = k.tensors.find("model/" + name);
+    if (it == k.tensors.end() || !it->second.sizes().equals(t.sizes()))
+      throw DataError(str_cat("checkpoint of step ", k.step, ": model tensor '", name, "' is ",
+                              it == k.tensors.end() ? "missing" : "of another shape",
+                              ": the model changed since the checkpoint"));
+    t.copy_(it->second);
+  };
+  for (const auto& item : task.module().named_parameters()) load(item.key(), item.value());
+  for (const auto& item : task.module().named_buffers()) load(item.key(), item.value());
+}
+
+strategy::StrategyState strategy_state(const parallel::Checkpoint& k) {
+  strategy::StrategyState st;
+  for (const auto& [name, t] : k.tensors)
+    if (name.rfind("strategy/", 0) == 0) st.tensors[name.substr(9)] = t;
+  const nlohmann::json& js = k.state.contains("strategy") ? k.state["strategy"] : nlohmann::json::object();
+  if (js.contains("numbers")) st.numbers = js["numbers"].get<std::map<std::string, double>>();
+  if (js.contains("strings")) st.strings = js["strings"].get<std::map<std::string, std::string>>();
+  if (js.contains("decisions")) st.decisions = js["decisions"].get<std::vector<std::string>>();
+  return st;
+}
+
+void restore(const parallel::Checkpoint& k, Task& task, parallel::InnerOptimizer& optimizer, strategy::Strategy& strategy) {
+  load_model(k, task);
+  optimizer.load(k);
+  parallel::load_torch_rng(k);
+  task.load_state(k);
+  strategy.load_state(strategy_state(k));
+}
+
+// Resharding: `ranks` are the checkpoints of every worker of the site that wrote them (another
+// number of workers, or another [parallel] shard, than now), all of one step. The model (the
+// same on every worker) comes from rank 0's; the optimizer's and strategy's sharded state is
+// joined and this worker takes its part. With the same number of workers this worker also
+// continues its own data position and generator (so changing only the shard mode resumes
+// exactly); with another number the site's data is partitioned anew, and each worker's
+// position starts over (its generator: that of the old rank of its index, if there was one).
+void restore_resharded(const std::vector<parallel::Checkpoint>& ranks, int rank, bool same_workers, Task& task,
+                       parallel::InnerOptimizer& optimizer, strategy::Strategy& strategy) {
+  load_model(ranks.at(0), task);
+  std::vector<const parallel::Checkpoint*> pointers;
+  std::vector<strategy::StrategyState> states;
+  for (const auto& k : ranks) {
+    pointers.push_back(&k);
+    states.push_back(strategy_state(k));
+  }
+  optimizer.load_resharded(pointers);
+  const auto own = static_cast<size_t>(rank);
+  if (own < ranks.size()) parallel::load_torch_rng(ranks[own]);
+  if (same_workers) task.load_state(ranks.at(own));
+  strategy.load_resharded(states);
+}
+
+
+// Where the site's newest checkpoints came from, as rank 0's says: another number of workers
+// or [parallel] shard than now means resharding, from every old rank's checkpoint.
+struct WrittenLayout {
+  int workers = 0;
+  bool shard_changed = false;
+  bool reshard(int workers_now) const { return workers != workers_now || shard_changed; }
+};
+
+WrittenLayout written_layout(const Config& c, const WorkerIdentity& who, collective::SiteGroup& group,
+                             const std::optional<parallel::Checkpoint>& newest) {
+  const int workers = static_cast<int>(c.sites.at(who.site).workers);
+  at::Tensor layout = at::full({2}, static_cast<float>(workers));  // [old workers, 1 if the shard mode changed]
+  layout[1] = 0.0f;
+  if (who.local_rank == 0 && newest) {
+    const auto& w = newest->state.value("worker", nlohmann::json::object());
+    layout[0] = static_cast<float>(w.value("workers", workers));
+    layout[1] = w.value("shard", c.parallel.shard) != c.parallel.shard ? 1.0f : 0.0f;
+  }
+  if (workers > 1) group.broadcast_from_root(layout);
+  return {static_cast<int>(layout[0].item<float>()), layout[1].item<float>() > 0};
+}
+
+// The job-wide index of site `site`'s rank 0 (sites in order, ranks in order).
+size_t first_worker_of(const Config& c, size_t site) {
+  size_t first = 0;
+  for (size_t s = 0; s < site; ++s) first += static_cast<size_t>(c.sites[s].workers);
+  return first;
+}
+
+}  // namespace
+
+WorkerCheckpoints::WorkerCheckpoints(const Config& config, const WorkerIdentity& who, collective::Hierarchy& comm,
+                                     Task& task, parallel::InnerOptimizer& optimizer, strategy::Strategy& strategy,
+                                     parallel::FullShard* full)
+    : c_(config), who_(who), comm_(comm), task_(task), optimizer_(optimizer), strategy_(strategy), full_(full),
+      dir_(rank_dir(who.local_rank)), fingerprint_(training_fingerprint(config)) {}
+
+std::string WorkerCheckpoints::rank_dir(int rank) const {
+  return str_cat(c_.checkpoint.dir, "/", c_.sites.at(who_.site).name, "/rank-", rank);
+}
+
+void WorkerCheckpoints::save(const WorkerProgress& progress) {
+  const SiteConfig& site = c_.sites.at(who_.site);
+  auto save = [&] {
+    parallel::Checkpoint k = capture(progress.step, task_, optimizer_, strategy_);
+    k.state["worker"] = {{"tokens", progress.tokens}, {"eval_start", progress.eval_start}, {"site", site.name},
+                         {"rank", who_.local_rank},   {"workers", site.workers},           {"shard", c_.parallel.shard}};
+    parallel::save_checkpoint(dir_, k, fingerprint_, static_cast<int>(c_.checkpoint.keep));
+  };
+  // Sharded, each rank saves its shard of the trainable parameters: ZeRO-3 gathers nothing.
+  if (optimizer_.sharded())
+    save();
+  else
+    parallel::with_whole_model(full_, save);
+  spdlog::info("checkpoint of step {} written to {}", progress.step, dir_);
+}
+
+std::optional<WorkerProgress> WorkerCheckpoints::restore_newest() {
+  const SiteConfig& site = c_.sites.at(who_.site);
+  const int workers = static_cast<int>(site.workers);
+  std::optional<parallel::Checkpoint> newest = parallel::load_latest_checkpoint(dir_, fingerprint_);
+  const WrittenLayout layout = written_layout(c_, who_, comm_.site(), newest);
+  const int old_workers = layout.workers;
+  const bool reshard = layout.reshard(workers);
+  std::vector<std::optional<parallel::Checkpoint>> olds;  // resharding: each old rank's newest
+  int64_t have = newest ? newest->step : -1;              // the newest step this worker can restore
+  if (reshard) {
+    for (int q = 0; q < old_workers; ++q) {
+      olds.push_back(q == who_.local_rank ? newest : parallel::load_latest_checkpoint(rank_dir(q), fingerprint_));
+      have = olds.back() ? (q == 0 ? olds.back()->step : std::min(have, olds.back()->step)) : -1;
+      if (have < 0) break;
+    }
+    spdlog::info("--resume: the site's checkpoints were written by {} workers with parallel.shard {}, this run has {} "
+                 "with \"{}\": resharding", old_workers, layout.shard_changed ? "changed" : "unchanged", workers,
+                 c_.parallel.shard);
+  }
+  // The newest step every worker that must agree holds: the site's (diloco, streaming) or the job's (sync).
+  const size_t site_first = first_worker_of(c_, who_.site);
+  std::vector<double> mine(static_cast<size_t>(c_.total_workers()), 0.0);
+  mine[site_first + static_cast<size_t>(who_.local_rank)] = static_cast<double>(have + 1);
+  const std::vector<double> all = collective::sum_counters(comm_, mine);  // step + 1 per worker, 0 = none
+  const bool per_site = c_.strategy.kind != "sync";
+  const size_t begin = per_site ? site_first : 0, end = per_site ? site_first + static_cast<size_t>(workers) : all.size();
+  const double common = *std::min_element(all.begin() + static_cast<std::ptrdiff_t>(begin),
+                                          all.begin() + static_cast<std::ptrdiff_t>(end)) - 1;
+  if (common < 0) {
+    spdlog::warn("--resume: {} has no checkpoint every worker of the {} holds: starting from step 0",
+                 reshard ? str_cat(c_.checkpoint.dir, "/", site.name) : dir_, per_site ? "site" : "job");
+    return std::nullopt;
+  }
+  const auto target = static_cast<int64_t>(common);
+  if (!reshard) {
+    if (newest && newest->step != target) newest = parallel::load_latest_checkpoint(dir_, fingerprint_, target);
+    if (!newest || newest->step != target)
+      throw DataError(str_cat(dir_, ": no intact checkpoint of step ", target,
+                              ", the newest every other worker holds: resume is impossible from these "
+                              "checkpoints; start without --resume"));
+    parallel::with_whole_model(full_, [&] { restore(*newest, task_, optimizer_, strategy_); });
+  } else {
+    std::vector<parallel::Checkpoint> ranks;
+    for (int q = 0; q < old_workers; ++q) {
+      auto& k = olds[static_cast<size_t>(q)];
+      if (!k || k->step != target) k = parallel::load_latest_checkpoint(rank_dir(q), fingerprint_, target);
+      if (!k || k->step != target)
+        throw DataError(str_cat(rank_dir(q), ": no intact checkpoint of step ", target, ", which resharding the "
+                                "site's ", old_workers, " workers' checkpoints needs (every worker must be able "
+                                "to read every old rank's directory: a checkpoint.dir they share)"));
+      ranks.push_back(std::move(*k));
+    }
+    parallel::with_whole_model(full_, [&] {
+      restore_resharded(ranks, who_.local_rank, old_workers == workers, task_, optimizer_, strategy_);
+    });
+    // The tokens so far: each worker's own with the same workers, else all of them on rank 0.
+    int64_t so_far = 0;
+    for (int q = 0; q < old_workers; ++q)
+      if (old_workers == workers ? q == who_.local_rank : who_.local_rank == 0)
+        so_far += ranks[static_cast<size_t>(q)].state.value("worker", nlohmann::json::object()).value("tokens", int64_t{0});
+    olds.clear();
+    newest = std::move(ranks[0]);
+    newest->state["worker"]["tokens"] = so_far;
+    spdlog::info("resharded the checkpoint of step {} from {} workers onto {}{}", target, old_workers, workers,
+                 old_workers == workers ? "" : " (the site's data is partitioned anew: each worker's position starts over)");
+  }
+  WorkerProgress p;
+  p.step = newest->step;
+  const auto& w = newest->state.value("worker", nlohmann::json::object());
+  p.tokens = w.value("tokens", int64_t{0});
+  if (w.contains("eval_start")) p.eval_start = w["eval_start"].get<std::vector<double>>();
+  spdlog::info("resumed from {}/step-{} ({} tokens so far)",
+               reshard ? str_cat(c_.checkpoint.dir, "/", site.name, "/rank-*") : dir_, p.step, p.tokens);
+  return p;
+}
+
+}  // namespace nebula::train
