@@ -3,6 +3,7 @@
 #include <ATen/ATen.h>
 #include <ATen/core/ivalue.h>
 #include <c10/util/Exception.h>
+#include <spdlog/spdlog.h>
 
 #include "nebula/error.h"
 
@@ -48,21 +49,16 @@ const char* op_name(c10d::ReduceOp op) {
   }
 }
 
-// SUM (any dtype) or AVG (float32) over every worker of every site, in place; `encode`: float32
-// with the job's codec on the WAN leg.
-void reduce_in_place(Session& s, at::Tensor& t, c10d::ReduceOp op, const char* what, bool encode) {
-  const bool floats = t.scalar_type() == at::kFloat;
+// SUM (any dtype) or AVG (float32) over every worker of every site, in place, exactly: a
+// collective carries whatever the caller reduces (metric sums, counters, loss averages), so no
+// codec touches it. Compression for DDP's gradients belongs in a communication hook.
+void reduce_in_place(Session& s, at::Tensor& t, c10d::ReduceOp op, const char* what) {
   if (op == c10d::ReduceOp::SUM) {
-    if (encode && floats)
-      s.allreduce_encoded(t, 1.0, /*sum=*/true);
-    else
-      s.allreduce_sum(t);
+    s.allreduce_sum(t);
   } else if (op == c10d::ReduceOp::AVG) {
-    TORCH_CHECK(floats, "nebula backend: ", what, " with AVG needs float32, got ", t.scalar_type(), " (use SUM)");
-    if (encode)
-      s.allreduce_encoded(t, 1.0, /*sum=*/false);
-    else
-      s.allreduce(t, 1.0);
+    TORCH_CHECK(t.scalar_type() == at::kFloat, "nebula backend: ", what, " with AVG needs float32, got ",
+                t.scalar_type(), " (use SUM)");
+    s.allreduce(t, 1.0);
   } else {
     TORCH_CHECK(false, "nebula backend: ", what, " with ", op_name(op), " is not supported (SUM and AVG are)");
   }
@@ -72,16 +68,19 @@ void reduce_in_place(Session& s, at::Tensor& t, c10d::ReduceOp op, const char* w
 
 ProcessGroupNebula::ProcessGroupNebula(std::shared_ptr<Session> session)
     : BackendBase(session->global_rank(), session->world_size()), session_(std::move(session)) {
-  // DDP is a sync job: its gradients take [strategy] codec over the WAN (ConfigError naming
-  // strategy.codec for one that needs per-tensor state). diloco/streaming's codec is nebula.DiLoCo's.
-  if (session_->config().strategy.kind == "sync") encode_ = session_->wan_codec() != "none";
+  // Every collective is exact (reduce_in_place): [strategy] codec does not apply to them.
+  const Config& c = session_->config();
+  if (c.strategy.kind == "sync" && c.strategy.codec != "none" && session_->global_rank() == 0)
+    spdlog::warn("{}: strategy.codec = \"{}\" is not applied to torch.distributed collectives (they are exact, a "
+                 "user's own sums included); to compress over the WAN use nebula.DiLoCo", c.source_path,
+                 c.strategy.codec);
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupNebula::allreduce(std::vector<at::Tensor>& tensors,
                                                              const c10d::AllreduceOptions& opts) {
   for (auto& t : tensors) {
     check_tensor(t, "all_reduce");
-    reduce_in_place(*session_, t, opts.reduceOp, "all_reduce", encode_);
+    reduce_in_place(*session_, t, opts.reduceOp, "all_reduce");
   }
   ++sequence_;
   return finished(c10d::OpType::ALLREDUCE, tensors);
@@ -145,7 +144,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupNebula::reduce_scatter(std::vector<at
     std::vector<at::Tensor> flat;
     for (const auto& t : inputs[i]) flat.push_back(t.reshape({-1}));
     at::Tensor whole = at::cat(flat);
-    reduce_in_place(*session_, whole, opts.reduceOp, "reduce_scatter", encode_);
+    reduce_in_place(*session_, whole, opts.reduceOp, "reduce_scatter");
     int64_t at = 0;
     for (int r = 0; r < getRank(); ++r) at += inputs[i][static_cast<size_t>(r)].numel();
     TORCH_CHECK(outputs[i].numel() == inputs[i][static_cast<size_t>(getRank())].numel(),
@@ -164,7 +163,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupNebula::_reduce_scatter_base(at::Tens
   TORCH_CHECK(input.numel() == output.numel() * getSize(), "nebula backend: reduce_scatter_tensor of ", input.numel(),
               " values into ", output.numel(), " per rank (want ", output.numel() * getSize(), ")");
   at::Tensor whole = input.reshape({-1}).clone();
-  reduce_in_place(*session_, whole, opts.reduceOp, "reduce_scatter_tensor", encode_);
+  reduce_in_place(*session_, whole, opts.reduceOp, "reduce_scatter_tensor");
   output.copy_(whole.narrow(0, getRank() * output.numel(), output.numel()).view(output.sizes()));
   ++sequence_;
   return finished(c10d::OpType::_REDUCE_SCATTER_BASE, {output});

@@ -3,9 +3,8 @@
 // worker of every site — inside a site through c10d Gloo, between sites through the gateways'
 // mutually authenticated WAN links.
 //
-//   all_reduce     SUM on any dtype, AVG on float32 (Session::allreduce_sum / allreduce; in a
-//                  job of strategy.kind = "sync", float32 with its codec on the WAN leg:
-//                  Session::allreduce_encoded)
+//   all_reduce     SUM on any dtype, AVG on float32 (Session::allreduce_sum / allreduce), exact
+//                  whatever [strategy] codec says: a collective may carry a user's own sums
 //   broadcast      from any rank, any dtype (Session::broadcast(t, root))
 //   all_gather     any dtype (Session::allgather); also all_gather_into_tensor
 //   reduce_scatter SUM / AVG: an all-reduce of the whole input, then this rank's part
@@ -56,7 +55,6 @@ class ProcessGroupNebula : public BackendBase {
 
  private:
   std::shared_ptr<Session> session_;
-  bool encode_ = false;  // float32 all-reduces with [strategy] codec on the WAN leg
   uint64_t sequence_ = 0;
 };
 

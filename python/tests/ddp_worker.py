@@ -31,6 +31,10 @@ def main(mode, out_path, steps=6):
         loss.backward()
         opt.step()
     torch.save([p.detach().clone() for p in model.parameters()], out_path)
+    # A user's own sums (metrics, counters): each rank a quarter of 420003, 0.006, 740736, -19.5, 6291462.
+    sums = torch.tensor([105000.75, 0.0015, 185184.0, -4.875, 1572865.5])
+    dist.all_reduce(sums)
+    print("user_sums " + " ".join(repr(v) for v in sums.tolist()))
     dist.barrier()
     sent = nebula.session().wan_bytes_sent if mode == "nebula" else 0
     print(f"ddp done {mode} {rank} wan_bytes_sent {sent}")
