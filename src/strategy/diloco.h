@@ -28,6 +28,13 @@
 // Every site applies a round's decisions from the exchange of the previous round's last
 // fragment, which every site has merged by then, so all make the same decisions.
 //
+// The parts, each tested alone: the outer optimizer (outer_optimizer.h), the fragments and when
+// they go (fragment_schedule.h), who holds which values in an exchange (exchange_layout.h), the
+// round's H_s and codec (round_planner.h), the replica checks (replica_check.h) and the round
+// position that checkpoints and reconcile carry (round_position.h). This class composes them:
+// diloco.cc sends and merges, diloco_site.cc runs the site's data parallel step and ZeRO's
+// sharded outer state, diloco_state.cc checkpoints, reconcile and the elastic rejoin.
+//
 // Threads: all of it runs on the training thread except the WAN leg (Hierarchy::exchange_async
 // on the gateway's communication thread); the site-group collectives are the training thread's.
 #pragma once
@@ -40,7 +47,11 @@
 #include <vector>
 
 #include "privacy/rdp.h"
-#include "strategy/controller.h"
+#include "strategy/exchange_layout.h"
+#include "strategy/fragment_schedule.h"
+#include "strategy/outer_optimizer.h"
+#include "strategy/round_planner.h"
+#include "strategy/round_position.h"
 #include "strategy/strategy.h"
 
 namespace nebula::strategy {
@@ -136,17 +147,10 @@ class DilocoStrategy : public Strategy {
   std::pair<int64_t, int64_t> fragment_range(size_t j) const { return {fragments_.at(j).offset, fragments_.at(j).numel}; }
 
  private:
-  // A fragment's part of one parameter tensor: values [at, at + numel) of params_[param]
-  // flattened, sent in `shape` (whole rows, [rows, rest of the tensor's shape...], when the
-  // cut falls between rows, which the per-tensor codec PowerSGD needs; else flat).
-  struct Piece {
-    size_t param = 0;
-    int64_t at = 0, numel = 0;
-    std::vector<int64_t> shape;
-  };
-  struct Fragment {
-    int64_t offset = 0, numel = 0;   // in the flat parameter vector
-    std::vector<Piece> pieces;       // in parameter order
+  // A fragment (fragment_schedule.h: its range of the flat parameter vector and its pieces)
+  // and its outer state.
+  struct Fragment : FragmentCut {
+    FragmentRange range() const { return {offset, numel}; }
     // This worker's part of the fragment: values [part_at, part_at + part_len) of it, the
     // whole fragment unless the outer state is sharded (set_sharding).
     int64_t part_at = 0, part_len = 0;
@@ -185,15 +189,18 @@ class DilocoStrategy : public Strategy {
   void spread_part(const Fragment& fr);
   std::vector<int64_t> part_counts(const Fragment& fr) const;  // every rank's part_len
   std::vector<double> site_info() const;
-  std::vector<float> known_info() const;  // every site's info, as of the last sure merge
+  // The round position (round_position.h) as this object holds it, and back (codec, fragments'
+  // rounds, info of the rounds included).
+  RoundPosition position() const;
+  void set_position(const RoundPosition& p);
 
   collective::Hierarchy& comm_;
   DilocoOptions options_;
   std::unique_ptr<codec::Codec> codec_;   // null = exact float32
   std::vector<std::unique_ptr<codec::Codec>> retired_;  // replaced by the controller, maybe in flight
   std::string codec_kind_;
-  bool decided_ = false, decided_measured_ = false;  // the controller ran (with measurements)
-  int64_t controller_h_ = 0;
+  ControllerMemory controller_;  // what the controller decided last (round_planner.h)
+  OuterSgd outer_;
   int64_t total_numel_ = 0;
   at::Tensor flat_params_;  // ZeRO (set_sharding): the parameters' flat buffer, N S values (ZeRO-3: this worker's S)
   int64_t flat_begin_ = 0;  // the flat vector's index of flat_params_[0]: 0, or rank · S with ZeRO-3
@@ -215,15 +222,10 @@ class DilocoStrategy : public Strategy {
   int64_t hash_checks_ = 0;        // gateway: exchanges whose ids and global-weight hashes agreed
   uint64_t joiners_due_ = 0;       // lost sites to admit at the next round start (every worker)
   void welcome();
-  // Gateway: every site's outer step id and global hash (site_info after kInfo) must equal
-  // this site's; Error naming the site and outer step otherwise.
-  void check_agreement(const std::vector<std::vector<double>>& info, double seq, double hash, const std::string& what);
   // CRC-32 of fragment f's θ_global (f = #fragments: all), valid on the gateway. A site
   // collective when the state is sharded (the parts' CRCs combined in order: the same value
   // for any number of workers), so every worker of the site calls it.
   double global_hash(size_t f);
-  // Gateway: one small exchange of every site's (next outer step id, `hash` of all θ_global).
-  std::vector<std::vector<double>> exchange_positions(double hash);
   // Differential privacy (gateway).
   void privatize(at::Tensor& delta);
   // Noise standard deviation over the L2 sensitivity 2·dp_clip (see DilocoOptions).

@@ -218,6 +218,64 @@ TEST(Diloco, OuterMomentumMatchesTheRecurrence) {
   EXPECT_GT(apart, 0.1);
 }
 
+// The arithmetic itself, bit for bit: two sites of equal weight running the same inner steps
+// (so the sites' mean Δ̄ is each site's Δ exactly), against the outer step written out with the
+// same float32 tensor operations in the same order. A change in the order of the outer step's
+// operations (or in what Δ is taken of) changes the last bits and fails this test, which the
+// tolerance of OuterMomentumMatchesTheRecurrence would let pass.
+TEST(Diloco, OuterStepsEqualTheReferenceBitForBit) {
+  const int64_t h = 2, rounds = 3;
+  const double inner_lr = 0.1, mu = 0.9, outer_lr = 0.7;
+  std::vector<float> theta0;  // a [16, 8] matrix and a 37-vector
+  for (int i = 0; i < 16 * 8 + 37; ++i) theta0.push_back(static_cast<float>(2.0 * std::cos(1.3 * i)));
+  auto gradient = [](int64_t step, size_t i) {
+    return std::sin(0.3 * static_cast<double>(step) + 0.7 * static_cast<double>(i)) + 0.1;
+  };
+  auto inner_step = [&](at::Tensor& t, int64_t step) {  // what the sites do below, on one flat tensor
+    float* v = t.data_ptr<float>();
+    for (int64_t i = 0; i < t.numel(); ++i) v[i] -= static_cast<float>(inner_lr * gradient(step, static_cast<size_t>(i)));
+  };
+  for (bool nesterov : {true, false}) {
+    at::Tensor global = at::tensor(theta0), m = at::zeros({static_cast<int64_t>(theta0.size())});
+    for (int64_t round = 0; round < rounds; ++round) {
+      at::Tensor local = global.clone();
+      for (int64_t k = 0; k < h; ++k) inner_step(local, round * h + k);
+      at::Tensor delta = global.clone().sub_(local);
+      m.mul_(mu).add_(delta);
+      global.sub_(nesterov ? delta.add_(m * mu) : m, outer_lr);
+    }
+    std::mutex mu_finals;
+    std::vector<at::Tensor> finals(2);
+    collective::testing::run_cluster({1, 1}, [&](collective::testing::Rank& r) {
+      std::vector<at::Tensor> params = {
+          at::tensor(std::vector<float>(theta0.begin(), theta0.begin() + 128)).view({16, 8}),
+          at::tensor(std::vector<float>(theta0.begin() + 128, theta0.end()))};
+      DilocoOptions o = options(h, 2, r.site);
+      o.outer_lr = outer_lr;
+      o.outer_momentum = mu;
+      o.nesterov = nesterov;
+      DilocoStrategy s(*r.hierarchy, o);
+      s.init(params);
+      for (int64_t step = 0; s.keep_training(step, rounds * h); ++step) {
+        s.sync_gradients(params, 1.0);
+        size_t i = 0;
+        for (auto& p : params) {
+          float* v = p.data_ptr<float>();
+          for (int64_t k = 0; k < p.numel(); ++k, ++i) v[k] -= static_cast<float>(inner_lr * gradient(step, i));
+        }
+        s.after_step(step);
+      }
+      s.finish();
+      std::lock_guard<std::mutex> lock(mu_finals);
+      finals[r.site] = flatten(params);
+    });
+    for (size_t site = 0; site < 2; ++site)
+      EXPECT_TRUE(at::equal(finals[site], global))
+          << (nesterov ? "nesterov" : "plain momentum") << ", site " << site << ": max difference "
+          << (finals[site] - global).abs().max().item<float>();
+  }
+}
+
 // Two sites (one with two workers), different data and different initial weights: right
 // after every merge, every worker of every site holds bit-identical values of the merged
 // fragment (with one fragment: the whole model), and training moved them. With and without a

@@ -1,0 +1,119 @@
+// DilocoStrategy inside the site: the site's data parallel step (the weighted gradient average,
+// every step, with the buffers beside it) and ZeRO's sharded outer state (set_sharding).
+#include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>  // at::NoGradGuard: ATen.h no longer brings it in LibTorch 2.x
+
+#include "nebula/error.h"
+#include "strategy/diloco.h"
+
+namespace nebula::strategy {
+
+void DilocoStrategy::sync_gradients(const std::vector<at::Tensor>& params, double weight) {
+  NEBULA_CHECK(params.size() == params_.size(), "sync_gradients with ", params.size(), " parameters, init had ",
+               params_.size());
+  collective::SiteGroup& site = comm_.site();
+  if (site.size() == 1) {  // nothing to average; the weight still counts for the exchange
+    site_weight_ += weight;
+    return;
+  }
+  at::NoGradGuard no_grad;
+  // The weight and the weighted buffers (as forward left them this step) travel beside the
+  // gradients as a tail [w, b·w]; summed, it gives the site's total weight and buffer mean.
+  auto pack_tail = [&](at::Tensor tail) {
+    tail[0] = static_cast<float>(weight);
+    if (buffer_numel_ > 0) tail.narrow(0, 1, buffer_numel_).copy_(flatten(buffers_)).mul_(weight);
+  };
+  auto unpack_tail = [&](const at::Tensor& tail) {
+    const double total = tail[0].item<double>();
+    NEBULA_CHECK(total > 0, "site ", site.site(), ": total weight ", total, " in a data parallel step");
+    site_weight_ += total;
+    if (buffer_numel_ > 0) unflatten_into(tail.narrow(0, 1, buffer_numel_).div(total), buffers_);
+    return total;
+  };
+  if (flat_grad_.defined()) {
+    // ZeRO-2: the weighted gradients are reduce-scattered where they are, the tail all-reduced
+    // beside them; this worker's shard ends as the site's average. ZeRO-3's layers did the
+    // weighting and the reduce-scatter in backward already.
+    at::Tensor tail = at::empty({1 + buffer_numel_}, at::kFloat);
+    pack_tail(tail);
+    at::Tensor shard = flat_grad_;
+    if (gathered_) {
+      flat_grad_.mul_(weight);
+      shard = flat_grad_.narrow(0, site.rank() * shard_numel_, shard_numel_);
+      site.reduce_scatter_sum(flat_grad_, shard);
+    }
+    site.allreduce_sum(tail);
+    shard.div_(unpack_tail(tail));
+    return;
+  }
+  // Every step: the weighted gradients and the tail go straight into one buffer (no
+  // intermediate flat copy), one all-reduce, and straight back.
+  const int64_t n = total_numel_;
+  at::Tensor buf = at::empty({n + 1 + buffer_numel_}, at::kFloat);
+  int64_t offset = 0;
+  for (const auto& p : params) {
+    at::Tensor slice = buf.narrow(0, offset, p.numel());
+    if (p.grad().defined())
+      slice.copy_(p.grad().reshape({-1})).mul_(weight);
+    else
+      slice.zero_();
+    offset += p.numel();
+  }
+  pack_tail(buf.narrow(0, n, 1 + buffer_numel_));
+  site.allreduce_sum(buf);
+  buf.narrow(0, 0, n).div_(unpack_tail(buf.narrow(0, n, 1 + buffer_numel_)));
+  offset = 0;
+  for (auto& p : params_) {
+    if (!p.grad().defined()) p.mutable_grad() = at::zeros_like(p);
+    p.mutable_grad().copy_(buf.narrow(0, offset, p.numel()).view_as(p));
+    offset += p.numel();
+  }
+}
+
+void DilocoStrategy::set_sharding(const Sharding& shards) {
+  collective::SiteGroup& site = comm_.site();
+  const int64_t n = site.size();
+  NEBULA_CHECK(n > 1 && !fragments_.empty() && shard_numel_ == 0 && can_save(),
+               "set_sharding: once, after init() and before the first step, on a site of more than one worker");
+  const int64_t shards_held = shards.gathered ? n : 1;  // ZeRO-3: this worker's only
+  auto check = [&](const at::Tensor& flat, const char* what) {
+    NEBULA_CHECK(flat.numel() % shards_held == 0 && flat.numel() / shards_held * n >= total_numel_ &&
+                     flat.scalar_type() == at::kFloat &&
+                     flat.is_contiguous() && flat.dim() == 1,
+                 "set_sharding: ", flat.numel(), " ", what, " for ", total_numel_, " parameters over ", n,
+                 " workers (want ", shards.gathered ? "N equal shards" : "one of N equal shards",
+                 " covering them, 1-D float32, contiguous)");
+  };
+  check(shards.params, "parameter values");
+  int64_t offset = 0;
+  for (size_t i = 0; i < params_.size() && shards.gathered; ++i) {
+    NEBULA_CHECK(params_[i].numel() == 0 || params_[i].data_ptr() == shards.params.narrow(0, offset, 1).data_ptr(),
+                 "set_sharding: parameter #", i, " is not the flat buffer's values from ", offset);
+    offset += params_[i].numel();
+  }
+  if (shards.grads.defined()) {
+    check(shards.grads, "gradient values");
+    flat_grad_ = shards.grads;
+  }
+  flat_params_ = shards.params;
+  gathered_ = shards.gathered;
+  shard_numel_ = shards.params.numel() / shards_held;
+  flat_begin_ = gathered_ ? 0 : site.rank() * shard_numel_;
+  // This worker's part of each fragment: the fragment's range cut by the shard [r S, (r + 1) S).
+  at::NoGradGuard no_grad;
+  for (Fragment& fr : fragments_) {
+    const PartRange part = part_of(fr.range(), shard_numel_, n, site.rank());
+    fr.part_at = part.at;
+    const int64_t part_len = part.len;
+    if (expect_sharding_) {  // init() made the part already
+      NEBULA_CHECK(fr.global.numel() == part_len, "set_sharding: init() cut a part of ", fr.global.numel(),
+                   " values, the shards give ", part_len);
+    } else {
+      fr.global = fr.global.narrow(0, fr.part_at, part_len).clone();
+      fr.momentum = fr.momentum.narrow(0, fr.part_at, part_len).clone();
+    }
+    fr.part_len = part_len;
+  }
+}
+
+}  // namespace nebula::strategy

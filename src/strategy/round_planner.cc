@@ -1,0 +1,68 @@
+#include "strategy/round_planner.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include "nebula/error.h"
+#include "strategy/controller.h"
+
+namespace nebula::strategy {
+
+std::vector<float> known_info(const std::vector<std::vector<float>>& info_of_round, int64_t rounds, int64_t delay) {
+  // With delay 0 the previous round's last exchange is merged when this round starts; with a
+  // delay only the one before it is sure to be, on every site.
+  const int64_t lag = delay == 0 ? 1 : 2;
+  const int64_t r = rounds - lag;
+  if (r < 0 || static_cast<size_t>(r) >= info_of_round.size()) return {};
+  return info_of_round[static_cast<size_t>(r)];
+}
+
+RoundPlan plan_round(const RoundPlannerOptions& options, const RoundPlanInput& in, ControllerMemory& memory) {
+  const std::vector<float>& info = in.info;
+  // Per site: [seconds per step, bandwidth, rtt]; the slowest site paces the job.
+  double slowest = 0, mine = 0, bandwidth = 0, rtt = 0;
+  for (size_t s = 0; s + kSiteInfo <= info.size(); s += kSiteInfo) {
+    slowest = std::max(slowest, static_cast<double>(info[s]));
+    if (info[s + 1] > 0) bandwidth = bandwidth > 0 ? std::min(bandwidth, double(info[s + 1])) : double(info[s + 1]);
+    rtt = std::max(rtt, static_cast<double>(info[s + 2]));
+  }
+  if (!info.empty() && options.site_index * kSiteInfo < info.size()) mine = info[options.site_index * kSiteInfo];
+
+  RoundPlan plan;
+  plan.codec = in.codec;
+  // Codec and H: pinned, or the controller's (once measured; every round if adaptive).
+  int64_t h = options.inner_steps;
+  if (options.codec == "auto" || options.inner_steps == 0) {
+    const bool measured = slowest > 0 && bandwidth > 0;
+    if (!memory.decided || (options.adaptive && measured) || (measured && !memory.decided_measured)) {
+      ControllerInput ci{slowest, bandwidth, rtt, options.params, options.fragments, options.delay};
+      ControllerPins pins;
+      pins.codec = options.codec;
+      pins.inner_steps = options.inner_steps;
+      pins.codec_options = options.codec_options;
+      ControllerChoice choice = decide(ci, pins);
+      // Logged when it changes, and the first time it rests on measurements.
+      if (!memory.decided || (measured && !memory.decided_measured) || choice.codec != in.codec ||
+          choice.inner_steps != memory.h)
+        plan.controller_line =
+            str_cat("round ", in.rounds, ": codec ", choice.codec, ", H ", choice.inner_steps, " — ", choice.reason);
+      plan.codec = choice.codec;
+      memory.h = choice.inner_steps;
+      memory.decided = true;
+      memory.decided_measured = memory.decided_measured || measured;
+    }
+    h = memory.h;
+  }
+  plan.nominal_h = std::min<int64_t>(h, in.steps - in.nominal_done);
+  // Heterogeneous sites: the slowest runs H, a faster one proportionally more.
+  int64_t mine_h = plan.nominal_h;
+  if (options.heterogeneous && slowest > 0 && mine > 0)
+    mine_h = std::max<int64_t>(plan.nominal_h, std::llround(static_cast<double>(plan.nominal_h) * slowest / mine));
+  if (mine_h != in.round_steps && (mine_h != plan.nominal_h || in.round_steps > plan.nominal_h))
+    plan.steps_line = str_cat("round ", in.rounds, ": this site runs ", mine_h, " inner steps (H ", plan.nominal_h, "; ",
+                              mine * 1e3, " ms per step here, ", slowest * 1e3, " ms at the slowest site)");
+  plan.round_steps = mine_h;
+  return plan;
+}
+
+}  // namespace nebula::strategy

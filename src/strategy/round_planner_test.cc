@@ -1,0 +1,92 @@
+#include "strategy/round_planner.h"
+
+#include <gtest/gtest.h>
+
+namespace nebula::strategy {
+namespace {
+
+// Two sites' info: [seconds per step, bandwidth, rtt, joiners] each.
+std::vector<float> info(float t0, float t1, float bandwidth = 0) {
+  return {t0, bandwidth, 0.01f, 1, t1, bandwidth, 0.02f, 1};
+}
+
+RoundPlannerOptions pinned(size_t site, int64_t h = 10) {
+  RoundPlannerOptions o;
+  o.codec = "int8";
+  o.inner_steps = h;
+  o.site_index = site;
+  o.params = 100000;
+  return o;
+}
+
+TEST(RoundPlanner, KnownInfoLagsOneRoundWithoutDelayAndTwoWithIt) {
+  const std::vector<std::vector<float>> rows = {{1}, {2}, {3}};
+  EXPECT_EQ(known_info(rows, 3, 0), std::vector<float>{3});
+  EXPECT_EQ(known_info(rows, 3, 1), std::vector<float>{2});
+  EXPECT_TRUE(known_info(rows, 1, 1).empty());
+  EXPECT_TRUE(known_info(rows, 0, 0).empty());
+  EXPECT_TRUE(known_info(rows, 5, 0).empty());  // not merged here yet
+}
+
+TEST(RoundPlanner, FasterSiteRunsProportionallyMoreStepsTheSlowestH) {
+  ControllerMemory memory;
+  const RoundPlan fast = plan_round(pinned(0), {info(0.01f, 0.03f), 1, 1000, 10, 10, "int8"}, memory);
+  EXPECT_EQ(fast.nominal_h, 10);
+  EXPECT_EQ(fast.round_steps, 30);
+  EXPECT_EQ(fast.codec, "int8");
+  EXPECT_EQ(fast.steps_line, "round 1: this site runs 30 inner steps (H 10; 10 ms per step here, 30 ms at the slowest site)");
+  EXPECT_TRUE(fast.controller_line.empty());
+  EXPECT_FALSE(memory.decided);  // pinned: the controller does not run
+  const RoundPlan slow = plan_round(pinned(1), {info(0.01f, 0.03f), 1, 1000, 10, 10, "int8"}, memory);
+  EXPECT_EQ(slow.round_steps, 10);
+  EXPECT_TRUE(slow.steps_line.empty());  // as before: nothing to say
+  // The same again: no new line; and back to H once the sites are equal: a line.
+  EXPECT_TRUE(plan_round(pinned(0), {info(0.01f, 0.03f), 2, 1000, 20, 30, "int8"}, memory).steps_line.empty());
+  const RoundPlan back = plan_round(pinned(0), {info(0.02f, 0.02f), 3, 1000, 30, 30, "int8"}, memory);
+  EXPECT_EQ(back.round_steps, 10);
+  EXPECT_EQ(back.steps_line, "round 3: this site runs 10 inner steps (H 10; 20 ms per step here, 20 ms at the slowest site)");
+  // Heterogeneous off, or nothing measured: H.
+  RoundPlannerOptions off = pinned(0);
+  off.heterogeneous = false;
+  EXPECT_EQ(plan_round(off, {info(0.01f, 0.03f), 1, 1000, 10, 10, "int8"}, memory).round_steps, 10);
+  EXPECT_EQ(plan_round(pinned(0), {{}, 0, 1000, 0, 0, "int8"}, memory).round_steps, 10);
+  // The last round is cut to the job's steps.
+  const RoundPlan last = plan_round(pinned(1), {info(0.01f, 0.03f), 4, 45, 40, 10, "int8"}, memory);
+  EXPECT_EQ(last.nominal_h, 5);
+  EXPECT_EQ(last.round_steps, 5);
+}
+
+TEST(RoundPlanner, AutoAsksTheControllerOnceUnmeasuredThenOnMeasurements) {
+  RoundPlannerOptions o = pinned(0, 0);
+  o.codec = "auto";
+  o.heterogeneous = false;
+  ControllerMemory memory;
+  const RoundPlan first = plan_round(o, {{}, 0, 100000, 0, 0, ""}, memory);
+  EXPECT_TRUE(memory.decided);
+  EXPECT_FALSE(memory.decided_measured);
+  EXPECT_EQ(first.controller_line.rfind("round 0: codec " + first.codec + ", H " + std::to_string(memory.h) + " — ", 0), 0u)
+      << first.controller_line;
+  EXPECT_EQ(first.nominal_h, memory.h);
+  // Still unmeasured: not asked again, nothing logged.
+  const RoundPlan second = plan_round(o, {{}, 1, 100000, memory.h, memory.h, first.codec}, memory);
+  EXPECT_TRUE(second.controller_line.empty());
+  EXPECT_EQ(second.codec, first.codec);
+  // Measured: asked, and logged the first time it rests on measurements.
+  const RoundPlan measured = plan_round(o, {info(0.1f, 0.1f, 1e9f), 2, 100000, 0, memory.h, second.codec}, memory);
+  EXPECT_TRUE(memory.decided_measured);
+  EXPECT_EQ(measured.controller_line.rfind("round 2: codec ", 0), 0u) << measured.controller_line;
+  // The same numbers again (adaptive): asked, the same choice, nothing logged.
+  const RoundPlan again = plan_round(o, {info(0.1f, 0.1f, 1e9f), 3, 100000, 0, memory.h, measured.codec}, memory);
+  EXPECT_TRUE(again.controller_line.empty());
+  EXPECT_EQ(again.codec, measured.codec);
+  // Pinned H with an auto codec: H stays, the codec is the controller's.
+  RoundPlannerOptions pin_h = o;
+  pin_h.inner_steps = 7;
+  ControllerMemory m2;
+  const RoundPlan p = plan_round(pin_h, {{}, 0, 100000, 0, 0, ""}, m2);
+  EXPECT_EQ(p.nominal_h, 7);
+  EXPECT_FALSE(p.controller_line.empty());
+}
+
+}  // namespace
+}  // namespace nebula::strategy
