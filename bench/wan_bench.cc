@@ -8,6 +8,12 @@
 // the peer on time and the peer late (still computing) by twice the transfer time.
 // --estimate --tiny: one small exchange on a fast path (ctest runs it: the mode works and
 // measures something; the numbers of a tiny run are not the result).
+// --latency: the emulator's and the resilient session's reaction times, which the unit tests
+// (src/transport/*_test.cc) check by the order of events rather than by the clock: how long
+// send() takes on an unlimited 100 ms path, 20 pipelined frames' delivery against one delay,
+// a window-blocked send's Timeout against its 100 ms deadline, delivery after a stall ends,
+// and a black-holed ResilientLink's resumption against liveness_timeout + 2 s. Plaintext
+// loopback links; a few seconds in all.
 //
 // Every stream runs mutual TLS 1.3 (TlsLink, a throwaway CA made in a temp dir), as between
 // real gateways; --plain measures plaintext TcpLinks instead.
@@ -20,6 +26,7 @@
 // steady state. Each cell sends about `seconds` worth of data at the rate it should reach.
 // A plain main printing one table: the ratios are the result, not the absolute numbers.
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -178,6 +185,102 @@ std::string rate(double bits) {
 
 int estimate_table(bool plain, bool tiny);
 
+// --latency (see the top of the file). Each line: what was measured, the number, the ideal or bound.
+int latency_table() {
+  auto pair = [] {
+    TcpListener listener("127.0.0.1", 0);
+    auto accepted = std::async(std::launch::async, [&] { return listener.accept(Deadline::after(10s), "site-a"); });
+    auto client = TcpLink::connect("127.0.0.1", listener.port(), "site-b", Deadline::after(10s));
+    return std::make_pair(std::move(client), accepted.get());
+  };
+  auto secs = [](Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); };
+  auto frame = [](uint64_t seq, size_t bytes) { return wire::make_frame(wire::FrameType::kData, 0, seq, std::vector<uint8_t>(bytes, 7)); };
+  std::printf("WAN emulator and resilient session reaction times (plaintext loopback)\n");
+  {
+    auto [c, s] = pair();
+    EmulatedLink link(std::move(c), {0, 100ms});
+    const auto t = Clock::now();
+    link.send(frame(0, 8), Deadline::after(5s));
+    const double sent = secs(t);
+    s->recv(Deadline::after(5s));
+    std::printf("  unlimited bandwidth, 100 ms delay: send() returned after %.3f ms (ideal 0), frame arrived after %.1f ms (ideal 100)\n",
+                sent * 1e3, secs(t) * 1e3);
+  }
+  {
+    auto [c, s] = pair();
+    EmulatedLink link(std::move(c), {0, 200ms});
+    const auto t = Clock::now();
+    for (uint64_t i = 0; i < 20; ++i) link.send(frame(i, 8), Deadline::after(5s));
+    for (int i = 0; i < 20; ++i) s->recv(Deadline::after(10s));
+    std::printf("  20 frames, 200 ms delay: all delivered after %.3f s (pipelined ideal 0.200; queued 4.0)\n", secs(t));
+  }
+  {
+    auto [c, s] = pair();
+    WanEmulation emu;
+    emu.one_way_delay = 200ms;
+    emu.window_bytes = 2000;
+    EmulatedLink link(std::move(c), emu);
+    link.send(frame(0, 1900), Deadline::after(5s));
+    const auto t = Clock::now();
+    double took = -1;
+    try {
+      link.send(frame(1, 100), Deadline::after(100ms));
+    } catch (const Timeout&) {
+      took = secs(t);
+    }
+    std::printf("  full window, 100 ms deadline: Timeout after %.1f ms (ideal 100; the ACK comes at 400)\n", took * 1e3);
+  }
+  {
+    auto [c, s] = pair();
+    WanEmulation emu;
+    emu.one_way_delay = 10ms;
+    emu.faults.push_back({WanFault::Kind::kStall, std::nullopt, 0, 300ms});
+    EmulatedLink link(std::move(c), emu);
+    const auto t = Clock::now();
+    link.send(frame(0, 8), Deadline::after(5s));  // fires the stall
+    s->recv(Deadline::after(5s));
+    const double held = secs(t);
+    const auto t2 = Clock::now();
+    link.send(frame(1, 8), Deadline::after(5s));
+    s->recv(Deadline::after(5s));
+    std::printf("  300 ms stall: stalled frame after %.1f ms (ideal 300), the next after %.1f ms (ideal 10)\n", held * 1e3,
+                secs(t2) * 1e3);
+  }
+  {
+    TcpListener listener("127.0.0.1", 0);
+    std::atomic<int> dials{0};
+    const auto created = Clock::now();
+    WanEmulation hole;
+    hole.faults.push_back({WanFault::Kind::kBlackhole, 500ms, std::nullopt, {}});
+    Reconnect dial = [&](Deadline d) -> std::unique_ptr<Link> {
+      auto tcp = TcpLink::connect("127.0.0.1", listener.port(), "site-b", d);
+      if (dials++ == 0) return std::make_unique<EmulatedLink>(std::move(tcp), hole);
+      return tcp;
+    };
+    Reconnect accept = [&](Deadline d) -> std::unique_ptr<Link> { return listener.accept(d, "site-a"); };
+    ResilientOptions o;
+    o.liveness_timeout = 1s;
+    o.backoff_initial = 1ms;
+    o.backoff_max = 20ms;
+    o.reconnect_timeout = 10s;
+    auto first_a = std::async(std::launch::async, [&] { return dial(Deadline::after(10s)); });
+    auto first_b = accept(Deadline::after(10s));
+    ResilientLink a(first_a.get(), dial, o);
+    ResilientLink b(std::move(first_b), accept, o);
+    a.send(frame(0, 100), Deadline::after(5s));
+    b.recv(Deadline::after(5s));
+    std::this_thread::sleep_for(600ms);  // the hole is open
+    for (uint64_t i = 1; i < 20; ++i) a.send(frame(i, 1000), Deadline::after(5s));
+    for (int i = 1; i < 20; ++i) b.recv(Deadline::after(10s));
+    std::printf("  black hole at 0.5 s, liveness_timeout 1 s: resumed %.3f s after the start (bound 0.5 + 1 + 2 = 3.5)\n",
+                secs(created));
+    a.close();
+    b.close();
+    listener.close();
+  }
+  return 0;
+}
+
 int main(int argc, char** argv) {
   double seconds = 2.0;
   bool plain = false, estimate = false, tiny = false;
@@ -185,10 +288,11 @@ int main(int argc, char** argv) {
     if (std::string(argv[i]) == "--plain") plain = true;
     else if (std::string(argv[i]) == "--estimate") estimate = true;
     else if (std::string(argv[i]) == "--tiny") tiny = true;
+    else if (std::string(argv[i]) == "--latency") return latency_table();
     else seconds = std::atof(argv[i]);
   }
   if (!(seconds > 0)) {
-    std::fprintf(stderr, "usage: %s [seconds per cell > 0] [--plain] [--estimate [--tiny]]\n", argv[0]);
+    std::fprintf(stderr, "usage: %s [seconds per cell > 0] [--plain] [--estimate [--tiny]] [--latency]\n", argv[0]);
     return 2;
   }
   std::filesystem::path certs;

@@ -145,16 +145,18 @@ TEST(EndToEnd, TrainsOnUsersTsvAndTextFiles) {
   fs::remove_all(dir);
 }
 
-// A WAN cut mid-run (and a stall) costs a reconnection, nothing else: the job finishes and
-// its result is bit-identical to a run without faults (every update applied exactly once).
+// A WAN stall and then a cut mid-run cost time and a reconnection, nothing else: the job
+// finishes and its model is bit-identical to a run without faults (every update applied
+// exactly once). Faults apply to the first connection only (a reconnected link is a clean
+// one), so the stall comes before the cut, or it would never fire.
 TEST(EndToEnd, CutAndStalledWanLinkChangesNothingButTime) {
   const std::string dir = temp_run_dir("faults");
   fs::create_directories(dir);
   std::ifstream in(NEBULA_SOURCE_DIR "/examples/smoke.toml");
   std::stringstream text;
   text << in.rdbuf()
-       << "\n[[wan.faults]]\nkind = \"cut\"\nafter = \"1MiB\"\n"
-       << "\n[[wan.faults]]\nkind = \"stall\"\nafter = \"2MiB\"\nduration = \"300ms\"\n";
+       << "\n[[wan.faults]]\nkind = \"stall\"\nafter = \"512KiB\"\nduration = \"300ms\"\n"
+       << "\n[[wan.faults]]\nkind = \"cut\"\nafter = \"1MiB\"\n";
   std::ofstream(dir + "/faults.toml") << text.str();
   const std::string common = " --set job.steps=30 --set wan.streams=2";
   Result clean = run("run examples/smoke.toml" + common + " --set job.run_dir=\\\"" + dir + "/clean\\\"");
@@ -166,8 +168,21 @@ TEST(EndToEnd, CutAndStalledWanLinkChangesNothingButTime) {
     std::ifstream s(dir + "/" + run_dir + "/summary.json");
     return nlohmann::json::parse(s);
   };
-  EXPECT_EQ(summary("clean")["final_train_loss"], summary("faulty")["final_train_loss"]);
+  // Bit-identical: every tensor of the trained model, byte for byte (the losses follow).
+  const auto clean_model = tensor_bytes(dir + "/clean/model.safetensors");
+  ASSERT_GT(clean_model.size(), 5u);
+  EXPECT_TRUE(tensor_bytes(dir + "/faulty/model.safetensors") == clean_model) << "the faults changed the model";
   EXPECT_EQ(summary("clean")["final_val_loss"], summary("faulty")["final_val_loss"]);
+  // Both faults fired (the emulator logs each firing on the gateway that sends through it).
+  auto logs_of = [&](const std::string& run_dir) {
+    std::string logs;
+    for (const auto& f : fs::directory_iterator(dir + "/" + run_dir + "/logs")) logs += read_file(f.path().string());
+    return logs;
+  };
+  const std::string faulty_logs = logs_of("faulty");
+  EXPECT_NE(faulty_logs.find("): cut;"), std::string::npos) << faulty_logs;
+  EXPECT_NE(faulty_logs.find("): stall, nothing delivered for 300 ms"), std::string::npos) << faulty_logs;
+  EXPECT_EQ(logs_of("clean").find("fault fires"), std::string::npos);
   // The wire carries more than the frames (TLS records, acks, probes; re-sends after the cut).
   // Compared on the receiving side: a frame is received only once all its bytes came off the
   // socket, while the sent side's wire count lags the frames still queued or in the emulator's
@@ -193,13 +208,10 @@ TEST(EndToEnd, CutAndStalledWanLinkChangesNothingButTime) {
   Result hole = run("run " + dir + "/hole.toml" + common + " --set wan.liveness_timeout=1s --set job.run_dir=\\\"" +
                     dir + "/hole\\\"");
   ASSERT_EQ(hole.exit_code, 0) << hole.output;
-  EXPECT_EQ(summary("clean")["final_train_loss"], summary("hole")["final_train_loss"]);
+  EXPECT_TRUE(tensor_bytes(dir + "/hole/model.safetensors") == clean_model) << "the black hole changed the model";
   EXPECT_EQ(summary("clean")["final_val_loss"], summary("hole")["final_val_loss"]);
-  std::string logs;
-  for (const auto& f : fs::directory_iterator(dir + "/hole/logs")) {
-    std::ifstream log(f.path());
-    logs += std::string(std::istreambuf_iterator<char>(log), {});
-  }
+  const std::string logs = logs_of("hole");
+  EXPECT_NE(logs.find("): black hole"), std::string::npos) << logs;
   EXPECT_NE(logs.find("(wan.liveness_timeout"), std::string::npos) << logs;
   std::ifstream hin(dir + "/hole/audit.jsonl");
   int replaced = 0;
@@ -422,15 +434,28 @@ TEST(EndToEnd, DilocoStreamingPeftAndControllerTrainWithFarFewerWanBytes) {
     ASSERT_EQ(r.exit_code, 0) << name << "\n" << r.output;
     std::ifstream in(dir + "/" + name + "/summary.json");
     summaries[name] = nlohmann::json::parse(in);
-    // LoRA on a random frozen backbone learns slowly (PEFT is for adapting a trained model);
-    // it must still learn.
+    // LoRA on a random frozen backbone learns slowly (PEFT is for adapting a trained model):
+    // its loss ends only ~2% below the uniform guess (0.981-0.983 x ln 300 measured), too
+    // close to it to show learning. It must still learn: its held-out masked-token accuracy
+    // rises in every language from the start's 0 (measured 0.04-0.16 at the end).
     const double bound = name == "lora" ? 0.99 : 0.95;
     EXPECT_LT(summaries[name]["final_val_loss"].get<double>(), bound * std::log(300.0)) << name;
+    if (name == "lora") {
+      const auto& start = summaries[name]["eval_start"];
+      const auto& end = summaries[name]["eval"];
+      ASSERT_FALSE(end.empty()) << summaries[name].dump();
+      for (auto& [lang, e] : end.items())
+        EXPECT_GT(e["mlm_accuracy"].get<double>(), start[lang]["mlm_accuracy"].get<double>())
+            << "LoRA did not learn " << lang << ": " << summaries[name].dump();
+    }
   }
   EXPECT_EQ(summaries["streaming"]["strategy"], "streaming");
   // Privacy: 6 releases per site, ε reported (tiny noise: a huge ε, but finite), nothing rejected.
   const auto& dp = summaries["private"]["strategy_metrics"];
   EXPECT_EQ(dp["dp_releases"].get<double>(), 6) << dp.dump();
+  // A number (JSON has no infinity: nlohmann writes an infinite double as null), finite, > 0.
+  ASSERT_TRUE(dp["dp_epsilon"].is_number()) << dp.dump();
+  EXPECT_TRUE(std::isfinite(dp["dp_epsilon"].get<double>())) << dp.dump();
   EXPECT_GT(dp["dp_epsilon"].get<double>(), 0) << dp.dump();
   EXPECT_EQ(dp["dp_delta"].get<double>(), 1e-5) << dp.dump();
   EXPECT_EQ(dp["rejected_updates"].get<double>(), 0) << dp.dump();
@@ -492,36 +517,91 @@ TEST(EndToEnd, CertsCommandsMakeAUsableCaAndSayWhatIsWrong) {
   fs::remove_all(dir);
 }
 
+// The command line of a live process, NULs as spaces; empty once it is gone (or a zombie).
+std::string cmdline_of(pid_t pid) {
+  std::string s = read_file("/proc/" + std::to_string(pid) + "/cmdline");
+  std::replace(s.begin(), s.end(), '\0', ' ');
+  return s;
+}
+
+// One worker of a long job dies (SIGKILL, as the OOM killer would) while the others are
+// training. DiLoCo with rounds longer than the job: site alpha trains alone and touches the
+// WAN only at a round's end, so it cannot notice that beta lost a worker; only the launcher
+// can stop it. The launcher names beta/1 as the cause, stops the others (alpha checkpoints and
+// stops on its SIGTERM) and exits 1 promptly: well within its 10 s grace (then SIGKILL) plus
+// polling, where alpha left alone would train for hours. None of the job's worker processes
+// outlives the launcher.
 TEST(EndToEnd, OneFailingWorkerStopsTheJobWithNonZeroExit) {
   const std::string dir = temp_run_dir("fail");
-  // Workers cannot load this tokenizer: each fails; the launcher must stop the rest and fail.
-  Result r = run("run examples/smoke.toml --set job.run_dir=\\\"" + dir +
-                     "\\\" --set data.tokenizer=\\\"/nonexistent/tok.model\\\"",
-                 120);
-  EXPECT_NE(r.exit_code, 0) << r.output;
-  EXPECT_NE(r.output.find("failed"), std::string::npos) << r.output;
-  EXPECT_NE(r.output.find("/nonexistent/tok.model"), std::string::npos) << r.output;
+  fs::create_directories(dir);
+  const std::string run_dir = dir + "/run";
+  Background job("run examples/smoke.toml --set job.steps=100000 --set sites.1.workers=2 --set strategy.kind=diloco "
+                 "--set strategy.inner_steps=100000 --set strategy.heterogeneous=false "
+                 "--set job.timeout=\\\"300s\\\" --set wan.reconnect_timeout=\\\"300s\\\" "
+                 "--set job.run_dir=\\\"" + run_dir + "\\\"",
+                 dir + "/out.log", 200);
+  ASSERT_TRUE(wait_for_step(run_dir + "/metrics.jsonl", "beta", 1, 10, std::chrono::seconds(150)))
+      << read_file(dir + "/out.log");
+  ASSERT_TRUE(wait_for_step(run_dir + "/metrics.jsonl", "alpha", 0, 10, std::chrono::seconds(150)))
+      << read_file(dir + "/out.log");
+  std::map<std::string, pid_t> pids;  // "site/rank" -> pid
+  for (const auto& w : nlohmann::json::parse(read_file(run_dir + "/workers.json")))
+    pids[w["site"].get<std::string>() + "/" + std::to_string(w["rank"].get<int>())] = w["pid"].get<pid_t>();
+  ASSERT_EQ(pids.size(), 3u) << read_file(run_dir + "/workers.json");
+  for (const auto& [name, pid] : pids) ASSERT_NE(cmdline_of(pid).find(" worker "), std::string::npos) << name;
+  const auto killed_at = std::chrono::steady_clock::now();
+  ASSERT_EQ(::kill(pids.at("beta/1"), SIGKILL), 0);
+  const int code = job.wait();
+  const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - killed_at).count();
+  const std::string out = read_file(dir + "/out.log");
+  std::printf("launcher exited %d, %.1f s after beta/1 was killed\n", code, took);
+  EXPECT_EQ(code, 1) << out;
+  EXPECT_LT(took, 60.0) << out;
+  EXPECT_NE(out.find("worker beta/1 failed (signal 9); stopped the others"), std::string::npos) << out;
+  for (const char* other : {"alpha/0", "beta/0"})
+    EXPECT_EQ(out.find(std::string("worker ") + other + " failed ("), std::string::npos) << other << " named as the cause\n" << out;
+  // alpha was stopped by the launcher's SIGTERM (nothing else reached it).
+  const std::string alpha_log = read_file(run_dir + "/logs/alpha-0.log");
+  EXPECT_NE(alpha_log.find("stopping (signal 15)"), std::string::npos) << alpha_log;
+  for (const auto& [name, pid] : pids) {
+    const std::string cmd = cmdline_of(pid);
+    const bool alive = cmd.find(" worker ") != std::string::npos && cmd.find(run_dir) != std::string::npos;
+    EXPECT_FALSE(alive) << name << " (pid " << pid << ") outlived the launcher: " << cmd;
+    if (alive) ::kill(pid, SIGKILL);  // ours (its command line names this test's run directory)
+  }
   fs::remove_all(dir);
 }
 
 // NEBULA_WORKER_PREFIX runs every worker under a tool (heaptrack, perf, valgrind): here a
-// script that records its arguments and execs them. The workers then fail fast, as above.
+// script that records its arguments and execs them. A short job that finishes (so no worker
+// is stopped before its tool wrote its line): one line per worker, each a distinct site/rank.
 TEST(EndToEnd, WorkerPrefixRunsEveryWorkerUnderTheTool) {
   const std::string dir = temp_run_dir("prefix");
   fs::create_directories(dir);
   const std::string tool = dir + "/tool.sh", seen = dir + "/seen";
   std::ofstream(tool) << "#!/bin/sh\necho \"$@\" >> " << seen << "\nexec \"$@\"\n";
   fs::permissions(tool, fs::perms::owner_all);
-  const std::string args = "run examples/smoke.toml --set job.run_dir=\\\"" + dir +
-                           "/run\\\" --set data.tokenizer=\\\"/nonexistent/tok.model\\\"";
-  Result r = run(args, 120, "NEBULA_WORKER_PREFIX='" + tool + "'");
-  EXPECT_NE(r.exit_code, 0) << r.output;
-  std::ifstream in(seen);
-  std::vector<std::string> lines;
-  for (std::string l; std::getline(in, l);) lines.push_back(l);
-  ASSERT_GE(lines.size(), 1u) << r.output;  // the launcher stops the rest once one fails
-  for (const auto& l : lines) EXPECT_NE(l.find(" worker "), std::string::npos) << l;
+  Result r = run("run examples/smoke.toml --set job.steps=2 --set sites.1.workers=2 --set job.run_dir=\\\"" + dir +
+                     "/run\\\"",
+                 300, "NEBULA_WORKER_PREFIX='" + tool + "'");
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  std::vector<std::string> lines = lines_of(seen);
+  std::set<std::string> workers;
+  for (const auto& l : lines) {
+    EXPECT_NE(l.find(" worker "), std::string::npos) << l;
+    const size_t site = l.find(" --site "), rank = l.find(" --rank ");
+    ASSERT_NE(site, std::string::npos) << l;
+    ASSERT_NE(rank, std::string::npos) << l;
+    std::string s, k;
+    std::istringstream(l.substr(site + 8)) >> s;
+    std::istringstream(l.substr(rank + 8)) >> k;
+    workers.insert(s + "/" + k);
+  }
+  EXPECT_EQ(lines.size(), 3u) << r.output;
+  EXPECT_EQ(workers, (std::set<std::string>{"alpha/0", "beta/0", "beta/1"})) << r.output;
   // A tool that is not there: the worker's exec fails, saying what.
+  const std::string args = "run examples/smoke.toml --set job.run_dir=\\\"" + dir +
+                           "/run2\\\" --set data.tokenizer=\\\"/nonexistent/tok.model\\\"";
   r = run(args, 120, "NEBULA_WORKER_PREFIX='/nonexistent/tool --flag'");
   EXPECT_NE(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("exec /nonexistent/tool failed"), std::string::npos) << r.output;
@@ -721,8 +801,14 @@ TEST(EndToEnd, DemoQuickRunsEveryStageAndTranslateUsesItsModel) {
   EXPECT_LT(pre["final_val_loss"].get<double>(), std::log(1000.0) - 0.15);
   EXPECT_LT(sync["final_val_loss"].get<double>(), std::log(1000.0) - 0.15);
   EXPECT_GT(pre["contrastive"]["mean_loss"].get<double>(), 0);
+  // The cost is taken from the two stages' own summaries (not the demo's copies of them).
+  const nlohmann::json pre_own = nlohmann::json::parse(read_file(dir + "/pretrain/summary.json"));
+  const nlohmann::json sync_own = nlohmann::json::parse(read_file(dir + "/pretrain-sync/summary.json"));
+  EXPECT_EQ(sync_own["strategy"], "sync");
+  EXPECT_NE(pre_own["strategy"], "sync");
   EXPECT_NEAR(s["val_loss_cost_vs_sync"].get<double>(),
-              pre["final_val_loss"].get<double>() - sync["final_val_loss"].get<double>(), 1e-9);
+              pre_own["final_val_loss"].get<double>() - sync_own["final_val_loss"].get<double>(), 1e-9);
+  EXPECT_NE(pre_own["final_val_loss"], sync_own["final_val_loss"]);
   const std::string md = read_file(dir + "/summary.md");
   EXPECT_NE(md.find("fewer WAN bytes than sync; its validation loss is"), std::string::npos) << md;
   EXPECT_EQ(pre["objective"], "mlm+tlm");
@@ -742,11 +828,17 @@ TEST(EndToEnd, DemoQuickRunsEveryStageAndTranslateUsesItsModel) {
   for (const char* lang : {"en", "de", "es", "fr", "it"}) {
     ASSERT_TRUE(s["transfer"].contains(lang)) << s["transfer"].dump();
     EXPECT_GT(s["transfer"][lang]["messages"].get<double>(), 0) << lang;
+    // An accuracy is a count of the held-out messages classified right.
+    const double messages = s["transfer"][lang]["messages"].get<double>();
     for (const char* which : {"pretrained", "random"}) {
-      const double a = s["transfer"][lang][which].get<double>();
-      EXPECT_TRUE(a >= 0 && a <= 1) << lang << " " << which << " " << a;
+      const double right = s["transfer"][lang][which].get<double>() * messages;
+      EXPECT_NEAR(right, std::round(right), 1e-6) << lang << " " << which;
+      EXPECT_TRUE(right >= 0 && right <= messages) << lang << " " << which << " " << right;
     }
   }
+  // The probe learned from English: above chance (1/8 packages) on held-out English messages
+  // (measured 0.25 of 40 at this size; the random encoder's 0.125).
+  EXPECT_GT(s["transfer"]["en"]["pretrained"].get<double>(), 1.0 / 8) << s["transfer"].dump();
   const auto pretrained = tensor_bytes(dir + "/pretrain/model.safetensors");
   const auto probe = tensor_bytes(dir + "/transfer/model.safetensors");
   size_t same = 0;
@@ -1231,7 +1323,8 @@ TEST(EndToEnd, RepeatedLinkCutsApplyEveryOuterStepOnceWithAgreeingHashes) {
 // is killed with SIGKILL in the middle of training. Each time the launcher (job.restarts)
 // starts it again; it resumes from its newest intact checkpoint, alpha admits it at a round
 // start and it takes alpha's global state. The run completes with every outer step's ids and
-// hashes agreeing, and its validation loss is within 2% of a run without faults.
+// hashes agreeing, and its validation loss is within 6% of a run without faults (the gap is
+// the rounds beta missed while down, which vary with the machine's load: see the bound below).
 TEST(EndToEnd, ALostSiteRejoinsTwiceAndTheRunEndsNearTheCleanLoss) {
   const std::string dir = temp_run_dir("elastic");
   const std::string common =

@@ -78,6 +78,14 @@ void check_equivalence(const std::vector<int>& sites, bool overlap, uint64_t buc
     opt.zero_grad();
     if (overlap) strategy.before_backward(predicted);  // buckets go out from the backward hooks
     m->loss(ids, labels).backward();
+    if (overlap) {
+      // Every bucket was queued from the hooks before backward returned (every parameter gets
+      // a gradient here), and with small buckets there are many of them.
+      EXPECT_GT(strategy.num_buckets(), 5u);
+      EXPECT_EQ(strategy.buckets_queued(), strategy.num_buckets());
+    } else {
+      EXPECT_EQ(strategy.buckets_queued(), 0u);  // sync_gradients queues them all
+    }
     strategy.sync_gradients(ps, predicted);
     for (size_t i = 0; i < ps.size(); ++i)
       EXPECT_TRUE(at::allclose(ps[i].grad(), ref_grads[i], 1e-4, 1e-6))

@@ -7,8 +7,11 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <condition_variable>
 #include <cstdint>
 #include <memory>
+#include <mutex>
+#include <string>
 #include <vector>
 
 #include "transport/tcp_link.h"
@@ -79,6 +82,101 @@ inline void raw_write(int fd, const void* p, size_t n) {
     n -= static_cast<size_t>(r);
   }
 }
+
+// A Link around another that counts the frames passing through it and can hold them back,
+// so a test observes an order of events instead of timing it ("every request reached the
+// peer before any answer came back"). While a direction's gate is closed, a call in that
+// direction waits for it to open (or for the call's deadline, then goes on to the inner link,
+// which throws Timeout) before passing on. Counters: `entered_send()` counts send() calls that
+// began (before the gate), `sent()` those that returned, `received()` frames recv() returned, `recv_failed()`
+// recv() calls that threw (the peer's EOF, a timeout).
+// Thread-safe; close() opens both gates and closes the inner link.
+class GatedLink : public Link {
+ public:
+  explicit GatedLink(std::unique_ptr<Link> inner) : inner_(std::move(inner)) {}
+  void send(const wire::Frame& frame, Deadline deadline) override {
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      ++entered_send_;
+      cv_.notify_all();
+      wait_until(lock, deadline, [&] { return send_open_; });
+    }
+    inner_->send(frame, deadline);
+    std::lock_guard<std::mutex> lock(mu_);
+    ++sent_;
+    cv_.notify_all();
+  }
+  wire::Frame recv(Deadline deadline) override {
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      wait_until(lock, deadline, [&] { return recv_open_; });
+    }
+    wire::Frame f;
+    try {
+      f = inner_->recv(deadline);
+    } catch (...) {
+      std::lock_guard<std::mutex> lock(mu_);
+      ++recv_failed_;
+      cv_.notify_all();
+      throw;
+    }
+    std::lock_guard<std::mutex> lock(mu_);
+    ++received_;
+    cv_.notify_all();
+    return f;
+  }
+  void close() override {
+    open_send(true);
+    open_recv(true);
+    inner_->close();
+  }
+  std::string peer() const override { return inner_->peer(); }
+  LinkStats stats() const override { return inner_->stats(); }
+
+  void open_send(bool open) { set(send_open_, open); }
+  void open_recv(bool open) { set(recv_open_, open); }
+  uint64_t entered_send() const { return get(entered_send_); }
+  uint64_t sent() const { return get(sent_); }
+  uint64_t received() const { return get(received_); }
+  uint64_t recv_failed() const { return get(recv_failed_); }
+  // Waits (at most until `deadline`) until `counter()` >= n; returns whether it got there.
+  bool wait_entered_send(uint64_t n, Deadline deadline) { return wait_for(entered_send_, n, deadline); }
+  bool wait_received(uint64_t n, Deadline deadline) { return wait_for(received_, n, deadline); }
+  bool wait_recv_failed(uint64_t n, Deadline deadline) { return wait_for(recv_failed_, n, deadline); }
+
+ private:
+  template <typename Pred>
+  bool wait_until(std::unique_lock<std::mutex>& lock, Deadline deadline, Pred pred) {
+    if (deadline.is_never()) {
+      cv_.wait(lock, pred);
+      return true;
+    }
+    return cv_.wait_until(lock, deadline.at(), pred);
+  }
+  void set(bool& gate, bool open) {
+    std::lock_guard<std::mutex> lock(mu_);
+    gate = open;
+    cv_.notify_all();
+  }
+  uint64_t get(const uint64_t& counter) const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return counter;
+  }
+  bool wait_for(const uint64_t& counter, uint64_t n, Deadline deadline) {
+    std::unique_lock<std::mutex> lock(mu_);
+    return wait_until(lock, deadline, [&] { return counter >= n; });
+  }
+
+  const std::unique_ptr<Link> inner_;
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  bool send_open_ = true;      // guarded by mu_
+  bool recv_open_ = true;      // guarded by mu_
+  uint64_t entered_send_ = 0;  // guarded by mu_
+  uint64_t sent_ = 0;          // guarded by mu_
+  uint64_t received_ = 0;      // guarded by mu_
+  uint64_t recv_failed_ = 0;   // guarded by mu_
+};
 
 inline double seconds_since(Clock::time_point t) {
   return std::chrono::duration<double>(Clock::now() - t).count();

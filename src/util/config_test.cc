@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <filesystem>
 #include <string>
 #include <vector>
 
@@ -149,11 +150,29 @@ TEST(Config, WanModeEveryWorker) {
   expect_error(every, {"security.host_certs", "every_worker"}, {"security.host_certs=true"});
 }
 
+// Every job config shipped under examples/ (found by walking the tree, so a new one is
+// covered without being listed here) loads. The planner's inputs (plan_*.toml, read by
+// `nebula plan`, not `nebula run`) are another format: plan_test.cc loads them.
 TEST(Config, ExamplesLoad) {
-  for (const char* name : {"smoke.toml", "demo.toml"}) {
-    Config c = load_config(std::string(NEBULA_SOURCE_DIR) + "/examples/" + name);
-    EXPECT_GE(c.sites.size(), 2u) << name;
+  const std::filesystem::path root = std::filesystem::path(NEBULA_SOURCE_DIR) / "examples";
+  std::vector<std::string> loaded;
+  for (const auto& entry : std::filesystem::recursive_directory_iterator(root)) {
+    if (!entry.is_regular_file() || entry.path().extension() != ".toml") continue;
+    const std::string name = std::filesystem::relative(entry.path(), root).string();
+    if (entry.path().filename().string().rfind("plan_", 0) == 0) continue;
+    try {
+      Config c = load_config(entry.path().string());
+      EXPECT_GE(c.sites.size(), 1u) << name;
+      loaded.push_back(name);
+    } catch (const std::exception& e) {
+      ADD_FAILURE() << "examples/" << name << " does not load: " << e.what();
+    }
   }
+  std::sort(loaded.begin(), loaded.end());
+  // The walk found the examples (not an empty or wrong directory): the two the README starts with, at least.
+  EXPECT_TRUE(std::binary_search(loaded.begin(), loaded.end(), "smoke.toml"));
+  EXPECT_TRUE(std::binary_search(loaded.begin(), loaded.end(), "demo.toml"));
+  EXPECT_GE(loaded.size(), 8u);
 }
 
 TEST(Config, UnknownKeyNamesFileLineAndKey) {
