@@ -13,7 +13,7 @@
 
 #include "collective/testing.h"
 #include "strategy/diloco.h"
-#include "strategy/strategy.h"
+#include "strategy/sync.h"
 
 namespace nebula::strategy {
 namespace {

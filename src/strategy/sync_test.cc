@@ -8,7 +8,7 @@
 #include "model/mlm_batch.h"
 #include "model/mlm_encoder.h"
 #include "model/testing.h"
-#include "strategy/strategy.h"
+#include "strategy/sync.h"
 
 namespace nebula::strategy {
 namespace {
