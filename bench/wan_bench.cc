@@ -41,6 +41,7 @@
 
 #include "transport/certs.h"
 #include "transport/emulated_link.h"
+#include "transport/link_test_util.h"
 #include "transport/resilient_link.h"
 #include "transport/tls_link.h"
 #include "transport/striped_link.h"
@@ -247,36 +248,14 @@ int latency_table() {
                 secs(t2) * 1e3);
   }
   {
-    TcpListener listener("127.0.0.1", 0);
-    std::atomic<int> dials{0};
-    const auto created = Clock::now();
-    WanEmulation hole;
-    hole.faults.push_back({WanFault::Kind::kBlackhole, 500ms, std::nullopt, {}});
-    Reconnect dial = [&](Deadline d) -> std::unique_ptr<Link> {
-      auto tcp = TcpLink::connect("127.0.0.1", listener.port(), "site-b", d);
-      if (dials++ == 0) return std::make_unique<EmulatedLink>(std::move(tcp), hole);
-      return tcp;
-    };
-    Reconnect accept = [&](Deadline d) -> std::unique_ptr<Link> { return listener.accept(d, "site-a"); };
-    ResilientOptions o;
-    o.liveness_timeout = 1s;
-    o.backoff_initial = 1ms;
-    o.backoff_max = 20ms;
-    o.reconnect_timeout = 10s;
-    auto first_a = std::async(std::launch::async, [&] { return dial(Deadline::after(10s)); });
-    auto first_b = accept(Deadline::after(10s));
-    ResilientLink a(first_a.get(), dial, o);
-    ResilientLink b(std::move(first_b), accept, o);
-    a.send(frame(0, 100), Deadline::after(5s));
-    b.recv(Deadline::after(5s));
+    transport::testing::BlackHoledSession session(1s);
+    session.a->send(frame(0, 100), Deadline::after(5s));
+    session.b->recv(Deadline::after(5s));
     std::this_thread::sleep_for(600ms);  // the hole is open
-    for (uint64_t i = 1; i < 20; ++i) a.send(frame(i, 1000), Deadline::after(5s));
-    for (int i = 1; i < 20; ++i) b.recv(Deadline::after(10s));
+    for (uint64_t i = 1; i < 20; ++i) session.a->send(frame(i, 1000), Deadline::after(5s));
+    for (int i = 1; i < 20; ++i) session.b->recv(Deadline::after(10s));
     std::printf("  black hole at 0.5 s, liveness_timeout 1 s: resumed %.3f s after the start (bound 0.5 + 1 + 2 = 3.5)\n",
-                secs(created));
-    a.close();
-    b.close();
-    listener.close();
+                secs(session.created));
   }
   return 0;
 }

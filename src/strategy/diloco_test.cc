@@ -7,6 +7,8 @@
 #include <cmath>
 #include <limits>
 #include <map>
+#include <array>
+#include <functional>
 #include <mutex>
 
 #include "collective/testing.h"
@@ -140,6 +142,41 @@ TEST(Diloco, WithGlobalWeightsShowsThetaGlobalAndRestoresTheReplica) {
   });
 }
 
+// Two sites of one worker each run DiLoCo (H = h, `rounds` rounds; outer lr, μ and Nesterov as
+// given) with plain SGD as the inner optimizer on known gradients: params[i] -= inner_lr ·
+// gradient(site, step, i) over the flat parameter vector, the site's step weight `weight[site]`.
+// Returns each site's final flat parameters; every site took `rounds` outer steps.
+std::vector<at::Tensor> two_sites_of_sgd(int64_t h, int64_t rounds, double inner_lr, double outer_lr, double mu,
+                                         bool nesterov, const std::function<std::vector<at::Tensor>(size_t)>& params_of,
+                                         const std::function<double(size_t, int64_t, size_t)>& gradient,
+                                         const std::array<double, 2>& weight) {
+  std::mutex mu_finals;
+  std::vector<at::Tensor> finals(2);
+  collective::testing::run_cluster({1, 1}, [&](collective::testing::Rank& r) {
+    std::vector<at::Tensor> params = params_of(r.site);
+    DilocoOptions o = options(h, 2, r.site);
+    o.outer_lr = outer_lr;
+    o.outer_momentum = mu;
+    o.nesterov = nesterov;
+    DilocoStrategy s(*r.hierarchy, o);
+    s.init(params);
+    for (int64_t step = 0; s.keep_training(step, rounds * h); ++step) {
+      s.sync_gradients(params, weight[r.site]);  // one worker per site: only the weight counts
+      size_t i = 0;
+      for (auto& p : params) {
+        float* v = p.data_ptr<float>();
+        for (int64_t k = 0; k < p.numel(); ++k, ++i) v[k] -= static_cast<float>(inner_lr * gradient(r.site, step, i));
+      }
+      s.after_step(step);
+    }
+    s.finish();
+    EXPECT_EQ(s.outer_steps(), rounds);
+    std::lock_guard<std::mutex> lock(mu_finals);
+    finals[r.site] = flatten(params);
+  });
+  return finals;
+}
+
 // The outer step with momentum against the recurrence of diloco.h, written out here in plain
 // doubles. Two sites whose inner optimizer is plain SGD on known per-site gradients (so θ_local
 // at each send is known), site weights 1 and 3 per step, μ = 0.9, outer lr 0.7, 4 rounds of
@@ -176,39 +213,19 @@ TEST(Diloco, OuterMomentumMatchesTheRecurrence) {
     }
     expected_of[nesterov] = global;
 
-    std::mutex mu_finals;
-    std::vector<std::vector<float>> finals(2);
-    collective::testing::run_cluster({1, 1}, [&](collective::testing::Rank& r) {
+    auto params_of = [&](size_t site) {
       std::vector<float> start(theta0.begin(), theta0.end());
-      if (r.site == 1)
+      if (site == 1)
         for (float& v : start) v += 5;  // init() makes every replica global rank 0's
-      std::vector<at::Tensor> params = {at::tensor(std::vector<float>(start.begin(), start.begin() + 4)).view({2, 2}),
-                                        at::tensor(std::vector<float>(start.begin() + 4, start.end()))};
-      DilocoOptions o = options(h, 2, r.site);
-      o.outer_lr = outer_lr;
-      o.outer_momentum = mu;
-      o.nesterov = nesterov;
-      DilocoStrategy s(*r.hierarchy, o);
-      s.init(params);
-      for (int64_t step = 0; s.keep_training(step, rounds * h); ++step) {
-        s.sync_gradients(params, site_weight[r.site]);  // one worker per site: only the weight counts
-        size_t i = 0;
-        for (auto& p : params) {
-          float* v = p.data_ptr<float>();
-          for (int64_t k = 0; k < p.numel(); ++k, ++i) v[k] -= static_cast<float>(inner_lr * gradient(r.site, step, i));
-        }
-        s.after_step(step);
-      }
-      s.finish();
-      EXPECT_EQ(s.outer_steps(), rounds);
-      at::Tensor flat = flatten(params);
-      std::lock_guard<std::mutex> lock(mu_finals);
-      finals[r.site].assign(flat.data_ptr<float>(), flat.data_ptr<float>() + flat.numel());
-    });
+      return std::vector<at::Tensor>{at::tensor(std::vector<float>(start.begin(), start.begin() + 4)).view({2, 2}),
+                                     at::tensor(std::vector<float>(start.begin() + 4, start.end()))};
+    };
+    const std::vector<at::Tensor> finals = two_sites_of_sgd(h, rounds, inner_lr, outer_lr, mu, nesterov, params_of,
+                                                            gradient, {site_weight[0], site_weight[1]});
     for (size_t site = 0; site < 2; ++site) {
-      ASSERT_EQ(finals[site].size(), global.size());
+      ASSERT_EQ(finals[site].numel(), static_cast<int64_t>(global.size()));
       for (size_t i = 0; i < global.size(); ++i)  // float32 arithmetic on values of size ~10
-        EXPECT_NEAR(finals[site][i], global[i], 2e-5 * std::max(1.0, std::fabs(global[i])))
+        EXPECT_NEAR(finals[site][static_cast<int64_t>(i)].item<float>(), global[i], 2e-5 * std::max(1.0, std::fabs(global[i])))
             << (nesterov ? "nesterov" : "plain momentum") << ", site " << site << ", value " << i;
     }
   }
@@ -244,31 +261,13 @@ TEST(Diloco, OuterStepsEqualTheReferenceBitForBit) {
       m.mul_(mu).add_(delta);
       global.sub_(nesterov ? delta.add_(m * mu) : m, outer_lr);
     }
-    std::mutex mu_finals;
-    std::vector<at::Tensor> finals(2);
-    collective::testing::run_cluster({1, 1}, [&](collective::testing::Rank& r) {
-      std::vector<at::Tensor> params = {
-          at::tensor(std::vector<float>(theta0.begin(), theta0.begin() + 128)).view({16, 8}),
-          at::tensor(std::vector<float>(theta0.begin() + 128, theta0.end()))};
-      DilocoOptions o = options(h, 2, r.site);
-      o.outer_lr = outer_lr;
-      o.outer_momentum = mu;
-      o.nesterov = nesterov;
-      DilocoStrategy s(*r.hierarchy, o);
-      s.init(params);
-      for (int64_t step = 0; s.keep_training(step, rounds * h); ++step) {
-        s.sync_gradients(params, 1.0);
-        size_t i = 0;
-        for (auto& p : params) {
-          float* v = p.data_ptr<float>();
-          for (int64_t k = 0; k < p.numel(); ++k, ++i) v[k] -= static_cast<float>(inner_lr * gradient(step, i));
-        }
-        s.after_step(step);
-      }
-      s.finish();
-      std::lock_guard<std::mutex> lock(mu_finals);
-      finals[r.site] = flatten(params);
-    });
+    auto params_of = [&](size_t) {
+      return std::vector<at::Tensor>{at::tensor(std::vector<float>(theta0.begin(), theta0.begin() + 128)).view({16, 8}),
+                                     at::tensor(std::vector<float>(theta0.begin() + 128, theta0.end()))};
+    };
+    const std::vector<at::Tensor> finals = two_sites_of_sgd(
+        h, rounds, inner_lr, outer_lr, mu, nesterov, params_of,
+        [&](size_t, int64_t step, size_t i) { return gradient(step, i); }, {1.0, 1.0});
     for (size_t site = 0; site < 2; ++site)
       EXPECT_TRUE(at::equal(finals[site], global))
           << (nesterov ? "nesterov" : "plain momentum") << ", site " << site << ": max difference "

@@ -7,13 +7,17 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <atomic>
 #include <condition_variable>
 #include <cstdint>
 #include <memory>
+#include <future>
 #include <mutex>
 #include <string>
 #include <vector>
 
+#include "transport/emulated_link.h"
+#include "transport/resilient_link.h"
 #include "transport/tcp_link.h"
 
 namespace nebula::transport::testing {
@@ -181,5 +185,43 @@ class GatedLink : public Link {
 inline double seconds_since(Clock::time_point t) {
   return std::chrono::duration<double>(Clock::now() - t).count();
 }
+
+// Two ResilientLinks on loopback, "site-a" dialling "site-b", whose first connection is
+// black-holed `after` it was made (every byte vanishes both ways: no FIN, no RST, no error from
+// any layer), the connections after it clean: the liveness test's path and wan_bench --latency's.
+struct BlackHoledSession {
+  explicit BlackHoledSession(std::chrono::milliseconds liveness_timeout,
+                             std::chrono::milliseconds after = std::chrono::milliseconds(500)) {
+    using namespace std::chrono_literals;
+    hole.faults.push_back({WanFault::Kind::kBlackhole, after, std::nullopt, {}});
+    Reconnect dial = [this](Deadline d) -> std::unique_ptr<Link> {
+      auto tcp = TcpLink::connect("127.0.0.1", listener.port(), "site-b", d);
+      if (dials++ == 0) return std::make_unique<EmulatedLink>(std::move(tcp), hole);  // the first path dies silently
+      return tcp;
+    };
+    Reconnect accept = [this](Deadline d) -> std::unique_ptr<Link> { return listener.accept(d, "site-a"); };
+    ResilientOptions o;
+    o.liveness_timeout = liveness_timeout;
+    o.backoff_initial = 1ms;
+    o.backoff_max = 20ms;
+    o.reconnect_timeout = 10s;
+    auto first_a = std::async(std::launch::async, [&] { return dial(Deadline::after(10s)); });
+    auto first_b = accept(Deadline::after(10s));
+    a = std::make_unique<ResilientLink>(first_a.get(), dial, o);
+    b = std::make_unique<ResilientLink>(std::move(first_b), accept, o);
+  }
+  ~BlackHoledSession() { close(); }
+  void close() {
+    if (a) a->close();
+    if (b) b->close();
+    listener.close();  // b may be waiting for a to dial again
+  }
+
+  TcpListener listener{"127.0.0.1", 0};
+  std::atomic<int> dials{0};
+  const Clock::time_point created = Clock::now();
+  WanEmulation hole;
+  std::unique_ptr<ResilientLink> a, b;
+};
 
 }  // namespace nebula::transport::testing
