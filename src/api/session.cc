@@ -51,8 +51,7 @@ Session::Session(const Config& config, const Placement& p) : impl_(std::make_uni
   // all-reduce spent ~4 % of its time in page faults without it).
   tune_allocator();
   impl_->who = {p.site, p.rank, p.store, p.external_store};
-  for (size_t s = 0; s < p.site; ++s) impl_->global_rank += static_cast<int>(config.sites[s].workers);
-  impl_->global_rank += p.rank;
+  impl_->global_rank = static_cast<int>(site::job_index(config, impl_->who));
   impl_->comm = site::connect_site(impl_->config, impl_->who);
 }
 

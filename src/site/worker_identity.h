@@ -6,6 +6,8 @@
 #include <cstddef>
 #include <string>
 
+#include "nebula/config.h"
+
 namespace nebula::site {
 
 struct WorkerIdentity {
@@ -14,5 +16,13 @@ struct WorkerIdentity {
   std::string store;   // the site's c10d store, host:port (empty: [[sites]] store)
   bool external_store = false;  // it exists already (torchrun's agent): rank 0 does not host it
 };
+
+// The worker's index in the job, sites in order and ranks in order: what per-worker counters
+// of the job and the library's global rank are indexed by.
+inline size_t job_index(const Config& config, const WorkerIdentity& who) {
+  size_t first = 0;
+  for (size_t s = 0; s < who.site; ++s) first += static_cast<size_t>(config.sites[s].workers);
+  return first + static_cast<size_t>(who.local_rank);
+}
 
 }  // namespace nebula::site

@@ -168,6 +168,16 @@ void DilocoStrategy::init(const std::vector<at::Tensor>& params) {
   if (static_cast<int64_t>(cuts.size()) != options_.fragments)
     spdlog::warn("strategy.fragments = {} but the model has {} values: using {}", options_.fragments, total, cuts.size());
   fragments_.assign(cuts.size(), Fragment{});
+  // What each round's plan rests on besides the measurements (start_round).
+  planner_.codec = options_.codec;
+  planner_.inner_steps = options_.inner_steps;
+  planner_.adaptive = options_.adaptive;
+  planner_.heterogeneous = options_.heterogeneous;
+  planner_.codec_options = options_.codec_options;
+  planner_.site_index = options_.site_index;
+  planner_.params = total_numel_;
+  planner_.fragments = static_cast<int64_t>(cuts.size());
+  planner_.delay = options_.delay;
   for (size_t j = 0; j < cuts.size(); ++j) {
     static_cast<FragmentCut&>(fragments_[j]) = std::move(cuts[j]);
     fragments_[j].part_at = 0;
@@ -199,18 +209,8 @@ bool DilocoStrategy::keep_training(int64_t /*step*/, int64_t steps) {
 }
 
 void DilocoStrategy::start_round(int64_t steps) {
-  RoundPlannerOptions po;
-  po.codec = options_.codec;
-  po.inner_steps = options_.inner_steps;
-  po.adaptive = options_.adaptive;
-  po.heterogeneous = options_.heterogeneous;
-  po.codec_options = options_.codec_options;
-  po.site_index = options_.site_index;
-  po.params = total_numel_;
-  po.fragments = static_cast<int64_t>(fragments_.size());
-  po.delay = options_.delay;
   const RoundPlan plan = plan_round(
-      po, {known_info(info_of_round_, rounds_, options_.delay), rounds_, steps, nominal_done_, round_steps_, codec_kind_},
+      planner_, {known_info(info_of_round_, rounds_, options_.delay), rounds_, steps, nominal_done_, round_steps_, codec_kind_},
       controller_);
   for (const std::string* line : {&plan.controller_line, &plan.steps_line}) {
     if (line->empty()) continue;

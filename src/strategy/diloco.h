@@ -200,6 +200,7 @@ class DilocoStrategy : public Strategy {
   std::vector<std::unique_ptr<codec::Codec>> retired_;  // replaced by the controller, maybe in flight
   std::string codec_kind_;
   ControllerMemory controller_;  // what the controller decided last (round_planner.h)
+  RoundPlannerOptions planner_;  // init(): the options and the model's size for every round's plan
   OuterSgd outer_;
   int64_t total_numel_ = 0;
   at::Tensor flat_params_;  // ZeRO (set_sharding): the parameters' flat buffer, N S values (ZeRO-3: this worker's S)

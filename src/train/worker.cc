@@ -412,11 +412,9 @@ void Trainer::finish() {
     counters.insert(counters.end(), eval_start_.begin(), eval_start_.end());
     counters.insert(counters.end(), eval_end.begin(), eval_end.end());
     // Each worker's own WAN bytes at its place in the job (sites in order, ranks in order).
-    size_t site_first = 0;
-    for (size_t s = 0; s < who_.site; ++s) site_first += static_cast<size_t>(c_.sites[s].workers);
     const size_t by_worker_at = counters.size();
     counters.resize(by_worker_at + static_cast<size_t>(c_.total_workers()), 0.0);
-    counters[by_worker_at + site_first + static_cast<size_t>(who_.local_rank)] = static_cast<double>(wan.wan_bytes_sent);
+    counters[by_worker_at + site::job_index(c_, who_)] = static_cast<double>(wan.wan_bytes_sent);
     const std::vector<double> totals = collective::sum_counters(*comm_.comm, counters);
     // The first site still in the job (elastic: site 0 may be lost) writes the summary and model.
     const collective::GatewayMesh* mesh = comm_.mesh.get();

@@ -117,13 +117,6 @@ WrittenLayout written_layout(const Config& c, const WorkerIdentity& who, collect
   return {static_cast<int>(layout[0].item<float>()), layout[1].item<float>() > 0};
 }
 
-// The job-wide index of site `site`'s rank 0 (sites in order, ranks in order).
-size_t first_worker_of(const Config& c, size_t site) {
-  size_t first = 0;
-  for (size_t s = 0; s < site; ++s) first += static_cast<size_t>(c.sites[s].workers);
-  return first;
-}
-
 }  // namespace
 
 WorkerCheckpoints::WorkerCheckpoints(const Config& config, const WorkerIdentity& who, collective::Hierarchy& comm,
@@ -172,9 +165,9 @@ std::optional<WorkerProgress> WorkerCheckpoints::restore_newest() {
                  c_.parallel.shard);
   }
   // The newest step every worker that must agree holds: the site's (diloco, streaming) or the job's (sync).
-  const size_t site_first = first_worker_of(c_, who_.site);
+  const size_t site_first = site::job_index(c_, {who_.site, 0});  // the site's rank 0
   std::vector<double> mine(static_cast<size_t>(c_.total_workers()), 0.0);
-  mine[site_first + static_cast<size_t>(who_.local_rank)] = static_cast<double>(have + 1);
+  mine[site::job_index(c_, who_)] = static_cast<double>(have + 1);
   const std::vector<double> all = collective::sum_counters(comm_, mine);  // step + 1 per worker, 0 = none
   const bool per_site = c_.strategy.kind != "sync";
   const size_t begin = per_site ? site_first : 0, end = per_site ? site_first + static_cast<size_t>(workers) : all.size();
