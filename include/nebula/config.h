@@ -269,10 +269,15 @@ struct PeftConfig {
 //                       site all-gathers the parameters after every step;
 //          "gradients"  ZeRO-2: as "optimizer", and the gradients are reduce-scattered (diloco,
 //                       streaming);
-//          "full"       ZeRO-3: the parameters are sharded too and gathered layer by layer
+//          "full"       ZeRO-3: the parameters are sharded too and gathered layer by layer,
+//                       each layer cut evenly over the workers as FSDP cuts its units
 //                       (parallel/full_shard.h; built-in models with diloco and streaming).
+//  recompute            ZeRO-3 only: keep only each layer's inputs in forward and run the layer
+//                       again in backward (activation checkpointing: about a third more compute
+//                       for the activations' memory); off: keep the activations.
 struct ParallelConfig {
   std::string shard = "none";
+  bool recompute = false;
 };
 
 struct SecurityConfig {

@@ -5,6 +5,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <iterator>
+#include <limits>
 #include <span>
 
 #include "nebula/error.h"
@@ -37,6 +39,159 @@ constexpr double kMaxSiteWeight = 1099511627776.0;
 std::string weight_verdict(double w) {
   if (std::isfinite(w) && w >= 0 && w <= kMaxSiteWeight) return {};
   return str_cat("weight ", w, " is not a number in [0, ", kMaxSiteWeight, "]");
+}
+
+std::string span_str(const Span& x) { return str_cat("[", x.begin, ", ", x.end, ")"); }
+
+// Checks `holdings` against the job's workers per site and normalises them in place: each
+// worker's touching spans merged, empty ones dropped (so that sites writing the same holding
+// differently agree on the segments).
+void normalise_holdings(Holdings& holdings, const std::vector<int64_t>& workers) {
+  NEBULA_CHECK(holdings.size() == workers.size(), "exchange_parts: holdings for ", holdings.size(),
+               " sites, the job has ", workers.size());
+  int64_t n = 0;  // site 0's
+  for (size_t s = 0; s < holdings.size(); ++s) {
+    auto& site = holdings[s];
+    NEBULA_CHECK(static_cast<int64_t>(site.size()) == workers[s], "exchange_parts: holdings for ", site.size(),
+                 " workers of site #", s, ", it has ", workers[s]);
+    struct Tile {
+      Span span;
+      size_t worker;
+    };
+    std::vector<Tile> tiles;  // every worker's spans, to check that they cover [0, n) once
+    for (size_t q = 0; q < site.size(); ++q) {
+      std::vector<Span> merged;
+      for (size_t i = 0; i < site[q].size(); ++i) {
+        const Span x = site[q][i];
+        NEBULA_CHECK(x.begin <= x.end, "exchange_parts: site #", s, " worker ", q, ": span #", i, " ", span_str(x),
+                     " ends before it begins");
+        if (x.begin == x.end) continue;
+        if (!merged.empty()) {
+          const Span last = merged.back();
+          NEBULA_CHECK(x.begin >= last.begin, "exchange_parts: site #", s, " worker ", q, ": spans out of order, ",
+                       span_str(x), " after ", span_str(last));
+          NEBULA_CHECK(x.begin >= last.end, "exchange_parts: site #", s, " worker ", q, ": spans ", span_str(last),
+                       " and ", span_str(x), " overlap");
+          if (x.begin == last.end) {
+            merged.back().end = x.end;
+            continue;
+          }
+        }
+        merged.push_back(x);
+      }
+      for (const Span& x : merged) tiles.push_back({x, q});
+      site[q] = std::move(merged);
+    }
+    std::sort(tiles.begin(), tiles.end(), [](const Tile& a, const Tile& b) { return a.span.begin < b.span.begin; });
+    int64_t covered = 0;  // [0, covered) is held by exactly one worker so far
+    for (size_t i = 0; i < tiles.size(); ++i) {
+      const Tile& t = tiles[i];
+      NEBULA_CHECK(t.span.begin >= 0, "exchange_parts: site #", s, " worker ", t.worker, ": span ", span_str(t.span),
+                   " begins below 0");
+      NEBULA_CHECK(t.span.begin >= covered, "exchange_parts: site #", s, ": worker ", t.worker, "'s span ",
+                   span_str(t.span), " overlaps worker ", tiles[i - 1].worker, "'s ", span_str(tiles[i - 1].span));
+      NEBULA_CHECK(t.span.begin == covered, "exchange_parts: site #", s, ": values ", span_str({covered, t.span.begin}),
+                   " are held by no worker");
+      covered = t.span.end;
+    }
+    if (s == 0) n = covered;
+    NEBULA_CHECK(covered == n, "exchange_parts: site #", s, "'s workers hold [0, ", covered, "), site #0's [0, ", n,
+                 "): every site must hold the same vector");
+  }
+}
+
+// This worker's part cut into segments at every site's span boundaries, and who holds each.
+struct PartsPlan {
+  struct Segment {
+    int64_t start = 0, end = 0;  // in the vector
+    int64_t offset = 0;          // in the part
+  };
+  int64_t n = 0;                  // the vector's size
+  int64_t numel = 0;              // the part's
+  std::vector<Segment> segments;  // ascending, as in the part
+  // held[t][q]: the segments (indices, ascending) that worker q of site t holds too, i.e. whose
+  // first value its spans hold. Every segment lies inside one span of each site.
+  std::vector<std::vector<std::vector<size_t>>> held;
+};
+
+PartsPlan plan_parts(const Holdings& holdings, size_t me_site, int me_rank) {
+  std::vector<int64_t> bounds;
+  for (const auto& site : holdings)
+    for (const auto& spans : site)
+      for (const Span& x : spans) {
+        bounds.push_back(x.begin);
+        bounds.push_back(x.end);
+      }
+  std::sort(bounds.begin(), bounds.end());
+  bounds.erase(std::unique(bounds.begin(), bounds.end()), bounds.end());
+  PartsPlan plan;
+  plan.n = bounds.empty() ? 0 : bounds.back();  // every site's spans cover [0, n)
+  for (const Span& x : holdings[me_site][static_cast<size_t>(me_rank)]) {
+    // The bounds inside (begin, end), then end: each closes a segment.
+    int64_t start = x.begin;
+    for (auto it = std::upper_bound(bounds.begin(), bounds.end(), x.begin); start < x.end; ++it) {
+      const int64_t end = it != bounds.end() && *it < x.end ? *it : x.end;
+      plan.segments.push_back({start, end, plan.numel + (start - x.begin)});
+      start = end;
+    }
+    plan.numel += x.end - x.begin;
+  }
+  plan.held.resize(holdings.size());
+  for (size_t t = 0; t < holdings.size(); ++t) {
+    plan.held[t].resize(holdings[t].size());
+    std::vector<std::pair<int64_t, size_t>> starts;  // each span's begin and its worker; they tile [0, n)
+    for (size_t q = 0; q < holdings[t].size(); ++q)
+      for (const Span& x : holdings[t][q]) starts.emplace_back(x.begin, q);
+    std::sort(starts.begin(), starts.end());
+    for (size_t k = 0; k < plan.segments.size(); ++k) {
+      const auto it = std::upper_bound(starts.begin(), starts.end(),
+                                       std::make_pair(plan.segments[k].start, std::numeric_limits<size_t>::max()));
+      plan.held[t][std::prev(it)->second].push_back(k);
+    }
+  }
+  return plan;
+}
+
+// Writes into `part` Σ_t W_t x_t / Σ_t W_t (kSum: Σ_t x_t) over the sites' contributions to it
+// (by site; every worker of every site calls this, on its own part), leaving out those the
+// update guard rejects, which it lists in `rejected`.
+void combine_parts(at::Tensor part, std::vector<at::Tensor> contribution, const std::vector<double>& weight,
+                   const AllreduceOptions& options, SiteGroup& comm_group, std::vector<Rejection>& rejected) {
+  // The update guard on each site's whole contribution: this worker's share of its NaN and
+  // infinity counts and squared norm, summed over the site (every worker of every site then
+  // holds the same totals; the norm's to the rounding of a sum taken in another order).
+  at::Tensor totals = at::zeros({static_cast<int64_t>(3 * weight.size())}, at::kDouble);
+  for (size_t t = 0; t < weight.size(); ++t) {
+    const at::Tensor& x = contribution[t];
+    totals[static_cast<int64_t>(3 * t)] = static_cast<double>(at::isnan(x).sum().item<int64_t>());
+    totals[static_cast<int64_t>(3 * t + 1)] = static_cast<double>(at::isinf(x).sum().item<int64_t>());
+    totals[static_cast<int64_t>(3 * t + 2)] = x.to(at::kDouble).square().sum().item<double>();
+  }
+  comm_group.allreduce_sum(totals);
+  const double* tot = totals.data_ptr<double>();
+  at::Tensor sum = part;
+  sum.zero_();
+  double total_weight = 0;
+  size_t left_out = 0;
+  for (size_t t = 0; t < weight.size(); ++t) {
+    std::string why = weight_verdict(weight[t]);
+    if (why.empty())
+      why = guard_verdict(static_cast<int64_t>(tot[3 * t]), static_cast<int64_t>(tot[3 * t + 1]),
+                          std::sqrt(tot[3 * t + 2]), options.max_norm);
+    if (!why.empty()) {
+      rejected.push_back({t, why});
+      ++left_out;
+      continue;
+    }
+    const double scale = options.op == ReduceOp::kWeightedMean ? weight[t] : 1.0;
+    sum.add_(contribution[t], scale);
+    contribution[t] = at::Tensor();
+    total_weight += weight[t];
+  }
+  if (options.op == ReduceOp::kWeightedMean) {
+    NEBULA_CHECK(total_weight > 0 || left_out > 0, "weighted exchange with total weight ", total_weight);
+    if (total_weight > 0) sum.div_(total_weight);
+  }
 }
 
 }  // namespace
@@ -408,66 +563,65 @@ std::vector<std::vector<double>> Hierarchy::cross_site(at::Tensor values, const 
   return info;
 }
 
-std::shared_ptr<Work> Hierarchy::exchange_parts_async(at::Tensor part, std::vector<std::vector<int64_t>> cuts,
+Holdings holdings_of_cuts(const std::vector<std::vector<int64_t>>& cuts) {
+  Holdings holdings(cuts.size());
+  for (size_t s = 0; s < cuts.size(); ++s)
+    for (size_t q = 0; q + 1 < cuts[s].size(); ++q) holdings[s].push_back({Span{cuts[s][q], cuts[s][q + 1]}});
+  return holdings;
+}
+
+std::shared_ptr<Work> Hierarchy::exchange_parts_async(at::Tensor part, const std::vector<std::vector<int64_t>>& cuts,
                                                       AllreduceOptions options) {
+  return exchange_parts_async(std::move(part), holdings_of_cuts(cuts), std::move(options));
+}
+
+std::shared_ptr<Work> Hierarchy::exchange_parts_async(at::Tensor part, Holdings holdings, AllreduceOptions options) {
   NEBULA_CHECK(workers_ != nullptr, "site ", site_.site(), " rank ", site_.rank(),
                ": exchange_parts_async needs wan.mode = \"every_worker\"");
   NEBULA_CHECK(options.weight >= 0 && std::isfinite(options.weight), "weight ", options.weight);
   NEBULA_CHECK(part.scalar_type() == at::kFloat && part.is_contiguous() && part.device().is_cpu() && part.dim() == 1,
                "exchange_parts needs a contiguous 1-D float32 CPU tensor, got ", part.toString());
   NEBULA_CHECK(!options.per_tensor, "exchange_parts encodes flat segments: per_tensor codecs (PowerSGD) cannot run");
+  // The mesh's slots are fixed at its construction: reading them here, off the communication
+  // thread, is safe, and bad holdings throw from this call.
+  normalise_holdings(holdings, workers_->workers_per_site());
+  const WorkerSlot& me = workers_->slots()[workers_->self()];
+  int64_t held = 0;
+  for (const Span& x : holdings[me.site][static_cast<size_t>(me.rank)]) held += x.end - x.begin;
+  NEBULA_CHECK(part.numel() == held, "exchange_parts: site #", me.site, " worker ", me.rank, "'s part has ",
+               part.numel(), " values, its spans hold ", held);
   return enqueue(str_cat("site ", site_.site(), " rank ", site_.rank(), ": exchange of ", options.tag),
-                 [this, part, cuts = std::move(cuts), options](Work& work) {
+                 [this, part, holdings = std::move(holdings), options](Work& work) {
                    {
                      MutexLock lock(stats_mu_);
                      ++allreduces_;
                    }
-                   run_exchange_parts(part, cuts, options, work);
+                   run_exchange_parts(part, holdings, options, work);
                  });
 }
 
-void Hierarchy::run_exchange_parts(at::Tensor part, const std::vector<std::vector<int64_t>>& cuts,
-                                   const AllreduceOptions& options, Work& work) {
+void Hierarchy::run_exchange_parts(at::Tensor part, const Holdings& holdings, const AllreduceOptions& options,
+                                   Work& work) {
   const auto& slots = workers_->slots();
   const size_t me_site = slots[workers_->self()].site;
   const int me_rank = slots[workers_->self()].rank;
-  const std::vector<int64_t> workers = workers_->workers_per_site();
-  const size_t num_sites = workers.size();
-  NEBULA_CHECK(cuts.size() == num_sites, "exchange_parts: cuts for ", cuts.size(), " sites, the job has ", num_sites);
-  const int64_t n = cuts[0].empty() ? 0 : cuts[0].back();
-  for (size_t s = 0; s < num_sites; ++s) {
-    const auto& c = cuts[s];
-    NEBULA_CHECK(static_cast<int64_t>(c.size()) == workers[s] + 1 && c.front() == 0 && c.back() == n &&
-                     std::is_sorted(c.begin(), c.end()),
-                 "exchange_parts: site #", s, "'s cuts must be ", workers[s] + 1, " non-decreasing offsets from 0 to ", n);
-  }
-  const int64_t lo = cuts[me_site][static_cast<size_t>(me_rank)], hi = cuts[me_site][static_cast<size_t>(me_rank) + 1];
-  NEBULA_CHECK(part.numel() == hi - lo, "exchange_parts: this worker's part has ", part.numel(), " values, its cut ",
-               hi - lo);
-  // The segments of this part: cut at every site's boundaries.
-  std::vector<int64_t> points{lo, hi};
-  for (const auto& c : cuts)
-    for (int64_t x : c)
-      if (x > lo && x < hi) points.push_back(x);
-  std::sort(points.begin(), points.end());
-  points.erase(std::unique(points.begin(), points.end()), points.end());
-  const size_t nseg = points.size() - 1;
-  // The segments worker `rank` of site t holds too (the rank whose range holds their first value).
-  auto held_by = [&](size_t t, int rank) {
-    std::vector<size_t> out;
-    for (size_t k = 0; k < nseg; ++k)
-      if (std::upper_bound(cuts[t].begin(), cuts[t].end(), points[k]) - cuts[t].begin() - 1 == rank) out.push_back(k);
-    return out;
+  const size_t num_sites = holdings.size();
+  const PartsPlan plan = plan_parts(holdings, me_site, me_rank);
+  const int64_t n = plan.n;
+  const auto& segments = plan.segments;
+  const size_t nseg = segments.size();
+  auto segment_of = [&](const at::Tensor& t, size_t k) {
+    return t.narrow(0, segments[k].offset, segments[k].end - segments[k].start);
   };
   const bool coded = options.codec != nullptr;
 
   // Each segment encoded once; this site's own contribution is decoded from the same bytes.
   std::vector<std::vector<uint8_t>> encoded(nseg);
   for (size_t k = 0; k < nseg; ++k) {
-    at::Tensor x = part.narrow(0, points[k] - lo, points[k + 1] - points[k]);
+    at::Tensor x = segment_of(part, k);
     if (coded) {
       const auto start = Clock::now();
-      encoded[k] = options.codec->encode(x, codec_state_[{options.tag, static_cast<size_t>(points[k])}]);
+      encoded[k] = options.codec->encode(x, codec_state_[{options.tag, static_cast<size_t>(segments[k].start)}]);
       MutexLock lock(stats_mu_);
       encode_seconds_ += std::chrono::duration<double>(Clock::now() - start).count();
       codec_bytes_out_ += encoded[k].size();
@@ -480,7 +634,7 @@ void Hierarchy::run_exchange_parts(at::Tensor part, const std::vector<std::vecto
   }
   {
     MutexLock lock(stats_mu_);
-    codec_bytes_in_ += static_cast<uint64_t>(hi - lo) * sizeof(float);
+    codec_bytes_in_ += static_cast<uint64_t>(plan.numel) * sizeof(float);
   }
   // To each worker of another site: the header, then the segments it holds too.
   std::vector<std::vector<uint8_t>> to(slots.size());
@@ -492,10 +646,10 @@ void Hierarchy::run_exchange_parts(at::Tensor part, const std::vector<std::vecto
     w.put_u32(static_cast<uint32_t>(options.site_info.size()));
     for (double v : options.site_info) w.put_f64(v);
     w.put_u8(coded ? 1 : 0);
-    const std::vector<size_t> shared = held_by(slots[j].site, slots[j].rank);
+    const std::vector<size_t>& shared = plan.held[slots[j].site][static_cast<size_t>(slots[j].rank)];
     w.put_u32(static_cast<uint32_t>(shared.size()));
     for (size_t k : shared) {
-      w.put_u64(static_cast<uint64_t>(points[k]));
+      w.put_u64(static_cast<uint64_t>(segments[k].start));
       w.put_u64(encoded[k].size());
       w.put_bytes(encoded[k]);
     }
@@ -519,9 +673,8 @@ void Hierarchy::run_exchange_parts(at::Tensor part, const std::vector<std::vecto
       if (target.numel()) std::memcpy(target.data_ptr<float>(), bytes.data(), bytes.size());
     }
   };
-  contribution[me_site] = at::empty({hi - lo}, at::kFloat);
-  for (size_t k = 0; k < nseg; ++k)
-    decode_into(contribution[me_site].narrow(0, points[k] - lo, points[k + 1] - points[k]), encoded[k], "this worker");
+  contribution[me_site] = at::empty({plan.numel}, at::kFloat);
+  for (size_t k = 0; k < nseg; ++k) decode_into(segment_of(contribution[me_site], k), encoded[k], "this worker");
   encoded.clear();
   weight[me_site] = options.weight;
   info[me_site] = options.site_info;
@@ -544,56 +697,22 @@ void Hierarchy::run_exchange_parts(at::Tensor part, const std::vector<std::vecto
     if ((r.u8() != 0) != coded)
       throw Error(str_cat("exchange: worker ", who, " sent ", coded ? "raw floats" : "encoded values",
                           ": the sites' [strategy] codec settings differ"));
-    if (!contribution[t].defined()) contribution[t] = at::empty({hi - lo}, at::kFloat);
+    if (!contribution[t].defined()) contribution[t] = at::empty({plan.numel}, at::kFloat);
     const uint32_t count = r.u32();
-    const std::vector<size_t> expected = held_by(t, slots[j].rank);
+    const std::vector<size_t>& expected = plan.held[t][static_cast<size_t>(slots[j].rank)];
     if (count != expected.size())
       throw Error(str_cat("exchange: worker ", who, " sent ", count, " segments, ", expected.size(),
-                          " expected: the sites cut the vector differently (different worker counts in their configs?)"));
+                          " expected: the sites divide the vector differently (different worker counts or layouts",
+                          " in their configs?)"));
     for (size_t k : expected) {
-      if (r.u64() != static_cast<uint64_t>(points[k]))
-        throw Error(str_cat("exchange: worker ", who, " sent a segment other than the one at ", points[k]));
-      decode_into(contribution[t].narrow(0, points[k] - lo, points[k + 1] - points[k]),
-                  r.bytes(static_cast<size_t>(r.u64())), who);
+      if (r.u64() != static_cast<uint64_t>(segments[k].start))
+        throw Error(str_cat("exchange: worker ", who, " sent a segment other than the one at ", segments[k].start));
+      decode_into(segment_of(contribution[t], k), r.bytes(static_cast<size_t>(r.u64())), who);
     }
     r.expect_done();
     std::vector<uint8_t>().swap(from[j]);
   }
-  // The update guard on each site's whole contribution: this worker's share of its NaN and
-  // infinity counts and squared norm, summed over the site (every worker of every site then
-  // holds the same totals; the norm's to the rounding of a sum taken in another order).
-  at::Tensor totals = at::zeros({static_cast<int64_t>(3 * num_sites)}, at::kDouble);
-  for (size_t t = 0; t < num_sites; ++t) {
-    const at::Tensor& x = contribution[t];
-    totals[static_cast<int64_t>(3 * t)] = static_cast<double>(at::isnan(x).sum().item<int64_t>());
-    totals[static_cast<int64_t>(3 * t + 1)] = static_cast<double>(at::isinf(x).sum().item<int64_t>());
-    totals[static_cast<int64_t>(3 * t + 2)] = x.to(at::kDouble).square().sum().item<double>();
-  }
-  comm_group_->allreduce_sum(totals);
-  const double* tot = totals.data_ptr<double>();
-  at::Tensor sum = part;
-  sum.zero_();
-  double total_weight = 0;
-  size_t left_out = 0;
-  for (size_t t = 0; t < num_sites; ++t) {
-    std::string why = weight_verdict(weight[t]);
-    if (why.empty())
-      why = guard_verdict(static_cast<int64_t>(tot[3 * t]), static_cast<int64_t>(tot[3 * t + 1]),
-                          std::sqrt(tot[3 * t + 2]), options.max_norm);
-    if (!why.empty()) {
-      work.rejected_.push_back({t, why});
-      ++left_out;
-      continue;
-    }
-    const double scale = options.op == ReduceOp::kWeightedMean ? weight[t] : 1.0;
-    sum.add_(contribution[t], scale);
-    contribution[t] = at::Tensor();
-    total_weight += weight[t];
-  }
-  if (options.op == ReduceOp::kWeightedMean) {
-    NEBULA_CHECK(total_weight > 0 || left_out > 0, "weighted exchange with total weight ", total_weight);
-    if (total_weight > 0) sum.div_(total_weight);
-  }
+  combine_parts(part, std::move(contribution), weight, options, *comm_group_, work.rejected_);
   if (me_rank == 0) work.site_info_ = std::move(info);
 }
 

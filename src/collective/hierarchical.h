@@ -115,6 +115,22 @@ class Work {
   std::exception_ptr error_ GUARDED_BY(mu_);
 };
 
+// A span [begin, end) of the vector exchange_parts_async exchanges, in values.
+struct Span {
+  int64_t begin = 0, end = 0;
+};
+// Who holds which values of that vector, for exchange_parts_async: holdings[s][q] are the spans
+// worker q of site s holds, ascending and disjoint (touching and empty spans are allowed: they
+// are merged and dropped); each site's workers' spans together cover [0, n) exactly once, n the
+// same for every site. E.g. an FSDP-like layout of 3 units over 2 workers: worker q holds piece
+// q of every unit, three spans.
+using Holdings = std::vector<std::vector<std::vector<Span>>>;
+
+// The holdings of contiguous cuts: cuts[s] holds site s's workers(s) + 1 boundaries (0, ..., n,
+// non-decreasing), worker q of site s holding the one span [cuts[s][q], cuts[s][q + 1]).
+// Unchecked here: exchange_parts_async checks what it makes of them.
+Holdings holdings_of_cuts(const std::vector<std::vector<int64_t>>& cuts);
+
 class Hierarchy {
  public:
   // `mesh` is required on the gateway (local rank 0) and must be null elsewhere. With
@@ -148,19 +164,25 @@ class Hierarchy {
   std::shared_ptr<Work> exchange_async(std::vector<at::Tensor> bucket, AllreduceOptions options);
 
   // wan.mode = "every_worker": exchange_async's WAN leg, run by every worker of every site on
-  // its own part. The exchanged vector (n values) is cut over each site's workers: `cuts[s]`
-  // holds site s's workers(s) + 1 boundaries (0, ..., n, non-decreasing), worker q of site s
-  // holding values [cuts[s][q], cuts[s][q + 1]). `part` is this worker's values (contiguous
-  // float32 on the CPU) and ends as Σ_s W_s x_s / Σ_s W_s over them, W_s = options.weight (the
-  // same on every worker of a site). The vector is cut at every site's boundaries into
-  // segments; each segment is encoded once by the worker that holds it and sent to the worker
-  // of each other site that holds it, which decode the same bytes and add them in site order:
-  // every site computes the same floats, whatever its number of workers, and with the exact
-  // codec the same as exchange_async. The update guard decides on each site's whole
-  // contribution: NaN/infinity counts and squared norms are summed over the site's workers.
-  // Work::site_info() is valid on rank 0 (the sites' rank 0s send it). Codec state is kept
-  // per (tag, segment start).
-  std::shared_ptr<Work> exchange_parts_async(at::Tensor part, std::vector<std::vector<int64_t>> cuts,
+  // its own part. The exchanged vector (n values) is held by each site's workers as `holdings`
+  // says (Holdings, above): holdings[s][q] are the spans worker q of site s holds. `part` is
+  // this worker's values of its spans, concatenated in span order (contiguous float32 on the
+  // CPU), and ends as Σ_s W_s x_s / Σ_s W_s over them, W_s = options.weight (the same on every
+  // worker of a site). The holdings are normalised first (a worker's touching spans merged,
+  // empty ones dropped), so sites that write the same holding differently agree. This worker's
+  // spans are cut at every site's span boundaries into segments; each segment is encoded once
+  // by the worker that holds it and sent to the worker of each other site whose spans hold its
+  // first value, which decode the same bytes and add them in site order: every site computes
+  // the same floats, whatever its number of workers, and with the exact codec the same as
+  // exchange_async. The update guard decides on each site's whole contribution: NaN/infinity
+  // counts and squared norms are summed over the site's workers. Work::site_info() is valid on
+  // rank 0 (the sites' rank 0s send it). Codec state is kept per (tag, segment start).
+  // Bad holdings (a worker's spans out of order or overlapping, a site's not covering [0, n)
+  // exactly once, n differing between sites, a part whose numel is not the sum of this
+  // worker's spans) throw nebula::Error from this call, naming the site, worker and values.
+  std::shared_ptr<Work> exchange_parts_async(at::Tensor part, Holdings holdings, AllreduceOptions options);
+  // The same with contiguous cuts: exchange_parts_async(part, holdings_of_cuts(cuts), options).
+  std::shared_ptr<Work> exchange_parts_async(at::Tensor part, const std::vector<std::vector<int64_t>>& cuts,
                                              AllreduceOptions options);
   bool every_worker() const { return workers_ != nullptr; }
   // Workers per site (every_worker only).
@@ -215,8 +237,8 @@ class Hierarchy {
   std::vector<std::vector<double>> cross_site(at::Tensor values, const std::vector<at::Tensor>& bucket,
                                               double site_weight, bool presummed, const AllreduceOptions& options,
                                               std::vector<Rejection>* rejected = nullptr);
-  void run_exchange_parts(at::Tensor part, const std::vector<std::vector<int64_t>>& cuts,
-                          const AllreduceOptions& options, Work& work);
+  // `holdings` normalised and checked (exchange_parts_async).
+  void run_exchange_parts(at::Tensor part, const Holdings& holdings, const AllreduceOptions& options, Work& work);
   void comm_main();
   uint64_t wan_bytes_sent_now() const;
 

@@ -8,6 +8,7 @@
 #include <cmath>
 #include <functional>
 #include <mutex>
+#include <set>
 #include <thread>
 
 #include "collective/testing.h"
@@ -449,6 +450,279 @@ TEST(Hierarchical, EveryWorkerPeersWeightOutsideItsBoundsIsRejected) {
         return o;
       });
   expect_two_left_out(sites, outcome, 1, "weight 1e+30", 2, "weight 1e+20");
+}
+
+// The holdings of contiguous cuts: one span per worker, an empty cut an empty span.
+TEST(Hierarchical, HoldingsOfCutsGiveEachWorkerItsRange) {
+  const Holdings h = holdings_of_cuts({{0, 5, 5, 10}, {0, 10}});
+  ASSERT_EQ(h.size(), 2u);
+  ASSERT_EQ(h[0].size(), 3u);
+  ASSERT_EQ(h[1].size(), 1u);
+  const std::vector<std::pair<int64_t, int64_t>> expected{{0, 5}, {5, 5}, {5, 10}};
+  for (size_t q = 0; q < 3; ++q) {
+    ASSERT_EQ(h[0][q].size(), 1u);
+    EXPECT_EQ(h[0][q][0].begin, expected[q].first);
+    EXPECT_EQ(h[0][q][0].end, expected[q].second);
+  }
+  ASSERT_EQ(h[1][0].size(), 1u);
+  EXPECT_EQ(h[1][0][0].begin, 0);
+  EXPECT_EQ(h[1][0][0].end, 10);
+}
+
+// With one span per worker (cuts) the segments, the wire bytes and the codec keys are those of
+// the contiguous exchange before holdings: segments are a worker's range cut at every site's
+// cuts; to each worker of another site one frame (40 header bytes) of 8 + 8 + 4 + 8 per
+// site_info value + 1 + 4 bytes, then 8 + 8 + 4 × length per segment it holds too (exact
+// codec); codec state keyed by (tag, segment start).
+TEST(Hierarchical, EveryWorkerCutsKeepTheirSegmentsWireBytesAndCodecKeys) {
+  auto int8 = codec::make_codec({"int8"});
+  const std::vector<int> sites{2, 3};
+  const int64_t n = 37;
+  const auto cuts = zero_cuts(sites, n);  // {0, 19, 37}, {0, 13, 26, 37}
+  for (const codec::Codec* codec : std::vector<const codec::Codec*>{nullptr, int8.get()}) {
+    SCOPED_TRACE(codec ? "int8" : "exact");
+    testing::run_cluster(
+        sites,
+        [&](testing::Rank& r) {
+          const size_t q = static_cast<size_t>(r.local_rank);
+          const int64_t lo = cuts[r.site][q], hi = cuts[r.site][q + 1];
+          std::vector<int64_t> points{lo, hi};  // the segments, as the contiguous exchange cut them
+          for (const auto& c : cuts)
+            for (int64_t x : c)
+              if (x > lo && x < hi) points.push_back(x);
+          std::sort(points.begin(), points.end());
+          points.erase(std::unique(points.begin(), points.end()), points.end());
+          uint64_t expected_bytes = 0;
+          for (size_t t = 0; t < sites.size(); ++t) {
+            if (t == r.site) continue;
+            for (size_t j = 0; j + 1 < cuts[t].size(); ++j) {
+              expected_bytes += 40 + 8 + 8 + 4 + 1 + 4;
+              for (size_t k = 0; k + 1 < points.size(); ++k)
+                if (points[k] >= cuts[t][j] && points[k] < cuts[t][j + 1])
+                  expected_bytes += 8 + 8 + 4 * static_cast<uint64_t>(points[k + 1] - points[k]);
+            }
+          }
+          AllreduceOptions o;
+          o.codec = codec;
+          o.tag = 11;
+          const uint64_t before = r.hierarchy->stats().wan_bytes_sent;
+          at::Tensor part = data_of(static_cast<int>(r.site), n).narrow(0, lo, hi - lo).clone();
+          r.hierarchy->exchange_parts_async(part, cuts, o)->wait(Deadline::after(std::chrono::seconds(30)));
+          if (!codec) {
+            EXPECT_EQ(r.hierarchy->stats().wan_bytes_sent - before, expected_bytes)
+                << "worker " << r.site << "/" << r.local_rank;
+            EXPECT_TRUE(r.hierarchy->codec_states().empty());
+          } else {
+            std::set<std::pair<uint64_t, size_t>> keys, expected_keys;
+            for (const auto& [key, state] : r.hierarchy->codec_states()) keys.insert(key);
+            for (size_t k = 0; k + 1 < points.size(); ++k) expected_keys.insert({11, static_cast<size_t>(points[k])});
+            EXPECT_EQ(keys, expected_keys) << "worker " << r.site << "/" << r.local_rank;
+          }
+        },
+        std::chrono::seconds(60), /*every_worker=*/true);
+  }
+}
+
+// FSDP-like holdings: the vector is `units` (their sizes) one after another, and worker q of a
+// site of w workers holds piece q of every unit (ZeRO's shard of the unit over w, rounded up,
+// so a small unit's last pieces are empty; a site of one worker holds touching spans).
+Holdings interleaved_holdings(const std::vector<int>& sites, const std::vector<int64_t>& units) {
+  Holdings h;
+  for (int w : sites) {
+    std::vector<std::vector<Span>> site(static_cast<size_t>(w));
+    int64_t offset = 0;
+    for (int64_t u : units) {
+      const int64_t shard = (u + w - 1) / w;
+      for (int q = 0; q < w; ++q)
+        site[static_cast<size_t>(q)].push_back(
+            {offset + std::min(q * shard, u), offset + std::min((q + 1) * shard, u)});
+      offset += u;
+    }
+    h.push_back(std::move(site));
+  }
+  return h;
+}
+
+// A worker's values of its spans, concatenated in span order; and back into the whole vector.
+at::Tensor gather_spans(const at::Tensor& x, const std::vector<Span>& spans) {
+  std::vector<at::Tensor> pieces{at::empty({0}, at::kFloat)};
+  for (const Span& s : spans) pieces.push_back(x.narrow(0, s.begin, s.end - s.begin));
+  return at::cat(pieces).contiguous();
+}
+void scatter_spans(const at::Tensor& part, const std::vector<Span>& spans, at::Tensor& into) {
+  int64_t pos = 0;
+  for (const Span& s : spans) {
+    into.narrow(0, s.begin, s.end - s.begin).copy_(part.narrow(0, pos, s.end - s.begin));
+    pos += s.end - s.begin;
+  }
+}
+
+// Σ_s W_s x_s / Σ_s W_s with x_s = data_of(s, n), W_s = 1 + s, added in site order as every worker adds.
+at::Tensor plain_weighted_mean(size_t num_sites, int64_t n) {
+  at::Tensor expected = at::zeros({n});
+  double total = 0;
+  for (size_t s = 0; s < num_sites; ++s) {
+    expected.add_(data_of(static_cast<int>(s), n), 1.0 + static_cast<double>(s));
+    total += 1.0 + static_cast<double>(s);
+  }
+  return expected.div_(total);
+}
+
+// Every site's worker `local_rank` exchanges, with holdings holdings_of(site), its spans of
+// data_of(site, n) with weight 1 + site: what each site ends with, put together, and each
+// worker's WAN bytes sent for it (by site, then local rank).
+struct HoldingsOutcome {
+  std::vector<at::Tensor> assembled;
+  std::vector<std::vector<uint64_t>> bytes_sent;
+};
+HoldingsOutcome exchange_holdings(const std::vector<int>& sites, int64_t n,
+                                  const std::function<Holdings(size_t site)>& holdings_of,
+                                  const codec::Codec* codec = nullptr) {
+  std::mutex mu;
+  HoldingsOutcome out;
+  for (int w : sites) {
+    out.assembled.push_back(at::full({n}, NAN));
+    out.bytes_sent.emplace_back(static_cast<size_t>(w));
+  }
+  testing::run_cluster(
+      sites,
+      [&](testing::Rank& r) {
+        const Holdings holdings = holdings_of(r.site);
+        const std::vector<Span>& mine = holdings[r.site][static_cast<size_t>(r.local_rank)];
+        at::Tensor part = gather_spans(data_of(static_cast<int>(r.site), n), mine);
+        AllreduceOptions o;
+        o.weight = 1.0 + static_cast<double>(r.site);
+        o.codec = codec;
+        o.tag = 5;
+        const uint64_t before = r.hierarchy->stats().wan_bytes_sent;
+        r.hierarchy->exchange_parts_async(part, holdings, o)->wait(Deadline::after(std::chrono::seconds(30)));
+        std::lock_guard<std::mutex> lock(mu);
+        scatter_spans(part, mine, out.assembled[r.site]);
+        out.bytes_sent[r.site][static_cast<size_t>(r.local_rank)] = r.hierarchy->stats().wan_bytes_sent - before;
+        if (codec) {
+          // One codec state per segment, keyed by its start: the values of this worker where
+          // the holder changes at some site (as spans normalised would say, however written).
+          std::vector<std::vector<size_t>> holder(holdings.size(), std::vector<size_t>(static_cast<size_t>(n)));
+          for (size_t t = 0; t < holdings.size(); ++t)
+            for (size_t q = 0; q < holdings[t].size(); ++q)
+              for (const Span& x : holdings[t][q])
+                for (int64_t p = x.begin; p < x.end; ++p) holder[t][static_cast<size_t>(p)] = q;
+          std::set<int64_t> starts;
+          for (const Span& x : mine)
+            for (int64_t p = x.begin; p < x.end; ++p) {
+              bool changes = p == 0;
+              for (const auto& h : holder)
+                changes = changes || h[static_cast<size_t>(p - 1)] != h[static_cast<size_t>(p)];
+              if (changes) starts.insert(p);
+            }
+          std::set<int64_t> keys;
+          for (const auto& [key, state] : r.hierarchy->codec_states()) keys.insert(static_cast<int64_t>(key.second));
+          EXPECT_EQ(keys, starts) << "worker " << r.site << "/" << r.local_rank;
+        }
+      },
+      std::chrono::seconds(60), /*every_worker=*/true);
+  return out;
+}
+
+// FSDP-like holdings: each worker holds piece q of every unit, several disjoint spans, on sites
+// of different worker counts (a site of one worker holding touching spans). Exact: every site
+// ends with the plain weighted mean, bit for bit. int8: every site the same floats, close to it.
+TEST(Hierarchical, EveryWorkerExchangesInterleavedHoldings) {
+  auto int8 = codec::make_codec({"int8"});
+  const std::vector<int64_t> units{9, 4, 11, 1, 6};  // 31 values; the 1-value unit has empty pieces
+  const int64_t n = 31;
+  for (const std::vector<int>& sites : {std::vector<int>{2, 3}, std::vector<int>{3, 1, 2}})
+    for (const codec::Codec* codec : std::vector<const codec::Codec*>{nullptr, int8.get()}) {
+      SCOPED_TRACE(::testing::Message() << sites.size() << " sites" << (codec ? ", int8" : ", exact"));
+      const Holdings holdings = interleaved_holdings(sites, units);
+      const HoldingsOutcome o = exchange_holdings(sites, n, [&](size_t) { return holdings; }, codec);
+      const at::Tensor expected = plain_weighted_mean(sites.size(), n);
+      for (size_t s = 0; s < sites.size(); ++s) {
+        EXPECT_TRUE(at::equal(o.assembled[s], o.assembled[0])) << "site " << s << " differs from site 0";
+        if (!codec) {
+          EXPECT_TRUE(at::equal(o.assembled[s], expected)) << "site " << s << o.assembled[s] << expected;
+        }
+      }
+      if (codec) {
+        const float err = (o.assembled[0] - expected).abs().max().item<float>();
+        EXPECT_LT(err, 0.05f);
+        EXPECT_GT(err, 0.0f);  // it really was lossy
+      }
+    }
+}
+
+// Sites may write the same holding differently: site 0 with each piece split into touching
+// halves and empty spans between, site 1 merged. Both normalise to the same segments: the
+// result is the plain weighted mean, and every worker sends exactly the bytes it sends when
+// both sites write the holding alike.
+TEST(Hierarchical, EveryWorkerHoldingsWrittenDifferentlyAgree) {
+  const std::vector<int> sites{2, 3};
+  const std::vector<int64_t> units{9, 4, 11};
+  const int64_t n = 24;
+  const Holdings merged = interleaved_holdings(sites, units);
+  Holdings split = merged;
+  for (auto& site : split)
+    for (auto& spans : site) {
+      std::vector<Span> out;
+      for (const Span& x : spans) {
+        const int64_t mid = x.begin + (x.end - x.begin) / 2;
+        out.push_back({x.begin, x.begin});
+        out.push_back({x.begin, mid});
+        out.push_back({mid, x.end});
+      }
+      spans = std::move(out);
+    }
+  const HoldingsOutcome alike = exchange_holdings(sites, n, [&](size_t) { return merged; });
+  const HoldingsOutcome mixed = exchange_holdings(sites, n, [&](size_t s) { return s == 0 ? split : merged; });
+  const at::Tensor expected = plain_weighted_mean(sites.size(), n);
+  for (size_t s = 0; s < sites.size(); ++s) {
+    EXPECT_TRUE(at::equal(mixed.assembled[s], expected)) << "site " << s << mixed.assembled[s] << expected;
+    EXPECT_TRUE(at::equal(alike.assembled[s], expected)) << "site " << s;
+    EXPECT_EQ(mixed.bytes_sent[s], alike.bytes_sent[s]) << "site " << s;
+  }
+}
+
+// Bad holdings throw from the call, naming the site, the worker and the values; the call queues
+// nothing, and a good exchange after them runs as usual.
+TEST(Hierarchical, EveryWorkerBadHoldingsThrowWithTheReason) {
+  const std::vector<int> sites{2, 1};
+  const std::vector<std::vector<Span>> whole{{{0, 10}}};
+  const std::vector<std::pair<Holdings, std::string>> cases{
+      {{{{{0, 3}, {6, 8}}, {{8, 10}, {3, 6}}}, whole}, "site #0 worker 1: spans out of order, [3, 6) after [8, 10)"},
+      {{{{{0, 5}, {4, 6}}, {{6, 10}}}, whole}, "site #0 worker 0: spans [0, 5) and [4, 6) overlap"},
+      {{{{{0, 6}}, {{5, 10}}}, whole}, "site #0: worker 1's span [5, 10) overlaps worker 0's [0, 6)"},
+      {{{{{0, 4}}, {{5, 10}}}, whole}, "site #0: values [4, 5) are held by no worker"},
+      {{{{{0, 5}, {7, 6}}, {{5, 10}}}, whole}, "site #0 worker 0: span #1 [7, 6) ends before it begins"},
+      {{{{{0, 5}}, {{5, 10}}}, {{{0, 12}}}}, "site #1's workers hold [0, 12), site #0's [0, 10)"},
+      {{{{{0, 5}}, {{5, 10}}}, {{{0, 5}}, {{5, 10}}}}, "holdings for 2 workers of site #1, it has 1"},
+      {{{{{0, 5}}, {{5, 10}}}}, "holdings for 1 sites, the job has 2"},
+  };
+  const Holdings good{{{{0, 2}, {5, 8}}, {{2, 5}, {8, 10}}}, whole};
+  testing::run_cluster(
+      sites,
+      [&](testing::Rank& r) {
+        for (const auto& [holdings, why] : cases) {
+          try {
+            r.hierarchy->exchange_parts_async(at::zeros({5}), holdings, {});
+            ADD_FAILURE() << "no error for: " << why;
+          } catch (const Error& e) {
+            EXPECT_NE(std::string(e.what()).find(why), std::string::npos) << e.what();
+          }
+        }
+        const std::vector<Span>& mine = good[r.site][static_cast<size_t>(r.local_rank)];
+        try {  // a part that is not this worker's spans' values
+          r.hierarchy->exchange_parts_async(at::zeros({r.site == 0 ? 6 : 11}), good, {});
+          ADD_FAILURE() << "no error for a part of the wrong size";
+        } catch (const Error& e) {
+          const std::string why = str_cat("site #", r.site, " worker ", r.local_rank, "'s part has ",
+                                          r.site == 0 ? 6 : 11, " values, its spans hold ", r.site == 0 ? 5 : 10);
+          EXPECT_NE(std::string(e.what()).find(why), std::string::npos) << e.what();
+        }
+        at::Tensor part = gather_spans(at::full({10}, static_cast<float>(r.site)), mine);
+        r.hierarchy->exchange_parts_async(part, good, {})->wait(Deadline::after(std::chrono::seconds(30)));
+        EXPECT_TRUE(at::equal(part, at::full({part.numel()}, 0.5f))) << part;
+      },
+      std::chrono::seconds(60), /*every_worker=*/true);
 }
 
 TEST(Hierarchical, MismatchedSizesAreAnErrorNotAHang) {

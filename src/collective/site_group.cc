@@ -91,8 +91,13 @@ void run(const std::string& site, const char* op, F&& f) {
 }
 }  // namespace
 
+namespace {
+uint64_t bytes_of(const at::Tensor& t) { return static_cast<uint64_t>(t.numel()) * t.element_size(); }
+}  // namespace
+
 void SiteGroup::allreduce_sum(at::Tensor& t) {
   if (size_ == 1) return;
+  bytes_sent_ += bytes_of(t) * 2 * static_cast<uint64_t>(size_ - 1) / static_cast<uint64_t>(size_);
   std::vector<at::Tensor> v{t};
   run(site_, "allreduce", [&] { return impl_->pg->allreduce(v); });
 }
@@ -102,6 +107,7 @@ void SiteGroup::reduce_sum_to_root(at::Tensor& t) {
   std::vector<at::Tensor> v{t};
   c10d::ReduceOptions o;
   o.rootRank = 0;
+  if (rank_ != 0) bytes_sent_ += bytes_of(t);
   run(site_, "reduce", [&] { return impl_->pg->reduce(v, o); });
 }
 
@@ -110,6 +116,7 @@ void SiteGroup::broadcast_from_root(at::Tensor& t) {
   std::vector<at::Tensor> v{t};
   c10d::BroadcastOptions o;
   o.rootRank = 0;
+  if (rank_ == 0) bytes_sent_ += bytes_of(t) * static_cast<uint64_t>(size_ - 1);
   run(site_, "broadcast", [&] { return impl_->pg->broadcast(v, o); });
 }
 
@@ -160,6 +167,8 @@ std::vector<int64_t> part_offsets(const std::string& site, const char* op, const
 
 void SiteGroup::ring_step(const char* op, const at::Tensor& out, int next, const at::Tensor& in, int prev, int tag) {
   std::vector<at::Tensor> o{out}, i{in};
+  ring_steps_.push_back(static_cast<int64_t>(bytes_of(out)));
+  bytes_sent_ += bytes_of(out);
   guarded(site_, op, [&] {
     c10::intrusive_ptr<c10d::Work> sent, got;
     if (out.numel() > 0) sent = impl_->pg->send(o, next, tag);
@@ -179,6 +188,7 @@ void SiteGroup::all_gather_parts(const at::Tensor& full, const std::vector<int64
   // step k sends the part of rank (rank - k) on and receives that of (rank - k - 1) straight
   // into its place; a part of no values is neither sent nor awaited.
   const int next = (rank_ + 1) % size_, prev = (rank_ + size_ - 1) % size_;
+  ring_steps_.clear();
   for (int k = 0; k + 1 < size_; ++k) {
     ring_step("all_gather", part(rank_ - k), next, part(rank_ - k - 1), prev, k);
   }
@@ -194,6 +204,7 @@ void SiteGroup::reduce_scatter_parts(const at::Tensor& full, const std::vector<i
   // received last, rank's own, holds every rank's contribution. Empty parts are skipped.
   const int next = (rank_ + 1) % size_, prev = (rank_ + size_ - 1) % size_;
   at::Tensor incoming = at::empty({*std::max_element(counts.begin(), counts.end())}, full.options());
+  ring_steps_.clear();
   for (int k = 0; k + 1 < size_; ++k) {
     at::Tensor in = incoming.narrow(0, 0, counts[index(rank_ - k - 2)]);
     ring_step("reduce_scatter", part(rank_ - k - 1), next, in, prev, k);
@@ -216,6 +227,7 @@ void SiteGroup::parts_with_root(bool to_root, const at::Tensor& part, const at::
   if (rank_ != 0) {
     if (part.numel() == 0) return;
     std::vector<at::Tensor> mine{part};
+    if (to_root) bytes_sent_ += bytes_of(part);
     run(site_, op, [&] { return post(mine, 0); });
     return;
   }
@@ -228,6 +240,7 @@ void SiteGroup::parts_with_root(bool to_root, const at::Tensor& part, const at::
     for (size_t i = 1; i < counts.size(); ++i) {
       if (counts[i] == 0) continue;
       theirs[i] = {full.narrow(0, at[i], counts[i])};
+      if (!to_root) bytes_sent_ += bytes_of(theirs[i][0]);
       works.push_back(post(theirs[i], static_cast<int>(i)));
     }
     for (auto& w : works) w->wait();

@@ -4,6 +4,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <functional>
@@ -84,6 +85,18 @@ class SiteGroup {
   void gather_parts_to_root(const at::Tensor& part, const at::Tensor& full, const std::vector<int64_t>& counts);
   void scatter_parts_from_root(const at::Tensor& full, const at::Tensor& part, const std::vector<int64_t>& counts);
 
+  // Bytes this rank has sent to the site's other ranks since the group was made: exactly, for
+  // the send/recv of the part rings and of gather/scatter with the root; for c10d's own
+  // collectives, the bytes their algorithm sends (an all-reduce as a ring's 2 (N - 1) / N of the
+  // tensor, a broadcast or reduce as the tensor once per non-root rank), not a count from Gloo.
+  // Any thread (the metrics read it while another thread's collectives run).
+  uint64_t bytes_sent() const { return bytes_sent_.load(std::memory_order_relaxed); }
+  // The bytes this rank sent at each ring step of its last all_gather_parts or
+  // reduce_scatter_parts (one entry per step, 0 for a step it only received in), for the ring's
+  // critical path: the largest entry over the ranks at each step is what that step waits for.
+  // The calling thread's group only.
+  const std::vector<int64_t>& last_ring_steps() const { return ring_steps_; }
+
  private:
   // One step of the part rings: sends `out` to `next` while receiving `in` from `prev`
   // (an empty tensor is neither sent nor awaited), both with `tag`.
@@ -97,6 +110,8 @@ class SiteGroup {
   int rank_;
   int size_;
   uint16_t store_port_;
+  std::atomic<uint64_t> bytes_sent_{0};
+  std::vector<int64_t> ring_steps_;  // the last part ring's bytes sent per step (the group's thread)
 };
 
 }  // namespace nebula::collective

@@ -3,10 +3,12 @@
 
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
+#include <ATen/native/Resize.h>
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/custom_function.h>
 
 #include <algorithm>
+#include <cstring>
 #include <mutex>
 
 #include "nebula/error.h"
@@ -28,6 +30,12 @@ void set_generator_state(const at::Tensor& state) {
 
 at::Tensor no_values() { return at::empty({0}, at::kFloat); }
 
+// A unit's buffer keeps its storage object for good (views of it, saved by autograd between a
+// layer's forward and backward, see whatever it holds) and only its bytes come and go.
+void set_storage_bytes(const at::Tensor& buffer, int64_t bytes) {
+  at::native::resize_bytes_cpu(buffer.storage().unsafeGetStorageImpl(), static_cast<size_t>(bytes));
+}
+
 // fn(), then done(), whether fn returns or throws.
 template <typename Done>
 void run_then(const std::function<void()>& fn, Done&& done) {
@@ -40,33 +48,44 @@ void run_then(const std::function<void()>& fn, Done&& done) {
   done();
 }
 
-// One layer call of a training forward: runs without autograd (the parameters gathered for it
-// and freed after it), and in backward gathers them again and recomputes the layer with
-// autograd to get the gradients (FullShard's comment).
+// One layer call of a training forward (FullShard's comment): the unit gathered for it and
+// freed after it; in backward gathered again into the same storage for the gradients, which
+// are reduce-scattered at once. With recompute the forward runs without autograd and backward
+// runs the layer again; without, the layer's graph is kept from the forward (Call::out).
 struct GatheredLayer : public torch::autograd::Function<GatheredLayer> {
   static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, FullShard* self, int64_t index,
                                                 const at::Tensor& /*anchor*/, at::TensorList inputs) {
     FullShard::Call& call = self->call(static_cast<size_t>(index));
     std::vector<at::Tensor> in = inputs.vec();
-    self->gather(call.unit);
-    at::Tensor out = call.body(in);
-    self->release(call.unit);
-    ctx->save_for_backward(in);
     ctx->saved_data["self"] = reinterpret_cast<int64_t>(self);
     ctx->saved_data["call"] = index;
-    return {out};
+    self->gather(call.unit);
+    at::Tensor out;
+    if (self->recompute()) {
+      out = call.body(in);
+      self->release(call.unit);
+      ctx->save_for_backward(in);
+      return {out};
+    }
+    for (at::Tensor& t : in) t = t.detach().set_requires_grad(t.requires_grad());
+    {
+      at::AutoGradMode grad(true);
+      call.out = call.body(in);
+    }
+    call.inputs = std::move(in);
+    self->release(call.unit, /*keep_views=*/true);
+    return {call.out.detach()};
   }
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grad_out) {
     auto* self = reinterpret_cast<FullShard*>(ctx->saved_data["self"].toInt());
     FullShard::Call& call = self->call(static_cast<size_t>(ctx->saved_data["call"].toInt()));
-    const torch::autograd::variable_list saved = ctx->get_saved_variables();
-    std::vector<at::Tensor> inputs;
-    for (const at::Tensor& s : saved) inputs.push_back(s.detach().set_requires_grad(s.requires_grad()));
     self->gather(call.unit);
     at::Tensor out;
-    {
+    std::vector<at::Tensor> inputs;
+    if (self->recompute()) {
+      for (const at::Tensor& s : ctx->get_saved_variables()) inputs.push_back(s.detach().set_requires_grad(s.requires_grad()));
       const at::Tensor now = generator_state();  // the forward's draws again, then carry on from here
       set_generator_state(call.generator_state);
       at::AutoGradMode grad(true);
@@ -77,6 +96,9 @@ struct GatheredLayer : public torch::autograd::Function<GatheredLayer> {
         throw;
       }
       set_generator_state(now);
+    } else {
+      out = std::move(call.out);
+      inputs = std::move(call.inputs);
     }
     std::vector<at::Tensor> targets = self->unit_params(call.unit);
     const size_t num_params = targets.size();
@@ -90,6 +112,7 @@ struct GatheredLayer : public torch::autograd::Function<GatheredLayer> {
     } else {
       grads.assign(targets.size(), at::Tensor());
     }
+    out = at::Tensor();
     self->reduce_gradients(call.unit, std::vector<at::Tensor>(grads.begin(), grads.begin() + static_cast<std::ptrdiff_t>(num_params)));
     self->release(call.unit);
     // One gradient per forward argument: none for self, index and the anchor.
@@ -100,28 +123,24 @@ struct GatheredLayer : public torch::autograd::Function<GatheredLayer> {
   }
 };
 
-}  // namespace
-
-FullShard::FullShard(std::vector<at::Tensor> params, const std::vector<torch::nn::Module*>& layers,
-                     collective::SiteGroup& site)
-    : params_(std::move(params)), site_(site) {
+// Parameter index by tensor, and each parameter's first value in the flat vector.
+std::map<const c10::TensorImpl*, size_t> index_params(const std::vector<at::Tensor>& params, std::vector<int64_t>& start) {
   std::map<const c10::TensorImpl*, size_t> index_of;
-  start_.push_back(0);
-  for (size_t i = 0; i < params_.size(); ++i) {
-    const at::Tensor& p = params_[i];
-    NEBULA_CHECK(p.scalar_type() == at::kFloat && p.device().is_cpu() && p.is_contiguous(),
-                 "parallel.shard = \"full\" on site ", site_.site(), ": a trainable parameter is ", p.scalar_type(),
-                 " on ", p.device(), "; ZeRO-3 runs contiguous float32 parameters on CPU sites only");
-    index_of[p.unsafeGetTensorImpl()] = i;
-    shapes_.push_back(p.sizes().vec());
-    start_.push_back(start_.back() + p.numel());
+  start.assign(1, 0);
+  for (size_t i = 0; i < params.size(); ++i) {
+    index_of[params[i].unsafeGetTensorImpl()] = i;
+    start.push_back(start.back() + params[i].numel());
   }
-  total_numel_ = start_.back();
-  const int64_t n = site_.size();
-  shard_numel_ = parallel::shard_numel(total_numel_, n);
+  return index_of;
+}
 
-  // The layers' parameter ranges, and the runs of parameters outside them.
-  std::vector<bool> covered(params_.size(), false);
+// Each layer's parameters [first, last), and which parameters no layer has.
+std::vector<std::pair<size_t, size_t>> layer_params(const std::vector<at::Tensor>& params,
+                                                    const std::vector<torch::nn::Module*>& layers,
+                                                    const std::map<const c10::TensorImpl*, size_t>& index_of,
+                                                    std::vector<bool>& covered) {
+  covered.assign(params.size(), false);
+  std::vector<std::pair<size_t, size_t>> out;
   for (torch::nn::Module* layer : layers) {
     std::vector<size_t> mine;
     for (const at::Tensor& p : layer->parameters()) {
@@ -131,37 +150,102 @@ FullShard::FullShard(std::vector<at::Tensor> params, const std::vector<torch::nn
     std::sort(mine.begin(), mine.end());
     const size_t first = mine.empty() ? 0 : mine.front(), last = mine.empty() ? 0 : mine.back() + 1;
     NEBULA_CHECK(last - first == mine.size(), "parallel.shard = \"full\": the trainable parameters of layer #",
-                 units_.size(), " are not consecutive among the model's: ZeRO-3 gathers a layer as one range");
+                 out.size(), " are not consecutive among the model's: ZeRO-3 gathers a layer as one range");
     for (size_t i : mine) {
       NEBULA_CHECK(!covered[i], "parallel.shard = \"full\": trainable parameter #", i, " belongs to two layers");
       covered[i] = true;
     }
-    unit_of_[layer] = units_.size();
-    units_.push_back({first, last, start_[first], start_[last]});
+    out.emplace_back(first, last);
   }
-  for (size_t i = 0; i < params_.size();) {
+  return out;
+}
+
+// The runs of parameters no layer covers.
+std::vector<std::pair<size_t, size_t>> uncovered_runs(const std::vector<bool>& covered) {
+  std::vector<std::pair<size_t, size_t>> runs;
+  for (size_t i = 0; i < covered.size();) {
     if (covered[i]) {
       ++i;
       continue;
     }
     size_t j = i;
-    while (j < params_.size() && !covered[j]) ++j;
-    rest_.push_back({i, j, start_[i], start_[j]});
+    while (j < covered.size() && !covered[j]) ++j;
+    runs.emplace_back(i, j);
     i = j;
   }
-  unit_buffers_.resize(units_.size());
+  return runs;
+}
 
-  // This worker's shard, from the whole parameters; then the parameters let go of their values.
-  at::NoGradGuard no_grad;
-  shard_ = at::zeros({shard_numel_}, at::kFloat);
-  const int64_t lo = site_.rank() * shard_numel_, hi = lo + shard_numel_;
-  for (size_t i = 0; i < params_.size(); ++i) {
-    const int64_t a = std::max(lo, start_[i]), b = std::min(hi, start_[i + 1]);
-    if (a < b) shard_.narrow(0, a - lo, b - a).copy_(params_[i].reshape({-1}).narrow(0, a - start_[i], b - a));
+// The sorted, distinct value bounds of the ranges (each [start[first], start[last])), from 0 to the end.
+std::vector<int64_t> bounds_of(const std::vector<std::pair<size_t, size_t>>& ranges, const std::vector<int64_t>& start) {
+  std::vector<int64_t> bounds{0, start.back()};
+  for (const auto& [first, last] : ranges) {
+    bounds.push_back(start[first]);
+    bounds.push_back(start[last]);
   }
-  shard_grad_ = at::zeros({shard_numel_}, at::kFloat);
+  std::sort(bounds.begin(), bounds.end());
+  bounds.erase(std::unique(bounds.begin(), bounds.end()), bounds.end());
+  if (bounds.size() == 1) bounds.push_back(0);  // no values: one empty unit
+  return bounds;
+}
+
+}  // namespace
+
+std::vector<int64_t> FullShard::unit_bounds(const std::vector<at::Tensor>& params,
+                                            const std::vector<torch::nn::Module*>& layers) {
+  std::vector<int64_t> start;
+  std::vector<bool> covered;
+  auto ranges = layer_params(params, layers, index_params(params, start), covered);
+  for (const auto& run : uncovered_runs(covered)) ranges.push_back(run);
+  return bounds_of(ranges, start);
+}
+
+FullShard::FullShard(std::vector<at::Tensor> params, const std::vector<torch::nn::Module*>& layers,
+                     collective::SiteGroup& site, Options options)
+    : params_(std::move(params)), site_(site), options_(options), layout_({0, 0}, 1) {
+  for (const at::Tensor& p : params_) {
+    NEBULA_CHECK(p.scalar_type() == at::kFloat && p.device().is_cpu() && p.is_contiguous(),
+                 "parallel.shard = \"full\" on site ", site_.site(), ": a trainable parameter is ", p.scalar_type(),
+                 " on ", p.device(), "; ZeRO-3 runs contiguous float32 parameters on CPU sites only");
+    shapes_.push_back(p.sizes().vec());
+  }
+  const auto index_of = index_params(params_, start_);
+  std::vector<bool> covered;
+  const auto layer_ranges = layer_params(params_, layers, index_of, covered);
+  const auto rest_ranges = uncovered_runs(covered);
+  std::vector<std::pair<size_t, size_t>> all = layer_ranges;
+  all.insert(all.end(), rest_ranges.begin(), rest_ranges.end());
+  layout_ = ShardLayout(bounds_of(all, start_), site_.size());
+  const std::vector<int64_t>& bounds = layout_.bounds();
+  auto range = [&](const std::pair<size_t, size_t>& pr) {
+    const int64_t begin = start_[pr.first], end = start_[pr.second];
+    // A range's unit: the one that starts at its first value (an empty range: any, it holds nothing).
+    const size_t u = static_cast<size_t>(std::lower_bound(bounds.begin(), bounds.end(), begin) - bounds.begin());
+    const size_t unit = std::min(u, layout_.units() - 1);
+    NEBULA_CHECK(begin == end || layout_.unit_numel(unit) == end - begin, "FullShard: range [", begin, ", ", end,
+                 ") is not one unit");
+    return Range{pr.first, pr.second, begin, end, unit};
+  };
+  for (size_t l = 0; l < layers.size(); ++l) {
+    layer_of_[layers[l]] = layers_.size();
+    layers_.push_back(range(layer_ranges[l]));
+  }
+  for (const auto& pr : rest_ranges) rest_.push_back(range(pr));
+
+  // This worker's pieces, from the whole parameters; then the parameters let go of their values.
+  at::NoGradGuard no_grad;
+  shard_ = at::zeros({layout_.shard_numel()}, at::kFloat);
+  for (size_t i = 0; i < params_.size(); ++i)
+    for (const ShardRun& r : layout_.runs(site_.rank(), start_[i], start_[i + 1] - start_[i]))
+      shard_.narrow(0, r.local, r.len).copy_(params_[i].reshape({-1}).narrow(0, r.flat - start_[i], r.len));
+  shard_grad_ = at::zeros({layout_.shard_numel()}, at::kFloat);
   shard_.set_requires_grad(true);
   shard_.mutable_grad() = shard_grad_;
+  for (size_t u = 0; u < layout_.units(); ++u) {
+    buffers_.push_back(at::empty({layout_.unit_numel(u)}, at::kFloat));
+    set_storage_bytes(buffers_.back(), 0);
+  }
+  gathered_.assign(layout_.units(), false);
   for (auto& p : params_) {
     p.mutable_grad() = at::Tensor();
     p.set_data(no_values());
@@ -171,70 +255,86 @@ FullShard::FullShard(std::vector<at::Tensor> params, const std::vector<torch::nn
 
 FullShard::~FullShard() = default;
 
-std::vector<int64_t> FullShard::counts(const Range& r) const {
-  std::vector<int64_t> out(static_cast<size_t>(site_.size()));
-  for (int q = 0; q < site_.size(); ++q) {
-    const int64_t lo = std::max(r.begin, q * shard_numel_), hi = std::min(r.end, (q + 1) * shard_numel_);
-    out[static_cast<size_t>(q)] = std::max<int64_t>(hi - lo, 0);
+int64_t FullShard::held_numel() const {
+  int64_t n = 0;
+  for (const at::Tensor& b : buffers_) n += static_cast<int64_t>(b.storage().nbytes() / sizeof(float));
+  return n;
+}
+
+void FullShard::gather_range(const Range& r, bool to_root) {
+  const size_t u = r.unit;
+  const at::Tensor& buffer = buffers_[u];
+  const bool here = !to_root || site_.rank() == 0;
+  if (r.end > r.begin && !gathered_[u]) {
+    const ShardRun mine = layout_.piece(u, site_.rank());
+    const std::vector<int64_t> counts = layout_.piece_counts(u);
+    if (to_root) {
+      if (here) set_storage_bytes(buffer, (r.end - r.begin) * static_cast<int64_t>(sizeof(float)));
+      site_.gather_parts_to_root(shard_.detach().narrow(0, mine.local, mine.len), here ? buffer : at::Tensor(), counts);
+    } else {
+      set_storage_bytes(buffer, (r.end - r.begin) * static_cast<int64_t>(sizeof(float)));
+      // Written around autograd (no version bump): a graph may hold views of this storage.
+      std::memcpy(buffer.data_ptr<float>() + (mine.flat - r.begin), shard_.data_ptr<float>() + mine.local,
+                  static_cast<size_t>(mine.len) * sizeof(float));
+      site_.all_gather_parts(buffer, counts);
+    }
+    gathered_[u] = here;
+    peak_held_ = std::max(peak_held_, held_numel());
   }
-  return out;
-}
-
-void FullShard::gather_range(const Range& r, at::Tensor& buffer) {
-  at::NoGradGuard no_grad;
-  buffer = at::empty({r.end - r.begin}, at::kFloat);
-  const int64_t lo = std::max(r.begin, site_.rank() * shard_numel_);
-  const int64_t hi = std::min(r.end, (site_.rank() + 1) * shard_numel_);
-  if (lo < hi) buffer.narrow(0, lo - r.begin, hi - lo).copy_(shard_.detach().narrow(0, lo - site_.rank() * shard_numel_, hi - lo));
-  if (r.end > r.begin) site_.all_gather_parts(buffer, counts(r));
+  if (!here) return;
   for (size_t i = r.first; i < r.last; ++i)
-    params_[i].set_data(buffer.narrow(0, start_[i] - r.begin, start_[i + 1] - start_[i]).view(shapes_[i]));
+    if (params_[i].numel() == 0 && start_[i + 1] > start_[i])
+      params_[i].set_data(buffer.narrow(0, start_[i] - r.begin, start_[i + 1] - start_[i]).view(shapes_[i]));
 }
 
-void FullShard::drop_range(const Range& r) {
-  for (size_t i = r.first; i < r.last; ++i) params_[i].set_data(no_values());
+void FullShard::drop_range(const Range& r, bool keep_views) {
+  set_storage_bytes(buffers_[r.unit], 0);
+  gathered_[r.unit] = false;
+  if (!keep_views)
+    for (size_t i = r.first; i < r.last; ++i) params_[i].set_data(no_values());
 }
 
 void FullShard::gather(size_t u) {
-  if (!full_.defined()) gather_range(units_.at(u), unit_buffers_.at(u));
+  if (!whole_) gather_range(layers_.at(u));
 }
 
-void FullShard::release(size_t u) {
-  if (full_.defined()) return;
-  drop_range(units_.at(u));
-  unit_buffers_.at(u) = at::Tensor();
+void FullShard::release(size_t u, bool keep_views) {
+  if (!whole_) drop_range(layers_.at(u), keep_views);
 }
 
 std::vector<at::Tensor> FullShard::unit_params(size_t u) const {
-  const Range& r = units_.at(u);
+  const Range& r = layers_.at(u);
   return {params_.begin() + static_cast<std::ptrdiff_t>(r.first), params_.begin() + static_cast<std::ptrdiff_t>(r.last)};
 }
 
+void FullShard::reduce_range(const Range& r, at::Tensor grads) {
+  if (r.end == r.begin) return;
+  grads.mul_(weight_);
+  site_.reduce_scatter_parts(grads, layout_.piece_counts(r.unit));
+  const ShardRun mine = layout_.piece(r.unit, site_.rank());
+  if (mine.len > 0) shard_grad_.narrow(0, mine.local, mine.len).add_(grads.narrow(0, mine.flat - r.begin, mine.len));
+}
+
 void FullShard::reduce_gradients(size_t u, const std::vector<at::Tensor>& grads) {
-  const Range& r = units_.at(u);
+  const Range& r = layers_.at(u);
   NEBULA_CHECK(grads.size() == r.last - r.first, "reduce_gradients: ", grads.size(), " gradients for ",
                r.last - r.first, " parameters");
-  if (r.end == r.begin) return;
   at::NoGradGuard no_grad;
   at::Tensor buffer = at::zeros({r.end - r.begin}, at::kFloat);
   for (size_t i = r.first; i < r.last; ++i)
     if (grads[i - r.first].defined())
       buffer.narrow(0, start_[i] - r.begin, start_[i + 1] - start_[i]).copy_(grads[i - r.first].reshape({-1}));
-  buffer.mul_(weight_);
-  site_.reduce_scatter_parts(buffer, counts(r));
-  const int64_t lo = std::max(r.begin, site_.rank() * shard_numel_);
-  const int64_t hi = std::min(r.end, (site_.rank() + 1) * shard_numel_);
-  if (lo < hi) shard_grad_.narrow(0, lo - site_.rank() * shard_numel_, hi - lo).add_(buffer.narrow(0, lo - r.begin, hi - lo));
+  reduce_range(r, buffer);
 }
 
 void FullShard::begin_step() {
-  NEBULA_CHECK(!full_.defined() && rest_buffers_.empty(), "FullShard::begin_step inside a step or with_full_model");
+  NEBULA_CHECK(!whole_ && !in_step_ && !in_rest_, "FullShard::begin_step inside a step or with_full_model");
   calls_.clear();
-  rest_buffers_.resize(rest_.size());
+  in_step_ = true;
   rest_grads_.resize(rest_.size());
   for (size_t k = 0; k < rest_.size(); ++k) {
     const Range& r = rest_[k];
-    gather_range(r, rest_buffers_[k]);
+    gather_range(r);
     // Backward accumulates the rest's gradients in place into these views (defined .grad).
     rest_grads_[k] = at::zeros({r.end - r.begin}, at::kFloat);
     for (size_t i = r.first; i < r.last; ++i)
@@ -244,80 +344,74 @@ void FullShard::begin_step() {
 }
 
 void FullShard::end_backward() {
-  NEBULA_CHECK(rest_buffers_.size() == rest_.size(), "FullShard::end_backward without begin_step");
+  NEBULA_CHECK(in_step_, "FullShard::end_backward without begin_step");
   at::NoGradGuard no_grad;
-  const int64_t lo_shard = site_.rank() * shard_numel_;
   for (size_t k = 0; k < rest_.size(); ++k) {
     const Range& r = rest_[k];
-    at::Tensor& g = rest_grads_[k];
-    g.mul_(weight_);
-    if (r.end > r.begin) site_.reduce_scatter_parts(g, counts(r));
-    const int64_t lo = std::max(r.begin, lo_shard), hi = std::min(r.end, lo_shard + shard_numel_);
-    if (lo < hi) shard_grad_.narrow(0, lo - lo_shard, hi - lo).add_(g.narrow(0, lo - r.begin, hi - lo));
+    reduce_range(r, rest_grads_[k]);
     for (size_t i = r.first; i < r.last; ++i) params_[i].mutable_grad() = at::Tensor();
     drop_range(r);
   }
-  rest_buffers_.clear();
   rest_grads_.clear();
   calls_.clear();
+  in_step_ = false;
 }
 
 void FullShard::with_full_model(const std::function<void()>& fn, bool root_only) {
-  if (full_.defined() || root_only_) {
+  if (whole_ || root_only_) {
     fn();
     return;
   }
-  NEBULA_CHECK(rest_buffers_.empty(), "FullShard::with_full_model inside a training step or with_rest");
+  NEBULA_CHECK(!in_step_ && !in_rest_, "FullShard::with_full_model inside a training step or with_rest");
   const bool here = !root_only || site_.rank() == 0;  // this worker holds the model during fn
+  std::vector<Range> all = layers_;
+  all.insert(all.end(), rest_.begin(), rest_.end());
   {
     at::NoGradGuard no_grad;
-    const std::vector<int64_t> counts(static_cast<size_t>(site_.size()), shard_numel_);
-    if (here) full_ = at::empty({shard_numel_ * site_.size()}, at::kFloat);
-    if (!root_only)
-      site_.all_gather(shard_.detach(), full_);
-    else
-      site_.gather_parts_to_root(shard_.detach(), full_, counts);
-    if (here)
-      for (size_t i = 0; i < params_.size(); ++i)
-        params_[i].set_data(full_.narrow(0, start_[i], start_[i + 1] - start_[i]).view(shapes_[i]));
+    for (const Range& r : all) gather_range(r, root_only);
+    whole_ = here;
     root_only_ = !here;
   }
   auto done = [&] {
-    root_only_ = false;
+    whole_ = root_only_ = false;
     if (!here) return;
     at::NoGradGuard no_grad;
-    shard_.detach().copy_(full_.narrow(0, site_.rank() * shard_numel_, shard_numel_));
-    for (auto& p : params_) p.set_data(no_values());
-    full_ = at::Tensor();
+    // What fn wrote is kept: this worker's pieces taken back from the units.
+    for (const Range& r : all) {
+      const ShardRun mine = layout_.piece(r.unit, site_.rank());
+      if (mine.len > 0)
+        shard_.detach().narrow(0, mine.local, mine.len).copy_(buffers_[r.unit].narrow(0, mine.flat - r.begin, mine.len));
+      drop_range(r);
+    }
   };
   run_then(fn, done);
 }
 
 void FullShard::with_rest(const std::function<void()>& fn) {
-  NEBULA_CHECK(rest_buffers_.empty() && !full_.defined() && !root_only_,
+  NEBULA_CHECK(!in_step_ && !in_rest_ && !whole_ && !root_only_,
                "FullShard::with_rest inside a training step or with_full_model");
-  rest_buffers_.resize(rest_.size());
-  for (size_t k = 0; k < rest_.size(); ++k) gather_range(rest_[k], rest_buffers_[k]);
+  in_rest_ = true;
+  for (const Range& r : rest_) gather_range(r);
   auto done = [&] {
     for (const Range& r : rest_) drop_range(r);
-    rest_buffers_.clear();
+    in_rest_ = false;
   };
   run_then(fn, done);
 }
 
 at::Tensor FullShard::run(torch::nn::Module& layer, const std::vector<at::Tensor>& inputs, const Body& body) {
-  auto it = unit_of_.find(&layer);
-  NEBULA_CHECK(it != unit_of_.end(), "parallel.shard = \"full\": the model ran a layer it did not declare");
+  auto it = layer_of_.find(&layer);
+  NEBULA_CHECK(it != layer_of_.end(), "parallel.shard = \"full\": the model ran a layer it did not declare");
   NEBULA_CHECK(!root_only_, "parallel.shard = \"full\": the model ran on worker ", site_.rank(),
                " inside the gateway's evaluation, where only the gateway holds it");
-  if (full_.defined()) return body(inputs);
+  if (whole_) return body(inputs);
   if (!at::GradMode::is_enabled()) {  // e.g. a no-grad forward inside a step: gather, run, free
     gather(it->second);
     at::Tensor out = body(inputs);
     release(it->second);
     return out;
   }
-  calls_.push_back({it->second, body, generator_state()});
+  calls_.push_back({it->second, body, recompute() ? generator_state() : at::Tensor(), {}, {}});
   return GatheredLayer::apply(this, static_cast<int64_t>(calls_.size() - 1), anchor_, at::TensorList(inputs))[0];
 }
 

@@ -1,35 +1,41 @@
 // ZeRO-3 ([parallel] shard = "full"): the model's trainable parameters live sharded over the
-// site's N workers, and are gathered only while they are used.
+// site's N workers, and are gathered only while they are used, as FSDP does.
 //
-// Layout: the trainable parameters seen as one flat vector of n values, padded to N equal
-// shards of S = ceil(n / N), as ZeRO-1's (parallel/inner_optimizer.h): this worker keeps its shard
-// r = values [r S, (r + 1) S) for good (shard(), with its gradient shard_grad()); AdamW's
-// moments and diloco's outer state cover the same S values. So checkpoints, resharding and the
-// strategies' parts are the same as with "optimizer" and "gradients".
+// Layout (parallel/shard_layout.h): the trainable parameters seen as one flat vector, cut into
+// units — each layer the model runs through run(), and each run of parameters between them (the
+// "rest": embeddings, final norms) — and every unit into N pieces of ceil(n_u / N), one per
+// worker. This worker keeps its piece of every unit for good (shard(), S values, with its
+// gradient shard_grad()); AdamW's moments and diloco's outer state cover the same S values. So a
+// unit's all-gather and reduce-scatter move (N - 1)/N of the unit per worker, every worker
+// sending in every ring step, where a layer cut from one flat vector would lie inside one or two
+// workers' shards and travel hop by hop, N - 1 times its size.
 //
 // A training step:
-//   begin_step()      gathers the parameters outside the layers (embeddings, final norms: the
-//                     "rest", small next to the layers) for the whole step;
+//   begin_step()      gathers the rest for the whole step;
 //   forward           each layer (model/layer_gather.h: MlmEncoder's and Seq2Seq's) gathers its
-//                     parameters (a ring all-gather of the layer's range of the flat vector,
-//                     SiteGroup::all_gather_parts), runs without autograd, and frees them; only
-//                     the layer's inputs are kept;
-//   backward          reaches the layer: gathers its parameters again, recomputes the layer with
-//                     autograd (the generator restored, so dropout draws the same masks), takes
-//                     the gradients of its inputs and parameters, multiplies the parameters'
-//                     by this worker's weight (set_grad_weight) and reduce-scatters them
-//                     (SiteGroup::reduce_scatter_parts) into shard_grad(); frees the layer;
+//                     unit (SiteGroup::all_gather_parts) into the unit's buffer, runs, and frees
+//                     the buffer's storage. Without recompute (the default) the layer runs with
+//                     autograd and keeps its activations, as an unsharded layer would; with
+//                     `recompute` only the layer's inputs are kept;
+//   backward          reaches the layer: gathers the unit again into the same storage (the saved
+//                     tensors see it), takes the gradients of its inputs and parameters (with
+//                     recompute: after running the layer again with autograd, the generator
+//                     restored so dropout draws the same masks), multiplies the parameters' by
+//                     this worker's weight (set_grad_weight) and reduce-scatters them
+//                     (SiteGroup::reduce_scatter_parts) into shard_grad(); frees the unit;
 //   end_backward()    the rest's gradients, weighted, reduce-scattered into shard_grad() too;
 //                     the rest freed.
-// shard_grad() then holds Σ_workers w · g for this worker's shard, as ZeRO-2's reduce-scatter
-// leaves it (the same products, summed in the same ring order): the strategy divides by the
-// site's weight. The cost: one more forward of every layer (activation recomputation, about a
-// third more compute per step) and two all-gathers of the model per step instead of one.
+// shard_grad() then holds Σ_workers w · g for this worker's pieces: the strategy divides by the
+// site's weight. The cost: two all-gathers of the model per step instead of one (and with
+// recompute one more forward of every layer, about a third more compute).
 //
 // Outside a step, validation runs layer by layer too (with_rest); the gateway's evaluation and
 // the model file gather every parameter on the gateway only (with_full_model): one model-sized
 // copy, no gradients or moments. Checkpoints gather nothing: each rank saves its shard
 // (InnerOptimizer::save); a resume writes it back inside with_full_model.
+//
+// held_numel() counts the gathered values this worker holds now (a unit's storage while it is
+// gathered), so a test can check that no more than the units in use are ever whole.
 //
 // One thread (the training thread) uses it, as the model. CPU float32 parameters only.
 #pragma once
@@ -44,8 +50,13 @@
 
 #include "collective/site_group.h"
 #include "model/layer_gather.h"
+#include "parallel/shard_layout.h"
 
 namespace nebula::parallel {
+
+struct FullShardOptions {
+  bool recompute = false;  // [parallel] recompute: keep only the layers' inputs, run them again in backward
+};
 
 class FullShard : public model::LayerGather {
  public:
@@ -53,15 +64,28 @@ class FullShard : public model::LayerGather {
   // same). `layers`: the modules the model runs through run() (each layer's trainable
   // parameters must be consecutive in `params`). From here on the parameters hold no values
   // outside a gather (0-element tensors): this worker keeps only its shard.
-  FullShard(std::vector<at::Tensor> params, const std::vector<torch::nn::Module*>& layers, collective::SiteGroup& site);
+  using Options = FullShardOptions;
+  FullShard(std::vector<at::Tensor> params, const std::vector<torch::nn::Module*>& layers, collective::SiteGroup& site,
+            Options options = {});
   ~FullShard() override;
 
   // This worker's S values of the flat parameter vector (a leaf: AdamW optimizes it in place),
   // and their gradient (the leaf's .grad).
   const at::Tensor& shard() const { return shard_; }
   const at::Tensor& shard_grad() const { return shard_grad_; }
-  int64_t shard_numel() const { return shard_numel_; }
-  int64_t total_numel() const { return total_numel_; }
+  int64_t shard_numel() const { return layout_.shard_numel(); }
+  int64_t total_numel() const { return layout_.total(); }
+  const ShardLayout& layout() const { return layout_; }
+  // The flat vector's unit bounds this model cuts into (ShardLayout): every layer's range and the
+  // runs between them. The same on every site of the job, whatever its number of workers, so a
+  // site can work out another's layout (wan.mode = "every_worker").
+  static std::vector<int64_t> unit_bounds(const std::vector<at::Tensor>& params,
+                                          const std::vector<torch::nn::Module*>& layers);
+  // Values of gathered units this worker holds now, and the most it held at once since the last
+  // reset_peak() (measured at every gather).
+  int64_t held_numel() const;
+  int64_t peak_held_numel() const { return peak_held_; }
+  void reset_peak() { peak_held_ = held_numel(); }
 
   void begin_step();
   void set_grad_weight(double weight) { weight_ = weight; }
@@ -85,11 +109,17 @@ class FullShard : public model::LayerGather {
     size_t unit;
     Body body;
     at::Tensor generator_state;  // the CPU generator before the forward (for the recomputation)
+    // Without recompute: the layer's output with its graph, and the inputs it was run on.
+    at::Tensor out;
+    std::vector<at::Tensor> inputs;
   };
+  bool recompute() const { return options_.recompute; }
   Call& call(size_t i) { return calls_.at(i); }
-  // Gathers unit `u` (its parameters become views of a fresh buffer); release frees it.
+  // Gathers layer `u` (its parameters become views of the unit's buffer); release frees the
+  // buffer's storage, and with `keep_views` leaves the parameters viewing it (a graph saved
+  // them: the next gather refills the same storage), else empties them.
   void gather(size_t u);
-  void release(size_t u);
+  void release(size_t u, bool keep_views = false);
   // Adds weight · the unit's parameter gradients (`grads`, one per parameter, undefined = 0),
   // reduce-scattered over the site, into shard_grad().
   void reduce_gradients(size_t u, const std::vector<at::Tensor>& grads);
@@ -99,26 +129,33 @@ class FullShard : public model::LayerGather {
   struct Range {
     size_t first, last;  // parameters [first, last)
     int64_t begin, end;  // values [begin, end) of the flat vector
+    size_t unit;         // its unit in layout_
   };
-  std::vector<int64_t> counts(const Range& r) const;  // each worker's part of the range
-  void gather_range(const Range& r, at::Tensor& buffer);
-  void drop_range(const Range& r);
+  // Gathers range r into its unit's buffer on every worker (`to_root`: on rank 0 only), the
+  // parameters viewing it; drop frees the storage (and empties the parameters unless keep_views).
+  void gather_range(const Range& r, bool to_root = false);
+  void drop_range(const Range& r, bool keep_views = false);
+  // Reduce-scatters `grads` (range r's values, weighted) and adds this worker's piece into shard_grad_.
+  void reduce_range(const Range& r, at::Tensor grads);
 
   std::vector<at::Tensor> params_;
   std::vector<std::vector<int64_t>> shapes_;
   collective::SiteGroup& site_;
-  int64_t total_numel_ = 0, shard_numel_ = 0;
+  Options options_;
   std::vector<int64_t> start_;        // each parameter's first value in the flat vector
-  std::vector<Range> units_;          // one per layer
-  std::map<const torch::nn::Module*, size_t> unit_of_;
+  ShardLayout layout_;
+  std::vector<Range> layers_;         // one per layer
+  std::map<const torch::nn::Module*, size_t> layer_of_;
   std::vector<Range> rest_;           // runs of parameters outside every layer
-  std::vector<at::Tensor> unit_buffers_;  // per unit: its gathered values while gathered
-  std::vector<at::Tensor> rest_buffers_, rest_grads_;  // per run, during a step
+  std::vector<at::Tensor> buffers_;   // per unit: the gathered values (storage of 0 bytes while not gathered)
+  std::vector<bool> gathered_;        // per unit
+  std::vector<at::Tensor> rest_grads_;  // per run, during a step
+  bool in_step_ = false, in_rest_ = false;
   at::Tensor shard_, shard_grad_;
-  at::Tensor full_;                   // with_full_model: every value (N S)
+  bool whole_ = false;                // inside with_full_model, holding every unit
   bool root_only_ = false;            // with_full_model on a rank other than 0: nothing gathered here
-  int full_depth_ = 0;
   double weight_ = 1;
+  int64_t peak_held_ = 0;
   std::vector<Call> calls_;           // this step's layer calls
   at::Tensor anchor_;                 // an empty leaf that needs a gradient: every layer call is differentiable
 };

@@ -147,11 +147,46 @@ void InnerOptimizer::write_flat(const at::Tensor& values, int64_t begin) {
   }
 }
 
+ShardLayout InnerOptimizer::layout() const {
+  return full_ ? full_->layout() : ShardLayout::contiguous(total_numel_, sharded_ ? site_.size() : 1);
+}
+
+at::Tensor InnerOptimizer::join_shards(const Checkpoint& first, const std::vector<at::Tensor>& shards,
+                                       const std::string& what) const {
+  const nlohmann::json shard = first.state.contains("optim") ? first.state["optim"].value("shard", nlohmann::json::object())
+                                                             : nlohmann::json::object();
+  const auto n = static_cast<int64_t>(shards.size());
+  std::vector<int64_t> bounds{0, total_numel_};
+  if (shard.contains("units")) bounds = shard["units"].get<std::vector<int64_t>>();
+  if (bounds.empty() || bounds.back() != total_numel_)
+    throw DataError(str_cat("checkpoint of step ", first.step, ": ", what, " are cut into units of ",
+                            bounds.empty() ? 0 : bounds.back(), " values for a model of ", total_numel_,
+                            " parameters: the model changed"));
+  const ShardLayout old(bounds, n);
+  at::Tensor whole = at::empty({total_numel_}, at::kFloat);
+  for (int64_t q = 0; q < n; ++q) {
+    const at::Tensor& s = shards[static_cast<size_t>(q)];
+    if (s.numel() != old.shard_numel())
+      throw DataError(str_cat("checkpoint of step ", first.step, ": worker ", q, "'s shard of ", what, " has ", s.numel(),
+                              " values, its layout ", old.shard_numel(), ": the model changed"));
+    for (const ShardRun& r : old.runs(q, 0, total_numel_)) whole.narrow(0, r.flat, r.len).copy_(s.narrow(0, r.local, r.len));
+  }
+  return whole;
+}
+
+at::Tensor InnerOptimizer::take_shard(const at::Tensor& whole) const {
+  const ShardLayout mine = layout();
+  at::Tensor out = at::zeros({mine.shard_numel()}, at::kFloat);
+  for (const ShardRun& r : mine.runs(site_.rank(), 0, total_numel_)) out.narrow(0, r.local, r.len).copy_(whole.narrow(0, r.flat, r.len));
+  return out;
+}
+
 void InnerOptimizer::save(Checkpoint& out) const {
   save_optimizer(*adamw_, optimized_, out);
   if (sharded_) out.tensors[kParamShard] = shard_.detach();
   out.state["optim"]["shard"] = {{"numel", state_numel()}, {"rank", sharded_ ? site_.rank() : 0},
                                  {"of", sharded_ ? site_.size() : 1}};
+  if (sharded_ && !layout().is_contiguous()) out.state["optim"]["shard"]["units"] = layout().bounds();
 }
 
 void InnerOptimizer::load(const Checkpoint& in) {
@@ -167,8 +202,13 @@ void InnerOptimizer::load(const Checkpoint& in) {
     if (values.numel() != shard_numel_)
       throw DataError(str_cat("checkpoint of step ", in.step, ": its parameter shard has ", values.numel(),
                               " values, this worker's has ", shard_numel_, ": the model changed"));
-    write_flat(values.reshape({-1}).to(at::kFloat), site_.rank() * shard_numel_);
-    if (!full_) site_.all_gather(shard_.detach(), flat_);
+    if (full_) {  // ZeRO-3: the same layout (the caller reshards otherwise): straight into the shard
+      at::NoGradGuard no_grad;
+      shard_.detach().copy_(values.reshape({-1}).to(at::kFloat));
+    } else {
+      write_flat(values.reshape({-1}).to(at::kFloat), site_.rank() * shard_numel_);
+      site_.all_gather(shard_.detach(), flat_);
+    }
   }
 }
 
@@ -221,18 +261,17 @@ void InnerOptimizer::load_resharded(const std::vector<const Checkpoint*>& ranks)
         sq.push_back(tensor(*k, "optim/0/exp_avg_sq"));
       }
     }
-    at::Tensor whole_avg = at::cat(avg), whole_sq = at::cat(sq);
-    if (whole_avg.numel() < total_numel_ || (of == 1 && whole_avg.numel() != total_numel_))
-      throw DataError(str_cat("checkpoint of step ", first.step, ": optimizer state of ", whole_avg.numel(),
-                              " values for a model of ", total_numel_, " parameters: the model changed"));
-    whole_avg = whole_avg.narrow(0, 0, total_numel_);
-    whole_sq = whole_sq.narrow(0, 0, total_numel_);
-    if (sharded_) {  // this worker's part of the whole, padded like flat_
-      at::Tensor a = at::zeros({shard_numel_ * site_.size()}), q = at::zeros({shard_numel_ * site_.size()});
-      a.narrow(0, 0, total_numel_).copy_(whole_avg);
-      q.narrow(0, 0, total_numel_).copy_(whole_sq);
-      now.tensors["optim/0/exp_avg"] = a.narrow(0, site_.rank() * shard_numel_, shard_numel_).clone();
-      now.tensors["optim/0/exp_avg_sq"] = q.narrow(0, site_.rank() * shard_numel_, shard_numel_).clone();
+    if (of == 1) {
+      const int64_t numel = at::cat(avg).numel();
+      if (numel != total_numel_)
+        throw DataError(str_cat("checkpoint of step ", first.step, ": optimizer state of ", numel,
+                                " values for a model of ", total_numel_, " parameters: the model changed"));
+    }
+    const at::Tensor whole_avg = of == 1 ? at::cat(avg) : join_shards(first, avg, "AdamW's first moment");
+    const at::Tensor whole_sq = of == 1 ? at::cat(sq) : join_shards(first, sq, "AdamW's second moment");
+    if (sharded_) {  // this worker's part of the whole, laid out like its shard
+      now.tensors["optim/0/exp_avg"] = take_shard(whole_avg);
+      now.tensors["optim/0/exp_avg_sq"] = take_shard(whole_sq);
     } else {
       int64_t offset = 0;
       for (size_t i = 0; i < params_.size(); ++i) {
@@ -254,11 +293,7 @@ void InnerOptimizer::load_resharded(const std::vector<const Checkpoint*>& ranks)
         throw DataError(str_cat("checkpoint of step ", k->step, ": one worker's holds no parameter shard"));
       shards.push_back(k->tensors.at(kParamShard).reshape({-1}).to(at::kFloat));
     }
-    const at::Tensor whole = at::cat(shards);
-    if (whole.numel() < total_numel_)
-      throw DataError(str_cat("checkpoint of step ", first.step, ": parameter shards of ", whole.numel(),
-                              " values for a model of ", total_numel_, ": the model changed"));
-    write_flat(whole.narrow(0, 0, total_numel_), 0);
+    write_flat(join_shards(first, shards, "the parameters"), 0);
   }
 }
 

@@ -49,6 +49,7 @@
 #include "nebula/config.h"
 #include "parallel/checkpoint.h"
 #include "parallel/full_shard.h"
+#include "parallel/shard_layout.h"
 
 namespace nebula::parallel {
 
@@ -89,12 +90,15 @@ class InnerOptimizer {
   // worker's S of them (params_gathered() false); undefined otherwise.
   const at::Tensor& flat_params() const { return full_ ? shard_ : flat_; }
   bool params_gathered() const { return full_ == nullptr; }
+  // Who holds which of the flat vector's values: ZeRO-3's units (FullShard::layout), else one
+  // unit over the site's workers (one worker unsharded).
+  ShardLayout layout() const;
 
   // Sharded: this worker's shard of the trainable parameters goes in too ("optim/0/param").
   void save(Checkpoint& out) const;
   // Sharded, from a checkpoint that holds the parameters' shard: it is written back and the
-  // site all-gathers (ZeRO-1/2; a site collective); ZeRO-3 must run it inside
-  // FullShard::with_full_model, which keeps what is written into this worker's shard.
+  // site all-gathers (ZeRO-1/2; a site collective); ZeRO-3 writes it into FullShard's shard
+  // (the same layout: nothing gathered).
   void load(const Checkpoint& in);
   // Whether the checkpoint holds the trainable parameters as shards ("optim/0/param"), not
   // whole in "model/...".
@@ -102,7 +106,8 @@ class InnerOptimizer {
   // Resume under another layout ([parallel] shard or the site's workers changed since the
   // checkpoint): `ranks` are the checkpoints of every worker of the site that wrote them, in
   // rank order, all of one step. Their moments are joined into the whole flat vector and this
-  // worker takes its part (all of it unsharded): elementwise the same AdamW state.
+  // worker takes its part (all of it unsharded): elementwise the same AdamW state. ZeRO-3 must
+  // run it inside FullShard::with_full_model (it writes the joined parameters whole).
   // DataError naming what does not fit.
   void load_resharded(const std::vector<const Checkpoint*>& ranks);
 
@@ -115,6 +120,10 @@ class InnerOptimizer {
   // Writes `values` into the flat parameter vector from `begin` (what lies past its n values,
   // the padding, is dropped), through the parameters: whole ones (ZeRO-3: inside a gather).
   void write_flat(const at::Tensor& values, int64_t begin);
+  // The whole flat vector (n values) from every old worker's shard (checkpoint `first` records
+  // their layout), and this worker's shard of a whole vector in its layout.
+  at::Tensor join_shards(const Checkpoint& first, const std::vector<at::Tensor>& shards, const std::string& what) const;
+  at::Tensor take_shard(const at::Tensor& whole) const;
 
   bool sharded_ = false, gradients_sharded_ = false;
   int64_t total_numel_ = 0, shard_numel_ = 0;

@@ -97,11 +97,63 @@ void DilocoStrategy::write_params(const Fragment& fr, const at::Tensor& flat) co
 std::vector<at::Tensor> DilocoStrategy::part_views(const Fragment& fr) const {
   if (shard_numel_ == 0) return param_views(fr);
   if (fr.part_len == 0) return {flat_params_.narrow(0, 0, 0)};  // ZeRO-3: the part may lie past this worker's shard
-  return {flat_params_.narrow(0, fr.offset + fr.part_at - flat_begin_, fr.part_len)};
+  std::vector<at::Tensor> views;  // ZeRO-1/2: flat_params_ is the whole flat vector; ZeRO-3: this worker's shard
+  for (const parallel::ShardRun& r : fr.part) views.push_back(flat_params_.narrow(0, gathered_ ? r.flat : r.local, r.len));
+  return views;
 }
 
-std::vector<int64_t> DilocoStrategy::part_counts(const Fragment& fr) const {
-  return strategy::part_counts(fr.range(), shard_numel_, comm_.site().size());
+parallel::ShardLayout DilocoStrategy::site_layout(int64_t workers) const {
+  return unit_bounds_.empty() ? parallel::ShardLayout::contiguous(total_numel_, workers)
+                              : parallel::ShardLayout(unit_bounds_, workers);
+}
+
+std::vector<std::vector<parallel::ShardRun>> DilocoStrategy::site_parts(const Fragment& fr) const {
+  return parts_of(fr.range(), site_layout(comm_.site().size()));
+}
+
+std::vector<int64_t> DilocoStrategy::part_counts(const Fragment& fr) const { return counts_of(site_parts(fr)); }
+
+at::Tensor DilocoStrategy::take_part(const Fragment& fr, const at::Tensor& whole) const {
+  at::Tensor out = at::empty({fr.part_len}, at::kFloat);
+  int64_t at = 0;
+  for (const parallel::ShardRun& r : fr.part) {
+    out.narrow(0, at, r.len).copy_(whole.narrow(0, r.flat - fr.offset, r.len));
+    at += r.len;
+  }
+  return out;
+}
+
+void DilocoStrategy::gather_to_gateway(const Fragment& fr, const at::Tensor& part, const at::Tensor& whole) {
+  const auto parts = site_parts(fr);
+  collective::SiteGroup& site = comm_.site();
+  if (in_rank_order(parts)) return site.gather_parts_to_root(part, whole, counts_of(parts));
+  // ZeRO-3's units: the parts arrive in rank order and are put where their runs lie.
+  at::Tensor staging = comm_.is_gateway() ? at::empty({fr.numel}, at::kFloat) : at::Tensor();
+  site.gather_parts_to_root(part, staging, counts_of(parts));
+  if (!comm_.is_gateway()) return;
+  int64_t at = 0;
+  for (const auto& runs : parts)
+    for (const parallel::ShardRun& r : runs) {
+      whole.narrow(0, r.flat - fr.offset, r.len).copy_(staging.narrow(0, at, r.len));
+      at += r.len;
+    }
+}
+
+void DilocoStrategy::scatter_from_gateway(const Fragment& fr, const at::Tensor& whole, const at::Tensor& part) {
+  const auto parts = site_parts(fr);
+  collective::SiteGroup& site = comm_.site();
+  if (in_rank_order(parts)) return site.scatter_parts_from_root(whole, part, counts_of(parts));
+  at::Tensor staging;
+  if (comm_.is_gateway()) {
+    staging = at::empty({fr.numel}, at::kFloat);
+    int64_t at = 0;
+    for (const auto& runs : parts)
+      for (const parallel::ShardRun& r : runs) {
+        staging.narrow(0, at, r.len).copy_(whole.narrow(0, r.flat - fr.offset, r.len));
+        at += r.len;
+      }
+  }
+  site.scatter_parts_from_root(staging, part, counts_of(parts));
 }
 
 void DilocoStrategy::spread_part(const Fragment& fr) {
@@ -180,20 +232,25 @@ void DilocoStrategy::init(const std::vector<at::Tensor>& params) {
   planner_.delay = options_.delay;
   for (size_t j = 0; j < cuts.size(); ++j) {
     static_cast<FragmentCut&>(fragments_[j]) = std::move(cuts[j]);
-    fragments_[j].part_at = 0;
+    fragments_[j].part = {{fragments_[j].offset, 0, fragments_[j].numel}};
     fragments_[j].part_len = fragments_[j].numel;
   }
-  // Sharded (expect_sharding): only this worker's part, ZeRO's cut [r S, (r + 1) S) of the
-  // flat vector, read straight from the parameters; set_sharding() checks it against the layout.
+  // Sharded (expect_sharding): only this worker's part, its runs of the fragment in the site's
+  // layout, read straight from the parameters; set_sharding() checks it against the layout.
   const int64_t n = comm_.site().size(), rank = comm_.site().rank();
-  const int64_t shard = expect_sharding_ && n > 1 ? parallel::shard_numel(total, n) : 0;
+  const bool sharded = expect_sharding_ && n > 1;
   for (Fragment& fr : fragments_) {
-    if (shard > 0) {
-      const PartRange part = part_of(fr.range(), shard, n, rank);
-      fr.part_at = part.at;
-      fr.part_len = part.len;
+    if (sharded) {
+      fr.part = site_parts(fr).at(static_cast<size_t>(rank));
+      fr.part_len = 0;
+      for (const auto& r : fr.part) fr.part_len += r.len;
     }
-    fr.global = read_range(fr, fr.part_at, fr.part_len);
+    fr.global = at::empty({fr.part_len}, at::kFloat);
+    int64_t at = 0;
+    for (const auto& r : fr.part) {
+      fr.global.narrow(0, at, r.len).copy_(read_range(fr, r.flat - fr.offset, r.len));
+      at += r.len;
+    }
     fr.momentum = at::zeros({fr.part_len}, at::kFloat);
   }
   last_step_end_ = Clock::now();
@@ -310,12 +367,11 @@ void DilocoStrategy::send_through_gateway(Fragment& fr, double weight, double ha
   const size_t f = static_cast<size_t>(&fr - fragments_.data());
   const bool sharded = shard_numel_ > 0;
   at::Tensor part;
-  if (comm_.is_gateway()) {
-    fr.delta = at::empty({fr.numel}, at::kFloat);
-    part = fr.delta.narrow(0, fr.part_at, fr.part_len);
-  } else if (sharded) {
+  if (comm_.is_gateway()) fr.delta = at::empty({fr.numel}, at::kFloat);
+  if (sharded)
     part = at::empty({fr.part_len}, at::kFloat);
-  }
+  else if (comm_.is_gateway())
+    part = fr.delta;
   if (part.defined()) {
     part.copy_(fr.global);
     int64_t pos = 0;
@@ -324,7 +380,7 @@ void DilocoStrategy::send_through_gateway(Fragment& fr, double weight, double ha
       pos += v.numel();
     }
   }
-  if (sharded) comm_.site().gather_parts_to_root(part, fr.delta, part_counts(fr));
+  if (sharded) gather_to_gateway(fr, part, fr.delta);
   if (comm_.is_gateway()) {
     if (options_.dp_clip > 0) privatize(fr.delta);
     std::vector<at::Tensor> bucket;
@@ -359,22 +415,30 @@ void DilocoStrategy::send_through_gateway(Fragment& fr, double weight, double ha
 // the workers of the other sites over its own links.
 void DilocoStrategy::send_own_part(Fragment& fr, double weight, double hash) {
   const size_t f = static_cast<size_t>(&fr - fragments_.data());
-  auto cuts = wan_cuts(fr);
-  const size_t me = options_.site_index, rank = static_cast<size_t>(comm_.site().rank());
-  const int64_t lo = cuts[me][rank], len = cuts[me][rank + 1] - lo;
+  collective::Holdings holdings = wan_holdings(fr);
+  const auto& mine = holdings[options_.site_index][static_cast<size_t>(comm_.site().rank())];
   at::Tensor part;
   if (shard_numel_ > 0) {
-    NEBULA_CHECK(fr.part_at == lo && fr.part_len == len, "fragment ", f, ": this worker's part [", fr.part_at, ", +",
-                 fr.part_len, ") is not its WAN cut [", lo, ", +", len, ")");
+    int64_t len = 0;
+    for (const auto& span : mine) len += span.end - span.begin;
+    NEBULA_CHECK(len == fr.part_len, "fragment ", f, ": this worker's part has ", fr.part_len,
+                 " values, its WAN holding ", len);
     fr.delta = part = fr.global.clone();
     int64_t pos = 0;
     for (const auto& v : part_views(fr)) {
       part.narrow(0, pos, v.numel()).sub_(v);
       pos += v.numel();
     }
-  } else {
-    fr.delta = part = fr.global.narrow(0, lo, len).clone();
-    part.sub_(read_range(fr, lo, len));
+  } else {  // unsharded: the values of this worker's holding, from the whole fragment
+    int64_t len = 0;
+    for (const auto& span : mine) len += span.end - span.begin;
+    fr.delta = part = at::empty({len}, at::kFloat);
+    int64_t pos = 0;
+    for (const auto& span : mine) {
+      const int64_t n = span.end - span.begin;
+      part.narrow(0, pos, n).copy_(fr.global.narrow(0, span.begin, n)).sub_(read_range(fr, span.begin, n));
+      pos += n;
+    }
   }
   collective::AllreduceOptions o;
   o.op = collective::ReduceOp::kWeightedMean;
@@ -387,11 +451,13 @@ void DilocoStrategy::send_own_part(Fragment& fr, double weight, double hash) {
     o.site_info.push_back(hash);
   }
   o.max_norm = options_.max_update_norm;
-  fr.work = comm_.exchange_parts_async(std::move(part), std::move(cuts), std::move(o));
+  fr.work = comm_.exchange_parts_async(std::move(part), std::move(holdings), std::move(o));
 }
 
-std::vector<std::vector<int64_t>> DilocoStrategy::wan_cuts(const Fragment& fr) const {
-  return strategy::wan_cuts(fr.range(), total_numel_, comm_.workers_per_site());
+collective::Holdings DilocoStrategy::wan_holdings(const Fragment& fr) const {
+  std::vector<parallel::ShardLayout> layouts;
+  for (int64_t w : comm_.workers_per_site()) layouts.push_back(site_layout(w));
+  return strategy::wan_holdings(fr.range(), layouts);
 }
 
 void DilocoStrategy::merge(size_t f) {
@@ -442,15 +508,18 @@ void DilocoStrategy::merge(size_t f) {
   at::Tensor update = fr.delta;
   if (comm_.every_worker()) {  // this worker's part of the mean, exchanged in place
     if (shard_numel_ == 0 && comm_.site().size() > 1) {  // unsharded: the site's parts joined
-      const auto cuts = wan_cuts(fr)[options_.site_index];
-      const std::vector<int64_t> counts = counts_of(cuts);
+      const auto parts = site_parts(fr);
+      NEBULA_CHECK(in_rank_order(parts), "fragment ", f, ": an unsharded site's WAN cut is of one unit");
+      const int64_t at = parts[static_cast<size_t>(comm_.site().rank())].empty()
+                             ? 0
+                             : parts[static_cast<size_t>(comm_.site().rank())][0].flat - fr.offset;
       update = at::empty({fr.numel}, at::kFloat);
-      update.narrow(0, cuts[static_cast<size_t>(comm_.site().rank())], fr.delta.numel()).copy_(fr.delta);
-      comm_.site().all_gather_parts(update, counts);
+      update.narrow(0, at, fr.delta.numel()).copy_(fr.delta);
+      comm_.site().all_gather_parts(update, counts_of(parts));
     }
   } else if (shard_numel_ > 0) {
-    update = comm_.is_gateway() ? fr.delta.narrow(0, fr.part_at, fr.part_len) : at::empty({fr.part_len}, at::kFloat);
-    comm_.site().scatter_parts_from_root(fr.delta, update, part_counts(fr));
+    update = at::empty({fr.part_len}, at::kFloat);
+    scatter_from_gateway(fr, fr.delta, update);
   } else if (comm_.site().size() > 1) {
     if (!comm_.is_gateway()) update = fr.delta = at::empty({fr.numel}, at::kFloat);
     comm_.site().broadcast_from_root(fr.delta);
@@ -549,12 +618,12 @@ double DilocoStrategy::global_hash(size_t f) {
   const bool all = f == fragments_.size();
   const size_t begin = all ? 0 : f, end = all ? fragments_.size() : f + 1;
   std::vector<at::Tensor> globals;
-  std::vector<std::vector<int64_t>> counts;  // empty: the state is whole
+  std::vector<std::vector<std::vector<parallel::ShardRun>>> parts;  // empty: the state is whole
   for (size_t j = begin; j < end; ++j) {
     globals.push_back(fragments_[j].global);
-    if (shard_numel_ > 0) counts.push_back(part_counts(fragments_[j]));
+    if (shard_numel_ > 0) parts.push_back(site_parts(fragments_[j]));
   }
-  return strategy::global_hash(comm_, globals, counts);
+  return strategy::global_hash(comm_, globals, parts);
 }
 
 bool DilocoStrategy::can_save() const {

@@ -107,6 +107,9 @@ class DilocoStrategy : public Strategy {
   // init() then makes only this worker's part of θ_global and the outer momentum (ZeRO's cut
   // at the site's number of workers), so start-up never holds them whole.
   void expect_sharding() override { expect_sharding_ = true; }
+  // ZeRO-3's units (FullShard::unit_bounds): every site's workers hold a piece of each, and
+  // exchange (every_worker) and keep their outer state by those pieces.
+  void set_unit_bounds(std::vector<int64_t> bounds) override { unit_bounds_ = std::move(bounds); }
   void after_step(int64_t step) override;
   bool keep_training(int64_t step, int64_t steps) override;
   void finish() override;
@@ -151,9 +154,12 @@ class DilocoStrategy : public Strategy {
   // and its outer state.
   struct Fragment : FragmentCut {
     FragmentRange range() const { return {offset, numel}; }
-    // This worker's part of the fragment: values [part_at, part_at + part_len) of it, the
-    // whole fragment unless the outer state is sharded (set_sharding).
-    int64_t part_at = 0, part_len = 0;
+    // This worker's part of the fragment: the runs of it (ShardRun: absolute flat index, index
+    // in this worker's shard) the site's layout gives it, held one after another in `global`
+    // and `momentum` (part_len values); the whole fragment, one run, unless the outer state is
+    // sharded (set_sharding).
+    std::vector<parallel::ShardRun> part;
+    int64_t part_len = 0;
     at::Tensor global;               // θ_global of this worker's part (flat, float32)
     at::Tensor momentum;
     at::Tensor sent_local;           // θ_local of the part when last sent (delay > 0)
@@ -168,9 +174,17 @@ class DilocoStrategy : public Strategy {
   void send(size_t f);
   void send_through_gateway(Fragment& fr, double weight, double hash);
   void send_own_part(Fragment& fr, double weight, double hash);  // wan.mode = "every_worker"
-  // Every site's cut of fragment fr over its workers (Hierarchy::exchange_parts_async): ZeRO's
-  // shard boundaries at that site's number of workers, sharded or not.
-  std::vector<std::vector<int64_t>> wan_cuts(const Fragment& fr) const;
+  // Every site's holdings of fragment fr (Hierarchy::exchange_parts_async): the layout at that
+  // site's number of workers (site_layout), sharded or not.
+  collective::Holdings wan_holdings(const Fragment& fr) const;
+  // The layout of a site of `workers` workers: ZeRO-3's units (set_unit_bounds), else one unit.
+  parallel::ShardLayout site_layout(int64_t workers) const;
+  // Every rank of this site's part of fr (runs in flat order), by the site's layout.
+  std::vector<std::vector<parallel::ShardRun>> site_parts(const Fragment& fr) const;
+  // This worker's `part` gathered into the gateway's whole fragment `whole` (fr.numel values, in
+  // flat order; undefined off the gateway), and back: site collectives.
+  void gather_to_gateway(const Fragment& fr, const at::Tensor& part, const at::Tensor& whole);
+  void scatter_from_gateway(const Fragment& fr, const at::Tensor& whole, const at::Tensor& part);
   void merge(size_t f);
   void start_round(int64_t steps);
   void set_codec(const std::string& kind);
@@ -188,6 +202,8 @@ class DilocoStrategy : public Strategy {
   void write_part(const Fragment& fr, const at::Tensor& values) const { unflatten_into(values, part_views(fr)); }
   void spread_part(const Fragment& fr);
   std::vector<int64_t> part_counts(const Fragment& fr) const;  // every rank's part_len
+  // This worker's part of a whole fragment's values (fr.numel, flat order), and the reverse.
+  at::Tensor take_part(const Fragment& fr, const at::Tensor& whole) const;
   std::vector<double> site_info() const;
   // The round position (round_position.h) as this object holds it, and back (codec, fragments'
   // rounds, info of the rounds included).
@@ -204,8 +220,8 @@ class DilocoStrategy : public Strategy {
   OuterSgd outer_;
   int64_t total_numel_ = 0;
   at::Tensor flat_params_;  // ZeRO (set_sharding): the parameters' flat buffer, N S values (ZeRO-3: this worker's S)
-  int64_t flat_begin_ = 0;  // the flat vector's index of flat_params_[0]: 0, or rank · S with ZeRO-3
   bool gathered_ = true;    // flat_params_ holds every shard (ZeRO-1/2), else this worker's only (ZeRO-3)
+  std::vector<int64_t> unit_bounds_;  // ZeRO-3's units; empty: one unit
   int64_t shard_numel_ = 0;  // S; 0 = the outer state is whole
   bool expect_sharding_ = false;  // init() cuts the parts already (set_sharding follows)
   at::Tensor flat_grad_;    // ZeRO-2: the gradients' flat buffer, N S values

@@ -76,14 +76,18 @@ void DilocoStrategy::set_sharding(const Sharding& shards) {
   NEBULA_CHECK(n > 1 && !fragments_.empty() && shard_numel_ == 0 && can_save(),
                "set_sharding: once, after init() and before the first step, on a site of more than one worker");
   const int64_t shards_held = shards.gathered ? n : 1;  // ZeRO-3: this worker's only
+  const parallel::ShardLayout layout = site_layout(n);
+  const int64_t shard = layout.shard_numel();
   auto check = [&](const at::Tensor& flat, const char* what) {
-    NEBULA_CHECK(flat.numel() % shards_held == 0 && flat.numel() / shards_held * n >= total_numel_ &&
-                     flat.scalar_type() == at::kFloat &&
-                     flat.is_contiguous() && flat.dim() == 1,
+    NEBULA_CHECK(flat.numel() == shard * shards_held && flat.scalar_type() == at::kFloat && flat.is_contiguous() &&
+                     flat.dim() == 1,
                  "set_sharding: ", flat.numel(), " ", what, " for ", total_numel_, " parameters over ", n,
-                 " workers (want ", shards.gathered ? "N equal shards" : "one of N equal shards",
-                 " covering them, 1-D float32, contiguous)");
+                 " workers (want ", shards.gathered ? "N equal shards" : "one of N equal shards", " of ", shard,
+                 " values: the site's layout, 1-D float32, contiguous)");
   };
+  NEBULA_CHECK(shards.gathered == layout.is_contiguous(), "set_sharding: ",
+               shards.gathered ? "whole parameters (ZeRO-1/2) with ZeRO-3's units" : "ZeRO-3's shards without its units",
+               " (set_unit_bounds before init(), exactly with shard = \"full\")");
   check(shards.params, "parameter values");
   int64_t offset = 0;
   for (size_t i = 0; i < params_.size() && shards.gathered; ++i) {
@@ -97,21 +101,23 @@ void DilocoStrategy::set_sharding(const Sharding& shards) {
   }
   flat_params_ = shards.params;
   gathered_ = shards.gathered;
-  shard_numel_ = shards.params.numel() / shards_held;
-  flat_begin_ = gathered_ ? 0 : site.rank() * shard_numel_;
-  // This worker's part of each fragment: the fragment's range cut by the shard [r S, (r + 1) S).
+  shard_numel_ = shard;
+  // This worker's part of each fragment: its runs of the fragment in the site's layout.
   at::NoGradGuard no_grad;
   for (Fragment& fr : fragments_) {
-    const PartRange part = part_of(fr.range(), shard_numel_, n, site.rank());
-    fr.part_at = part.at;
-    const int64_t part_len = part.len;
+    const std::vector<parallel::ShardRun> part = site_parts(fr).at(static_cast<size_t>(site.rank()));
+    int64_t part_len = 0;
+    for (const auto& r : part) part_len += r.len;
     if (expect_sharding_) {  // init() made the part already
       NEBULA_CHECK(fr.global.numel() == part_len, "set_sharding: init() cut a part of ", fr.global.numel(),
                    " values, the shards give ", part_len);
     } else {
-      fr.global = fr.global.narrow(0, fr.part_at, part_len).clone();
-      fr.momentum = fr.momentum.narrow(0, fr.part_at, part_len).clone();
+      fr.part = part;
+      fr.part_len = part_len;
+      fr.global = take_part(fr, fr.global);
+      fr.momentum = take_part(fr, fr.momentum);
     }
+    fr.part = part;
     fr.part_len = part_len;
   }
 }

@@ -5,6 +5,8 @@
 #include <ATen/core/grad_mode.h>  // at::NoGradGuard: ATen.h no longer brings it in LibTorch 2.x
 #include <spdlog/spdlog.h>
 
+#include <sstream>
+
 #include "nebula/error.h"
 #include "strategy/diloco.h"
 #include "strategy/replica_check.h"
@@ -51,6 +53,11 @@ void DilocoStrategy::save_state(StrategyState& out) const {
   auto& n = out.numbers;
   n["fragments"] = static_cast<double>(fragments_.size());
   n["parts"] = shard_numel_ > 0 ? static_cast<double>(comm_.site().size()) : 1.0;  // each worker's part, or whole
+  if (shard_numel_ > 0 && !unit_bounds_.empty()) {  // the units the parts are cut by (load_resharded)
+    std::string units;
+    for (int64_t b : unit_bounds_) units += (units.empty() ? "" : ",") + std::to_string(b);
+    out.strings["units"] = units;
+  }
   for (size_t j = 0; j < fragments_.size(); ++j) {
     const Fragment& fr = fragments_[j];
     out.tensors[str_cat("f", j, "/global")] = fr.global;
@@ -84,7 +91,7 @@ void DilocoStrategy::load_state(const StrategyState& in) {
                                 fr.part_len, " float32 values (this worker's part of its ", fr.numel,
                                 ": the state is sharded like [parallel] shard and the site's workers)"));
       const at::Tensor values = it->second.reshape({-1});
-      *target = (values.numel() == fr.part_len ? values : values.narrow(0, fr.part_at, fr.part_len)).clone();
+      *target = values.numel() == fr.part_len ? values.clone() : take_part(fr, values);
     }
     fr.weight_at_send = state_number(in, str_cat("f", j, "/weight_at_send"));
     fr.in_flight = false;
@@ -113,18 +120,39 @@ void DilocoStrategy::load_resharded(const std::vector<StrategyState>& ranks) {
   if (parts != ranks.size())
     throw DataError(str_cat("the checkpoint's strategy state is cut into ", parts, " parts, but ", ranks.size(),
                             " workers' checkpoints were found"));
+  // The old layout: the units its parts were cut by (none recorded: one unit) at its workers.
+  std::vector<int64_t> bounds{0, total_numel_};
+  if (auto it = ranks[0].strings.find("units"); it != ranks[0].strings.end()) {
+    bounds.clear();
+    std::stringstream in(it->second);
+    for (std::string b; std::getline(in, b, ',');) bounds.push_back(std::stoll(b));
+  }
+  if (bounds.empty() || bounds.back() != total_numel_)
+    throw DataError(str_cat("the checkpoint's strategy state is cut into units of ", bounds.empty() ? 0 : bounds.back(),
+                            " values for a model of ", total_numel_, ": the model changed"));
+  const parallel::ShardLayout old(bounds, static_cast<int64_t>(ranks.size()));
   StrategyState whole = ranks[0];
   for (size_t j = 0; j < fragments_.size(); ++j)
     for (const char* name : {"global", "momentum"}) {
       const std::string key = str_cat("f", j, "/", name);
-      std::vector<at::Tensor> pieces;
+      const Fragment& fr = fragments_[j];
+      at::Tensor joined = at::empty({fr.numel}, at::kFloat);
+      const auto parts = parts_of(fr.range(), old);
       for (size_t q = 0; q < ranks.size(); ++q) {
         auto it = ranks[q].tensors.find(key);
         if (it == ranks[q].tensors.end())
           throw DataError(str_cat("the checkpoint of rank ", q, " has no strategy tensor ", key));
-        pieces.push_back(it->second.reshape({-1}));
+        const at::Tensor piece = it->second.reshape({-1});
+        if (piece.numel() != counts_of(parts)[q])
+          throw DataError(str_cat("the checkpoint of rank ", q, " holds ", piece.numel(), " values of ", key,
+                                  ", its layout ", counts_of(parts)[q], ": the model changed"));
+        int64_t at = 0;
+        for (const auto& r : parts[q]) {
+          joined.narrow(0, r.flat - fr.offset, r.len).copy_(piece.narrow(0, at, r.len));
+          at += r.len;
+        }
       }
-      whole.tensors[key] = at::cat(pieces);
+      whole.tensors[key] = joined;
     }
   load_state(whole);
 }
@@ -182,8 +210,7 @@ void DilocoStrategy::reconcile() {
     int64_t at = 0;
     for (at::Tensor Fragment::*field : {&Fragment::global, &Fragment::momentum})
       for (const auto& fr : fragments_) {
-        site.gather_parts_to_root(fr.*field, comm_.is_gateway() ? values.narrow(0, at, fr.numel) : at::Tensor(),
-                                  part_counts(fr));
+        gather_to_gateway(fr, fr.*field, comm_.is_gateway() ? values.narrow(0, at, fr.numel) : at::Tensor());
         at += fr.numel;
       }
     if (comm_.is_gateway() && buffers_len > 0) values.narrow(0, at, buffers_len).copy_(flatten(buffers_));
@@ -209,8 +236,7 @@ void DilocoStrategy::reconcile() {
   for (at::Tensor Fragment::*field : {&Fragment::global, &Fragment::momentum})
     for (auto& fr : fragments_) {
       if (sharded)  // each worker's part, from the gateway
-        site.scatter_parts_from_root(comm_.is_gateway() ? values.narrow(0, at, fr.numel) : at::Tensor(), fr.*field,
-                                     part_counts(fr));
+        scatter_from_gateway(fr, comm_.is_gateway() ? values.narrow(0, at, fr.numel) : at::Tensor(), fr.*field);
       else
         (fr.*field).copy_(values.narrow(0, at, fr.numel));
       at += fr.numel;

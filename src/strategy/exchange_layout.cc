@@ -2,18 +2,43 @@
 
 namespace nebula::strategy {
 
-std::vector<std::vector<int64_t>> wan_cuts(const FragmentRange& fr, int64_t total,
-                                           const std::vector<int64_t>& workers_per_site) {
-  std::vector<std::vector<int64_t>> cuts;
-  for (int64_t w : workers_per_site)
-    cuts.push_back(parallel::part_cuts(parallel::shard_numel(total, w), w, fr.offset, fr.numel));
-  return cuts;
+std::vector<std::vector<parallel::ShardRun>> parts_of(const FragmentRange& fr, const parallel::ShardLayout& layout) {
+  std::vector<std::vector<parallel::ShardRun>> parts;
+  for (int64_t q = 0; q < layout.workers(); ++q) parts.push_back(layout.runs(q, fr.offset, fr.numel));
+  return parts;
 }
 
-std::vector<int64_t> counts_of(const std::vector<int64_t>& cuts) {
+std::vector<int64_t> counts_of(const std::vector<std::vector<parallel::ShardRun>>& parts) {
   std::vector<int64_t> counts;
-  for (size_t q = 0; q + 1 < cuts.size(); ++q) counts.push_back(cuts[q + 1] - cuts[q]);
+  for (const auto& runs : parts) {
+    int64_t n = 0;
+    for (const auto& r : runs) n += r.len;
+    counts.push_back(n);
+  }
   return counts;
+}
+
+bool in_rank_order(const std::vector<std::vector<parallel::ShardRun>>& parts) {
+  int64_t next = -1;
+  for (const auto& runs : parts) {
+    if (runs.size() > 1) return false;
+    if (runs.empty()) continue;
+    if (next >= 0 && runs[0].flat != next) return false;
+    next = runs[0].flat + runs[0].len;
+  }
+  return true;
+}
+
+collective::Holdings wan_holdings(const FragmentRange& fr, const std::vector<parallel::ShardLayout>& layouts) {
+  collective::Holdings holdings;
+  for (const parallel::ShardLayout& layout : layouts) {
+    auto& site = holdings.emplace_back();
+    for (const auto& runs : parts_of(fr, layout)) {
+      auto& spans = site.emplace_back();
+      for (const auto& r : runs) spans.push_back({r.flat - fr.offset, r.flat - fr.offset + r.len});
+    }
+  }
+  return holdings;
 }
 
 }  // namespace nebula::strategy

@@ -1,14 +1,15 @@
 // Who holds what of a fragment in an exchange: the fragment [offset, offset + numel) of the flat
-// parameter vector cut by ZeRO's shards (parallel/shard_layout.h, the one place that arithmetic
-// lives) over a site's workers. A site of w workers cuts at its own S = ceil(total / w), sharded
-// or not, so every site knows every other site's cut (wan.mode = "every_worker": worker q of a
-// site exchanges its cut with the matching ranges of the other sites' workers). Plain
-// arithmetic, no tensors.
+// parameter vector cut by a site's layout (parallel/shard_layout.h, the one place that
+// arithmetic lives) over its workers. A site of w workers cuts by its own layout at w, sharded
+// or not (ZeRO-3's units in a job with shard = "full", else one unit), so every site knows every
+// other site's cut (wan.mode = "every_worker": each worker exchanges its runs of a fragment with
+// the workers of the other sites that hold the same values). Plain arithmetic, no tensors.
 #pragma once
 
 #include <cstdint>
 #include <vector>
 
+#include "collective/hierarchical.h"
 #include "parallel/shard_layout.h"
 
 namespace nebula::strategy {
@@ -18,28 +19,19 @@ struct FragmentRange {
   int64_t offset = 0, numel = 0;
 };
 
-// A worker's part of a fragment: values [at, at + len) of it (relative to the fragment).
-struct PartRange {
-  int64_t at = 0, len = 0;
-};
+// Every rank's runs of the fragment under `layout` (flat and shard-local indices absolute), in
+// rank order; a rank's part is its runs' values one after another.
+std::vector<std::vector<parallel::ShardRun>> parts_of(const FragmentRange& fr, const parallel::ShardLayout& layout);
 
-// Every rank's count of the fragment when shards of `shard` values cut it over `workers`.
-inline std::vector<int64_t> part_counts(const FragmentRange& fr, int64_t shard, int64_t workers) {
-  return parallel::part_counts(shard, workers, fr.offset, fr.numel);
-}
+// Σ len of each rank's runs.
+std::vector<int64_t> counts_of(const std::vector<std::vector<parallel::ShardRun>>& parts);
 
-// Rank `rank`'s part of the fragment, shards of `shard` values over `workers`.
-inline PartRange part_of(const FragmentRange& fr, int64_t shard, int64_t workers, int64_t rank) {
-  const std::vector<int64_t> cuts = parallel::part_cuts(shard, workers, fr.offset, fr.numel);
-  return {cuts[static_cast<size_t>(rank)], cuts[static_cast<size_t>(rank + 1)] - cuts[static_cast<size_t>(rank)]};
-}
+// Whether the parts lie in rank order, each one run right after the last (one unit): then a
+// rank-ordered gather of the parts is the fragment in flat order.
+bool in_rank_order(const std::vector<std::vector<parallel::ShardRun>>& parts);
 
-// Every site's cut of the fragment over its workers (Hierarchy::exchange_parts_async): site s of
-// workers_per_site[s] workers cuts at ZeRO's shard of `total` values over them, w + 1 boundaries.
-std::vector<std::vector<int64_t>> wan_cuts(const FragmentRange& fr, int64_t total,
-                                           const std::vector<int64_t>& workers_per_site);
-
-// The counts between consecutive cuts.
-std::vector<int64_t> counts_of(const std::vector<int64_t>& cuts);
+// Every site's holdings of the fragment (Hierarchy::exchange_parts_async), spans relative to the
+// fragment: site s cut by layouts[s].
+collective::Holdings wan_holdings(const FragmentRange& fr, const std::vector<parallel::ShardLayout>& layouts);
 
 }  // namespace nebula::strategy

@@ -5,36 +5,49 @@
 namespace nebula::strategy {
 namespace {
 
+using parallel::ShardLayout;
+using parallel::ShardRun;
+
 // 10 values; the fragment [2, 8). A site of 3 workers has shards of 4 ([0,4) [4,8) [8,12)), one
 // of 2 shards of 5, one of 1 the whole.
-TEST(ExchangeLayout, WanCutsForSitesOfDifferentWorkerCounts) {
+TEST(ExchangeLayout, HoldingsForSitesOfDifferentWorkerCounts) {
   const FragmentRange fr{2, 6};
-  const auto cuts = wan_cuts(fr, 10, {3, 2, 1});
-  ASSERT_EQ(cuts.size(), 3u);
-  EXPECT_EQ(cuts[0], (std::vector<int64_t>{0, 2, 6, 6}));
-  EXPECT_EQ(cuts[1], (std::vector<int64_t>{0, 3, 6}));
-  EXPECT_EQ(cuts[2], (std::vector<int64_t>{0, 6}));
-  EXPECT_EQ(counts_of(cuts[0]), (std::vector<int64_t>{2, 4, 0}));  // the third worker's part is empty
-  EXPECT_EQ(counts_of(cuts[1]), (std::vector<int64_t>{3, 3}));
+  const collective::Holdings h =
+      wan_holdings(fr, {ShardLayout::contiguous(10, 3), ShardLayout::contiguous(10, 2), ShardLayout::contiguous(10, 1)});
+  ASSERT_EQ(h.size(), 3u);
+  ASSERT_EQ(h[0].size(), 3u);
+  ASSERT_EQ(h[0][0].size(), 1u);
+  EXPECT_EQ(h[0][0][0].begin, 0);
+  EXPECT_EQ(h[0][0][0].end, 2);
+  EXPECT_EQ(h[0][1][0].begin, 2);
+  EXPECT_EQ(h[0][1][0].end, 6);
+  EXPECT_TRUE(h[0][2].empty());  // the third worker's part is empty
+  EXPECT_EQ(h[1][0][0].end, 3);
+  EXPECT_EQ(h[2][0][0].begin, 0);
+  EXPECT_EQ(h[2][0][0].end, 6);
 }
 
-TEST(ExchangeLayout, PartsAreTheCutsOfThisWorker) {
-  const FragmentRange fr{2, 6};
-  const int64_t shard = parallel::shard_numel(10, 3);
-  EXPECT_EQ(part_counts(fr, shard, 3), (std::vector<int64_t>{2, 4, 0}));
-  const PartRange p0 = part_of(fr, shard, 3, 0), p1 = part_of(fr, shard, 3, 1), p2 = part_of(fr, shard, 3, 2);
-  EXPECT_EQ(p0.at, 0);
-  EXPECT_EQ(p0.len, 2);
-  EXPECT_EQ(p1.at, 2);
-  EXPECT_EQ(p1.len, 4);
-  EXPECT_EQ(p2.at, 6);
-  EXPECT_EQ(p2.len, 0);
+TEST(ExchangeLayout, PartsOfOneUnitAreInRankOrder) {
+  const auto parts = parts_of({2, 6}, ShardLayout::contiguous(10, 3));
+  EXPECT_EQ(counts_of(parts), (std::vector<int64_t>{2, 4, 0}));
+  EXPECT_TRUE(in_rank_order(parts));
+  EXPECT_EQ(parts[1][0], (ShardRun{4, 0, 4}));
   // A fragment inside one shard: the other workers' parts are empty.
-  EXPECT_EQ(part_counts({5, 2}, shard, 3), (std::vector<int64_t>{0, 2, 0}));
-  // Unsharded (one worker): the whole fragment.
-  const PartRange whole = part_of(fr, parallel::shard_numel(10, 1), 1, 0);
-  EXPECT_EQ(whole.at, 0);
-  EXPECT_EQ(whole.len, 6);
+  EXPECT_EQ(counts_of(parts_of({5, 2}, ShardLayout::contiguous(10, 3))), (std::vector<int64_t>{0, 2, 0}));
+}
+
+// ZeRO-3's units: every worker holds a piece of each unit the fragment meets, so a fragment of
+// one or more units is spread over all of a site's workers, not over the one or two whose
+// contiguous shard it falls in.
+TEST(ExchangeLayout, UnitsSpreadEveryFragmentOverEveryWorker) {
+  const ShardLayout units({0, 8, 16, 24}, 4);
+  const auto parts = parts_of({8, 16}, units);
+  EXPECT_EQ(counts_of(parts), (std::vector<int64_t>{4, 4, 4, 4}));
+  EXPECT_FALSE(in_rank_order(parts));
+  EXPECT_EQ(parts[1].size(), 2u);
+  EXPECT_EQ(parts[1][0], (ShardRun{10, 2, 2}));
+  EXPECT_EQ(parts[1][1], (ShardRun{18, 4, 2}));
+  EXPECT_EQ(counts_of(parts_of({8, 16}, ShardLayout::contiguous(24, 4))), (std::vector<int64_t>{0, 4, 6, 6}));
 }
 
 }  // namespace

@@ -2,6 +2,8 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
+
 #include "nebula/error.h"
 #include "wire/frame.h"
 
@@ -19,25 +21,51 @@ uint32_t combine_part_crcs(uint32_t crc, const double* part_crcs, const std::vec
 }
 
 double global_hash(collective::Hierarchy& comm, const std::vector<at::Tensor>& globals,
-                   const std::vector<std::vector<int64_t>>& counts) {
-  if (counts.empty()) {
+                   const std::vector<std::vector<std::vector<parallel::ShardRun>>>& parts) {
+  if (parts.empty()) {
     if (!comm.is_gateway()) return 0;
     uint32_t crc = 0;
     for (const auto& g : globals) crc = crc_of_values(crc, g);
     return static_cast<double>(crc);
   }
-  // Sharded: each worker's CRC of its part of each fragment, summed to the gateway (one slot
-  // per worker and fragment: exact in double), combined there in order.
+  // Sharded: each worker's CRC of each of its runs, summed to the gateway (one slot per run of
+  // every worker: exact in double), combined there in flat order.
   collective::SiteGroup& site = comm.site();
-  const auto n = static_cast<size_t>(site.size());
-  at::Tensor crcs = at::zeros({static_cast<int64_t>(globals.size() * n)}, at::kDouble);
-  for (size_t j = 0; j < globals.size(); ++j)
-    crcs[static_cast<int64_t>(j * n + static_cast<size_t>(site.rank()))] = static_cast<double>(crc_of_values(0, globals[j]));
+  struct Slot {
+    int64_t flat, len;
+    size_t rank, index;  // the rank's index-th run of the part
+  };
+  std::vector<std::vector<Slot>> slots(globals.size());
+  size_t total = 0;
+  for (size_t j = 0; j < globals.size(); ++j) {
+    const auto& by_rank = parts.at(j);
+    for (size_t q = 0; q < by_rank.size(); ++q)
+      for (size_t k = 0; k < by_rank[q].size(); ++k) slots[j].push_back({by_rank[q][k].flat, by_rank[q][k].len, q, k});
+    std::sort(slots[j].begin(), slots[j].end(), [](const Slot& a, const Slot& b) { return a.flat < b.flat; });
+    total += slots[j].size();
+  }
+  at::Tensor crcs = at::zeros({static_cast<int64_t>(total)}, at::kDouble);
+  const auto me = static_cast<size_t>(site.rank());
+  size_t base = 0;
+  for (size_t j = 0; j < globals.size(); ++j) {
+    std::vector<int64_t> at{0};  // where this rank's runs start in its globals[j]
+    for (const auto& r : parts[j].at(me)) at.push_back(at.back() + r.len);
+    for (size_t i = 0; i < slots[j].size(); ++i)
+      if (slots[j][i].rank == me)
+        crcs[static_cast<int64_t>(base + i)] =
+            static_cast<double>(crc_of_values(0, globals[j].narrow(0, at[slots[j][i].index], slots[j][i].len)));
+    base += slots[j].size();
+  }
   site.reduce_sum_to_root(crcs);
   if (!comm.is_gateway()) return 0;
   uint32_t crc = 0;
   const double* c = crcs.data_ptr<double>();
-  for (size_t j = 0; j < globals.size(); ++j) crc = combine_part_crcs(crc, c + j * n, counts.at(j));
+  for (const auto& part : slots) {
+    std::vector<int64_t> lens;
+    for (const Slot& s : part) lens.push_back(s.len);
+    crc = combine_part_crcs(crc, c, lens);
+    c += part.size();
+  }
   return static_cast<double>(crc);
 }
 

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "collective/hierarchical.h"
+#include "parallel/shard_layout.h"
 
 namespace nebula::strategy {
 
@@ -26,11 +27,13 @@ uint32_t crc_of_values(uint32_t crc, const at::Tensor& values);
 uint32_t combine_part_crcs(uint32_t crc, const double* part_crcs, const std::vector<int64_t>& counts);
 
 // The CRC of θ_global parts `globals` (in order), as a double, valid on the gateway (0 elsewhere).
-// `counts`: empty when the state is whole (each worker holds every part whole: the gateway hashes
-// alone); sharded, counts[j] is every rank's count of part j and this is a site collective
-// (every worker of the site calls it; one reduce to the gateway).
+// `parts`: empty when the state is whole (each worker holds every part whole: the gateway hashes
+// alone); sharded, parts[j][q] are rank q's runs of part j (exchange_layout.h: in flat order,
+// held one after another in its globals[j]) and this is a site collective (every worker of the
+// site calls it; one reduce to the gateway). The runs are combined in flat order, so the CRC is
+// that of the whole part whatever the site's layout.
 double global_hash(collective::Hierarchy& comm, const std::vector<at::Tensor>& globals,
-                   const std::vector<std::vector<int64_t>>& counts);
+                   const std::vector<std::vector<std::vector<parallel::ShardRun>>>& parts);
 
 // Gateway: one small exchange of every site's (next outer step id, `hash`); lost sites
 // (elastic) send nothing and show as empty.

@@ -78,6 +78,9 @@ class Strategy {
   // Before init(): set_sharding() will follow (the site's workers shard the training state),
   // so a strategy may make only this worker's part of its state in init(), never the whole.
   virtual void expect_sharding() {}
+  // Before init(), on every worker of a job with shard = "full": the units ZeRO-3 cuts the flat
+  // parameter vector into (parallel/shard_layout.h), the same on every site.
+  virtual void set_unit_bounds(std::vector<int64_t> /*bounds*/) {}
   virtual void set_sharding(const Sharding& shards) {
     if (shards.grads.defined())
       throw ConfigError(str_cat("parallel.shard = \"", shards.gathered ? "gradients" : "full",

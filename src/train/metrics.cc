@@ -7,6 +7,7 @@
 #include <fcntl.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <chrono>
 #include <cstring>
@@ -23,6 +24,44 @@ int64_t peak_rss_bytes() {
   for (std::string line; std::getline(in, line);)
     if (line.rfind("VmHWM:", 0) == 0) return std::atoll(line.c_str() + 6) * 1024;  // "VmHWM:  123456 kB"
   return 0;
+}
+
+namespace {
+bool reset_peak_rss() {
+  const int fd = ::open("/proc/self/clear_refs", O_WRONLY | O_CLOEXEC);
+  if (fd < 0) return false;
+  const bool ok = ::write(fd, "5", 1) == 1;
+  ::close(fd);
+  return ok;
+}
+}  // namespace
+
+const char* PhasePeaks::name(Phase p) {
+  static const char* const names[kPhases] = {"init", "resume", "step", "outer_sync", "checkpoint"};
+  return names[p];
+}
+
+PhasePeaks::PhasePeaks(Phase first) : before_(peak_rss_bytes()) {
+  resettable_ = reset_peak_rss();
+  open_ = first;
+}
+
+void PhasePeaks::begin(Phase p) {
+  if (open_ >= 0) end();
+  open_ = p;
+  if (resettable_) reset_peak_rss();
+}
+
+void PhasePeaks::end() {
+  if (open_ < 0) return;
+  peaks_[open_] = std::max(peaks_[open_], peak_rss_bytes());
+  open_ = -1;
+}
+
+int64_t PhasePeaks::overall() const {
+  int64_t m = std::max(before_, peak_rss_bytes());
+  for (int64_t p : peaks_) m = std::max(m, p);
+  return m;
 }
 
 MetricsWriter::MetricsWriter(const std::string& path) : path_(path) {

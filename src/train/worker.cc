@@ -187,6 +187,10 @@ class Trainer {
   std::pair<double, double> validate();
   // fn() with the whole model here (ZeRO-3 gathers it; `gateway`: only the gateway needs it).
   void whole(const std::function<void()>& fn, bool gateway = false) { parallel::with_whole_model(full_.get(), fn, gateway); }
+  // Bytes this worker sent to its site's other workers so far (both of its groups).
+  uint64_t site_bytes_sent() const {
+    return comm_.group->bytes_sent() + (comm_.comm_group ? comm_.comm_group->bytes_sent() : 0);
+  }
   // `wan`: the WAN counters before the totals' own exchange.
   nlohmann::json summary(int64_t steps, const std::vector<double>& totals, size_t by_worker_at,
                          const collective::CommStats& wan) const;
@@ -196,6 +200,7 @@ class Trainer {
   const SiteConfig& site_;
   const int workers_;
   const Clock::time_point start_;
+  PhasePeaks phases_{PhasePeaks::kInit};  // peak memory per phase, from here (the set-up) on
   site::SiteComm comm_;
   std::unique_ptr<Task> task_;
   std::vector<at::Tensor> params_;                 // the trainable parameters (ZeRO-3: views of this worker's shard)
@@ -233,6 +238,8 @@ Trainer::Trainer(const TaskContext& ctx, bool rejoin, Clock::time_point start)
                                       comm_.training_index, c_.privacy);
   strategy_->set_buffers(task_->module().buffers());  // BatchNorm statistics ...: kept equal too
   if (c_.parallel.shard != "none" && workers_ > 1) strategy_->expect_sharding();  // InnerOptimizer::sharded()
+  // ZeRO-3's units, on every site (one of one worker too: the others cut their exchanges by them).
+  if (c_.parallel.shard == "full") strategy_->set_unit_bounds(parallel::FullShard::unit_bounds(params_, task_->layers()));
   strategy_->init(params_);
   // ZeRO-3: from here on this worker holds its shard of the parameters only; the model gathers
   // each layer where it runs, and whole() gathers all of them for evaluation and checkpoints.
@@ -241,7 +248,8 @@ Trainer::Trainer(const TaskContext& ctx, bool rejoin, Clock::time_point start)
     if (layers.empty())
       throw ConfigError(str_cat(c_.source_path, ": parallel.shard = \"full\" needs a built-in model that runs layer by "
                                 "layer (model.kind = \"", c_.model.kind, "\" does not): use shard = \"gradients\""));
-    full_ = std::make_unique<parallel::FullShard>(params_, layers, *comm_.group);
+    full_ = std::make_unique<parallel::FullShard>(params_, layers, *comm_.group,
+                                                  parallel::FullShardOptions{c_.parallel.recompute});
     task_->set_layer_gather(full_.get());
   }
   optimizer_ = std::make_unique<parallel::InnerOptimizer>(params_, c_.model.lr, c_.model.weight_decay,
@@ -255,9 +263,11 @@ Trainer::Trainer(const TaskContext& ctx, bool rejoin, Clock::time_point start)
                  full_ ? "; the parameters sharded too, gathered layer by layer" : "");
   checkpoints_ = std::make_unique<WorkerCheckpoints>(c_, who_, *comm_.comm, *task_, o, *strategy_, full_.get());
   eval_start_.assign(task_->eval_size(), 0.0);
+  phases_.end();
 }
 
 void Trainer::resume(bool rejoin) {
+  phases_.begin(PhasePeaks::kResume);
   if (std::optional<WorkerProgress> p = checkpoints_->restore_newest()) {
     step_ = p->step;
     tokens_ = p->tokens;
@@ -268,6 +278,7 @@ void Trainer::resume(bool rejoin) {
     strategy_->join();  // the others admit this site at their next round and hand it their state
   else
     strategy_->reconcile();
+  phases_.end();
 }
 
 void Trainer::evaluate_at_start() {
@@ -283,6 +294,7 @@ int Trainer::train() {
 
   for (; strategy.keep_training(step_, c_.job.steps); ++step_) {
     const auto step_start = Clock::now();
+    phases_.begin(PhasePeaks::kStep);
     if (full) full->begin_step();
     Task::Step batch = task_->forward(step_);
     optimizer.zero_grad();
@@ -294,7 +306,9 @@ int Trainer::train() {
     if (c_.model.clip_norm > 0) optimizer.clip_grad_norm(c_.model.clip_norm);
     optimizer.set_lr(parallel::scheduled_lr(c_.model, step_, c_.job.steps));
     optimizer.step();
+    phases_.begin(PhasePeaks::kOuterSync);  // the strategy's outer step, when one is due
     strategy.after_step(step_);
+    phases_.end();
     if (site_.slowdown > 1)  // emulated slower hardware: this step takes `slowdown` times as long
       std::this_thread::sleep_for((Clock::now() - step_start) * (site_.slowdown - 1));
 
@@ -306,7 +320,9 @@ int Trainer::train() {
       strategy.with_global_weights([&] { whole([&] { evaluate(done); }, true); });
     const int signal = stop_request.poll(done);
     if (checkpoint.due(done, signal != 0)) {
+      phases_.begin(PhasePeaks::kCheckpoint);
       checkpoints_->save({done, tokens_, eval_start_});
+      phases_.end();
       if (signal) return stop(signal);
     }
   }
@@ -353,7 +369,8 @@ void Trainer::write_metrics(int64_t steps_done) {
                   {"encode_seconds", stats.encode_seconds},
                   {"decode_seconds", stats.decode_seconds},
                   {"adamw_state_values", 2 * optimizer_->state_numel()},  // this worker's moments ([parallel] shard)
-                  {"peak_rss_bytes", peak_rss_bytes()},
+                  {"peak_rss_bytes", phases_.overall()},
+                  {"site_bytes_sent", site_bytes_sent()},
                   {"strategy", strategy_->metrics()}});
   last_loss_ = window_.loss;
   last_predicted_ = window_.predicted;
@@ -414,7 +431,14 @@ void Trainer::finish() {
     // Each worker's own WAN bytes at its place in the job (sites in order, ranks in order).
     const size_t by_worker_at = counters.size();
     counters.resize(by_worker_at + static_cast<size_t>(c_.total_workers()), 0.0);
-    counters[by_worker_at + site::job_index(c_, who_)] = static_cast<double>(wan.wan_bytes_sent);
+    const size_t me = site::job_index(c_, who_), workers = static_cast<size_t>(c_.total_workers());
+    counters[by_worker_at + me] = static_cast<double>(wan.wan_bytes_sent);
+    // And its site bytes and peak memory in each phase (PhasePeaks), a slot per worker each.
+    counters.resize(by_worker_at + (2 + PhasePeaks::kPhases) * workers, 0.0);
+    counters[by_worker_at + workers + me] = static_cast<double>(site_bytes_sent());
+    for (int p = 0; p < PhasePeaks::kPhases; ++p)
+      counters[by_worker_at + (2 + static_cast<size_t>(p)) * workers + me] =
+          static_cast<double>(phases_.peak(static_cast<PhasePeaks::Phase>(p)));
     const std::vector<double> totals = collective::sum_counters(*comm_.comm, counters);
     // The first site still in the job (elastic: site 0 may be lost) writes the summary and model.
     const collective::GatewayMesh* mesh = comm_.mesh.get();
@@ -435,6 +459,12 @@ nlohmann::json Trainer::summary(int64_t steps, const std::vector<double>& totals
   auto eval_part = [&](size_t k) {
     const auto begin = totals.begin() + static_cast<std::ptrdiff_t>(kFixedTotals + k * task_->eval_size());
     return std::vector<double>(begin, begin + static_cast<std::ptrdiff_t>(task_->eval_size()));
+  };
+  // Slot block k of the per-worker counters (finish()): one value per worker, in job order.
+  auto by_worker = [&](size_t k) {
+    const auto n = static_cast<size_t>(c_.total_workers());
+    const auto begin = totals.begin() + static_cast<std::ptrdiff_t>(by_worker_at + k * n);
+    return std::vector<double>(begin, begin + static_cast<std::ptrdiff_t>(n));
   };
   const auto& names = comm_.training_names;
   nlohmann::json links = nlohmann::json::object();
@@ -467,7 +497,8 @@ nlohmann::json Trainer::summary(int64_t steps, const std::vector<double>& totals
       {"wan_wire_bytes", total(kWireSent)},
       {"wan_wire_bytes_sent", total(kWireSent)},
       {"wan_wire_bytes_received", total(kWireReceived)},
-      {"wan_bytes_sent_by_worker", std::vector<double>(totals.begin() + static_cast<std::ptrdiff_t>(by_worker_at), totals.end())},
+      {"wan_bytes_sent_by_worker", by_worker(0)},
+      {"site_bytes_sent_by_worker", by_worker(1)},
       {"security", c_.security.insecure ? "plaintext" : "mutual TLS 1.3"},
       {"wan_streams", c_.wan.streams},
       {"wan_links_seen_from_" + site_.name, links},
@@ -476,6 +507,9 @@ nlohmann::json Trainer::summary(int64_t steps, const std::vector<double>& totals
   if (task_->eval_at_start()) summary["eval_start"] = task_->eval_json(eval_part(0));
   summary["eval"] = task_->eval_json(eval_part(1));
   summary["strategy_metrics"] = strategy_->metrics();  // rejected updates; privacy spent
+  nlohmann::json peaks = {{"exact", phases_.exact()}};  // exact: each phase's own peak (PhasePeaks)
+  for (int p = 0; p < PhasePeaks::kPhases; ++p) peaks[PhasePeaks::name(static_cast<PhasePeaks::Phase>(p))] = by_worker(2 + p);
+  summary["peak_rss_bytes_by_phase"] = peaks;
   nlohmann::json lost = nlohmann::json::array();
   for (const auto& [j, why] : comm_.mesh->lost()) lost.push_back({{"site", names[j]}, {"reason", why}});
   summary["sites_lost"] = lost;

@@ -104,14 +104,20 @@ struct WrittenLayout {
 };
 
 WrittenLayout written_layout(const Config& c, const WorkerIdentity& who, collective::SiteGroup& group,
-                             const std::optional<parallel::Checkpoint>& newest) {
+                             const std::optional<parallel::Checkpoint>& newest, const parallel::InnerOptimizer& optimizer) {
   const int workers = static_cast<int>(c.sites.at(who.site).workers);
   at::Tensor layout = at::full({2}, static_cast<float>(workers));  // [old workers, 1 if the shard mode changed]
   layout[1] = 0.0f;
   if (who.local_rank == 0 && newest) {
     const auto& w = newest->state.value("worker", nlohmann::json::object());
     layout[0] = static_cast<float>(w.value("workers", workers));
-    layout[1] = w.value("shard", c.parallel.shard) != c.parallel.shard ? 1.0f : 0.0f;
+    // The shard mode, or the units its shards were cut into (parallel/shard_layout.h: ZeRO-3's
+    // layout changed with the model's layers, or a checkpoint from before ZeRO-3 cut by layer).
+    const auto& shard = newest->state.value("optim", nlohmann::json::object()).value("shard", nlohmann::json::object());
+    const std::vector<int64_t> whole{0, optimizer.total_numel()};
+    const bool units_changed = optimizer.sharded() && shard.value("of", 1) > 1 &&
+                               shard.value("units", whole) != optimizer.layout().bounds();
+    layout[1] = w.value("shard", c.parallel.shard) != c.parallel.shard || units_changed ? 1.0f : 0.0f;
   }
   if (workers > 1) group.broadcast_from_root(layout);
   return {static_cast<int>(layout[0].item<float>()), layout[1].item<float>() > 0};
@@ -149,7 +155,7 @@ std::optional<WorkerProgress> WorkerCheckpoints::restore_newest() {
   const SiteConfig& site = c_.sites.at(who_.site);
   const int workers = static_cast<int>(site.workers);
   std::optional<parallel::Checkpoint> newest = parallel::load_latest_checkpoint(dir_, fingerprint_);
-  const WrittenLayout layout = written_layout(c_, who_, comm_.site(), newest);
+  const WrittenLayout layout = written_layout(c_, who_, comm_.site(), newest, optimizer_);
   const int old_workers = layout.workers;
   const bool reshard = layout.reshard(workers);
   std::vector<std::optional<parallel::Checkpoint>> olds;  // resharding: each old rank's newest
@@ -185,7 +191,11 @@ std::optional<WorkerProgress> WorkerCheckpoints::restore_newest() {
       throw DataError(str_cat(dir_, ": no intact checkpoint of step ", target,
                               ", the newest every other worker holds: resume is impossible from these "
                               "checkpoints; start without --resume"));
-    parallel::with_whole_model(full_, [&] { restore(*newest, task_, optimizer_, strategy_); });
+    // ZeRO-3 with the same layout: each worker's shard goes straight back, nothing gathered.
+    if (full_ && parallel::InnerOptimizer::holds_parameter_shards(*newest))
+      restore(*newest, task_, optimizer_, strategy_);
+    else
+      parallel::with_whole_model(full_, [&] { restore(*newest, task_, optimizer_, strategy_); });
   } else {
     std::vector<parallel::Checkpoint> ranks;
     for (int q = 0; q < old_workers; ++q) {

@@ -449,6 +449,11 @@ Config build(const toml::table& root, const std::string& file) {
       s.fail(key, "shard",
              "\"full\" (ZeRO-3) gathers the parameters layer by layer, which only the built-in models "
              "(mlm_encoder, seq2seq) can do; a TorchScript module runs shard = \"optimizer\" or \"gradients\"");
+    s.boolean("recompute", c.parallel.recompute);
+    if (c.parallel.recompute && c.parallel.shard != "full")
+      s.fail(t->get("recompute") ? *t->get("recompute") : static_cast<const toml::node&>(*t), "recompute",
+             str_cat("recompute = true recomputes ZeRO-3's gathered layers in backward; with shard = \"",
+                     c.parallel.shard, "\" there is nothing to recompute: set shard = \"full\" or drop recompute"));
     s.finish();
   }
   if (auto* t = top.table("peft")) {
