@@ -1275,7 +1275,21 @@ TEST(EndToEnd, ZeroOneStopAndResumeFromShardedCheckpointsGivesTheSameWeights) {
     const std::string three_log = read_file(dir + "/three/logs/alpha-2.log");
     EXPECT_NE(three_log.find("resharded the checkpoint of step 15 from 2 workers onto 3"), std::string::npos)
         << three_log;
-    EXPECT_EQ(nlohmann::json::parse(read_file(dir + "/three/summary.json"))["workers"].get<int>(), 4);
+    const nlohmann::json summary = nlohmann::json::parse(read_file(dir + "/three/summary.json"));
+    EXPECT_EQ(summary["workers"].get<int>(), 4);
+    // Every worker's peak memory in each phase, and its bytes to its site's other workers.
+    const nlohmann::json& peaks = summary["peak_rss_bytes_by_phase"];
+    for (const char* phase : {"init", "resume", "step", "outer_sync", "checkpoint"}) {
+      ASSERT_TRUE(peaks.contains(phase)) << summary.dump();
+      const auto by_worker = peaks[phase].get<std::vector<double>>();
+      ASSERT_EQ(by_worker.size(), 4u) << phase;
+      for (size_t w = 0; w < by_worker.size(); ++w)
+        EXPECT_GT(by_worker[w], 1e7) << phase << ", worker " << w;
+    }
+    const auto site_bytes = summary["site_bytes_sent_by_worker"].get<std::vector<double>>();
+    ASSERT_EQ(site_bytes.size(), 4u);
+    for (size_t w = 0; w < 3; ++w) EXPECT_GT(site_bytes[w], 0) << "worker " << w << " of the 3-worker site";
+    EXPECT_EQ(site_bytes[3], 0) << "a site of one worker sends nothing inside it";
     fs::remove_all(dir);
   }
 }

@@ -80,6 +80,7 @@ struct Held {
   int64_t rest = 0, largest_layer = 0;  // the units' sizes
   std::vector<int64_t> after_forward, after_backward, after_step, peak_in_step;
   std::vector<int64_t> param_values_after_step;  // Σ numel of the parameters after each step
+  std::vector<uint64_t> site_bytes;  // SiteGroup::bytes_sent over each step's forward and backward
 };
 
 // `shard`: "none", "gradients", "full" or "full+recompute".
@@ -106,6 +107,7 @@ Trained train(const std::string& kind, const std::string& shard, collective::Sit
   const double total = site.size() * (site.size() + 1) / 2.0;
   Trained out;
   for (int s = 0; s < steps; ++s) {
+    const uint64_t bytes_before = site.bytes_sent();
     if (full) {
       full->reset_peak();
       full->begin_step();
@@ -119,6 +121,7 @@ Trained train(const std::string& kind, const std::string& shard, collective::Sit
     if (full && held) {
       held->after_backward.push_back(full->held_numel());
       held->peak_in_step.push_back(full->peak_held_numel());
+      held->site_bytes.push_back(site.bytes_sent() - bytes_before);
     }
     at::NoGradGuard no_grad;
     at::Tensor average;
@@ -226,6 +229,12 @@ TEST(FullShard, TrainsAsZeroTwoAndAsTheWholeModel) {
             EXPECT_EQ(h->param_values_after_step[s], 0) << "a parameter keeps its values outside a gather";
             EXPECT_LE(h->peak_in_step[s], h->rest + h->largest_layer) << "step " << s << ": more than one layer at once";
             EXPECT_GT(h->peak_in_step[s], h->rest);
+            // The site traffic of a step: every layer gathered twice (forward, backward) and
+            // reduce-scattered once, the rest gathered once for the step and reduce-scattered:
+            // each (N - 1)/N of its float32 bytes per worker, within the pieces' rounding.
+            const double layers = static_cast<double>(h->rest > 0 ? numel - h->rest : numel);
+            const double expected = (workers - 1.0) / workers * (3 * layers + 2.0 * static_cast<double>(h->rest)) * 4;
+            EXPECT_NEAR(static_cast<double>(h->site_bytes[s]), expected, 0.05 * expected) << "step " << s;
           }
       });
     }

@@ -711,7 +711,7 @@ std::string to_toml(const Config& c) {
   root.insert("privacy", toml::table{{"clip", c.privacy.clip},
                                      {"noise_multiplier", c.privacy.noise_multiplier},
                                      {"delta", c.privacy.delta}});
-  root.insert("parallel", toml::table{{"shard", c.parallel.shard}});
+  root.insert("parallel", toml::table{{"shard", c.parallel.shard}, {"recompute", c.parallel.recompute}});
   root.insert("security", toml::table{{"insecure", c.security.insecure},
                                       {"certs", c.security.certs},
                                       {"ca", c.security.ca},

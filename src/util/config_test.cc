@@ -118,6 +118,13 @@ TEST(Config, ParallelShard) {
                 "data.path=\"shards\""});
   expect_error(std::string(kValid) + "\n[parallel]\nshard = \"optimizer\"\n", {"parallel.shard", "CPU sites only", "'b'"},
                {"sites.1.device=\"cuda\""});
+  // recompute: ZeRO-3's layers run again in backward; nothing to recompute otherwise.
+  const Config r = parse_config(kValid, "job.toml", {"parallel.shard=\"full\"", "parallel.recompute=true", "strategy.kind=\"diloco\""});
+  EXPECT_TRUE(r.parallel.recompute);
+  EXPECT_TRUE(parse_config(to_toml(r), "again").parallel.recompute);
+  EXPECT_FALSE(parse_config(kValid, "job.toml").parallel.recompute);
+  expect_error(std::string(kValid) + "\n[parallel]\nshard = \"gradients\"\nrecompute = true\n",
+               {"job.toml", "parallel.recompute", "shard = \"full\""}, {"strategy.kind=\"diloco\""});
   expect_error(std::string(kValid) + "\n[parallel]\nshard = \"zero1\"\n", {"parallel.shard", "zero1"});
   expect_error(std::string(kValid) + "\n[parallel]\nshards = \"none\"\n", {"shards"});
 }
