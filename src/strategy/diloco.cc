@@ -113,13 +113,20 @@ std::vector<std::vector<parallel::ShardRun>> DilocoStrategy::site_parts(const Fr
 
 std::vector<int64_t> DilocoStrategy::part_counts(const Fragment& fr) const { return counts_of(site_parts(fr)); }
 
+void DilocoStrategy::copy_runs(const std::vector<std::vector<parallel::ShardRun>>& parts, int64_t offset,
+                               const at::Tensor& whole, const at::Tensor& joined, bool to_whole) {
+  int64_t at = 0;
+  for (const auto& runs : parts)
+    for (const parallel::ShardRun& r : runs) {
+      at::Tensor w = whole.narrow(0, r.flat - offset, r.len), j = joined.narrow(0, at, r.len);
+      (to_whole ? w : j).copy_(to_whole ? j : w);
+      at += r.len;
+    }
+}
+
 at::Tensor DilocoStrategy::take_part(const Fragment& fr, const at::Tensor& whole) const {
   at::Tensor out = at::empty({fr.part_len}, at::kFloat);
-  int64_t at = 0;
-  for (const parallel::ShardRun& r : fr.part) {
-    out.narrow(0, at, r.len).copy_(whole.narrow(0, r.flat - fr.offset, r.len));
-    at += r.len;
-  }
+  copy_runs({fr.part}, fr.offset, whole, out, false);
   return out;
 }
 
@@ -130,29 +137,15 @@ void DilocoStrategy::gather_to_gateway(const Fragment& fr, const at::Tensor& par
   // ZeRO-3's units: the parts arrive in rank order and are put where their runs lie.
   at::Tensor staging = comm_.is_gateway() ? at::empty({fr.numel}, at::kFloat) : at::Tensor();
   site.gather_parts_to_root(part, staging, counts_of(parts));
-  if (!comm_.is_gateway()) return;
-  int64_t at = 0;
-  for (const auto& runs : parts)
-    for (const parallel::ShardRun& r : runs) {
-      whole.narrow(0, r.flat - fr.offset, r.len).copy_(staging.narrow(0, at, r.len));
-      at += r.len;
-    }
+  if (comm_.is_gateway()) copy_runs(parts, fr.offset, whole, staging, true);
 }
 
 void DilocoStrategy::scatter_from_gateway(const Fragment& fr, const at::Tensor& whole, const at::Tensor& part) {
   const auto parts = site_parts(fr);
   collective::SiteGroup& site = comm_.site();
   if (in_rank_order(parts)) return site.scatter_parts_from_root(whole, part, counts_of(parts));
-  at::Tensor staging;
-  if (comm_.is_gateway()) {
-    staging = at::empty({fr.numel}, at::kFloat);
-    int64_t at = 0;
-    for (const auto& runs : parts)
-      for (const parallel::ShardRun& r : runs) {
-        staging.narrow(0, at, r.len).copy_(whole.narrow(0, r.flat - fr.offset, r.len));
-        at += r.len;
-      }
-  }
+  at::Tensor staging = comm_.is_gateway() ? at::empty({fr.numel}, at::kFloat) : at::Tensor();
+  if (comm_.is_gateway()) copy_runs(parts, fr.offset, whole, staging, false);
   site.scatter_parts_from_root(staging, part, counts_of(parts));
 }
 
@@ -242,12 +235,11 @@ void DilocoStrategy::init(const std::vector<at::Tensor>& params) {
   for (Fragment& fr : fragments_) {
     if (sharded) {
       fr.part = site_parts(fr).at(static_cast<size_t>(rank));
-      fr.part_len = 0;
-      for (const auto& r : fr.part) fr.part_len += r.len;
+      fr.part_len = counts_of({fr.part})[0];
     }
     fr.global = at::empty({fr.part_len}, at::kFloat);
     int64_t at = 0;
-    for (const auto& r : fr.part) {
+    for (const auto& r : fr.part) {  // run by run: no copy of the rest
       fr.global.narrow(0, at, r.len).copy_(read_range(fr, r.flat - fr.offset, r.len));
       at += r.len;
     }
@@ -418,9 +410,9 @@ void DilocoStrategy::send_own_part(Fragment& fr, double weight, double hash) {
   collective::Holdings holdings = wan_holdings(fr);
   const auto& mine = holdings[options_.site_index][static_cast<size_t>(comm_.site().rank())];
   at::Tensor part;
+  int64_t len = 0;
+  for (const auto& span : mine) len += span.end - span.begin;
   if (shard_numel_ > 0) {
-    int64_t len = 0;
-    for (const auto& span : mine) len += span.end - span.begin;
     NEBULA_CHECK(len == fr.part_len, "fragment ", f, ": this worker's part has ", fr.part_len,
                  " values, its WAN holding ", len);
     fr.delta = part = fr.global.clone();
@@ -430,8 +422,6 @@ void DilocoStrategy::send_own_part(Fragment& fr, double weight, double hash) {
       pos += v.numel();
     }
   } else {  // unsharded: the values of this worker's holding, from the whole fragment
-    int64_t len = 0;
-    for (const auto& span : mine) len += span.end - span.begin;
     fr.delta = part = at::empty({len}, at::kFloat);
     int64_t pos = 0;
     for (const auto& span : mine) {

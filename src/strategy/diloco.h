@@ -202,8 +202,12 @@ class DilocoStrategy : public Strategy {
   void write_part(const Fragment& fr, const at::Tensor& values) const { unflatten_into(values, part_views(fr)); }
   void spread_part(const Fragment& fr);
   std::vector<int64_t> part_counts(const Fragment& fr) const;  // every rank's part_len
-  // This worker's part of a whole fragment's values (fr.numel, flat order), and the reverse.
+  // This worker's part of a whole fragment's values (fr.numel, flat order).
   at::Tensor take_part(const Fragment& fr, const at::Tensor& whole) const;
+  // Between `joined` (the runs' values one after another: parts in rank order) and `whole` (the
+  // fragment from flat index `offset`, in flat order), either way.
+  static void copy_runs(const std::vector<std::vector<parallel::ShardRun>>& parts, int64_t offset, const at::Tensor& whole,
+                        const at::Tensor& joined, bool to_whole);
   std::vector<double> site_info() const;
   // The round position (round_position.h) as this object holds it, and back (codec, fragments'
   // rounds, info of the rounds included).

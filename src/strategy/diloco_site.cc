@@ -105,20 +105,15 @@ void DilocoStrategy::set_sharding(const Sharding& shards) {
   // This worker's part of each fragment: its runs of the fragment in the site's layout.
   at::NoGradGuard no_grad;
   for (Fragment& fr : fragments_) {
-    const std::vector<parallel::ShardRun> part = site_parts(fr).at(static_cast<size_t>(site.rank()));
-    int64_t part_len = 0;
-    for (const auto& r : part) part_len += r.len;
+    fr.part = site_parts(fr).at(static_cast<size_t>(site.rank()));
+    fr.part_len = counts_of({fr.part})[0];
     if (expect_sharding_) {  // init() made the part already
-      NEBULA_CHECK(fr.global.numel() == part_len, "set_sharding: init() cut a part of ", fr.global.numel(),
-                   " values, the shards give ", part_len);
-    } else {
-      fr.part = part;
-      fr.part_len = part_len;
+      NEBULA_CHECK(fr.global.numel() == fr.part_len, "set_sharding: init() cut a part of ", fr.global.numel(),
+                   " values, the shards give ", fr.part_len);
+    } else {  // this worker's part of the whole state init() made
       fr.global = take_part(fr, fr.global);
       fr.momentum = take_part(fr, fr.momentum);
     }
-    fr.part = part;
-    fr.part_len = part_len;
   }
 }
 

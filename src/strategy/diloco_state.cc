@@ -146,11 +146,7 @@ void DilocoStrategy::load_resharded(const std::vector<StrategyState>& ranks) {
         if (piece.numel() != counts_of(parts)[q])
           throw DataError(str_cat("the checkpoint of rank ", q, " holds ", piece.numel(), " values of ", key,
                                   ", its layout ", counts_of(parts)[q], ": the model changed"));
-        int64_t at = 0;
-        for (const auto& r : parts[q]) {
-          joined.narrow(0, r.flat - fr.offset, r.len).copy_(piece.narrow(0, at, r.len));
-          at += r.len;
-        }
+        copy_runs({parts[q]}, fr.offset, joined, piece, true);
       }
       whole.tensors[key] = joined;
     }
