@@ -275,7 +275,7 @@ double max_relative_difference(const std::map<std::string, std::string>& a, cons
 // layer, in another order than Gloo's all-reduce with more than 2 workers: see below), with 2
 // workers on one site and 3 on the other (shards padded unless 3 divides the parameter count).
 // ZeRO-3 with dropout runs with [parallel] recompute: its layers, run again in backward, draw the
-// same masks again, so it ends where ZeRO-2 does.
+// same masks again, so it ends where ZeRO-2 does; streaming's ZeRO-3 runs with prefetch.
 TEST(EndToEnd, ZeroOneShardsTheOptimizerAndTrainsAsTheWholeOne) {
   const std::string dir = temp_run_dir("zero1");
   const std::vector<std::pair<std::string, std::string>> runs = {
@@ -290,6 +290,7 @@ TEST(EndToEnd, ZeroOneShardsTheOptimizerAndTrainsAsTheWholeOne) {
     Result r = run(nebula::str_cat("run examples/smoke.toml --set sites.0.workers=2 --set sites.1.workers=3 --set strategy.kind=",
                                    strategy, " --set strategy.inner_steps=10 --set strategy.heterogeneous=false --set job.steps=40",
                                    kind == "streaming" ? " --set strategy.fragments=2 --set strategy.delay=2" : "",
+                                   kind == "streaming" && shard == "full" ? " --set parallel.prefetch=true" : "",
                                    " --set parallel.shard=", shard, " --set job.run_dir=\\\"", dir, "/", name, "\\\""));
     ASSERT_EQ(r.exit_code, 0) << name << "\n" << r.output;
     const std::string log = read_file(dir + "/" + name + "/logs/alpha-0.log");

@@ -275,9 +275,12 @@ struct PeftConfig {
 //  recompute            ZeRO-3 only: keep only each layer's inputs in forward and run the layer
 //                       again in backward (activation checkpointing: about a third more compute
 //                       for the activations' memory); off: keep the activations.
+//  prefetch             ZeRO-3 only: the next layer's all-gather runs (on a second group of the
+//                       site, its own thread) while a layer computes, one layer ahead.
 struct ParallelConfig {
   std::string shard = "none";
   bool recompute = false;
+  bool prefetch = false;
 };
 
 struct SecurityConfig {

@@ -60,6 +60,7 @@ struct GatheredLayer : public torch::autograd::Function<GatheredLayer> {
     ctx->saved_data["self"] = reinterpret_cast<int64_t>(self);
     ctx->saved_data["call"] = index;
     self->gather(call.unit);
+    self->prefetch_after(static_cast<size_t>(index), /*backward=*/false);
     at::Tensor out;
     if (self->recompute()) {
       out = call.body(in);
@@ -80,8 +81,10 @@ struct GatheredLayer : public torch::autograd::Function<GatheredLayer> {
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grad_out) {
     auto* self = reinterpret_cast<FullShard*>(ctx->saved_data["self"].toInt());
-    FullShard::Call& call = self->call(static_cast<size_t>(ctx->saved_data["call"].toInt()));
+    const auto index = static_cast<size_t>(ctx->saved_data["call"].toInt());
+    FullShard::Call& call = self->call(index);
     self->gather(call.unit);
+    self->prefetch_after(index, /*backward=*/true);
     at::Tensor out;
     std::vector<at::Tensor> inputs;
     if (self->recompute()) {
@@ -201,8 +204,11 @@ std::vector<int64_t> FullShard::unit_bounds(const std::vector<at::Tensor>& param
 }
 
 FullShard::FullShard(std::vector<at::Tensor> params, const std::vector<torch::nn::Module*>& layers,
-                     collective::SiteGroup& site, Options options)
-    : params_(std::move(params)), site_(site), options_(options), layout_({0, 0}, 1) {
+                     collective::SiteGroup& site, Options options, std::unique_ptr<collective::SiteGroup> prefetch_group)
+    : params_(std::move(params)), site_(site), options_(options), layout_({0, 0}, 1),
+      prefetch_group_(std::move(prefetch_group)) {
+  NEBULA_CHECK(options_.prefetch == (prefetch_group_ != nullptr),
+               "FullShard: prefetch needs its own group of the site (SiteGroup::fork), given exactly then");
   for (const at::Tensor& p : params_) {
     NEBULA_CHECK(p.scalar_type() == at::kFloat && p.device().is_cpu() && p.is_contiguous(),
                  "parallel.shard = \"full\" on site ", site_.site(), ": a trainable parameter is ", p.scalar_type(),
@@ -253,30 +259,74 @@ FullShard::FullShard(std::vector<at::Tensor> params, const std::vector<torch::nn
   anchor_ = no_values().set_requires_grad(true);
 }
 
-FullShard::~FullShard() = default;
+FullShard::~FullShard() {
+  if (prefetch_.valid()) try {
+      prefetch_.get();
+    } catch (...) {  // a failed prefetch's error is the training thread's, if it is still waiting for it
+    }
+}
 
 int64_t FullShard::held_numel() const {
   int64_t n = 0;
-  for (const at::Tensor& b : buffers_) n += static_cast<int64_t>(b.storage().nbytes() / sizeof(float));
+  for (size_t u = 0; u < buffers_.size(); ++u)
+    n += prefetch_.valid() && u == prefetch_unit_  // being filled on the prefetch thread: whole, soon
+             ? layout_.unit_numel(u)
+             : static_cast<int64_t>(buffers_[u].storage().nbytes() / sizeof(float));
   return n;
+}
+
+void FullShard::fill_unit(size_t u, collective::SiteGroup& group) {
+  const at::Tensor& buffer = buffers_[u];
+  const ShardRun mine = layout_.piece(u, site_.rank());
+  set_storage_bytes(buffer, layout_.unit_numel(u) * static_cast<int64_t>(sizeof(float)));
+  // Written around autograd (no version bump): a graph may hold views of this storage.
+  std::memcpy(buffer.data_ptr<float>() + (mine.flat - layout_.unit_begin(u)), shard_.data_ptr<float>() + mine.local,
+              static_cast<size_t>(mine.len) * sizeof(float));
+  group.all_gather_parts(buffer, layout_.piece_counts(u));
+}
+
+void FullShard::finish_prefetch() {
+  if (!prefetch_.valid()) return;
+  prefetch_.get();  // rethrows the gather's error
+  gathered_[prefetch_unit_] = true;
+  peak_held_ = std::max(peak_held_, held_numel());
+}
+
+void FullShard::start_prefetch(size_t l) {
+  const size_t u = layers_.at(l).unit;
+  if (gathered_[u] || layout_.unit_numel(u) == 0 || (prefetch_.valid() && prefetch_unit_ == u)) return;
+  finish_prefetch();  // one ahead at most
+  prefetch_unit_ = u;
+  prefetch_ = std::async(std::launch::async, [this, u] { fill_unit(u, *prefetch_group_); });
+  peak_held_ = std::max(peak_held_, held_numel());
+}
+
+void FullShard::prefetch_after(size_t call, bool backward) {
+  if (!options_.prefetch || whole_) return;
+  // Forward: the layer the last step called next (the same on every worker: they run the same
+  // model); backward: the one called before this (autograd runs the layers back to front).
+  if (!backward && call + 1 < last_calls_.size())
+    start_prefetch(last_calls_[call + 1]);
+  else if (backward && call > 0)
+    start_prefetch(calls_.at(call - 1).unit);
 }
 
 void FullShard::gather_range(const Range& r, bool to_root) {
   const size_t u = r.unit;
   const at::Tensor& buffer = buffers_[u];
   const bool here = !to_root || site_.rank() == 0;
+  if (prefetch_.valid() && prefetch_unit_ == u) {
+    finish_prefetch();
+    ++prefetch_hits_;
+  }
   if (r.end > r.begin && !gathered_[u]) {
-    const ShardRun mine = layout_.piece(u, site_.rank());
-    const std::vector<int64_t> counts = layout_.piece_counts(u);
     if (to_root) {
+      const ShardRun mine = layout_.piece(u, site_.rank());
       if (here) set_storage_bytes(buffer, (r.end - r.begin) * static_cast<int64_t>(sizeof(float)));
-      site_.gather_parts_to_root(shard_.detach().narrow(0, mine.local, mine.len), here ? buffer : at::Tensor(), counts);
+      site_.gather_parts_to_root(shard_.detach().narrow(0, mine.local, mine.len), here ? buffer : at::Tensor(),
+                                 layout_.piece_counts(u));
     } else {
-      set_storage_bytes(buffer, (r.end - r.begin) * static_cast<int64_t>(sizeof(float)));
-      // Written around autograd (no version bump): a graph may hold views of this storage.
-      std::memcpy(buffer.data_ptr<float>() + (mine.flat - r.begin), shard_.data_ptr<float>() + mine.local,
-                  static_cast<size_t>(mine.len) * sizeof(float));
-      site_.all_gather_parts(buffer, counts);
+      fill_unit(u, site_);
     }
     gathered_[u] = here;
     peak_held_ = std::max(peak_held_, held_numel());
@@ -353,6 +403,12 @@ void FullShard::end_backward() {
     drop_range(r);
   }
   rest_grads_.clear();
+  // A prefetch the backward did not use (a layer called in another order than predicted): freed.
+  finish_prefetch();
+  for (const Range& r : layers_)
+    if (gathered_[r.unit]) drop_range(r);
+  last_calls_.clear();
+  for (const Call& c : calls_) last_calls_.push_back(c.unit);
   calls_.clear();
   in_step_ = false;
 }

@@ -45,6 +45,8 @@
 
 #include <cstdint>
 #include <functional>
+#include <future>
+#include <memory>
 #include <map>
 #include <vector>
 
@@ -56,6 +58,11 @@ namespace nebula::parallel {
 
 struct FullShardOptions {
   bool recompute = false;  // [parallel] recompute: keep only the layers' inputs, run them again in backward
+  // [parallel] prefetch: while a layer computes, the next layer's all-gather runs on a second
+  // group of the site (its own thread), one layer ahead: forward in the order of the last
+  // step's layer calls, backward in the reverse order of this step's. At most the rest, the
+  // layer in use and the one ahead are gathered at once. Needs the `prefetch_group`.
+  bool prefetch = false;
 };
 
 class FullShard : public model::LayerGather {
@@ -65,8 +72,10 @@ class FullShard : public model::LayerGather {
   // parameters must be consecutive in `params`). From here on the parameters hold no values
   // outside a gather (0-element tensors): this worker keeps only its shard.
   using Options = FullShardOptions;
+  // `prefetch_group`: a second group of the site's workers (SiteGroup::fork), exactly when
+  // options.prefetch; the prefetches' collectives run on it, from their own thread.
   FullShard(std::vector<at::Tensor> params, const std::vector<torch::nn::Module*>& layers, collective::SiteGroup& site,
-            Options options = {});
+            Options options = {}, std::unique_ptr<collective::SiteGroup> prefetch_group = nullptr);
   ~FullShard() override;
 
   // This worker's S values of the flat parameter vector (a leaf: AdamW optimizes it in place),
@@ -85,6 +94,10 @@ class FullShard : public model::LayerGather {
   // reset_peak() (measured at every gather).
   int64_t held_numel() const;
   int64_t peak_held_numel() const { return peak_held_; }
+  // Gathers a prefetch had done (or begun) before the layer asked for them.
+  int64_t prefetch_hits() const { return prefetch_hits_; }
+  // Bytes the prefetches sent to the site's other workers (their group's SiteGroup::bytes_sent).
+  uint64_t prefetch_bytes_sent() const { return prefetch_group_ ? prefetch_group_->bytes_sent() : 0; }
   void reset_peak() { peak_held_ = held_numel(); }
 
   void begin_step();
@@ -120,6 +133,9 @@ class FullShard : public model::LayerGather {
   // them: the next gather refills the same storage), else empties them.
   void gather(size_t u);
   void release(size_t u, bool keep_views = false);
+  // With prefetch: starts gathering the layer expected after call `call` (forward) or before it
+  // (backward).
+  void prefetch_after(size_t call, bool backward);
   // Adds weight · the unit's parameter gradients (`grads`, one per parameter, undefined = 0),
   // reduce-scattered over the site, into shard_grad().
   void reduce_gradients(size_t u, const std::vector<at::Tensor>& grads);
@@ -137,6 +153,14 @@ class FullShard : public model::LayerGather {
   void drop_range(const Range& r, bool keep_views = false);
   // Reduce-scatters `grads` (range r's values, weighted) and adds this worker's piece into shard_grad_.
   void reduce_range(const Range& r, at::Tensor grads);
+  // Fills unit u's buffer (storage resized) by an all-gather on `group`; no other state touched,
+  // so the prefetch thread may run it.
+  void fill_unit(size_t u, collective::SiteGroup& group);
+  // Prefetch: starts layer `l`'s gather on the prefetch group (one at a time: an earlier one is
+  // waited for first); finish_prefetch waits for the one in flight and marks its unit gathered.
+  void start_prefetch(size_t l);
+  void finish_prefetch();
+
 
   std::vector<at::Tensor> params_;
   std::vector<std::vector<int64_t>> shapes_;
@@ -156,6 +180,11 @@ class FullShard : public model::LayerGather {
   bool root_only_ = false;            // with_full_model on a rank other than 0: nothing gathered here
   double weight_ = 1;
   int64_t peak_held_ = 0;
+  std::unique_ptr<collective::SiteGroup> prefetch_group_;
+  std::future<void> prefetch_;        // the gather in flight on the prefetch thread (buffers_[prefetch_unit_] is its)
+  size_t prefetch_unit_ = 0;
+  int64_t prefetch_hits_ = 0;
+  std::vector<size_t> last_calls_;    // the last step's layer calls, in forward order (the next forward's prediction)
   std::vector<Call> calls_;           // this step's layer calls
   at::Tensor anchor_;                 // an empty leaf that needs a gradient: every layer call is differentiable
 };

@@ -81,9 +81,10 @@ struct Held {
   std::vector<int64_t> after_forward, after_backward, after_step, peak_in_step;
   std::vector<int64_t> param_values_after_step;  // Σ numel of the parameters after each step
   std::vector<uint64_t> site_bytes;  // SiteGroup::bytes_sent over each step's forward and backward
+  int64_t prefetch_hits = 0, layer_gathers = 0;  // gathers a prefetch served, of all layer gathers
 };
 
-// `shard`: "none", "gradients", "full" or "full+recompute".
+// `shard`: "none", "gradients", "full", "full+recompute" or "full+prefetch".
 Trained train(const std::string& kind, const std::string& shard, collective::SiteGroup& site, int steps,
               Held* held = nullptr) {
   Net net = make_net(kind);
@@ -99,7 +100,9 @@ Trained train(const std::string& kind, const std::string& shard, collective::Sit
         held->rest -= n;
       }
     }
-    full = std::make_unique<FullShard>(params, net.layers, site, FullShardOptions{shard == "full+recompute"});
+    const bool prefetch = shard == "full+prefetch";
+    full = std::make_unique<FullShard>(params, net.layers, site, FullShardOptions{shard == "full+recompute", prefetch},
+                                       prefetch ? site.fork("prefetch") : nullptr);
     net.set_gather(full.get());
   }
   InnerOptimizer o(params, 1e-2, 0.05, full ? "full" : shard, site, full.get());
@@ -107,7 +110,8 @@ Trained train(const std::string& kind, const std::string& shard, collective::Sit
   const double total = site.size() * (site.size() + 1) / 2.0;
   Trained out;
   for (int s = 0; s < steps; ++s) {
-    const uint64_t bytes_before = site.bytes_sent();
+    auto site_bytes = [&] { return site.bytes_sent() + (full ? full->prefetch_bytes_sent() : 0); };
+    const uint64_t bytes_before = site_bytes();
     if (full) {
       full->reset_peak();
       full->begin_step();
@@ -121,7 +125,7 @@ Trained train(const std::string& kind, const std::string& shard, collective::Sit
     if (full && held) {
       held->after_backward.push_back(full->held_numel());
       held->peak_in_step.push_back(full->peak_held_numel());
-      held->site_bytes.push_back(site.bytes_sent() - bytes_before);
+      held->site_bytes.push_back(site_bytes() - bytes_before);
     }
     at::NoGradGuard no_grad;
     at::Tensor average;
@@ -158,6 +162,8 @@ Trained train(const std::string& kind, const std::string& shard, collective::Sit
     if (s == 0) out.first_gradient = average.narrow(0, 0, o.total_numel()).clone();
     o.step();
     if (full && held) {
+      held->prefetch_hits = full->prefetch_hits();
+      held->layer_gathers += 2 * static_cast<int64_t>(net.layers.size());  // each layer: forward and backward
       held->after_step.push_back(full->held_numel());
       int64_t values = 0;
       for (const auto& p : params) values += p.numel();
@@ -190,9 +196,10 @@ double max_relative(const at::Tensor& a, const at::Tensor& b) {
 // step (lr) of ZeRO-2's. Recompute on and off sum in the same order: bit-identical. (The
 // seq2seq's token embedding is used three times, tied: autograd adds its three gradients in
 // another order around ZeRO-3's layers, so its gradient alone is compared.)
+// Prefetch (the next layer's gather on a second group while a layer runs) changes nothing either.
 // The gather spy: after forward only the rest (embeddings, final norms) is gathered, after
 // backward and after the step nothing, no parameter holds values between steps, and at no
-// moment more than the rest and one layer.
+// moment more than the rest and one layer (with prefetch: and the one ahead).
 TEST(FullShard, TrainsAsZeroTwoAndAsTheWholeModel) {
   for (const std::string kind : {"mlm", "seq2seq"}) {
     int64_t numel = 0;
@@ -202,16 +209,18 @@ TEST(FullShard, TrainsAsZeroTwoAndAsTheWholeModel) {
       EXPECT_NE(numel % workers, 0);
       collective::testing::run_site(str_cat("zero3-", kind, "-", workers), workers, [&](collective::SiteGroup& site) {
         const int steps = kind == "mlm" ? 4 : 1;
-        Held held, held_recompute;
+        Held held, held_recompute, held_prefetch;
         const Trained none = train(kind, "none", site, steps);
         const Trained two = train(kind, "gradients", site, steps);
         const Trained three = train(kind, "full", site, steps, &held);
         const Trained recomputed = train(kind, "full+recompute", site, steps, &held_recompute);
+        const Trained prefetched = train(kind, "full+prefetch", site, steps, &held_prefetch);
         EXPECT_GT(none.first_gradient.abs().max().item<float>(), 1e-3);
         EXPECT_TRUE(at::allclose(three.first_gradient, none.first_gradient, 1e-4, 1e-7))
             << "rank " << site.rank() << ": the first step's average gradient differs by up to "
             << (three.first_gradient - none.first_gradient).abs().max().item<float>();
         EXPECT_TRUE(at::equal(three.weights, recomputed.weights)) << "rank " << site.rank() << ": recompute changes the weights";
+        EXPECT_TRUE(at::equal(three.weights, prefetched.weights)) << "rank " << site.rank() << ": prefetch changes the weights";
         if (kind == "mlm") {
           if (workers == 2)
             EXPECT_TRUE(at::equal(three.weights, two.weights))
@@ -221,13 +230,21 @@ TEST(FullShard, TrainsAsZeroTwoAndAsTheWholeModel) {
             EXPECT_LT((three.weights - two.weights).abs().max().item<double>(), 1e-3)
                 << "rank " << site.rank() << ": ZeRO-3 ends more than a tenth of a step from ZeRO-2";
         }
-        for (const Held* h : {&held, &held_recompute})
+        // Every layer gather but the first forward's and the first backward's of a step came from
+        // a prefetch (the first step's forward has no last step to predict from).
+        EXPECT_EQ(held_prefetch.prefetch_hits,
+                  held_prefetch.layer_gathers - 2 * steps - static_cast<int64_t>(make_net(kind).layers.size()) + 1)
+            << "rank " << site.rank();
+        EXPECT_EQ(held.prefetch_hits, 0);
+        for (const Held* h : {&held, &held_recompute, &held_prefetch})
           for (int s = 0; s < steps; ++s) {
             EXPECT_EQ(h->after_forward[s], h->rest) << "step " << s << ": gathered after forward";
             EXPECT_EQ(h->after_backward[s], 0) << "step " << s << ": gathered after backward";
             EXPECT_EQ(h->after_step[s], 0) << "step " << s << ": gathered after the step";
             EXPECT_EQ(h->param_values_after_step[s], 0) << "a parameter keeps its values outside a gather";
-            EXPECT_LE(h->peak_in_step[s], h->rest + h->largest_layer) << "step " << s << ": more than one layer at once";
+            // One layer at once, and with prefetch the one ahead too.
+            const int64_t layers_at_once = h == &held_prefetch ? 2 : 1;
+            EXPECT_LE(h->peak_in_step[s], h->rest + layers_at_once * h->largest_layer) << "step " << s << ": too many layers at once";
             EXPECT_GT(h->peak_in_step[s], h->rest);
             // The site traffic of a step: every layer gathered twice (forward, backward) and
             // reduce-scattered once, the rest gathered once for the step and reduce-scattered:

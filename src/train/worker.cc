@@ -189,7 +189,8 @@ class Trainer {
   void whole(const std::function<void()>& fn, bool gateway = false) { parallel::with_whole_model(full_.get(), fn, gateway); }
   // Bytes this worker sent to its site's other workers so far (both of its groups).
   uint64_t site_bytes_sent() const {
-    return comm_.group->bytes_sent() + (comm_.comm_group ? comm_.comm_group->bytes_sent() : 0);
+    return comm_.group->bytes_sent() + (comm_.comm_group ? comm_.comm_group->bytes_sent() : 0) +
+           (full_ ? full_->prefetch_bytes_sent() : 0);
   }
   // `wan`: the WAN counters before the totals' own exchange.
   nlohmann::json summary(int64_t steps, const std::vector<double>& totals, size_t by_worker_at,
@@ -248,8 +249,9 @@ Trainer::Trainer(const TaskContext& ctx, bool rejoin, Clock::time_point start)
     if (layers.empty())
       throw ConfigError(str_cat(c_.source_path, ": parallel.shard = \"full\" needs a built-in model that runs layer by "
                                 "layer (model.kind = \"", c_.model.kind, "\" does not): use shard = \"gradients\""));
-    full_ = std::make_unique<parallel::FullShard>(params_, layers, *comm_.group,
-                                                  parallel::FullShardOptions{c_.parallel.recompute});
+    full_ = std::make_unique<parallel::FullShard>(
+        params_, layers, *comm_.group, parallel::FullShardOptions{c_.parallel.recompute, c_.parallel.prefetch},
+        c_.parallel.prefetch ? comm_.group->fork("prefetch") : nullptr);
     task_->set_layer_gather(full_.get());
   }
   optimizer_ = std::make_unique<parallel::InnerOptimizer>(params_, c_.model.lr, c_.model.weight_decay,

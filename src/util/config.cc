@@ -454,6 +454,11 @@ Config build(const toml::table& root, const std::string& file) {
       s.fail(t->get("recompute") ? *t->get("recompute") : static_cast<const toml::node&>(*t), "recompute",
              str_cat("recompute = true recomputes ZeRO-3's gathered layers in backward; with shard = \"",
                      c.parallel.shard, "\" there is nothing to recompute: set shard = \"full\" or drop recompute"));
+    s.boolean("prefetch", c.parallel.prefetch);
+    if (c.parallel.prefetch && c.parallel.shard != "full")
+      s.fail(t->get("prefetch") ? *t->get("prefetch") : static_cast<const toml::node&>(*t), "prefetch",
+             str_cat("prefetch = true gathers ZeRO-3's next layer ahead; with shard = \"", c.parallel.shard,
+                     "\" nothing is gathered: set shard = \"full\" or drop prefetch"));
     s.finish();
   }
   if (auto* t = top.table("peft")) {
@@ -711,7 +716,7 @@ std::string to_toml(const Config& c) {
   root.insert("privacy", toml::table{{"clip", c.privacy.clip},
                                      {"noise_multiplier", c.privacy.noise_multiplier},
                                      {"delta", c.privacy.delta}});
-  root.insert("parallel", toml::table{{"shard", c.parallel.shard}, {"recompute", c.parallel.recompute}});
+  root.insert("parallel", toml::table{{"shard", c.parallel.shard}, {"recompute", c.parallel.recompute}, {"prefetch", c.parallel.prefetch}});
   root.insert("security", toml::table{{"insecure", c.security.insecure},
                                       {"certs", c.security.certs},
                                       {"ca", c.security.ca},

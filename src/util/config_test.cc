@@ -125,6 +125,10 @@ TEST(Config, ParallelShard) {
   EXPECT_FALSE(parse_config(kValid, "job.toml").parallel.recompute);
   expect_error(std::string(kValid) + "\n[parallel]\nshard = \"gradients\"\nrecompute = true\n",
                {"job.toml", "parallel.recompute", "shard = \"full\""}, {"strategy.kind=\"diloco\""});
+  const Config f = parse_config(kValid, "job.toml", {"parallel.shard=\"full\"", "parallel.prefetch=true", "strategy.kind=\"diloco\""});
+  EXPECT_TRUE(parse_config(to_toml(f), "again").parallel.prefetch);
+  expect_error(std::string(kValid) + "\n[parallel]\nshard = \"optimizer\"\nprefetch = true\n",
+               {"job.toml", "parallel.prefetch", "shard = \"full\""});
   expect_error(std::string(kValid) + "\n[parallel]\nshard = \"zero1\"\n", {"parallel.shard", "zero1"});
   expect_error(std::string(kValid) + "\n[parallel]\nshards = \"none\"\n", {"shards"});
 }
