@@ -138,14 +138,15 @@ void DilocoStrategy::load_resharded(const std::vector<StrategyState>& ranks) {
       const Fragment& fr = fragments_[j];
       at::Tensor joined = at::empty({fr.numel}, at::kFloat);
       const auto parts = parts_of(fr.range(), old);
+      const std::vector<int64_t> counts = counts_of(parts);
       for (size_t q = 0; q < ranks.size(); ++q) {
         auto it = ranks[q].tensors.find(key);
         if (it == ranks[q].tensors.end())
           throw DataError(str_cat("the checkpoint of rank ", q, " has no strategy tensor ", key));
         const at::Tensor piece = it->second.reshape({-1});
-        if (piece.numel() != counts_of(parts)[q])
+        if (piece.numel() != counts[q])
           throw DataError(str_cat("the checkpoint of rank ", q, " holds ", piece.numel(), " values of ", key,
-                                  ", its layout ", counts_of(parts)[q], ": the model changed"));
+                                  ", its layout ", counts[q], ": the model changed"));
         copy_runs({parts[q]}, fr.offset, joined, piece, true);
       }
       whole.tensors[key] = joined;
