@@ -308,14 +308,35 @@ at::Tensor host_buffer(int64_t n, const std::vector<at::Tensor>& bucket) {
 
 // target += scale · the float32 values in `bytes` (not aligned for float), in slices: no
 // copy of the whole.
-void add_raw_floats(at::Tensor target, std::span<const uint8_t> bytes, double scale) {
+// fn(offset, slice) over the float32 values in `bytes` (any alignment), a slice of up to 64 Ki
+// values at a time copied out: no copy of the whole.
+template <typename F>
+void for_raw_slices(std::span<const uint8_t> bytes, F&& fn) {
   constexpr int64_t kSlice = 1 << 16;
-  at::Tensor slice = at::empty({std::min<int64_t>(kSlice, target.numel())}, at::kFloat);
-  for (int64_t at = 0; at < target.numel(); at += kSlice) {
-    const int64_t k = std::min<int64_t>(kSlice, target.numel() - at);
+  const int64_t n = static_cast<int64_t>(bytes.size() / sizeof(float));
+  at::Tensor slice = at::empty({std::min<int64_t>(kSlice, n)}, at::kFloat);
+  for (int64_t at = 0; at < n; at += kSlice) {
+    const int64_t k = std::min<int64_t>(kSlice, n - at);
     std::memcpy(slice.data_ptr<float>(), bytes.data() + at * sizeof(float), static_cast<size_t>(k) * sizeof(float));
-    target.narrow(0, at, k).add_(slice.narrow(0, 0, k), scale);
+    fn(at, slice.narrow(0, 0, k));
   }
+}
+
+void add_raw_floats(at::Tensor target, std::span<const uint8_t> bytes, double scale) {
+  for_raw_slices(bytes.first(static_cast<size_t>(target.numel()) * sizeof(float)),
+                 [&](int64_t at, const at::Tensor& slice) { target.narrow(0, at, slice.numel()).add_(slice, scale); });
+}
+
+// guard_verdict of the float32 values in `bytes`, read slice by slice.
+std::string raw_guard_verdict(std::span<const uint8_t> bytes, double max_norm) {
+  int64_t nans = 0, infs = 0;
+  double squares = 0;
+  for_raw_slices(bytes, [&](int64_t, const at::Tensor& slice) {
+    nans += at::isnan(slice).sum().item<int64_t>();
+    infs += at::isinf(slice).sum().item<int64_t>();
+    if (max_norm > 0) squares += std::pow(slice.norm().item<double>(), 2);
+  });
+  return guard_verdict(nans, infs, nans + infs == 0 ? std::sqrt(squares) : 0.0, max_norm);
 }
 
 }  // namespace
@@ -443,6 +464,9 @@ std::vector<std::vector<double>> Hierarchy::cross_site(at::Tensor values, const 
     parts.push_back(values);
   }
   wire::ByteWriter w;
+  // Raw floats: the payload's exact size up front, so the buffer is written once, not grown
+  // through copies of up to twice the model.
+  if (!options.codec) w.reserve(64 + 8 * options.site_info.size() + static_cast<size_t>(n) * sizeof(float));
   w.put_u64(static_cast<uint64_t>(n));
   w.put_f64(site_weight);
   w.put_u8(presummed ? 1 : 0);
@@ -511,8 +535,10 @@ std::vector<std::vector<double>> Hierarchy::cross_site(at::Tensor values, const 
     // decodes a site's contribution whole first, for the update guard.
     const double scale = (!presummed && weighted) ? weight : 1.0;
     const bool guard = !presummed;
-    // A single decoded part is the contribution itself.
-    at::Tensor contribution = guard && !(coded && nparts == 1) ? at::empty({n}, at::kFloat) : at::Tensor();
+    // A single decoded part is the contribution itself; raw floats are judged and added
+    // where they lie in the site's bytes (slice by slice: no model-sized copy).
+    at::Tensor contribution = guard && coded && nparts > 1 ? at::empty({n}, at::kFloat) : at::Tensor();
+    std::span<const uint8_t> raw;
     int64_t at = 0;
     for (uint32_t i = 0; i < nparts; ++i) {
       const int64_t numel = parts[i].numel();
@@ -535,7 +561,8 @@ std::vector<std::vector<double>> Hierarchy::cross_site(at::Tensor values, const 
         if (bytes.size() != static_cast<size_t>(numel) * sizeof(float))
           throw Error(str_cat("allreduce: site ", s, " sent ", bytes.size(), " bytes for ", numel, " floats"));
         if (guard) {
-          if (numel) std::memcpy(contribution.narrow(0, at, numel).data_ptr<float>(), bytes.data(), bytes.size());
+          NEBULA_CHECK(nparts == 1, "raw exchange payload of ", nparts, " parts");  // per_tensor parts are coded
+          raw = bytes;
         } else {
           add_raw_floats(sum.narrow(0, at, numel), bytes, scale);
         }
@@ -543,16 +570,22 @@ std::vector<std::vector<double>> Hierarchy::cross_site(at::Tensor values, const 
       at += numel;
     }
     r.expect_done();
-    std::vector<uint8_t>().swap(all[s]);
     if (guard) {
-      std::string why = !bad_weight.empty() ? bad_weight : guard_verdict(contribution, options.max_norm);
+      std::string why = !bad_weight.empty() ? bad_weight
+                        : contribution.defined() ? guard_verdict(contribution, options.max_norm)
+                                                 : raw_guard_verdict(raw, options.max_norm);
       if (!why.empty()) {
         if (rejected) rejected->push_back({s, why});
         ++left_out;
+        std::vector<uint8_t>().swap(all[s]);
         continue;  // left out: as if the site had weight 0
       }
-      sum.add_(contribution, scale);
+      if (contribution.defined())
+        sum.add_(contribution, scale);
+      else
+        add_raw_floats(sum, raw, scale);
     }
+    std::vector<uint8_t>().swap(all[s]);
     total_weight += weight;
   }
   if (weighted) {

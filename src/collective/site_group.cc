@@ -222,15 +222,9 @@ void SiteGroup::parts_with_root(bool to_root, const at::Tensor& part, const at::
   const int tag = (1 << 20) + (to_root ? 0 : 1);  // apart from the rings' step tags
   // A rank's part goes to (gather) or comes from (scatter) rank 0 in one send/recv pair.
   auto post = [&](std::vector<at::Tensor>& t, int peer) {
-    return to_root == (rank_ != 0) ? impl_->pg->send(t, peer, tag) : impl_->pg->recv(t, peer, tag);
+    return to_root ? impl_->pg->recv(t, peer, tag) : impl_->pg->send(t, peer, tag);
   };
-  if (rank_ != 0) {
-    if (part.numel() == 0) return;
-    std::vector<at::Tensor> mine{part};
-    if (to_root) bytes_sent_ += bytes_of(part);
-    run(site_, op, [&] { return post(mine, 0); });
-    return;
-  }
+  if (rank_ != 0) return part_with_root(to_root, part, tag);
   const std::vector<int64_t> at = part_offsets(site_, op, full, counts, size_);
   at::Tensor own = full.narrow(0, 0, counts[0]);
   if (counts[0] > 0 && own.data_ptr() != part.data_ptr()) (to_root ? own : part).copy_(to_root ? part : own);
@@ -245,6 +239,49 @@ void SiteGroup::parts_with_root(bool to_root, const at::Tensor& part, const at::
     }
     for (auto& w : works) w->wait();
   });
+}
+
+void SiteGroup::part_with_root(bool to_root, const at::Tensor& part, int tag) {
+  if (part.numel() == 0) return;
+  std::vector<at::Tensor> mine{part};
+  if (to_root) bytes_sent_ += bytes_of(part);
+  run(site_, to_root ? "gather" : "scatter",
+      [&] { return to_root ? impl_->pg->send(mine, 0, tag) : impl_->pg->recv(mine, 0, tag); });
+}
+
+void SiteGroup::parts_each(bool to_root, const at::Tensor& part, const std::vector<int64_t>& counts,
+                           const PartFn& at_root) {
+  const char* op = to_root ? "gather" : "scatter";
+  NEBULA_CHECK(counts.size() == static_cast<size_t>(size_) && part.numel() == counts[static_cast<size_t>(rank_)] &&
+                   part.is_contiguous() && part.scalar_type() == at::kFloat,
+               "site ", site_, ": ", op, " of a ", part.numel(), "-value part on rank ", rank_,
+               " (want counts[rank], contiguous float32)");
+  const int tag = (1 << 20) + (to_root ? 0 : 1);  // the same pairs as parts_with_root's
+  if (rank_ != 0) return part_with_root(to_root, part, tag);
+  at_root(0, part);
+  if (size_ == 1) return;
+  const int64_t largest = *std::max_element(counts.begin() + 1, counts.end());
+  at::Tensor buffer = at::empty({largest}, at::kFloat);
+  for (size_t i = 1; i < counts.size(); ++i) {
+    if (counts[i] == 0) continue;
+    std::vector<at::Tensor> theirs{buffer.narrow(0, 0, counts[i])};
+    if (!to_root) {
+      at_root(static_cast<int>(i), theirs[0]);
+      bytes_sent_ += bytes_of(theirs[0]);
+    }
+    run(site_, op, [&] {
+      return to_root ? impl_->pg->recv(theirs, static_cast<int>(i), tag) : impl_->pg->send(theirs, static_cast<int>(i), tag);
+    });
+    if (to_root) at_root(static_cast<int>(i), theirs[0]);
+  }
+}
+
+void SiteGroup::gather_parts_each(const at::Tensor& part, const std::vector<int64_t>& counts, const PartFn& at_root) {
+  parts_each(true, part, counts, at_root);
+}
+
+void SiteGroup::scatter_parts_each(const at::Tensor& part, const std::vector<int64_t>& counts, const PartFn& at_root) {
+  parts_each(false, part, counts, at_root);
 }
 
 void SiteGroup::gather_parts_to_root(const at::Tensor& part, const at::Tensor& full,

@@ -84,6 +84,14 @@ class SiteGroup {
   // `full`'s own part (then nothing is copied).
   void gather_parts_to_root(const at::Tensor& part, const at::Tensor& full, const std::vector<int64_t>& counts);
   void scatter_parts_from_root(const at::Tensor& full, const at::Tensor& part, const std::vector<int64_t>& counts);
+  // The same pairs with no `full` on rank 0: it takes the ranks' parts one at a time, in rank
+  // order, through one buffer of the largest count (`part` itself for its own), and hands each
+  // to `at_root(rank, values)`: gather_parts_each after receiving it (the callee puts it where
+  // it goes), scatter_parts_each before sending it (the callee fills it). For parts that do not
+  // lie in rank order in the whole (ZeRO-3's units): no whole-sized staging copy on rank 0.
+  using PartFn = std::function<void(int rank, const at::Tensor& values)>;
+  void gather_parts_each(const at::Tensor& part, const std::vector<int64_t>& counts, const PartFn& at_root);
+  void scatter_parts_each(const at::Tensor& part, const std::vector<int64_t>& counts, const PartFn& at_root);
 
   // Bytes this rank has sent to the site's other ranks since the group was made: exactly, for
   // the send/recv of the part rings and of gather/scatter with the root; for c10d's own
@@ -103,6 +111,9 @@ class SiteGroup {
   void ring_step(const char* op, const at::Tensor& out, int next, const at::Tensor& in, int prev, int tag);
   // gather_parts_to_root (to_root) and scatter_parts_from_root: the same pairs, either way.
   void parts_with_root(bool to_root, const at::Tensor& part, const at::Tensor& full, const std::vector<int64_t>& counts);
+  void parts_each(bool to_root, const at::Tensor& part, const std::vector<int64_t>& counts, const PartFn& at_root);
+  // A non-root rank's side of both: its part sent to (or received from) rank 0.
+  void part_with_root(bool to_root, const at::Tensor& part, int tag);
   struct Impl;
   SiteGroup(std::unique_ptr<Impl> impl, std::string site, int rank, int size, uint16_t store_port);
   std::unique_ptr<Impl> impl_;

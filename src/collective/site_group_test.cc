@@ -129,6 +129,32 @@ void check_part_collectives(const std::vector<int64_t>& counts) {
     g.scatter_parts_from_root(source, got, counts);
     EXPECT_TRUE(at::equal(got, mine)) << "scatter_parts_from_root, " << where;
 
+    // The same pairs with no whole on rank 0: each rank's part handed over in rank order,
+    // through a buffer of the largest part; scatter's callee fills what each rank receives.
+    std::vector<int> order;
+    at::Tensor assembled = r == 0 ? at::full({at.back()}, -1.0f) : at::Tensor();
+    g.gather_parts_each(mine, counts, [&](int q, const at::Tensor& values) {
+      order.push_back(q);
+      ASSERT_EQ(values.numel(), counts[static_cast<size_t>(q)]) << "gather_parts_each, rank " << q;
+      assembled.narrow(0, at[q], counts[q]).copy_(values);
+    });
+    at::Tensor filled = at::full({counts[r]}, -1.0f);
+    g.scatter_parts_each(filled, counts, [&](int q, const at::Tensor& values) {
+      order.push_back(q);
+      values.copy_(expected.narrow(0, at[q], counts[q]));
+    });
+    EXPECT_TRUE(at::equal(filled, mine)) << "scatter_parts_each, " << where;
+    if (r == 0) {
+      EXPECT_TRUE(at::equal(assembled, expected)) << "gather_parts_each";
+      std::vector<int> want;
+      for (int pass = 0; pass < 2; ++pass)
+        for (int q = 0; q < size; ++q)
+          if (q == 0 || counts[static_cast<size_t>(q)] > 0) want.push_back(q);
+      EXPECT_EQ(order, want) << "parts handed over in rank order, empty ones skipped";
+    } else {
+      EXPECT_TRUE(order.empty()) << "the callee runs on rank 0 only";
+    }
+
     // Every rank's contribution: rank q's tensor holds (q + 1) times the values of `expected`
     // (small integers: the sum is exact), so each part must end as Σ (q + 1) = size (size + 1) / 2 times.
     at::Tensor contribution = expected.mul(r + 1);

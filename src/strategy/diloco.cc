@@ -134,19 +134,20 @@ void DilocoStrategy::gather_to_gateway(const Fragment& fr, const at::Tensor& par
   const auto parts = site_parts(fr);
   collective::SiteGroup& site = comm_.site();
   if (in_rank_order(parts)) return site.gather_parts_to_root(part, whole, counts_of(parts));
-  // ZeRO-3's units: the parts arrive in rank order and are put where their runs lie.
-  at::Tensor staging = comm_.is_gateway() ? at::empty({fr.numel}, at::kFloat) : at::Tensor();
-  site.gather_parts_to_root(part, staging, counts_of(parts));
-  if (comm_.is_gateway()) copy_runs(parts, fr.offset, whole, staging, true);
+  // ZeRO-3's units: each rank's part arrives (one at a time, through one buffer of a part's
+  // size) and is put where its runs lie.
+  site.gather_parts_each(part, counts_of(parts), [&](int rank, const at::Tensor& values) {
+    copy_runs({parts[static_cast<size_t>(rank)]}, fr.offset, whole, values, true);
+  });
 }
 
 void DilocoStrategy::scatter_from_gateway(const Fragment& fr, const at::Tensor& whole, const at::Tensor& part) {
   const auto parts = site_parts(fr);
   collective::SiteGroup& site = comm_.site();
   if (in_rank_order(parts)) return site.scatter_parts_from_root(whole, part, counts_of(parts));
-  at::Tensor staging = comm_.is_gateway() ? at::empty({fr.numel}, at::kFloat) : at::Tensor();
-  if (comm_.is_gateway()) copy_runs(parts, fr.offset, whole, staging, false);
-  site.scatter_parts_from_root(staging, part, counts_of(parts));
+  site.scatter_parts_each(part, counts_of(parts), [&](int rank, const at::Tensor& values) {
+    copy_runs({parts[static_cast<size_t>(rank)]}, fr.offset, whole, values, false);
+  });
 }
 
 void DilocoStrategy::spread_part(const Fragment& fr) {
