@@ -24,6 +24,28 @@ class LayerGather {
   virtual at::Tensor run(torch::nn::Module& layer, const std::vector<at::Tensor>& inputs, const Body& body) = 0;
 };
 
+// While a BuildSink is installed on this thread (SinkScope), a built-in model hands it each
+// layer as soon as the layer is built, before the next one is: ZeRO-3 keeps this worker's piece
+// of the layer and lets go of the rest (parallel/full_shard.h, PieceKeeper), so the model is
+// never whole on a worker. Without one, nothing happens.
+class BuildSink {
+ public:
+  virtual ~BuildSink() = default;
+  virtual void layer_built(torch::nn::Module& layer) = 0;
+};
+BuildSink*& build_sink();  // this thread's, or null
+struct SinkScope {
+  explicit SinkScope(BuildSink* sink) : previous(build_sink()) { build_sink() = sink; }
+  ~SinkScope() { build_sink() = previous; }
+  SinkScope(const SinkScope&) = delete;
+  SinkScope& operator=(const SinkScope&) = delete;
+  BuildSink* previous;
+};
+// What a built-in model's constructor calls after building each layer.
+inline void layer_built(torch::nn::Module& layer) {
+  if (BuildSink* sink = build_sink()) sink->layer_built(layer);
+}
+
 // Runs `body` through `gather` if one is set, else directly.
 inline at::Tensor run_layer(LayerGather* gather, torch::nn::Module& layer, const std::vector<at::Tensor>& inputs,
                             const LayerGather::Body& body) {

@@ -8,6 +8,11 @@
 
 namespace nebula::model {
 
+BuildSink*& build_sink() {
+  thread_local BuildSink* sink = nullptr;
+  return sink;
+}
+
 MlmEncoderImpl::MlmEncoderImpl(const ModelConfig& c, int64_t vocab_size, int64_t pad_id)
     : config_(c), pad_id_(pad_id), max_len_(c.max_len), dim_(c.dim) {
   NEBULA_CHECK(vocab_size > 0 && pad_id >= 0 && pad_id < vocab_size, "vocab ", vocab_size, " pad ", pad_id);
@@ -17,6 +22,7 @@ MlmEncoderImpl::MlmEncoderImpl(const ModelConfig& c, int64_t vocab_size, int64_t
   for (int64_t i = 0; i < c.layers; ++i) {
     layers_.push_back(EncoderLayer(c.dim, c.heads, c.ffn, c.dropout));
     list->push_back(layers_.back());
+    layer_built(*layers_.back());  // ZeRO-3 may keep only its piece of it from here
   }
   norm_ = register_module("norm", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.dim})));
   // Small embeddings: the tied output projection starts near uniform.

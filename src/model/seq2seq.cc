@@ -57,6 +57,7 @@ Seq2SeqImpl::Seq2SeqImpl(const ModelConfig& c, int64_t decoder_layers, int64_t v
   for (int64_t i = 0; i < decoder_layers; ++i) {
     layers_.push_back(DecoderLayer(c.dim, c.heads, c.ffn, c.dropout));
     list->push_back(layers_.back());
+    layer_built(*layers_.back());
   }
   norm_ = register_module("decoder_norm", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.dim})));
   at::NoGradGuard no_grad;

@@ -203,14 +203,51 @@ std::vector<int64_t> FullShard::unit_bounds(const std::vector<at::Tensor>& param
   return bounds_of(ranges, start);
 }
 
+void PieceKeeper::layer_built(torch::nn::Module& layer) {
+  at::NoGradGuard no_grad;
+  std::vector<at::Tensor> params = layer.parameters();
+  if (params.empty()) return;
+  int64_t numel = 0;
+  for (const at::Tensor& p : params) {
+    NEBULA_CHECK(p.scalar_type() == at::kFloat && p.device().is_cpu() && p.is_contiguous(),
+                 "parallel.shard = \"full\": a layer's parameter is ", p.scalar_type(), " on ", p.device(),
+                 "; ZeRO-3 runs contiguous float32 parameters on CPU sites only");
+    numel += p.numel();
+  }
+  // The layer as one unit: the same cut FullShard's layout makes of it.
+  const ShardRun mine = ShardLayout({0, numel}, workers_).piece(0, rank_);
+  at::Tensor piece = at::empty({mine.len}, at::kFloat);
+  int64_t at = 0;  // the layer's flat values so far
+  for (at::Tensor& p : params) {
+    const int64_t lo = std::max(mine.flat, at), hi = std::min(mine.flat + mine.len, at + p.numel());
+    if (lo < hi) piece.narrow(0, lo - mine.flat, hi - lo).copy_(p.reshape({-1}).narrow(0, lo - at, hi - lo));
+    at += p.numel();
+    parked_.insert(p.unsafeGetTensorImpl());
+    // Its shape and no values: a tensor of its sizes whose storage holds 0 bytes (as a unit's
+    // buffer between gathers). Nothing reads it before FullShard takes the piece instead.
+    at::Tensor shell = at::empty(p.sizes(), at::kFloat);
+    set_storage_bytes(shell, 0);
+    p.set_data(shell);
+  }
+  pieces_[params.front().unsafeGetTensorImpl()] = std::move(piece);
+}
+
+at::Tensor PieceKeeper::piece_of(const at::Tensor& first) const {
+  auto it = pieces_.find(first.unsafeGetTensorImpl());
+  return it == pieces_.end() ? at::Tensor() : it->second;
+}
+
 FullShard::FullShard(std::vector<at::Tensor> params, const std::vector<torch::nn::Module*>& layers,
-                     collective::SiteGroup& site, Options options, std::unique_ptr<collective::SiteGroup> prefetch_group)
+                     collective::SiteGroup& site, Options options, std::unique_ptr<collective::SiteGroup> prefetch_group,
+                     const PieceKeeper* kept)
     : params_(std::move(params)), site_(site), options_(options), layout_({0, 0}, 1),
       prefetch_group_(std::move(prefetch_group)) {
   NEBULA_CHECK(options_.prefetch == (prefetch_group_ != nullptr),
                "FullShard: prefetch needs its own group of the site (SiteGroup::fork), given exactly then");
+  NEBULA_CHECK(!kept || kept->layers() == 0 || site_.size() > 1, "FullShard: pieces kept for a site of one worker");
   for (const at::Tensor& p : params_) {
-    NEBULA_CHECK(p.scalar_type() == at::kFloat && p.device().is_cpu() && p.is_contiguous(),
+    const bool parked = kept && kept->kept(p);
+    NEBULA_CHECK(p.scalar_type() == at::kFloat && (p.device().is_cpu() || parked) && p.is_contiguous(),
                  "parallel.shard = \"full\" on site ", site_.site(), ": a trainable parameter is ", p.scalar_type(),
                  " on ", p.device(), "; ZeRO-3 runs contiguous float32 parameters on CPU sites only");
     shapes_.push_back(p.sizes().vec());
@@ -238,12 +275,30 @@ FullShard::FullShard(std::vector<at::Tensor> params, const std::vector<torch::nn
   }
   for (const auto& pr : rest_ranges) rest_.push_back(range(pr));
 
-  // This worker's pieces, from the whole parameters; then the parameters let go of their values.
+  // This worker's pieces: the ones kept while the model was built, the others cut from the
+  // whole parameters; then the parameters let go of their values.
   at::NoGradGuard no_grad;
   shard_ = at::zeros({layout_.shard_numel()}, at::kFloat);
-  for (size_t i = 0; i < params_.size(); ++i)
+  std::vector<bool> done(params_.size(), false);
+  for (const Range& r : layers_) {
+    const at::Tensor piece = r.last > r.first && kept ? kept->piece_of(params_[r.first]) : at::Tensor();
+    for (size_t i = r.first; i < r.last; ++i)
+      NEBULA_CHECK(piece.defined() == (kept && kept->kept(params_[i])), "FullShard: trainable parameter #", i,
+                   " was ", piece.defined() ? "not kept with" : "kept apart from", " the rest of its layer");
+    if (!piece.defined()) continue;
+    const ShardRun mine = layout_.piece(r.unit, site_.rank());
+    NEBULA_CHECK(piece.numel() == mine.len, "FullShard: the piece kept of layer unit ", r.unit, " has ", piece.numel(),
+                 " values, the layout gives ", mine.len);
+    shard_.narrow(0, mine.local, mine.len).copy_(piece);
+    for (size_t i = r.first; i < r.last; ++i) done[i] = true;
+  }
+  for (size_t i = 0; i < params_.size(); ++i) {
+    NEBULA_CHECK(done[i] || !kept || !kept->kept(params_[i]), "FullShard: trainable parameter #", i,
+                 " was kept in pieces but belongs to no layer");
+    if (done[i]) continue;
     for (const ShardRun& r : layout_.runs(site_.rank(), start_[i], start_[i + 1] - start_[i]))
       shard_.narrow(0, r.local, r.len).copy_(params_[i].reshape({-1}).narrow(0, r.flat - start_[i], r.len));
+  }
   shard_grad_ = at::zeros({layout_.shard_numel()}, at::kFloat);
   shard_.set_requires_grad(true);
   shard_.mutable_grad() = shard_grad_;

@@ -48,6 +48,7 @@
 #include <future>
 #include <memory>
 #include <map>
+#include <set>
 #include <vector>
 
 #include "collective/site_group.h"
@@ -65,6 +66,30 @@ struct FullShardOptions {
   bool prefetch = false;
 };
 
+// ZeRO-3's initialisation without a whole model (model/layer_gather.h, BuildSink): installed
+// while the task builds its model, it takes each layer as soon as it is built, keeps this
+// worker's piece of it (the layer is one unit: ShardLayout's piece of a unit of the layer's size)
+// and leaves its parameters holding no values (their shapes over storage of 0 bytes), so at most one
+// layer is whole at a time. FullShard then takes the pieces instead of cutting them. The
+// parameters outside the layers (embeddings, norms: the rest) stay whole until FullShard cuts
+// them. Not for PEFT (whose trainable parameters are chosen after the model is built) nor for
+// models loaded from a file (model.init): those are built whole, as before.
+class PieceKeeper : public model::BuildSink {
+ public:
+  PieceKeeper(int64_t workers, int64_t rank) : workers_(workers), rank_(rank) {}
+  void layer_built(torch::nn::Module& layer) override;
+  // This worker's piece of the layer whose first parameter is `first`, or an undefined tensor
+  // when that layer was not kept here.
+  at::Tensor piece_of(const at::Tensor& first) const;
+  bool kept(const at::Tensor& param) const { return parked_.count(param.unsafeGetTensorImpl()) > 0; }
+  size_t layers() const { return pieces_.size(); }
+
+ private:
+  int64_t workers_, rank_;
+  std::map<const c10::TensorImpl*, at::Tensor> pieces_;  // by the layer's first parameter
+  std::set<const c10::TensorImpl*> parked_;              // every parameter of a kept layer
+};
+
 class FullShard : public model::LayerGather {
  public:
   // `params`: the trainable parameters, in the optimizer's order, whole (every worker's the
@@ -74,8 +99,11 @@ class FullShard : public model::LayerGather {
   using Options = FullShardOptions;
   // `prefetch_group`: a second group of the site's workers (SiteGroup::fork), exactly when
   // options.prefetch; the prefetches' collectives run on it, from their own thread.
+  // `kept`: the pieces a PieceKeeper kept while the model was built (its layers' parameters
+  // hold no values, only their shapes); null: every parameter is whole.
   FullShard(std::vector<at::Tensor> params, const std::vector<torch::nn::Module*>& layers, collective::SiteGroup& site,
-            Options options = {}, std::unique_ptr<collective::SiteGroup> prefetch_group = nullptr);
+            Options options = {}, std::unique_ptr<collective::SiteGroup> prefetch_group = nullptr,
+            const PieceKeeper* kept = nullptr);
   ~FullShard() override;
 
   // This worker's S values of the flat parameter vector (a leaf: AdamW optimizes it in place),
@@ -85,6 +113,8 @@ class FullShard : public model::LayerGather {
   int64_t shard_numel() const { return layout_.shard_numel(); }
   int64_t total_numel() const { return layout_.total(); }
   const ShardLayout& layout() const { return layout_; }
+  // The trainable parameters' shapes (the parameters themselves hold no values outside a gather).
+  const std::vector<std::vector<int64_t>>& shapes() const { return shapes_; }
   // The flat vector's unit bounds this model cuts into (ShardLayout): every layer's range and the
   // runs between them. The same on every site of the job, whatever its number of workers, so a
   // site can work out another's layout (wan.mode = "every_worker").

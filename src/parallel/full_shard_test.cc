@@ -32,9 +32,11 @@ at::Tensor tokens(int rank, int step, int salt, int64_t rows, int64_t cols) {
   return t.view({rows, cols});
 }
 
-Net make_net(const std::string& kind) {
+// `sink`: installed while the model is built (ZeRO-3's PieceKeeper), or null.
+Net make_net(const std::string& kind, model::BuildSink* sink = nullptr) {
   static std::mutex seed_lock;  // LibTorch's default generator is the process's: one thread at a time
   std::lock_guard<std::mutex> lock(seed_lock);
+  model::SinkScope building(sink);
   at::manual_seed(5);
   ModelConfig c = model::testing::tiny_model_config();
   c.layers = 2;
@@ -82,13 +84,21 @@ struct Held {
   std::vector<int64_t> param_values_after_step;  // Σ numel of the parameters after each step
   std::vector<uint64_t> site_bytes;  // SiteGroup::bytes_sent over each step's forward and backward
   int64_t prefetch_hits = 0, layer_gathers = 0;  // gathers a prefetch served, of all layer gathers
+  int64_t values_after_build = -1;  // "full+built": the parameters' values right after the model was built
 };
 
-// `shard`: "none", "gradients", "full", "full+recompute" or "full+prefetch".
+// `shard`: "none", "gradients", "full", "full+recompute", "full+prefetch" or "full+built" (the
+// model built under a PieceKeeper: each layer cut as soon as it is built).
 Trained train(const std::string& kind, const std::string& shard, collective::SiteGroup& site, int steps,
               Held* held = nullptr) {
-  Net net = make_net(kind);
+  std::unique_ptr<PieceKeeper> keeper;
+  if (shard == "full+built") keeper = std::make_unique<PieceKeeper>(site.size(), site.rank());
+  Net net = make_net(kind, keeper.get());
   std::vector<at::Tensor> params = net.module->parameters();
+  if (keeper && held) {
+    held->values_after_build = 0;
+    for (const auto& p : params) held->values_after_build += static_cast<int64_t>(p.storage().nbytes() / sizeof(float));
+  }
   std::unique_ptr<FullShard> full;
   if (shard.rfind("full", 0) == 0 && site.size() > 1) {
     if (held) {  // the units' sizes, while the parameters are whole
@@ -102,7 +112,8 @@ Trained train(const std::string& kind, const std::string& shard, collective::Sit
     }
     const bool prefetch = shard == "full+prefetch";
     full = std::make_unique<FullShard>(params, net.layers, site, FullShardOptions{shard == "full+recompute", prefetch},
-                                       prefetch ? site.fork("prefetch") : nullptr);
+                                       prefetch ? site.fork("prefetch") : nullptr, keeper.get());
+    keeper.reset();
     net.set_gather(full.get());
   }
   InnerOptimizer o(params, 1e-2, 0.05, full ? "full" : shard, site, full.get());
@@ -196,7 +207,9 @@ double max_relative(const at::Tensor& a, const at::Tensor& b) {
 // step (lr) of ZeRO-2's. Recompute on and off sum in the same order: bit-identical. (The
 // seq2seq's token embedding is used three times, tied: autograd adds its three gradients in
 // another order around ZeRO-3's layers, so its gradient alone is compared.)
-// Prefetch (the next layer's gather on a second group while a layer runs) changes nothing either.
+// Prefetch (the next layer's gather on a second group while a layer runs) changes nothing either,
+// nor building the model under a PieceKeeper (each layer cut as soon as it is built: after the
+// build only the rest holds values).
 // The gather spy: after forward only the rest (embeddings, final norms) is gathered, after
 // backward and after the step nothing, no parameter holds values between steps, and at no
 // moment more than the rest and one layer (with prefetch: and the one ahead).
@@ -215,6 +228,12 @@ TEST(FullShard, TrainsAsZeroTwoAndAsTheWholeModel) {
         const Trained three = train(kind, "full", site, steps, &held);
         const Trained recomputed = train(kind, "full+recompute", site, steps, &held_recompute);
         const Trained prefetched = train(kind, "full+prefetch", site, steps, &held_prefetch);
+        Held held_built;
+        const Trained built = train(kind, "full+built", site, steps, &held_built);
+        // Built layer by layer, no layer is whole once built (only the rest is, until cut), and
+        // the pieces kept are the ones cut from the whole model: the same training.
+        EXPECT_EQ(held_built.values_after_build, held_built.rest) << "rank " << site.rank();
+        EXPECT_TRUE(at::equal(three.weights, built.weights)) << "rank " << site.rank() << ": built in pieces, other weights";
         EXPECT_GT(none.first_gradient.abs().max().item<float>(), 1e-3);
         EXPECT_TRUE(at::allclose(three.first_gradient, none.first_gradient, 1e-4, 1e-7))
             << "rank " << site.rank() << ": the first step's average gradient differs by up to "
@@ -236,7 +255,7 @@ TEST(FullShard, TrainsAsZeroTwoAndAsTheWholeModel) {
                   held_prefetch.layer_gathers - 2 * steps - static_cast<int64_t>(make_net(kind).layers.size()) + 1)
             << "rank " << site.rank();
         EXPECT_EQ(held.prefetch_hits, 0);
-        for (const Held* h : {&held, &held_recompute, &held_prefetch})
+        for (const Held* h : {&held, &held_recompute, &held_prefetch, &held_built})
           for (int s = 0; s < steps; ++s) {
             EXPECT_EQ(h->after_forward[s], h->rest) << "step " << s << ": gathered after forward";
             EXPECT_EQ(h->after_backward[s], 0) << "step " << s << ": gathered after backward";

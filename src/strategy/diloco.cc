@@ -190,15 +190,64 @@ void DilocoStrategy::with_global_weights(const std::function<void()>& fn) {
 
 void DilocoStrategy::init(const std::vector<at::Tensor>& params) {
   at::NoGradGuard no_grad;
-  params_ = params;
   for (size_t i = 0; i < params.size(); ++i)
     NEBULA_CHECK(params[i].is_contiguous(), "parameter #", i, " of shape ", params[i].sizes(),
                  " is not contiguous: fragments are ranges of the flat parameter vector; make it contiguous");
   std::vector<at::Tensor> state = params;
   state.insert(state.end(), buffers_.begin(), buffers_.end());
   make_replicas_equal(comm_, state);
+  std::vector<std::vector<int64_t>> shapes;
+  for (const auto& p : params) shapes.push_back(p.sizes().vec());
+  params_ = params;
+  // Sharded (expect_sharding): only this worker's part, its runs of the fragment in the site's
+  // layout, read straight from the parameters; set_sharding() checks it against the layout.
+  init_fragments(shapes, [&](const Fragment& fr, const parallel::ShardRun& r) {
+    return read_range(fr, r.flat - fr.offset, r.len);
+  });
+}
+
+void DilocoStrategy::init_from_shard(const std::vector<at::Tensor>& params,
+                                     const std::vector<std::vector<int64_t>>& shapes, const at::Tensor& shard) {
+  at::NoGradGuard no_grad;
+  NEBULA_CHECK(params.size() == shapes.size() && shard.dim() == 1 && shard.scalar_type() == at::kFloat &&
+                   !unit_bounds_.empty(),
+               "init_from_shard: ", params.size(), " parameters, ", shapes.size(), " shapes, a shard of ",
+               shard.sizes(), " (want one shape per parameter, 1-D float32, set_unit_bounds first)");
+  make_replicas_equal(comm_, buffers_);  // the buffers are whole, as init() makes them equal
+  params_ = params;
+  const bool sharded = comm_.site().size() > 1;
+  NEBULA_CHECK(sharded == expect_sharding_, "init_from_shard on a site of ", comm_.site().size(),
+               " workers: expect_sharding() exactly when the site has more than one");
+  // The parts as in init(): a worker's runs lie at their local offsets in its shard; a site of
+  // one worker holds the flat vector itself.
+  init_fragments(shapes, [&](const Fragment&, const parallel::ShardRun& r) {
+    return shard.narrow(0, sharded ? r.local : r.flat, r.len);
+  });
+  // Every site built its replica from the same seed: the whole θ_global's CRC (taken over the
+  // site's pieces in flat order, whatever its layout) must be global rank 0's. Nothing can put
+  // it right from here (the pieces are all there is), so a difference is an error.
+  std::vector<at::Tensor> globals;
+  std::vector<std::vector<std::vector<parallel::ShardRun>>> parts;
+  for (const Fragment& fr : fragments_) {
+    globals.push_back(fr.global);
+    if (sharded) parts.push_back(site_parts(fr));
+  }
+  const double hash = strategy::global_hash(comm_, globals, parts);
+  if (!replicas_agree(comm_, static_cast<uint32_t>(hash), comm_.is_gateway()))
+    throw Error(str_cat("site '", comm_.site().site(), "' (site #", options_.site_index,
+                        "): the initial weights differ between sites (CRC of this site's ", total_numel_,
+                        " values: ", static_cast<uint32_t>(hash), "); with parallel.shard = \"full\" each worker "
+                        "builds only its pieces of the model and none holds a whole copy to send: give every site "
+                        "the same job.seed, model and model.init"));
+}
+
+void DilocoStrategy::init_fragments(const std::vector<std::vector<int64_t>>& shapes, const PartReader& read) {
   total_numel_ = 0;
-  for (const auto& p : params) total_numel_ += p.numel();
+  for (const auto& shape : shapes) {
+    int64_t n = 1;
+    for (int64_t d : shape) n *= d;
+    total_numel_ += n;
+  }
   buffer_numel_ = 0;
   for (const auto& b : buffers_) buffer_numel_ += b.numel();
   if (buffer_numel_ > 0 && options_.dp_clip > 0 && comm_.is_gateway())
@@ -208,8 +257,6 @@ void DilocoStrategy::init(const std::vector<at::Tensor>& params) {
 
   // Fragments: F ranges of the flat parameter vector, cut between rows (fragment_schedule.h).
   const int64_t total = total_numel_;
-  std::vector<std::vector<int64_t>> shapes;
-  for (const auto& p : params) shapes.push_back(p.sizes().vec());
   std::vector<FragmentCut> cuts = cut_fragments(shapes, options_.fragments);
   if (static_cast<int64_t>(cuts.size()) != options_.fragments)
     spdlog::warn("strategy.fragments = {} but the model has {} values: using {}", options_.fragments, total, cuts.size());
@@ -229,8 +276,6 @@ void DilocoStrategy::init(const std::vector<at::Tensor>& params) {
     fragments_[j].part = {{fragments_[j].offset, 0, fragments_[j].numel}};
     fragments_[j].part_len = fragments_[j].numel;
   }
-  // Sharded (expect_sharding): only this worker's part, its runs of the fragment in the site's
-  // layout, read straight from the parameters; set_sharding() checks it against the layout.
   const int64_t n = comm_.site().size(), rank = comm_.site().rank();
   const bool sharded = expect_sharding_ && n > 1;
   for (Fragment& fr : fragments_) {
@@ -241,7 +286,7 @@ void DilocoStrategy::init(const std::vector<at::Tensor>& params) {
     fr.global = at::empty({fr.part_len}, at::kFloat);
     int64_t at = 0;
     for (const auto& r : fr.part) {  // run by run: no copy of the rest
-      fr.global.narrow(0, at, r.len).copy_(read_range(fr, r.flat - fr.offset, r.len));
+      fr.global.narrow(0, at, r.len).copy_(read(fr, r));
       at += r.len;
     }
     fr.momentum = at::zeros({fr.part_len}, at::kFloat);

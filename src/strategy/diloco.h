@@ -96,6 +96,8 @@ class DilocoStrategy : public Strategy {
   ~DilocoStrategy() override;
   std::string name() const override { return options_.name; }
   void init(const std::vector<at::Tensor>& params) override;
+  void init_from_shard(const std::vector<at::Tensor>& params, const std::vector<std::vector<int64_t>>& shapes,
+                       const at::Tensor& shard) override;
   // The site's own data parallel step: gradients averaged over the site's workers, weighted.
   void sync_gradients(const std::vector<at::Tensor>& params, double weight) override;
   // ZeRO: this worker keeps its shard of θ_global and the outer momentum (and of θ_local at a
@@ -186,6 +188,10 @@ class DilocoStrategy : public Strategy {
   void gather_to_gateway(const Fragment& fr, const at::Tensor& part, const at::Tensor& whole);
   void scatter_from_gateway(const Fragment& fr, const at::Tensor& whole, const at::Tensor& part);
   void merge(size_t f);
+  // init()'s and init_from_shard()'s common part: the fragments cut from the parameters'
+  // `shapes`, and each one's θ_global (this worker's part when sharded) read run by run.
+  using PartReader = std::function<at::Tensor(const Fragment& fr, const parallel::ShardRun& run)>;
+  void init_fragments(const std::vector<std::vector<int64_t>>& shapes, const PartReader& read);
   void start_round(int64_t steps);
   void set_codec(const std::string& kind);
   // Fragment fr's values of the parameters as one float32 host vector, and back (in place).

@@ -15,6 +15,7 @@
 #include "model/mlm_batch.h"
 #include "model/mlm_encoder.h"
 #include "model/testing.h"
+#include "parallel/shard_layout.h"
 
 namespace nebula::strategy {
 namespace {
@@ -514,6 +515,58 @@ TEST(Diloco, ShardedOuterStateWithALossyCodec) { check_sharded_outer_state(1, 0,
 TEST(Streaming, ShardedOuterStateWithFragmentsAndDelay) {
   check_sharded_outer_state(3, 1, "none");
   check_sharded_outer_state(4, 1, "int8", {2, 4});  // fragments smaller than a shard: some parts are empty
+}
+
+// ZeRO-3's start (init_from_shard): a site of two workers hands each its shard in the unit
+// layout, a site of one its flat vector. Built from one seed, the sites' θ_global agree (the
+// two-worker site's CRC is combined from its pieces in flat order, the other's is of the whole)
+// and the one-worker site's is its parameters; built from
+// two seeds, every worker of both sites stops at once with an error naming the mismatch
+// (nothing can be copied: no worker holds the whole model).
+TEST(Diloco, ZeroThreeStartsFromTheShardsAndRefusesReplicasThatDiffer) {
+  for (const bool same : {true, false}) {
+    SCOPED_TRACE(same ? "one seed" : "two seeds");
+    collective::testing::run_cluster({2, 1}, [&](collective::testing::Rank& r) {
+      model::MlmEncoder m = make_model(same ? 7 : 7 + r.site);
+      std::vector<at::Tensor> params = m->parameters();
+      std::vector<std::vector<int64_t>> shapes;
+      int64_t total = 0;
+      for (const auto& p : params) {
+        shapes.push_back(p.sizes().vec());
+        total += p.numel();
+      }
+      const std::vector<int64_t> bounds{0, total / 3, total};
+      const at::Tensor flat = flatten(params);
+      collective::SiteGroup& site = r.hierarchy->site();
+      at::Tensor shard = flat;
+      if (site.size() > 1) {  // this worker's pieces, as FullShard cuts them
+        const parallel::ShardLayout layout(bounds, site.size());
+        shard = at::zeros({layout.shard_numel()});
+        for (const parallel::ShardRun& run : layout.runs(site.rank(), 0, total))
+          shard.narrow(0, run.local, run.len).copy_(flat.narrow(0, run.flat, run.len));
+      }
+      DilocoStrategy s(*r.hierarchy, options(4, 2, r.site));
+      if (site.size() > 1) s.expect_sharding();
+      s.set_unit_bounds(bounds);
+      if (!same) {
+        try {
+          s.init_from_shard(params, shapes, shard);
+          ADD_FAILURE() << "replicas built from two seeds were accepted";
+        } catch (const Error& e) {
+          EXPECT_NE(std::string(e.what()).find("initial weights differ between sites"), std::string::npos) << e.what();
+        }
+        return;
+      }
+      s.init_from_shard(params, shapes, shard);
+      // θ_global is what the parameters held: evaluated with it, the replica is unchanged.
+      if (site.size() == 1) {
+        at::Tensor theta;
+        s.with_global_weights([&] { theta = flatten(params); });
+        EXPECT_TRUE(at::equal(theta, flat));
+      }
+      EXPECT_THROW(s.init_from_shard(params, {}, shard), Error);  // a shape per parameter
+    });
+  }
 }
 
 // Heterogeneous sites: a site three times faster runs three times the inner steps per round

@@ -61,6 +61,18 @@ void load_codec_states(collective::Hierarchy& comm, const StrategyState& in) {
   if (comm.is_gateway() || comm.every_worker()) comm.set_codec_states(std::move(states));
 }
 
+bool replicas_agree(collective::Hierarchy& comm, uint32_t crc, bool counts) {
+  // Rank 0's CRC as four bytes (float32 holds them exactly), then how many workers differ.
+  at::Tensor digits = at::empty({4}, at::kFloat);
+  for (int i = 0; i < 4; ++i) digits[i] = static_cast<float>((crc >> (8 * i)) & 0xFF);
+  comm.broadcast_from_first(digits);
+  uint32_t first = 0;
+  for (int i = 0; i < 4; ++i) first |= static_cast<uint32_t>(digits[i].item<float>()) << (8 * i);
+  at::Tensor differ = at::full({1}, counts && first != crc ? 1.0f : 0.0f, at::kFloat);
+  comm.allreduce(differ, {collective::ReduceOp::kSum, 1.0});
+  return differ.item<float>() == 0;
+}
+
 void make_replicas_equal(collective::Hierarchy& comm, const std::vector<at::Tensor>& params) {
   at::NoGradGuard no_grad;
   // The CRC of the flat vector, tensor by tensor: no copy of the whole model unless they differ.
@@ -69,15 +81,7 @@ void make_replicas_equal(collective::Hierarchy& comm, const std::vector<at::Tens
     const at::Tensor c = p.reshape({-1}).to(at::kCPU, at::kFloat).contiguous();  // CPU float32: the tensor itself
     crc = wire::crc32(crc, {static_cast<const uint8_t*>(c.data_ptr()), static_cast<size_t>(c.numel()) * sizeof(float)});
   }
-  // Rank 0's CRC as four bytes (float32 holds them exactly), then how many workers differ.
-  at::Tensor digits = at::empty({4}, at::kFloat);
-  for (int i = 0; i < 4; ++i) digits[i] = static_cast<float>((crc >> (8 * i)) & 0xFF);
-  comm.broadcast_from_first(digits);
-  uint32_t first = 0;
-  for (int i = 0; i < 4; ++i) first |= static_cast<uint32_t>(digits[i].item<float>()) << (8 * i);
-  at::Tensor differ = at::full({1}, first == crc ? 0.0f : 1.0f, at::kFloat);
-  comm.allreduce(differ, {collective::ReduceOp::kSum, 1.0});
-  if (differ.item<float>() == 0) return;
+  if (replicas_agree(comm, crc)) return;
   at::Tensor flat = flatten(params);
   comm.broadcast_from_first(flat);
   unflatten_into(flat, params);

@@ -54,6 +54,14 @@ class Strategy {
   void set_buffers(std::vector<at::Tensor> buffers) { buffers_ = std::move(buffers); }
   // Makes every worker's parameters (and buffers) equal to global rank 0's.
   virtual void init(const std::vector<at::Tensor>& params) = 0;
+  // init() for a job with shard = "full" (ZeRO-3), on every site: the parameters hold no values
+  // (FullShard has them: `shapes` are theirs), `shard` holds this worker's values in the site's
+  // unit layout (a site of one worker: the whole flat vector). The replicas are checked to be
+  // equal (they are built from one seed) rather than made so: a difference is an error.
+  virtual void init_from_shard(const std::vector<at::Tensor>& /*params*/,
+                               const std::vector<std::vector<int64_t>>& /*shapes*/, const at::Tensor& /*shard*/) {
+    throw ConfigError(str_cat("parallel.shard = \"full\" does not run with strategy.kind = \"", name(), "\""));
+  }
   // Called just before backward, with this worker's weight for the step, so that a strategy
   // can start sending gradients while backward still runs. Optional.
   virtual void before_backward(double weight) {}
@@ -148,6 +156,9 @@ codec::CodecOptions wan_codec_options(const StrategyConfig& config);
 // are usually equal already, so first a CRC-32 of rank 0's values is compared everywhere (a
 // few bytes on the WAN); the full broadcast runs only where some replica differs.
 void make_replicas_equal(collective::Hierarchy& comm, const std::vector<at::Tensor>& params);
+// The comparison alone: whether global rank 0's `crc` equals every worker's that `counts` (a job
+// collective: every worker calls it; a few bytes on the WAN).
+bool replicas_agree(collective::Hierarchy& comm, uint32_t crc, bool counts = true);
 
 // Flattens tensors into one contiguous float32 vector in host memory (whatever their device),
 // and back (in place, onto their device; integer tensors get the values rounded to the nearest).

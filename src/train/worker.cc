@@ -230,7 +230,16 @@ Trainer::Trainer(const TaskContext& ctx, bool rejoin, Clock::time_point start)
       // (with [distill] the one other site is the teacher: its link goes to the task).
       comm_(site::connect_site(c_, who_, rejoin)),
       metrics_(c_.job.run_dir + "/metrics.jsonl") {
-  task_ = make_task(ctx, comm_.teacher.get());
+  // ZeRO-3: each layer is cut as soon as it is built (parallel::PieceKeeper), so the model is
+  // never whole here; not for PEFT or a model loaded from a file (built whole, then cut).
+  const bool zero3 = c_.parallel.shard == "full" && workers_ > 1;
+  std::unique_ptr<parallel::PieceKeeper> keeper;
+  if (zero3 && c_.peft.kind == "none" && c_.model.init.empty())
+    keeper = std::make_unique<parallel::PieceKeeper>(workers_, comm_.group->rank());
+  {
+    model::SinkScope building(keeper.get());
+    task_ = make_task(ctx, comm_.teacher.get());
+  }
   params_ = task_->trainable();
   for (const auto& p : params_) trainable_values_ += p.numel();
   for (const auto& p : task_->module().parameters()) model_values_ += p.numel();
@@ -241,18 +250,27 @@ Trainer::Trainer(const TaskContext& ctx, bool rejoin, Clock::time_point start)
   if (c_.parallel.shard != "none" && workers_ > 1) strategy_->expect_sharding();  // InnerOptimizer::sharded()
   // ZeRO-3's units, on every site (one of one worker too: the others cut their exchanges by them).
   if (c_.parallel.shard == "full") strategy_->set_unit_bounds(parallel::FullShard::unit_bounds(params_, task_->layers()));
-  strategy_->init(params_);
   // ZeRO-3: from here on this worker holds its shard of the parameters only; the model gathers
   // each layer where it runs, and whole() gathers all of them for evaluation and checkpoints.
-  if (c_.parallel.shard == "full" && workers_ > 1) {
+  // The strategy's state is made from the shard (every site of the job alike, one of one worker
+  // from its whole flat vector), never from a whole model.
+  if (zero3) {
     const std::vector<torch::nn::Module*> layers = task_->layers();
     if (layers.empty())
       throw ConfigError(str_cat(c_.source_path, ": parallel.shard = \"full\" needs a built-in model that runs layer by "
                                 "layer (model.kind = \"", c_.model.kind, "\" does not): use shard = \"gradients\""));
     full_ = std::make_unique<parallel::FullShard>(
         params_, layers, *comm_.group, parallel::FullShardOptions{c_.parallel.recompute, c_.parallel.prefetch},
-        c_.parallel.prefetch ? comm_.group->fork("prefetch") : nullptr);
+        c_.parallel.prefetch ? comm_.group->fork("prefetch") : nullptr, keeper.get());
+    keeper.reset();  // its pieces are in the shard now
     task_->set_layer_gather(full_.get());
+    strategy_->init_from_shard(params_, full_->shapes(), full_->shard().detach());
+  } else if (c_.parallel.shard == "full") {
+    std::vector<std::vector<int64_t>> shapes;
+    for (const auto& p : params_) shapes.push_back(p.sizes().vec());
+    strategy_->init_from_shard(params_, shapes, strategy::flatten(params_));
+  } else {
+    strategy_->init(params_);
   }
   optimizer_ = std::make_unique<parallel::InnerOptimizer>(params_, c_.model.lr, c_.model.weight_decay,
                                                           c_.parallel.shard, *comm_.group, full_.get());
