@@ -9,6 +9,7 @@
 
 #include "nebula/error.h"
 #include "strategy/replica_check.h"
+#include "util/allocator.h"
 
 namespace nebula::strategy {
 
@@ -370,6 +371,7 @@ void DilocoStrategy::send(size_t f) {
   Fragment& fr = fragments_[f];
   if (fr.in_flight) merge(f);  // a round shorter than the delay: merge before sending again
   at::NoGradGuard no_grad;
+  release_free_memory();  // the step's activations, before the exchange's fragment-sized buffers
   // θ_local at the send is needed at the merge only if training goes on in between (delay > 0).
   if (options_.delay > 0) fr.sent_local = read_part(fr);
   fr.round = rounds_;
@@ -599,6 +601,7 @@ void DilocoStrategy::merge(size_t f) {
   spread_part(fr);
   fr.in_flight = false;
   ++outer_steps_;
+  release_free_memory();  // the exchange's buffers, before the next step's activations
 }
 
 void DilocoStrategy::privatize(at::Tensor& delta) {

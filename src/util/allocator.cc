@@ -9,4 +9,6 @@ bool tune_allocator() {
   return ::mallopt(M_MMAP_THRESHOLD, kThreshold) == 1 && ::mallopt(M_TRIM_THRESHOLD, kThreshold) == 1;
 }
 
+void release_free_memory() { ::malloc_trim(0); }
+
 }  // namespace nebula
