@@ -32,8 +32,10 @@ void DilocoStrategy::sync_gradients(const std::vector<at::Tensor>& params, doubl
   };
   if (flat_grad_.defined()) {
     // ZeRO-2: the weighted gradients are reduce-scattered where they are, the tail all-reduced
-    // beside them; this worker's shard ends as the site's average. ZeRO-3's layers did the
-    // weighting and the reduce-scatter in backward already.
+    // beside them; this worker's shard ends as the site's average and the rest of every .grad
+    // is zeroed (the ring leaves partial sums there): a reader of p.grad sees this worker's
+    // part of the site's average and 0 elsewhere. ZeRO-3's layers did the weighting and the
+    // reduce-scatter in backward already.
     at::Tensor tail = at::empty({1 + buffer_numel_}, at::kFloat);
     pack_tail(tail);
     at::Tensor shard = flat_grad_;
@@ -41,6 +43,9 @@ void DilocoStrategy::sync_gradients(const std::vector<at::Tensor>& params, doubl
       flat_grad_.mul_(weight);
       shard = flat_grad_.narrow(0, site.rank() * shard_numel_, shard_numel_);
       site.reduce_scatter_sum(flat_grad_, shard);
+      const int64_t begin = site.rank() * shard_numel_, end = begin + shard_numel_;
+      flat_grad_.narrow(0, 0, begin).zero_();
+      flat_grad_.narrow(0, end, flat_grad_.numel() - end).zero_();
     }
     site.allreduce_sum(tail);
     shard.div_(unpack_tail(tail));
