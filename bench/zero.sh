@@ -98,8 +98,8 @@ for shard in "${shards[@]}"; do
     run "$name-tiny" "${job[@]}" --set job.run_dir="\"$out/$name-tiny\"" "${tiny[@]}" || killed=$?
   fi
   if ((killed != 0)); then
-    printf "%-15s killed for memory inside the job's cgroup of %s MiB; its log ends: %s\n" "$name" "$limit_mb" \
-      "$(grep -v '^\s*$' "$out/$name.log" | tail -1)"
+    printf "%-15s killed for memory inside the job's cgroup of %s MiB; the launcher says: %s\n" "$name" "$limit_mb" \
+      "$(grep -m1 'error:' "$out/$name.log" || grep -v '^\s*$' "$out/$name.log" | tail -1)"
     continue
   fi
   rows+=("$name")
