@@ -281,6 +281,7 @@ struct ParallelConfig {
   std::string shard = "none";
   bool recompute = false;
   bool prefetch = false;
+  uint64_t bucket_bytes = 4ull << 20;  // ZeRO-2 reduce-scatters the gradients in buckets of about this size during backward
 };
 
 struct SecurityConfig {

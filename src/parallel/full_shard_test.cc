@@ -130,9 +130,9 @@ Trained train(const std::string& kind, const std::string& shard, collective::Sit
     at::Tensor loss = net.loss(site.rank(), s);
     if (full && held) held->after_forward.push_back(full->held_numel());
     o.zero_grad();
-    if (full) full->set_grad_weight(weight);
+    o.before_backward(weight);  // ZeRO-2's buckets and ZeRO-3's layers reduce-scatter as backward runs
     loss.backward();
-    if (full) full->end_backward();
+    o.end_backward();
     if (full && held) {
       held->after_backward.push_back(full->held_numel());
       held->peak_in_step.push_back(full->peak_held_numel());
@@ -140,24 +140,16 @@ Trained train(const std::string& kind, const std::string& shard, collective::Sit
     }
     at::NoGradGuard no_grad;
     at::Tensor average;
-    if (full) {
+    if (o.gradients_sharded()) {  // ZeRO-2 and ZeRO-3: this worker's S values of Σ w · g
+      for (const auto& p : params) EXPECT_FALSE(p.grad().defined()) << "a .grad after a sharded backward";
       o.flat_grad().div_(total);
       at::Tensor shards = at::empty({o.state_numel() * site.size()});
       site.all_gather(o.flat_grad(), shards);
-      const ShardLayout& layout = full->layout();
+      const ShardLayout layout = o.layout();
       average = at::empty({o.total_numel()});  // each worker's pieces where they lie
       for (int q = 0; q < site.size(); ++q)
         for (const ShardRun& r : layout.runs(q, 0, o.total_numel()))
           average.narrow(0, r.flat, r.len).copy_(shards.narrow(0, q * layout.shard_numel() + r.local, r.len));
-    } else if (o.gradients_sharded()) {
-      at::Tensor flat = o.flat_grad();
-      flat.mul_(weight);
-      const int64_t n = flat.numel() / site.size();
-      at::Tensor mine = flat.narrow(0, site.rank() * n, n);
-      site.reduce_scatter_sum(flat, mine);
-      mine.div_(total);
-      average = at::empty_like(flat);
-      site.all_gather(mine, average);
     } else {
       std::vector<at::Tensor> g;
       for (const auto& p : params) g.push_back(p.grad().reshape({-1}).mul(weight));

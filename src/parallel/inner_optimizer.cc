@@ -13,7 +13,8 @@
 namespace nebula::parallel {
 
 InnerOptimizer::InnerOptimizer(std::vector<at::Tensor> params, double lr, double weight_decay,
-                               const std::string& shard, collective::SiteGroup& site, FullShard* full)
+                               const std::string& shard, collective::SiteGroup& site, FullShard* full,
+                               uint64_t bucket_bytes)
     : params_(std::move(params)), site_(site), full_(full) {
   NEBULA_CHECK(shard == "none" || shard == "optimizer" || shard == "gradients" || shard == "full",
                "parallel.shard = \"", shard, "\": the inner optimizer runs \"none\", \"optimizer\" (ZeRO-1), "
@@ -43,20 +44,29 @@ InnerOptimizer::InnerOptimizer(std::vector<at::Tensor> params, double lr, double
     const int64_t n = site_.size();
     shard_numel_ = parallel::shard_numel(total_numel_, n);
     flat_ = at::zeros({shard_numel_ * n});
-    flat_grad_ = at::zeros({shard_numel_ * n});
+    // ZeRO-1: the gradients in one flat buffer of the same layout; ZeRO-2: this worker's S only,
+    // which the buckets fill while backward runs (gradient_buckets.h).
+    flat_grad_ = at::zeros({gradients_sharded_ ? shard_numel_ : shard_numel_ * n});
     int64_t offset = 0;
     for (auto& p : params_) {
       at::Tensor view = flat_.narrow(0, offset, p.numel()).view(p.sizes());
       view.copy_(p);
       p.set_data(view);
-      // Backward accumulates into a defined .grad in place: the gradients stay views of
-      // flat_grad_ (zero_grad zeroes them, never drops them).
-      grad_views_.push_back(flat_grad_.narrow(0, offset, p.numel()).view(p.sizes()));
-      p.mutable_grad() = grad_views_.back();
+      if (!gradients_sharded_) {
+        // Backward accumulates into a defined .grad in place: the gradients stay views of
+        // flat_grad_ (zero_grad zeroes them, never drops them).
+        grad_views_.push_back(flat_grad_.narrow(0, offset, p.numel()).view(p.sizes()));
+        p.mutable_grad() = grad_views_.back();
+      }
       offset += p.numel();
     }
     shard_ = flat_.narrow(0, site_.rank() * shard_numel_, shard_numel_).detach().set_requires_grad(true);
-    shard_.mutable_grad() = flat_grad_.narrow(0, site_.rank() * shard_numel_, shard_numel_);
+    shard_.mutable_grad() =
+        gradients_sharded_ ? flat_grad_ : flat_grad_.narrow(0, site_.rank() * shard_numel_, shard_numel_);
+    if (gradients_sharded_) {
+      for (auto& p : params_) p.mutable_grad() = at::Tensor();
+      buckets_ = std::make_unique<GradientBuckets>(params_, site_, flat_grad_, bucket_bytes);
+    }
     optimized_ = {shard_};
   } else if (!full_) {
     optimized_ = params_;
@@ -86,7 +96,7 @@ double InnerOptimizer::clip_grad_norm(double max_norm) {
   if (!gradients_sharded_) return torch::nn::utils::clip_grad_norm_(params_, max_norm);
   // ZeRO-2/3: this worker holds the site's average for its shard only.
   at::NoGradGuard no_grad;
-  at::Tensor mine = full_ ? flat_grad_ : flat_grad_.narrow(0, site_.rank() * shard_numel_, shard_numel_);
+  const at::Tensor& mine = flat_grad_;  // this worker's shard of the site's average
   at::Tensor sq = mine.pow(2).sum().reshape({1});
   site_.allreduce_sum(sq);
   const double norm = std::sqrt(sq.item<double>());
@@ -100,7 +110,20 @@ void InnerOptimizer::zero_grad() {
     return;
   }
   flat_grad_.zero_();
-  if (!full_) rebind_grads();
+  if (buckets_)
+    for (auto& p : params_) p.mutable_grad() = at::Tensor();
+  else if (!full_)
+    rebind_grads();
+}
+
+void InnerOptimizer::before_backward(double weight) {
+  if (buckets_) buckets_->arm(weight);
+  if (full_) full_->set_grad_weight(weight);
+}
+
+void InnerOptimizer::end_backward() {
+  if (buckets_) buckets_->finish();
+  if (full_) full_->end_backward();
 }
 
 void InnerOptimizer::rebind_grads() {

@@ -19,11 +19,15 @@
 //                       arise in nebula's own loop.
 //                       The gradients live in one flat buffer of the same layout (every
 //                       .grad a view of it), so AdamW reads the shard's slice in place.
-//  shard = "gradients"  ZeRO-2: as "optimizer", but the strategy reduce-scatters the flat
-//                       gradients (Strategy::set_sharding): only this worker's shard of
-//                       flat_grad() holds the site's average, the rest is scratch. The same
-//                       update up to the summation order of the site's gradients (bit-
-//                       identical with 2 workers, whose sums are a + b either way).
+//  shard = "gradients"  ZeRO-2: as "optimizer", but the gradients are reduce-scattered bucket
+//                       by bucket while backward runs (parallel/gradient_buckets.h, between
+//                       before_backward and end_backward): flat_grad() is this worker's S
+//                       values only, Σ_workers w · g after end_backward (the strategy divides
+//                       by the site's weight), and every parameter's .grad stays undefined, so
+//                       no worker holds the whole gradient. The same update up to the
+//                       summation order of the site's gradients (bit-identical with 2 workers,
+//                       whose sums are a + b either way; with more, each value is summed round
+//                       the ring as one reduce-scatter of the whole gradient sums it).
 //  shard = "full"       ZeRO-3 (parallel/full_shard.h): the parameters themselves are sharded in
 //                       the same layout and gathered layer by layer; AdamW optimizes the
 //                       FullShard's shard in place, from its gradient shard (summed by the
@@ -49,6 +53,7 @@
 #include "nebula/config.h"
 #include "parallel/checkpoint.h"
 #include "parallel/full_shard.h"
+#include "parallel/gradient_buckets.h"
 #include "parallel/shard_layout.h"
 
 namespace nebula::parallel {
@@ -62,10 +67,19 @@ class InnerOptimizer {
  public:
   // nebula::Error for an unknown `shard`. `full`: ZeRO-3's sharded parameters (not owned), given
   // exactly when shard = "full" on a site of more than one worker.
+  // `bucket_bytes`: ZeRO-2's gradient buckets ([parallel] bucket).
   InnerOptimizer(std::vector<at::Tensor> params, double lr, double weight_decay, const std::string& shard,
-                 collective::SiteGroup& site, FullShard* full = nullptr);
+                 collective::SiteGroup& site, FullShard* full = nullptr, uint64_t bucket_bytes = 4ull << 20);
 
   void zero_grad();
+  // Around the step's backward, with this worker's weight: ZeRO-2's buckets and ZeRO-3's layers
+  // weight this worker's gradients and reduce-scatter them over the site as backward makes them;
+  // after end_backward() flat_grad() holds Σ_workers w · g on this worker's shard. Site
+  // collectives; nothing happens unsharded or with ZeRO-1 (the strategy averages the .grad).
+  void before_backward(double weight);
+  void end_backward();
+  // ZeRO-2's buckets (null otherwise): a test's spy on what they hold.
+  const GradientBuckets* gradient_buckets() const { return buckets_.get(); }
   // One AdamW step on the gradients in the parameters' .grad(); when sharded a
   // site collective (every worker of the site calls it at the same step).
   void step();
@@ -81,9 +95,9 @@ class InnerOptimizer {
   int64_t state_numel() const { return sharded_ ? shard_numel_ : total_numel_; }
   int64_t total_numel() const { return total_numel_; }
   bool sharded() const { return sharded_; }
-  // ZeRO-2: the strategy must leave the site's average in this worker's shard of flat_grad()
-  // (N S values, every parameter's .grad a view of it). ZeRO-3: flat_grad() is this worker's S
-  // gradient values only, which the strategy divides by the site's weight.
+  // ZeRO-1: flat_grad() is N S values, every parameter's .grad a view of it (the strategy
+  // averages them whole). ZeRO-2 and ZeRO-3: this worker's S gradient values only, summed over
+  // the site in backward (end_backward), which the strategy divides by the site's weight.
   bool gradients_sharded() const { return gradients_sharded_; }
   const at::Tensor& flat_grad() const { return flat_grad_; }
   // Sharded: the parameters' storage, N S values (Strategy::set_sharding); ZeRO-3: this
@@ -128,9 +142,10 @@ class InnerOptimizer {
   bool sharded_ = false, gradients_sharded_ = false;
   int64_t total_numel_ = 0, shard_numel_ = 0;
   at::Tensor flat_;                    // N S: the parameters' storage (sharded only)
-  at::Tensor flat_grad_;               // N S: the parameters' gradients (sharded only)
+  at::Tensor flat_grad_;               // the parameters' gradients: N S (ZeRO-1), S (ZeRO-2/3)
   std::vector<at::Tensor> grad_views_;  // each parameter's view of flat_grad_
   at::Tensor shard_;                   // a leaf sharing this worker's S of flat_ (grad: of flat_grad_)
+  std::unique_ptr<GradientBuckets> buckets_;  // ZeRO-2
   std::unique_ptr<torch::optim::AdamW> adamw_;
 };
 

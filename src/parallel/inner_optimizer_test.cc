@@ -38,18 +38,30 @@ void set_grads(std::vector<at::Tensor>& params, int s, bool replace = false) {
   }
 }
 
-// One step as the worker runs it: the gradients of step `s`, ZeRO-2's reduce-scatter (rank
-// 0's gradients, everyone else's zeros, as DilocoStrategy sums the site's), the optimizer.
+// Step `s`'s gradients made by a backward (as a training step makes them): d/dp Σ p · g = g.
+void backward_with_grads(std::vector<at::Tensor>& params, int s) {
+  at::Tensor loss = at::zeros({});
+  for (size_t i = 0; i < params.size(); ++i) {
+    const at::Tensor g = at::sin(at::arange(params[i].numel(), at::kFloat).add(static_cast<double>(s * 7 + static_cast<int>(i))))
+                             .reshape(params[i].sizes());
+    loss = loss + (params[i] * g).sum();
+  }
+  loss.backward();
+}
+
+// One step as the worker runs it: the gradients of step `s`, then the optimizer. ZeRO-2: made
+// by a backward, which the buckets reduce-scatter as it runs (rank 0's weighted 1, everyone
+// else's 0, so the site's sum is step s's gradients).
 void step_site(InnerOptimizer& o, collective::SiteGroup& site, std::vector<at::Tensor>& params, int s,
                bool replace = false) {
   o.zero_grad();
-  set_grads(params, s, replace);
   if (o.gradients_sharded()) {
-    at::Tensor flat = o.flat_grad();
-    if (site.rank() != 0) flat.zero_();
-    const int64_t n = flat.numel() / site.size();
-    at::Tensor shard = flat.narrow(0, site.rank() * n, n);
-    site.reduce_scatter_sum(flat, shard);
+    o.before_backward(site.rank() == 0 ? 1.0 : 0.0);
+    backward_with_grads(params, s);
+    o.end_backward();
+    for (const auto& p : params) EXPECT_FALSE(p.grad().defined()) << "ZeRO-2 left a .grad";
+  } else {
+    set_grads(params, s, replace);
   }
   o.step();
 }
@@ -58,8 +70,8 @@ void step_site(InnerOptimizer& o, collective::SiteGroup& site, std::vector<at::T
 // all of them; each worker holds the moments of ceil(47 / N) elements; a checkpoint of the
 // shards resumes exactly, and one taken with another sharding is refused, naming the setting.
 // ZeRO-2 (step_site): each shard of flat_grad() holds exactly the reference's gradients.
-void check_sharded_adamw(const int kWorkers, const std::string& mode) {
-  SCOPED_TRACE(str_cat(kWorkers, " workers, shard = ", mode));
+void check_sharded_adamw(const int kWorkers, const std::string& mode, uint64_t bucket_bytes = 4u << 20) {
+  SCOPED_TRACE(str_cat(kWorkers, " workers, shard = ", mode, ", buckets of ", bucket_bytes, " bytes"));
   auto sharded_step = [&](InnerOptimizer& o, collective::SiteGroup& site, std::vector<at::Tensor>& params, int s) {
     step_site(o, site, params, s, mode == "optimizer" && s % 2 == 1);
   };
@@ -82,14 +94,14 @@ void check_sharded_adamw(const int kWorkers, const std::string& mode) {
     std::vector<at::Tensor> params = make_params();
     Checkpoint k;
     {
-      InnerOptimizer sharded(params, 1e-2, 0.1, mode, site);
+      InnerOptimizer sharded(params, 1e-2, 0.1, mode, site, nullptr, bucket_bytes);
       EXPECT_EQ(sharded.sharded(), kWorkers > 1);
       EXPECT_EQ(sharded.gradients_sharded(), kWorkers > 1 && mode == "gradients");
       EXPECT_EQ(sharded.state_numel(), (47 + kWorkers - 1) / kWorkers);
       for (int s = 0; s < kSteps; ++s) sharded_step(sharded, site, params, s);
       sharded.save(k);
     }
-    InnerOptimizer resumed(params, 1e-2, 0.1, mode, site);
+    InnerOptimizer resumed(params, 1e-2, 0.1, mode, site, nullptr, bucket_bytes);
     resumed.load(k);
     sharded_step(resumed, site, params, kSteps);
     for (size_t i = 0; i < params.size(); ++i)
@@ -174,15 +186,17 @@ TEST(InnerOptimizer, ClippingShardedGradientsUsesTheWholeNorm) {
     std::vector<at::Tensor> params = make_params();
     InnerOptimizer o(params, 1e-2, 0.0, "gradients", site);
     o.zero_grad();
-    set_grads(params, 2);  // as after the reduce-scatter: every shard holds the average
-    EXPECT_NEAR(o.clip_grad_norm(1.0), whole, 1e-4);
-    const int64_t n = o.flat_grad().numel() / site.size();
-    const at::Tensor mine = o.flat_grad().narrow(0, site.rank() * n, n);
+    // As after backward and the strategy's average: this worker's shard of the whole gradient.
     std::vector<at::Tensor> flat;
-    for (const auto& p : reference) flat.push_back(p.grad().reshape({-1}) / (whole + 1e-6));
-    at::Tensor want = at::cat(flat);
-    want = at::constant_pad_nd(want, {0, n * site.size() - want.numel()}, 0).narrow(0, site.rank() * n, n);
-    EXPECT_TRUE(at::allclose(mine, want, 1e-5, 1e-6));
+    for (const auto& p : reference) flat.push_back(p.grad().reshape({-1}));
+    const int64_t n = o.flat_grad().numel();
+    ASSERT_EQ(n, (47 + site.size() - 1) / site.size());
+    auto shard_of = [&](at::Tensor whole) {
+      return at::constant_pad_nd(whole, {0, n * site.size() - whole.numel()}, 0).narrow(0, site.rank() * n, n);
+    };
+    o.flat_grad().copy_(shard_of(at::cat(flat)));
+    EXPECT_NEAR(o.clip_grad_norm(1.0), whole, 1e-4);
+    EXPECT_TRUE(at::allclose(o.flat_grad(), shard_of(at::cat(flat) / (whole + 1e-6)), 1e-5, 1e-6));
   });
 }
 
@@ -191,7 +205,10 @@ TEST(InnerOptimizer, ShardedAdamWEqualsTheWholeOneAndResumesFromItsShards) {
 }
 
 TEST(InnerOptimizer, ZeroTwoEqualsTheWholeOneAndResumesFromItsShards) {
-  for (int workers = 1; workers <= 4; ++workers) check_sharded_adamw(workers, "gradients");
+  for (int workers = 1; workers <= 4; ++workers) {
+    check_sharded_adamw(workers, "gradients");        // one bucket
+    check_sharded_adamw(workers, "gradients", 24);    // buckets of 6 values: {11}, {0, 1}, {35} from the back
+  }
 }
 
 // Resharding: checkpoints written by one number of workers and shard mode, resumed under

@@ -398,10 +398,10 @@ Memory gateway_memory(const Topology& t, size_t site, const Candidate& c) {
   const size_t level = static_cast<size_t>(mode - shard_modes().begin());
   const double N = static_cast<double>(t.sites[site].workers);
   const double S = static_cast<double>(t.sites.size());
-  // As built, "gradients" (ZeRO-2) reduce-scatters one flat gradient buffer that backward
-  // fills whole: it shards the traffic, not the gradients' memory; "full" (ZeRO-3) shards
-  // parameters and gradients (a layer's are gathered while it runs, small next to the rest).
-  const double d_opt = level >= 1 ? N : 1, d_grad = level >= 3 ? N : 1, d_param = level >= 3 ? N : 1;
+  // "gradients" (ZeRO-2) reduce-scatters the gradients bucket by bucket while backward runs
+  // and keeps its shard (a few buckets in flight, small next to the rest); "full" (ZeRO-3)
+  // shards the parameters too (a layer's are gathered while it runs).
+  const double d_opt = level >= 1 ? N : 1, d_grad = level >= 2 ? N : 1, d_param = level >= 3 ? N : 1;
   const double n = t.parameters, tr = t.trainable;
   const double F = streaming ? static_cast<double>(c.fragments) : 1;
   const double m = tr / F;  // values per exchange
@@ -418,7 +418,7 @@ Memory gateway_memory(const Topology& t, size_t site, const Candidate& c) {
     const double a = static_cast<double>(t.heads), seq = static_cast<double>(t.sequence);
     mem.activations = L * t.tokens_per_step_per_worker * (66 * h + 9 * a * seq);
   }
-  // The site's all-reduce stages the gradients in one flat buffer; ZeRO-2 reduces them in place.
+  // The site's all-reduce stages the gradients in one flat buffer; ZeRO-2 reduces them bucket by bucket.
   // (ZeRO-3's whole-model gather on the gateway for evaluation and the model file is not a training step's: not counted.)
   if (sync || (N > 1 && c.shard != "gradients")) mem.buffers = 4 * tr / d_grad;
   // The outer state (θ_global, outer momentum, θ_local at a send) shards with the optimizer:

@@ -302,14 +302,14 @@ TEST(PlanMemory, ZeroShardsInsideASite) {
   auto mem = [&](const std::string& shard) { return gateway_memory(t, 0, Candidate{"diloco", "none", 10, 1, 0, shard}); };
   EXPECT_EQ(mem("none").device(), 16e6);
   EXPECT_EQ(mem("optimizer").device(), 4e6 + 4e6 + 8e6 / 4);     // ZeRO-1
-  EXPECT_EQ(mem("gradients").device(), 4e6 + 4e6 + 8e6 / 4);  // ZeRO-2 as built: backward fills the whole gradient
+  EXPECT_EQ(mem("gradients").device(), 4e6 + 4e6 / 4 + 8e6 / 4);  // ZeRO-2: the gradients reduce-scattered in buckets
   EXPECT_EQ(mem("full").device(), 16e6 / 4);                      // ZeRO-3
   // Host: the flat all-reduce buffer (4 workers now) and the outer state shard along.
   EXPECT_EQ(mem("none").buffers, 4e6);
   EXPECT_EQ(mem("none").outer, 12e6);
   EXPECT_EQ(mem("optimizer").outer, 3e6);  // each worker keeps its part of the outer state
   EXPECT_EQ(mem("gradients").outer, 3e6);
-  EXPECT_EQ(mem("gradients").buffers, 0);  // reduce-scattered in place
+  EXPECT_EQ(mem("gradients").buffers, 0);  // reduce-scattered bucket by bucket
   EXPECT_EQ(mem("optimizer").buffers, 4e6);
   EXPECT_EQ(mem("full").buffers, 1e6);
   EXPECT_EQ(mem("full").outer, 3e6);
@@ -400,27 +400,31 @@ TEST(PlanMemory, RecommendsOnlyWhatRunsAndFits) {
                                 p.candidate.strategy != "sync");
     }
   }
-  // 15 MB: nothing unsharded fits (diloco and streaming need 16 MB, sync 20 MB); ZeRO-1 and
-  // ZeRO-2 as built do (4 + 4 + 8/4 = 10 MB), nebula runs both, and one is the recommendation
-  // (this topology's site links cost nothing, so they tie).
+  // 15 MB: nothing unsharded fits (diloco and streaming need 16 MB, sync 20 MB); ZeRO-1
+  // (4 + 4 + 8/4 = 10 MB) and ZeRO-2 (4 + 4/4 + 8/4 = 7 MB) do, nebula runs both, and one is the
+  // recommendation (this topology's site links cost nothing, so they tie).
   Plan zero1 = make_plan(two({all[0], all[1], all[2], "sites.0.worker_memory=\"15MB\"", "sites.1.worker_memory=\"15MB\""}));
   ASSERT_TRUE(zero1.recommended) << zero1.reason;
   const std::string& pick = zero1.predictions[*zero1.recommended].candidate.shard;
   EXPECT_TRUE(pick == "optimizer" || pick == "gradients") << pick;
-  // 8 MB: only ZeRO-3 (16/4 = 4 MB) fits, and it is the recommendation (not with sync).
-  Plan three = make_plan(two({all[0], all[1], all[2], "sites.0.worker_memory=\"8MB\"", "sites.1.worker_memory=\"8MB\""}));
+  // 8 MB: ZeRO-1 no longer fits, ZeRO-2 (its gradients sharded too) does.
+  Plan two_fits = make_plan(two({all[0], all[1], all[2], "sites.0.worker_memory=\"8MB\"", "sites.1.worker_memory=\"8MB\""}));
+  ASSERT_TRUE(two_fits.recommended) << two_fits.reason;
+  EXPECT_EQ(two_fits.predictions[*two_fits.recommended].candidate.shard, "gradients");
+  // 6 MB: only ZeRO-3 (16/4 = 4 MB) fits, and it is the recommendation (not with sync).
+  Plan three = make_plan(two({all[0], all[1], all[2], "sites.0.worker_memory=\"6MB\"", "sites.1.worker_memory=\"6MB\""}));
   ASSERT_TRUE(three.recommended) << three.reason;
   EXPECT_EQ(three.predictions[*three.recommended].candidate.shard, "full");
   EXPECT_NE(three.predictions[*three.recommended].candidate.strategy, "sync");
   // Without "full" among the candidates nothing fits, and the plan says so.
   Topology tight = two({"candidates.shard=[\"none\", \"optimizer\", \"gradients\"]", all[1], all[2],
-                        "sites.0.worker_memory=\"8MB\"", "sites.1.worker_memory=\"8MB\""});
+                        "sites.0.worker_memory=\"6MB\"", "sites.1.worker_memory=\"6MB\""});
   Plan none = make_plan(tight);
   EXPECT_FALSE(none.recommended);
   EXPECT_NE(none.reason.find("nothing nebula can run today (shard = \"none\", \"optimizer\", or \"gradients\" or \"full\" without sync) fits"),
             std::string::npos)
       << none.reason;
-  EXPECT_NE(none.reason.find("needs 9.54 MiB of device memory per worker at site a, has 7.63 MiB"), std::string::npos)
+  EXPECT_NE(none.reason.find("needs 6.68 MiB of device memory per worker at site a, has 5.72 MiB"), std::string::npos)
       << none.reason;
   const std::string table = format_table(tight, none);
   EXPECT_NE(table.find("recommended: nothing"), std::string::npos) << table;

@@ -31,24 +31,13 @@ void DilocoStrategy::sync_gradients(const std::vector<at::Tensor>& params, doubl
     return total;
   };
   if (flat_grad_.defined()) {
-    // ZeRO-2: the weighted gradients are reduce-scattered where they are, the tail all-reduced
-    // beside them; this worker's shard ends as the site's average and the rest of every .grad
-    // is zeroed (the ring leaves partial sums there): a reader of p.grad sees this worker's
-    // part of the site's average and 0 elsewhere. ZeRO-3's layers did the weighting and the
-    // reduce-scatter in backward already.
+    // ZeRO-2/3: the weighted gradients were reduce-scattered in backward (ZeRO-2's buckets,
+    // ZeRO-3's layers), so this worker's shard holds the site's sum; the tail is all-reduced
+    // and the sum becomes the average. No parameter's .grad holds anything.
     at::Tensor tail = at::empty({1 + buffer_numel_}, at::kFloat);
     pack_tail(tail);
-    at::Tensor shard = flat_grad_;
-    if (gathered_) {
-      flat_grad_.mul_(weight);
-      shard = flat_grad_.narrow(0, site.rank() * shard_numel_, shard_numel_);
-      site.reduce_scatter_sum(flat_grad_, shard);
-      const int64_t begin = site.rank() * shard_numel_, end = begin + shard_numel_;
-      flat_grad_.narrow(0, 0, begin).zero_();
-      flat_grad_.narrow(0, end, flat_grad_.numel() - end).zero_();
-    }
     site.allreduce_sum(tail);
-    shard.div_(unpack_tail(tail));
+    flat_grad_.div_(unpack_tail(tail));
     return;
   }
   // Every step: the weighted gradients and the tail go straight into one buffer (no
@@ -101,7 +90,9 @@ void DilocoStrategy::set_sharding(const Sharding& shards) {
     offset += params_[i].numel();
   }
   if (shards.grads.defined()) {
-    check(shards.grads, "gradient values");
+    NEBULA_CHECK(shards.grads.numel() == shard && shards.grads.scalar_type() == at::kFloat && shards.grads.is_contiguous(),
+                 "set_sharding: ", shards.grads.numel(), " gradient values for ", total_numel_, " parameters over ", n,
+                 " workers (want this worker's ", shard, ": ZeRO-2/3 reduce-scatter them in backward)");
     flat_grad_ = shards.grads;
   }
   flat_params_ = shards.params;

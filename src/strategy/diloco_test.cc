@@ -507,11 +507,11 @@ void check_sharded_outer_state(int64_t fragments, int64_t delay, const std::stri
   EXPECT_FALSE(at::equal(whole.at({0, 0}), whole.at({0, steps - 1})));  // training moved the weights
 }
 
-// ZeRO-2's site step: 3 workers, each gradient value g = (rank + 1) · (index + 1) with weight
-// rank + 1. Afterwards every worker's .grad holds, on its own shard, the site's weighted
-// average Σ w_r g_r / Σ w_r exactly (small integers), and 0 everywhere else (not the ring's
-// partial sums).
-TEST(Diloco, ZeroTwoLeavesTheAverageOnTheShardAndZeroElsewhere) {
+// ZeRO-2's site step: 3 workers with weights rank + 1, whose gradient values are (rank + 1) ·
+// (index + 1). Backward's buckets (parallel/gradient_buckets.h) leave each worker's shard
+// holding the site's sum Σ w_r g_r; sync_gradients all-reduces the weights beside it and leaves
+// the weighted average Σ w_r g_r / Σ w_r there, exactly (small integers), on that shard only.
+TEST(Diloco, ZeroTwoLeavesTheAverageOnTheShard) {
   collective::testing::run_cluster({3}, [&](collective::testing::Rank& r) {
     model::MlmEncoder m = make_model(7);
     std::vector<at::Tensor> params = m->parameters();
@@ -522,27 +522,30 @@ TEST(Diloco, ZeroTwoLeavesTheAverageOnTheShardAndZeroElsewhere) {
     int64_t total = 0;
     for (const auto& p : params) total += p.numel();
     const int64_t n = site.size(), part = (total + n - 1) / n;
-    at::Tensor flat = at::zeros({part * n}), grads = at::zeros({part * n});
+    at::Tensor flat = at::zeros({part * n}), grads = at::zeros({part});
     const double weight = r.local_rank + 1;
     int64_t offset = 0;
     at::NoGradGuard no_grad;
     for (auto& p : params) {  // as InnerOptimizer lays them out
       flat.narrow(0, offset, p.numel()).copy_(p.reshape({-1}));
       p.set_data(flat.narrow(0, offset, p.numel()).view(p.sizes()));
-      p.mutable_grad() = grads.narrow(0, offset, p.numel()).view(p.sizes());
       offset += p.numel();
     }
     s.set_sharding({flat, grads});
-    grads.narrow(0, 0, total).copy_(at::arange(1, total + 1, at::kFloat).mul(weight));
-    s.sync_gradients(params, weight);
     const double sum_w = 1 + 2 + 3, sum_w2 = 1 + 4 + 9;  // Σ w_r (r + 1) = Σ w_r²
     const int64_t begin = r.local_rank * part, end = std::min(begin + part, total);
-    at::Tensor want = at::zeros({part * n});
-    want.narrow(0, begin, end - begin).copy_(at::arange(begin + 1, end + 1, at::kFloat).mul(sum_w2 / sum_w));
+    grads.narrow(0, 0, end - begin).copy_(at::arange(begin + 1, end + 1, at::kFloat).mul(sum_w2));  // the buckets' sum
+    s.sync_gradients(params, weight);
+    at::Tensor want = at::zeros({part});
+    want.narrow(0, 0, end - begin).copy_(at::arange(begin + 1, end + 1, at::kFloat).mul(sum_w2 / sum_w));
     EXPECT_TRUE(at::allclose(grads, want, 1e-6, 0)) << "rank " << r.local_rank << ": "
                                                     << (grads - want).abs().max().item<float>();
-    EXPECT_EQ(grads.narrow(0, 0, begin).abs().sum().item<float>(), 0.0f);
-    EXPECT_EQ(grads.narrow(0, begin + part, grads.numel() - begin - part).abs().sum().item<float>(), 0.0f);
+    for (const auto& p : params) EXPECT_FALSE(p.grad().defined());
+    // A gradient buffer of the whole model is refused: ZeRO-2's gradients are this worker's shard.
+    DilocoStrategy t(*r.hierarchy, options(4, 1, 0));
+    t.expect_sharding();
+    t.init(params);
+    EXPECT_THROW(t.set_sharding({flat, at::zeros({part * n})}), Error);
   });
 }
 

@@ -71,14 +71,13 @@ class Strategy {
   // on every worker of a site of N > 1 workers: the parameters are views of `params` (N S
   // values, this worker's shard the S from rank · S). A strategy with outer state per
   // parameter keeps only this worker's shard of it (diloco and streaming: θ_global, the outer
-  // momentum); sync keeps none. With `grads` defined (shard = "gradients", ZeRO-2) every
-  // .grad is a view of it, laid out alike, and from now on sync_gradients leaves the site's
-  // average in this worker's S of it only (a reduce-scatter instead of an all-reduce);
-  // strategies that cannot throw ConfigError.
-  // With `gathered` false (shard = "full", ZeRO-3, parallel/full_shard.h) `params` and `grads` are
-  // this worker's S values only (the flat vector's values from rank · S), the parameters are
-  // gathered layer by layer where they run, and when sync_gradients runs `grads` holds the sum
-  // over the site's workers of weight · gradient already (the layers reduce-scatter in backward).
+  // momentum); sync keeps none. With `grads` defined (shard = "gradients", ZeRO-2, and "full",
+  // ZeRO-3) it is this worker's S gradient values: when sync_gradients runs it holds the sum over
+  // the site's workers of weight · gradient already (ZeRO-2's buckets and ZeRO-3's layers
+  // reduce-scatter in backward, parallel/inner_optimizer.h), no .grad holds anything, and
+  // sync_gradients leaves the site's average there; strategies that cannot throw ConfigError.
+  // With `gathered` false (shard = "full", ZeRO-3, parallel/full_shard.h) `params` is this
+  // worker's S values only too, the parameters gathered layer by layer where they run.
   struct Sharding {
     at::Tensor params, grads;
     bool gathered = true;

@@ -273,7 +273,8 @@ Trainer::Trainer(const TaskContext& ctx, bool rejoin, Clock::time_point start)
     strategy_->init(params_);
   }
   optimizer_ = std::make_unique<parallel::InnerOptimizer>(params_, c_.model.lr, c_.model.weight_decay,
-                                                          c_.parallel.shard, *comm_.group, full_.get());
+                                                          c_.parallel.shard, *comm_.group, full_.get(),
+                                                          c_.parallel.bucket_bytes);
   parallel::InnerOptimizer& o = *optimizer_;
   if (o.sharded())  // the strategy keeps its shard of the outer state (and ZeRO-2/3's gradients)
     strategy_->set_sharding({o.flat_params(), o.gradients_sharded() ? o.flat_grad() : at::Tensor(), o.params_gathered()});
@@ -319,9 +320,9 @@ int Trainer::train() {
     Task::Step batch = task_->forward(step_);
     optimizer.zero_grad();
     strategy.before_backward(batch.weight);
-    if (full) full->set_grad_weight(batch.weight);
-    batch.loss.backward();  // gradient buckets start crossing the WAN while this runs
-    if (full) full->end_backward();
+    optimizer.before_backward(batch.weight);  // ZeRO-2/3: reduce-scattered as backward makes them
+    batch.loss.backward();  // gradient buckets start crossing the WAN (sync) or the site (ZeRO-2/3) while this runs
+    optimizer.end_backward();
     strategy.sync_gradients(params_, batch.weight);
     if (c_.model.clip_norm > 0) optimizer.clip_grad_norm(c_.model.clip_norm);
     optimizer.set_lr(parallel::scheduled_lr(c_.model, step_, c_.job.steps));

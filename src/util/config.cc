@@ -459,6 +459,8 @@ Config build(const toml::table& root, const std::string& file) {
       s.fail(t->get("prefetch") ? *t->get("prefetch") : static_cast<const toml::node&>(*t), "prefetch",
              str_cat("prefetch = true gathers ZeRO-3's next layer ahead; with shard = \"", c.parallel.shard,
                      "\" nothing is gathered: set shard = \"full\" or drop prefetch"));
+    s.unit("bucket", c.parallel.bucket_bytes, parse_size);
+    if (c.parallel.bucket_bytes < 1024) s.fail(*t, "bucket", "must be at least 1KiB");
     s.finish();
   }
   if (auto* t = top.table("peft")) {
@@ -716,7 +718,10 @@ std::string to_toml(const Config& c) {
   root.insert("privacy", toml::table{{"clip", c.privacy.clip},
                                      {"noise_multiplier", c.privacy.noise_multiplier},
                                      {"delta", c.privacy.delta}});
-  root.insert("parallel", toml::table{{"shard", c.parallel.shard}, {"recompute", c.parallel.recompute}, {"prefetch", c.parallel.prefetch}});
+  root.insert("parallel", toml::table{{"shard", c.parallel.shard},
+                                      {"recompute", c.parallel.recompute},
+                                      {"prefetch", c.parallel.prefetch},
+                                      {"bucket", bytes(c.parallel.bucket_bytes)}});
   root.insert("security", toml::table{{"insecure", c.security.insecure},
                                       {"certs", c.security.certs},
                                       {"ca", c.security.ca},

@@ -129,6 +129,12 @@ TEST(Config, ParallelShard) {
   EXPECT_TRUE(parse_config(to_toml(f), "again").parallel.prefetch);
   expect_error(std::string(kValid) + "\n[parallel]\nshard = \"optimizer\"\nprefetch = true\n",
                {"job.toml", "parallel.prefetch", "shard = \"full\""});
+  // bucket: ZeRO-2's gradient buckets, a size, at least 1KiB.
+  EXPECT_EQ(parse_config(kValid, "job.toml").parallel.bucket_bytes, 4u << 20);
+  const Config b = parse_config(kValid, "job.toml", {"parallel.shard=\"gradients\"", "parallel.bucket=\"256KiB\"", "strategy.kind=\"diloco\""});
+  EXPECT_EQ(b.parallel.bucket_bytes, 256u << 10);
+  EXPECT_EQ(parse_config(to_toml(b), "again").parallel.bucket_bytes, 256u << 10);
+  expect_error(std::string(kValid) + "\n[parallel]\nbucket = \"100B\"\n", {"job.toml", "parallel.bucket", "1KiB"});
   expect_error(std::string(kValid) + "\n[parallel]\nshard = \"zero1\"\n", {"parallel.shard", "zero1"});
   expect_error(std::string(kValid) + "\n[parallel]\nshards = \"none\"\n", {"shards"});
 }
