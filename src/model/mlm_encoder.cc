@@ -29,6 +29,33 @@ MlmEncoderImpl::MlmEncoderImpl(const ModelConfig& c, int64_t vocab_size, int64_t
   torch::NoGradGuard no_grad;
   tokens_->weight.normal_(0, 0.02);
   positions_->weight.normal_(0, 0.02);
+  // Units of ZeRO-3 too, each cut once its values are final (the random draws in the order they
+  // always were).
+  layer_built(*tokens_);
+  layer_built(*positions_);
+  layer_built(*norm_);
+}
+
+at::Tensor MlmEncoderImpl::embed_tokens(const at::Tensor& ids) {
+  const torch::nn::Embedding tokens = tokens_;
+  const double scale = std::sqrt(static_cast<double>(dim_));
+  return run_layer(gather_, *tokens_, {}, [tokens, ids, scale](const std::vector<at::Tensor>&) {
+    return torch::nn::Embedding(tokens)(ids) * scale;
+  });
+}
+
+at::Tensor MlmEncoderImpl::project(const at::Tensor& hidden) {
+  const torch::nn::Embedding tokens = tokens_;
+  return run_layer(gather_, *tokens_, {hidden}, [tokens](const std::vector<at::Tensor>& in) {
+    return at::matmul(in[0], tokens->weight.t());
+  });
+}
+
+std::vector<torch::nn::Module*> MlmEncoderImpl::units() const {
+  std::vector<torch::nn::Module*> out{tokens_.ptr().get(), positions_.ptr().get()};
+  for (const EncoderLayer& layer : layers_) out.push_back(layer.ptr().get());
+  out.push_back(norm_.ptr().get());
+  return out;
 }
 
 at::Tensor MlmEncoderImpl::encode(const at::Tensor& input) {
@@ -36,18 +63,22 @@ at::Tensor MlmEncoderImpl::encode(const at::Tensor& input) {
   NEBULA_CHECK(ids.dim() == 2 && ids.size(1) <= max_len_, "ids of shape ", ids.sizes(), ", max_len ", max_len_);
   const int64_t seq = ids.size(1);
   at::Tensor pos = at::arange(seq, ids.options());
-  at::Tensor x = tokens_(ids) * std::sqrt(static_cast<double>(dim_)) + positions_(pos).unsqueeze(0);
+  const torch::nn::Embedding positions = positions_;
+  at::Tensor x = embed_tokens(ids) + run_layer(gather_, *positions_, {}, [positions, pos](const std::vector<at::Tensor>&) {
+                   return torch::nn::Embedding(positions)(pos).unsqueeze(0);
+                 });
   at::Tensor pad_mask = ids.eq(pad_id_);
   for (const EncoderLayer& layer : layers_)
     x = run_layer(gather_, *layer.ptr(), {x}, [layer, pad_mask](const std::vector<at::Tensor>& in) {
       return EncoderLayer(layer)(in[0], pad_mask);
     });
-  return norm_(x);
+  const torch::nn::LayerNorm norm = norm_;
+  return run_layer(gather_, *norm_, {x}, [norm](const std::vector<at::Tensor>& in) {
+    return torch::nn::LayerNorm(norm)(in[0]);
+  });
 }
 
-at::Tensor MlmEncoderImpl::forward(const at::Tensor& ids) {
-  return at::matmul(encode(ids), tokens_->weight.t());
-}
+at::Tensor MlmEncoderImpl::forward(const at::Tensor& ids) { return project(encode(ids)); }
 
 std::vector<at::Tensor> MlmEncoderImpl::trainable_parameters() const {
   std::vector<at::Tensor> out;
@@ -65,7 +96,7 @@ at::Tensor MlmEncoderImpl::masked_loss(const at::Tensor& hidden, const at::Tenso
   // most of an MLM step's work, and ~85 % of the positions carry no loss.
   const at::Tensor flat = labels.reshape({-1}).to(hidden.device());
   const at::Tensor masked = flat.ne(kIgnoreIndex).nonzero().squeeze(1);
-  const at::Tensor logits = at::matmul(hidden.reshape({-1, hidden.size(-1)}).index_select(0, masked), tokens_->weight.t());
+  const at::Tensor logits = project(hidden.reshape({-1, hidden.size(-1)}).index_select(0, masked));
   return at::cross_entropy_loss(logits, flat.index_select(0, masked), /*weight=*/{}, at::Reduction::Mean, kIgnoreIndex);
 }
 

@@ -46,13 +46,22 @@ class MlmEncoderImpl : public torch::nn::Module {
   // The encoder layers, first to last (PEFT injects LoRA / adapters into them).
   const std::vector<EncoderLayer>& layers() const { return layers_; }
   // The token embedding [vocab, dim] (registered as "tokens"). A Seq2Seq ties its decoder input
-  // and output projection to it; copying the holder shares the module, not the weights.
+  // and output projection to it (embed_tokens, project); copying the holder shares the module,
+  // not the weights.
   const torch::nn::Embedding& token_embedding() const { return tokens_; }
+  // The token embedding of `ids` scaled by sqrt(dim), and `hidden` [..., dim] projected onto the
+  // vocabulary by the tied embedding [..., vocab]: each through the layer gather, so ZeRO-3
+  // gathers the embedding only while one of them runs.
+  at::Tensor embed_tokens(const at::Tensor& ids);
+  at::Tensor project(const at::Tensor& hidden);
+  // What ZeRO-3 cuts into units and gathers where they run (model/layer_gather.h), in parameter
+  // order: the token and position embeddings, every layer, the final norm.
+  std::vector<torch::nn::Module*> units() const;
   // The parameters with requires_grad, in parameters() order (deterministic: registration
   // order). Without PEFT that is all of them.
   std::vector<at::Tensor> trainable_parameters() const;
 
-  // ZeRO-3 (model/layer_gather.h): encode() runs each layer through `gather` (null: directly).
+  // ZeRO-3 (model/layer_gather.h): encode() runs each unit through `gather` (null: directly).
   // Not owned; it must outlive its use.
   void set_layer_gather(LayerGather* gather) { gather_ = gather; }
 

@@ -62,6 +62,16 @@ Seq2SeqImpl::Seq2SeqImpl(const ModelConfig& c, int64_t decoder_layers, int64_t v
   norm_ = register_module("decoder_norm", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.dim})));
   at::NoGradGuard no_grad;
   positions_->weight.normal_(0, 0.02);  // as the encoder's
+  layer_built(*positions_);
+  layer_built(*norm_);
+}
+
+std::vector<torch::nn::Module*> Seq2SeqImpl::units() const {
+  std::vector<torch::nn::Module*> out = encoder_->units();
+  out.push_back(positions_.ptr().get());
+  for (const DecoderLayer& layer : layers_) out.push_back(layer.ptr().get());
+  out.push_back(norm_.ptr().get());
+  return out;
 }
 
 at::Tensor Seq2SeqImpl::encode(const at::Tensor& src) { return encoder_->encode(src); }
@@ -70,9 +80,7 @@ at::Tensor Seq2SeqImpl::decode(const at::Tensor& memory, const at::Tensor& src, 
   return project(decode_hidden(memory, src, tgt_in));
 }
 
-at::Tensor Seq2SeqImpl::project(const at::Tensor& hidden) {
-  return at::matmul(hidden, encoder_->token_embedding()->weight.t());
-}
+at::Tensor Seq2SeqImpl::project(const at::Tensor& hidden) { return encoder_->project(hidden); }
 
 at::Tensor Seq2SeqImpl::decode_hidden(const at::Tensor& memory, const at::Tensor& src, const at::Tensor& tgt_in) {
   NEBULA_CHECK(src.dim() == 2 && memory.dim() == 3 && memory.size(0) == src.size(0) &&
@@ -80,15 +88,21 @@ at::Tensor Seq2SeqImpl::decode_hidden(const at::Tensor& memory, const at::Tensor
                    tgt_in.size(1) >= 1 && tgt_in.size(1) <= config_.max_len,
                "decode with memory ", memory.sizes(), ", src ", src.sizes(), ", tgt_in ", tgt_in.sizes(),
                ", max_len ", config_.max_len);
-  torch::nn::Embedding tokens = encoder_->token_embedding();  // tied: shares the encoder's module
   at::Tensor pos = at::arange(tgt_in.size(1), tgt_in.options());
-  at::Tensor h = tokens(tgt_in) * std::sqrt(static_cast<double>(config_.dim)) + positions_(pos).unsqueeze(0);
+  const torch::nn::Embedding positions = positions_;
+  at::Tensor h = encoder_->embed_tokens(tgt_in) +  // tied: the encoder's token embedding
+                 run_layer(gather_, *positions_, {}, [positions, pos](const std::vector<at::Tensor>&) {
+                   return torch::nn::Embedding(positions)(pos).unsqueeze(0);
+                 });
   const at::Tensor tgt_pad = tgt_in.eq(ids_.pad), src_pad = src.eq(ids_.pad);
   for (const DecoderLayer& layer : layers_)
     h = run_layer(gather_, *layer.ptr(), {h, memory}, [layer, tgt_pad, src_pad](const std::vector<at::Tensor>& in) {
       return DecoderLayer(layer)(in[0], in[1], tgt_pad, src_pad);
     });
-  return norm_(h);
+  const torch::nn::LayerNorm norm = norm_;
+  return run_layer(gather_, *norm_, {h}, [norm](const std::vector<at::Tensor>& in) {
+    return torch::nn::LayerNorm(norm)(in[0]);
+  });
 }
 
 at::Tensor Seq2SeqImpl::forward(const at::Tensor& src, const at::Tensor& tgt_in) {

@@ -100,6 +100,9 @@ class Seq2SeqImpl : public torch::nn::Module {
 
   MlmEncoder& encoder() { return encoder_; }
   const std::vector<DecoderLayer>& decoder_layers() const { return layers_; }
+  // What ZeRO-3 cuts into units, in parameter order: the encoder's (MlmEncoder::units), the
+  // decoder's position embedding, its layers and its final norm.
+  std::vector<torch::nn::Module*> units() const;
   const SpecialIds& special_ids() const { return ids_; }
   int64_t vocab_size() const { return vocab_size_; }
   int64_t max_len() const { return config_.max_len; }

@@ -273,6 +273,8 @@ FullShard::FullShard(std::vector<at::Tensor> params, const std::vector<torch::nn
     layer_of_[layers[l]] = layers_.size();
     layers_.push_back(range(layer_ranges[l]));
   }
+  uses_left_.assign(layers_.size(), 0);
+  pending_grads_.assign(layers_.size(), at::Tensor());
   for (const auto& pr : rest_ranges) rest_.push_back(range(pr));
 
   // This worker's pieces: the ones kept while the model was built, the others cut from the
@@ -429,12 +431,29 @@ void FullShard::reduce_gradients(size_t u, const std::vector<at::Tensor>& grads)
   for (size_t i = r.first; i < r.last; ++i)
     if (grads[i - r.first].defined())
       buffer.narrow(0, start_[i] - r.begin, start_[i + 1] - start_[i]).copy_(grads[i - r.first].reshape({-1}));
+  // A unit used more than once this step (the tied token embedding): its uses' gradients are
+  // added up first, in the order backward reaches them, and reduce-scattered once, after the
+  // last, as autograd adds a shared parameter's gradients before it accumulates them: the same
+  // sums as unsharded training's.
+  at::Tensor& pending = pending_grads_.at(u);
+  if (uses_left_.at(u) > 0) --uses_left_[u];
+  if (uses_left_[u] > 0) {
+    if (pending.defined())
+      pending.add_(buffer);
+    else
+      pending = std::move(buffer);
+    return;
+  }
+  if (pending.defined()) buffer = std::move(pending.add_(buffer));
+  pending = at::Tensor();
   reduce_range(r, buffer);
 }
 
 void FullShard::begin_step() {
   NEBULA_CHECK(!whole_ && !in_step_ && !in_rest_, "FullShard::begin_step inside a step or with_full_model");
   calls_.clear();
+  uses_left_.assign(layers_.size(), 0);
+  pending_grads_.assign(layers_.size(), at::Tensor());
   in_step_ = true;
   rest_grads_.resize(rest_.size());
   for (size_t k = 0; k < rest_.size(); ++k) {
@@ -451,6 +470,15 @@ void FullShard::begin_step() {
 void FullShard::end_backward() {
   NEBULA_CHECK(in_step_, "FullShard::end_backward without begin_step");
   at::NoGradGuard no_grad;
+  // A layer some of whose calls backward did not reach (their outputs outside the loss): the
+  // gradients of the calls it did reach, in layer order.
+  for (size_t l = 0; l < layers_.size(); ++l)
+    if (pending_grads_[l].defined()) {
+      at::Tensor grads = std::move(pending_grads_[l]);
+      pending_grads_[l] = at::Tensor();
+      reduce_range(layers_[l], grads);
+    }
+  uses_left_.assign(layers_.size(), 0);
   for (size_t k = 0; k < rest_.size(); ++k) {
     const Range& r = rest_[k];
     reduce_range(r, rest_grads_[k]);
@@ -523,6 +551,7 @@ at::Tensor FullShard::run(torch::nn::Module& layer, const std::vector<at::Tensor
     return out;
   }
   calls_.push_back({it->second, body, recompute() ? generator_state() : at::Tensor(), {}, {}});
+  ++uses_left_.at(it->second);
   return GatheredLayer::apply(this, static_cast<int64_t>(calls_.size() - 1), anchor_, at::TensorList(inputs))[0];
 }
 

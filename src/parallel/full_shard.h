@@ -2,8 +2,10 @@
 // site's N workers, and are gathered only while they are used, as FSDP does.
 //
 // Layout (parallel/shard_layout.h): the trainable parameters seen as one flat vector, cut into
-// units — each layer the model runs through run(), and each run of parameters between them (the
-// "rest": embeddings, final norms) — and every unit into N pieces of ceil(n_u / N), one per
+// units — each module the model runs through run() (the built-in models': the embeddings, each
+// layer, the final norms; a unit run several times a step, as the tied token embedding is, is
+// gathered for each use), and each run of parameters between them (the "rest": a classifier's
+// head) — and every unit into N pieces of ceil(n_u / N), one per
 // worker. This worker keeps its piece of every unit for good (shard(), S values, with its
 // gradient shard_grad()); AdamW's moments and diloco's outer state cover the same S values. So a
 // unit's all-gather and reduce-scatter move (N - 1)/N of the unit per worker, every worker
@@ -71,8 +73,7 @@ struct FullShardOptions {
 // worker's piece of it (the layer is one unit: ShardLayout's piece of a unit of the layer's size)
 // and leaves its parameters holding no values (their shapes over storage of 0 bytes), so at most one
 // layer is whole at a time. FullShard then takes the pieces instead of cutting them. The
-// parameters outside the layers (embeddings, norms: the rest) stay whole until FullShard cuts
-// them. Not for PEFT (whose trainable parameters are chosen after the model is built) nor for
+// parameters outside the declared modules (the rest) stay whole until FullShard cuts them. Not for PEFT (whose trainable parameters are chosen after the model is built) nor for
 // models loaded from a file (model.init): those are built whole, as before.
 class PieceKeeper : public model::BuildSink {
  public:
@@ -167,7 +168,9 @@ class FullShard : public model::LayerGather {
   // (backward).
   void prefetch_after(size_t call, bool backward);
   // Adds weight · the unit's parameter gradients (`grads`, one per parameter, undefined = 0),
-  // reduce-scattered over the site, into shard_grad().
+  // reduce-scattered over the site, into shard_grad(). A layer called more than once in the step
+  // (the tied token embedding) adds its calls' gradients up and reduce-scatters them after the
+  // last call's backward: the same sums as unsharded, holding that layer's gradient meanwhile.
   void reduce_gradients(size_t u, const std::vector<at::Tensor>& grads);
   std::vector<at::Tensor> unit_params(size_t u) const;
 
@@ -216,6 +219,8 @@ class FullShard : public model::LayerGather {
   int64_t prefetch_hits_ = 0;
   std::vector<size_t> last_calls_;    // the last step's layer calls, in forward order (the next forward's prediction)
   std::vector<Call> calls_;           // this step's layer calls
+  std::vector<int> uses_left_;        // per layer: its calls this step whose backward has not run
+  std::vector<at::Tensor> pending_grads_;  // per layer used more than once: its uses' gradients so far
   at::Tensor anchor_;                 // an empty leaf that needs a gradient: every layer call is differentiable
 };
 

@@ -24,7 +24,10 @@ struct Net {
   std::shared_ptr<torch::nn::Module> module;
   std::function<at::Tensor(int rank, int step)> loss;
   std::function<void(model::LayerGather*)> set_gather;
-  std::vector<torch::nn::Module*> layers;
+  std::vector<torch::nn::Module*> layers;  // the Transformer layers
+  std::vector<torch::nn::Module*> units;   // what ZeRO-3 gathers: embeddings, layers, norms
+  int64_t tied_numel = 0;                  // the token embedding's values
+  int extra_calls = 0;                     // its uses in a step beyond the first (tied)
 };
 
 at::Tensor tokens(int rank, int step, int salt, int64_t rows, int64_t cols) {
@@ -48,6 +51,9 @@ Net make_net(const std::string& kind, model::BuildSink* sink = nullptr) {
     model::MlmEncoder m(c, kVocab, 0);
     net.module = m.ptr();
     for (const auto& l : m->layers()) net.layers.push_back(l.ptr().get());
+    net.units = m->units();
+    net.tied_numel = m->token_embedding()->weight.numel();
+    net.extra_calls = 1;  // the output projection
     net.set_gather = [m](model::LayerGather* g) mutable { m->set_layer_gather(g); };
     net.loss = [m](int rank, int step) mutable {
       at::Tensor ids = tokens(rank, step, 0, 3, 9);
@@ -62,6 +68,9 @@ Net make_net(const std::string& kind, model::BuildSink* sink = nullptr) {
     net.module = m.ptr();
     for (const auto& l : m->encoder()->layers()) net.layers.push_back(l.ptr().get());
     for (const auto& l : m->decoder_layers()) net.layers.push_back(l.ptr().get());
+    net.units = m->units();
+    net.tied_numel = m->encoder()->token_embedding()->weight.numel();
+    net.extra_calls = 2;  // the decoder's input and the output projection
     net.set_gather = [m](model::LayerGather* g) mutable { m->set_layer_gather(g); };
     net.loss = [m](int rank, int step) mutable {
       return m->loss(tokens(rank, step, 1, 2, 7), tokens(rank, step, 2, 2, 6), tokens(rank, step, 3, 2, 6));
@@ -103,7 +112,7 @@ Trained train(const std::string& kind, const std::string& shard, collective::Sit
   if (shard.rfind("full", 0) == 0 && site.size() > 1) {
     if (held) {  // the units' sizes, while the parameters are whole
       for (const auto& p : params) held->rest += p.numel();
-      for (const auto* layer : net.layers) {
+      for (const auto* layer : net.units) {
         int64_t n = 0;
         for (const auto& p : layer->parameters()) n += p.numel();
         held->largest_layer = std::max(held->largest_layer, n);
@@ -111,7 +120,7 @@ Trained train(const std::string& kind, const std::string& shard, collective::Sit
       }
     }
     const bool prefetch = shard == "full+prefetch";
-    full = std::make_unique<FullShard>(params, net.layers, site, FullShardOptions{shard == "full+recompute", prefetch},
+    full = std::make_unique<FullShard>(params, net.units, site, FullShardOptions{shard == "full+recompute", prefetch},
                                        prefetch ? site.fork("prefetch") : nullptr, keeper.get());
     keeper.reset();
     net.set_gather(full.get());
@@ -166,7 +175,7 @@ Trained train(const std::string& kind, const std::string& shard, collective::Sit
     o.step();
     if (full && held) {
       held->prefetch_hits = full->prefetch_hits();
-      held->layer_gathers += 2 * static_cast<int64_t>(net.layers.size());  // each layer: forward and backward
+      held->layer_gathers += 2 * static_cast<int64_t>(net.units.size() + net.extra_calls);  // each call: forward and backward
       held->after_step.push_back(full->held_numel());
       int64_t values = 0;
       for (const auto& p : params) values += p.numel();
@@ -193,18 +202,20 @@ double max_relative(const at::Tensor& a, const at::Tensor& b) {
 // parameter counts divisible by none of 2, 3, 4), with and without recompute. The site's average
 // gradient of a step equals the whole model's (summed in another order: within float rounding).
 // The MLM encoder's weights after 4 steps: with 2 workers bit-identical to ZeRO-2's (the same
-// products, and a + b is b + a); with 3 or 4 the ring sums each unit's piece starting from
-// another worker than ZeRO-2's one contiguous shard does, and AdamW turns the rounding of a
+// products, and a + b is b + a; the tied token embedding's two uses added up before its one
+// reduce-scatter, as autograd adds them); with 3 or 4 the ring sums each unit's piece starting
+// from another worker than ZeRO-2's one contiguous shard does, and AdamW turns the rounding of a
 // gradient that nearly cancels into a step of its own, so the weights are within a tenth of one
 // step (lr) of ZeRO-2's. Recompute on and off sum in the same order: bit-identical. (The
 // seq2seq's token embedding is used three times, tied: autograd adds its three gradients in
 // another order around ZeRO-3's layers, so its gradient alone is compared.)
 // Prefetch (the next layer's gather on a second group while a layer runs) changes nothing either,
-// nor building the model under a PieceKeeper (each layer cut as soon as it is built: after the
-// build only the rest holds values).
-// The gather spy: after forward only the rest (embeddings, final norms) is gathered, after
-// backward and after the step nothing, no parameter holds values between steps, and at no
-// moment more than the rest and one layer (with prefetch: and the one ahead).
+// nor building the model under a PieceKeeper (each unit cut as soon as it is built and its
+// values final: after the build no parameter holds values).
+// The gather spy: the embeddings and norms are units like the layers (the rest is empty for
+// these models), so after forward, after backward and after the step nothing is gathered, no
+// parameter holds values between steps, and at no moment more than one unit is (with prefetch:
+// and the one ahead).
 TEST(FullShard, TrainsAsZeroTwoAndAsTheWholeModel) {
   for (const std::string kind : {"mlm", "seq2seq"}) {
     int64_t numel = 0;
@@ -222,9 +233,10 @@ TEST(FullShard, TrainsAsZeroTwoAndAsTheWholeModel) {
         const Trained prefetched = train(kind, "full+prefetch", site, steps, &held_prefetch);
         Held held_built;
         const Trained built = train(kind, "full+built", site, steps, &held_built);
-        // Built layer by layer, no layer is whole once built (only the rest is, until cut), and
-        // the pieces kept are the ones cut from the whole model: the same training.
-        EXPECT_EQ(held_built.values_after_build, held_built.rest) << "rank " << site.rank();
+        // Built unit by unit, no unit is whole once built (the rest would be, until cut: there is
+        // none), and the pieces kept are the ones cut from the whole model: the same training.
+        EXPECT_EQ(held_built.rest, 0);
+        EXPECT_EQ(held_built.values_after_build, 0) << "rank " << site.rank();
         EXPECT_TRUE(at::equal(three.weights, built.weights)) << "rank " << site.rank() << ": built in pieces, other weights";
         EXPECT_GT(none.first_gradient.abs().max().item<float>(), 1e-3);
         EXPECT_TRUE(at::allclose(three.first_gradient, none.first_gradient, 1e-4, 1e-7))
@@ -244,7 +256,7 @@ TEST(FullShard, TrainsAsZeroTwoAndAsTheWholeModel) {
         // Every layer gather but the first forward's and the first backward's of a step came from
         // a prefetch (the first step's forward has no last step to predict from).
         EXPECT_EQ(held_prefetch.prefetch_hits,
-                  held_prefetch.layer_gathers - 2 * steps - static_cast<int64_t>(make_net(kind).layers.size()) + 1)
+                  held_prefetch.layer_gathers - 2 * steps - static_cast<int64_t>(make_net(kind).units.size() + make_net(kind).extra_calls) + 1)
             << "rank " << site.rank();
         EXPECT_EQ(held.prefetch_hits, 0);
         for (const Held* h : {&held, &held_recompute, &held_prefetch, &held_built})
@@ -257,11 +269,15 @@ TEST(FullShard, TrainsAsZeroTwoAndAsTheWholeModel) {
             const int64_t layers_at_once = h == &held_prefetch ? 2 : 1;
             EXPECT_LE(h->peak_in_step[s], h->rest + layers_at_once * h->largest_layer) << "step " << s << ": too many layers at once";
             EXPECT_GT(h->peak_in_step[s], h->rest);
-            // The site traffic of a step: every layer gathered twice (forward, backward) and
-            // reduce-scattered once, the rest gathered once for the step and reduce-scattered:
-            // each (N - 1)/N of its float32 bytes per worker, within the pieces' rounding.
-            const double layers = static_cast<double>(h->rest > 0 ? numel - h->rest : numel);
-            const double expected = (workers - 1.0) / workers * (3 * layers + 2.0 * static_cast<double>(h->rest)) * 4;
+            // The site traffic of a step: every unit gathered twice (forward, backward) per use
+            // and reduce-scattered once, the rest gathered once for the step and
+            // reduce-scattered: each (N - 1)/N of its float32 bytes per worker, within the
+            // pieces' rounding.
+            const Net shape = make_net(kind);
+            const double units = static_cast<double>(numel - h->rest);
+            const double extra_gathers = 2.0 * shape.extra_calls * static_cast<double>(shape.tied_numel);
+            const double expected =
+                (workers - 1.0) / workers * (3 * units + extra_gathers + 2.0 * static_cast<double>(h->rest)) * 4;
             EXPECT_NEAR(static_cast<double>(h->site_bytes[s]), expected, 0.05 * expected) << "step " << s;
           }
       });
@@ -345,7 +361,7 @@ TEST(FullShard, WholeModelGathersAndLayerByLayerValidation) {
     std::vector<at::Tensor> params = net.module->parameters();
     std::vector<at::Tensor> expected;
     for (const auto& p : params) expected.push_back(p.detach().clone().add_(1));
-    FullShard full(params, net.layers, site);
+    FullShard full(params, net.units, site);
     EXPECT_EQ(full.shard_numel() * 3 - full.total_numel() < 3, true);
     full.with_full_model([&] {
       at::NoGradGuard no_grad;
@@ -366,7 +382,7 @@ TEST(FullShard, WholeModelGathersAndLayerByLayerValidation) {
       at::NoGradGuard no_grad;
       full.with_full_model([&] { whole = net.loss(site.rank(), 0); });
       full.with_rest([&] {
-        EXPECT_GT(params[0].numel(), 0) << "the token embedding is outside the layers";
+        EXPECT_EQ(params[0].numel(), 0) << "the token embedding is a unit: gathered only where it runs";
         layered = net.loss(site.rank(), 0);
       });
     }

@@ -70,11 +70,7 @@ class MlmTask : public Task {
 
   torch::nn::Module& module() override { return *model_; }
   std::vector<at::Tensor> trainable() override { return params_; }
-  std::vector<torch::nn::Module*> layers() override {
-    std::vector<torch::nn::Module*> out;
-    for (const auto& layer : model_->layers()) out.push_back(layer.ptr().get());
-    return out;
-  }
+  std::vector<torch::nn::Module*> layers() override { return model_->units(); }
   void set_layer_gather(model::LayerGather* gather) override { model_->set_layer_gather(gather); }
 
   Step forward(int64_t) override {

@@ -56,8 +56,8 @@ class Task {
   // What the optimizer and the strategy get (PEFT: the unfrozen part).
   virtual std::vector<at::Tensor> trainable() = 0;
   // ZeRO-3 ([parallel] shard = "full", parallel/full_shard.h): the modules the model runs through
-  // a model::LayerGather, and the setter (null: run them directly). Empty: the model cannot
-  // (a user's TorchScript module).
+  // a model::LayerGather (the built-in models' units: embeddings, layers, norms), and the setter
+  // (null: run them directly). Empty: the model cannot (a user's TorchScript module).
   virtual std::vector<torch::nn::Module*> layers() { return {}; }
   virtual void set_layer_gather(model::LayerGather* gather) {}
 
