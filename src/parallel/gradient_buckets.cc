@@ -80,18 +80,22 @@ void GradientBuckets::on_gradient(size_t i) {
   Bucket& b = buckets_[bucket_of_[i]];
   NEBULA_CHECK(b.missing > 0, "GradientBuckets: parameter #", i, " got two gradients in one backward");
   at::NoGradGuard no_grad;
-  if (!b.values.defined()) {
-    b.values = at::zeros({b.end - b.begin}, at::kFloat);  // a parameter backward does not reach adds 0
-    held_ += b.end - b.begin;
-    peak_held_ = std::max(peak_held_, held_);
-  }
   if (p.grad().defined())
-    b.values.narrow(0, start_[i] - b.begin, start_[i + 1] - start_[i]).add_(p.grad().reshape({-1}), weight_);
+    values_of(b).narrow(0, start_[i] - b.begin, start_[i + 1] - start_[i]).add_(p.grad().reshape({-1}), weight_);
   p.mutable_grad() = at::Tensor();
   --b.missing;
   in_hook_send_ = true;
   send_ready();
   in_hook_send_ = false;
+}
+
+at::Tensor& GradientBuckets::values_of(Bucket& b) {
+  if (!b.values.defined()) {
+    b.values = at::zeros({b.end - b.begin}, at::kFloat);  // a parameter backward does not reach adds 0
+    held_ += b.end - b.begin;
+    peak_held_ = std::max(peak_held_, held_);
+  }
+  return b.values;
 }
 
 void GradientBuckets::send_ready() {
@@ -101,11 +105,7 @@ void GradientBuckets::send_ready() {
 void GradientBuckets::send(Bucket& b) {
   at::NoGradGuard no_grad;
   if (b.end > b.begin) {
-    if (!b.values.defined()) {
-      b.values = at::zeros({b.end - b.begin}, at::kFloat);
-      held_ += b.end - b.begin;
-      peak_held_ = std::max(peak_held_, held_);
-    }
+    values_of(b);
     const std::vector<int64_t> cuts = part_cuts(shard_numel_, site_.size(), b.begin, b.end - b.begin);
     std::vector<int64_t> counts;
     for (size_t q = 0; q + 1 < cuts.size(); ++q) counts.push_back(cuts[q + 1] - cuts[q]);

@@ -71,6 +71,7 @@ class GradientBuckets {
     at::Tensor values;   // w · the gradients, while filling (undefined otherwise)
     size_t missing = 0;
   };
+  at::Tensor& values_of(Bucket& b);  // its buffer, allocated (zeros) and counted as held on first use
   void send_ready();  // every complete bucket from next_, in order
   void send(Bucket& b);
 
