@@ -9,7 +9,8 @@
 # python3's torch unless TORCH_DIR is set; configure a fresh $BUILD with that LibTorch and the
 # prefix; build everything; run the unit tests (all but fuzz and the long end-to-end tests) and
 # the end-to-end smoke test, a GPU site and the TorchScript path; run bench/gpu_sanity (GPU vs CPU
-# matmul); train examples/smoke.toml with CPU, mixed and GPU sites; print a summary table.
+# matmul); train examples/smoke.toml with CPU, mixed and GPU sites, and with sharded (ZeRO-2/3)
+# GPU sites; print a summary table.
 #
 # Environment (all optional):
 #   TORCH_DIR  LibTorch's cmake dir (…/share/cmake/Torch); default: from python3 -c 'import torch'
@@ -165,21 +166,36 @@ if [ $CONFIGURE_OK = yes ]; then
 fi
 
 # --- Training on the GPU: the same job with CPU, mixed and GPU sites ------------------------------
-# examples/smoke.toml (2 sites, sync) for 60 steps: final losses and wall time side by side.
+# examples/smoke.toml (2 sites, sync) for 60 steps: final losses and wall time side by side; then
+# sharded GPU sites (2 workers per site sharing the GPU, diloco H = 10): ZeRO-3 and ZeRO-2 on
+# cpu+cpu, cpu+cuda and cuda+cuda, the same job (Gloo inside the site, through host copies: NCCL
+# cannot put two ranks on one GPU, so a one-GPU machine has no NCCL site to run).
+SHARDED="--set sites.0.workers=2 --set sites.1.workers=2 --set strategy.kind=\"diloco\" --set strategy.inner_steps=10"
+TRAIN_RUNS=(
+  "sync|cpu|cpu|"
+  "sync|cpu|cuda|"
+  "sync|cuda|cuda|"
+  "zero3|cpu|cpu|$SHARDED --set parallel.shard=\"full\""
+  "zero3|cpu|cuda|$SHARDED --set parallel.shard=\"full\""
+  "zero3|cuda|cuda|$SHARDED --set parallel.shard=\"full\""
+  "zero2|cuda|cuda|$SHARDED --set parallel.shard=\"gradients\""
+)
 GPU_TRAIN=()
 if [ -x "$BUILD/nebula" ] && ls /usr/share/locale/de/LC_MESSAGES/*.mo >/dev/null 2>&1; then
-  step "training: cpu+cpu, cpu+cuda (mixed sites), cuda+cuda"
-  for devs in "cpu cpu" "cpu cuda" "cuda cuda"; do
-    set -- $devs
-    run="$OUT/train-$1-$2"
+  step "training: cpu+cpu, cpu+cuda (mixed sites), cuda+cuda; sharded sites"
+  for spec in "${TRAIN_RUNS[@]}"; do
+    IFS='|' read -r label dev0 dev1 extra <<<"$spec"
+    name="$label-$dev0-$dev1"
+    run="$OUT/train-$name"
     rm -rf "$run"
+    # shellcheck disable=SC2086  # $extra is a list of arguments
     if "$BUILD/nebula" run examples/smoke.toml --set job.steps=60 --set metrics.progress=off \
-        --set "sites.0.device=\"$1\"" --set "sites.1.device=\"$2\"" --set "job.run_dir=\"$run\"" \
+        --set "sites.0.device=\"$dev0\"" --set "sites.1.device=\"$dev1\"" --set "job.run_dir=\"$run\"" $extra \
         >"$run.log" 2>&1; then
-      GPU_TRAIN+=("$("$PY" -c 'import json, sys; s = json.load(open(sys.argv[1])); print(sys.argv[2].ljust(10), "train %.4f  val %.4f  wall %.1f s" % (s["final_train_loss"], s["final_val_loss"], s["wall_seconds"]))' \
-        "$run/summary.json" "$1+$2")")
+      GPU_TRAIN+=("$("$PY" -c 'import json, sys; s = json.load(open(sys.argv[1])); print(sys.argv[2].ljust(20), "train %.4f  val %.4f  wall %.1f s" % (s["final_train_loss"], s["final_val_loss"], s["wall_seconds"]))' \
+        "$run/summary.json" "$name")")
     else
-      GPU_TRAIN+=("$1+$2  FAILED: $(tail -3 "$run.log" | tr '\n' ' ')")
+      GPU_TRAIN+=("$name  FAILED: $(grep -m3 -iE 'error|what\(\)|terminate' "$run.log" "$run"/logs/*.log 2>/dev/null | tr '\n' ' ' | cut -c1-600)")
     fi
   done
 else
@@ -207,4 +223,6 @@ step "summary"
   printf '%-16s %s\n' "gpu_sanity" "$SANITY"
   for line in "${GPU_TRAIN[@]}"; do printf '%-16s %s\n' "training" "$line"; done
 } | tee "$OUT/summary.txt"
-[ $BUILD_OK = yes ] && [ $FAILED -eq 0 ] && [[ $SANITY != FAILED* ]]
+TRAIN_FAILED=0
+for line in "${GPU_TRAIN[@]}"; do [[ $line == *FAILED* ]] && TRAIN_FAILED=$((TRAIN_FAILED + 1)); done
+[ $BUILD_OK = yes ] && [ $FAILED -eq 0 ] && [[ $SANITY != FAILED* ]] && [ $TRAIN_FAILED -eq 0 ]

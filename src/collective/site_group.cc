@@ -93,31 +93,47 @@ void run(const std::string& site, const char* op, F&& f) {
 
 namespace {
 uint64_t bytes_of(const at::Tensor& t) { return static_cast<uint64_t>(t.numel()) * t.element_size(); }
+
+// Gloo moves host memory here (LibTorch 1.13's Gloo; and send/recv in any version), so a tensor
+// on a GPU travels through a host copy: made before it is sent (host_copy) or received into
+// (host_buffer), and copied back onto its device after it arrives (land). The arithmetic of the
+// collectives (a reduce-scatter's sums) stays on the tensor's device. A CPU tensor is its own
+// host copy: nothing is copied.
+at::Tensor host_copy(const at::Tensor& t) { return t.device().is_cpu() ? t : t.to(at::kCPU); }
+at::Tensor host_buffer(const at::Tensor& t) {
+  return t.device().is_cpu() ? t : at::empty(t.sizes(), t.options().device(at::kCPU));
+}
+void land(const at::Tensor& t, const at::Tensor& host) {
+  if (!t.device().is_cpu()) t.copy_(host);
+}
 }  // namespace
 
 void SiteGroup::allreduce_sum(at::Tensor& t) {
   if (size_ == 1) return;
   bytes_sent_ += bytes_of(t) * 2 * static_cast<uint64_t>(size_ - 1) / static_cast<uint64_t>(size_);
-  std::vector<at::Tensor> v{t};
+  std::vector<at::Tensor> v{host_copy(t)};
   run(site_, "allreduce", [&] { return impl_->pg->allreduce(v); });
+  land(t, v[0]);
 }
 
 void SiteGroup::reduce_sum_to_root(at::Tensor& t) {
   if (size_ == 1) return;
-  std::vector<at::Tensor> v{t};
+  std::vector<at::Tensor> v{host_copy(t)};
   c10d::ReduceOptions o;
   o.rootRank = 0;
   if (rank_ != 0) bytes_sent_ += bytes_of(t);
   run(site_, "reduce", [&] { return impl_->pg->reduce(v, o); });
+  if (rank_ == 0) land(t, v[0]);
 }
 
 void SiteGroup::broadcast_from_root(at::Tensor& t) {
   if (size_ == 1) return;
-  std::vector<at::Tensor> v{t};
+  std::vector<at::Tensor> v{rank_ == 0 ? host_copy(t) : host_buffer(t)};
   c10d::BroadcastOptions o;
   o.rootRank = 0;
   if (rank_ == 0) bytes_sent_ += bytes_of(t) * static_cast<uint64_t>(size_ - 1);
   run(site_, "broadcast", [&] { return impl_->pg->broadcast(v, o); });
+  if (rank_ != 0) land(t, v[0]);
 }
 
 namespace {
@@ -166,7 +182,7 @@ std::vector<int64_t> part_offsets(const std::string& site, const char* op, const
 }  // namespace
 
 void SiteGroup::ring_step(const char* op, const at::Tensor& out, int next, const at::Tensor& in, int prev, int tag) {
-  std::vector<at::Tensor> o{out}, i{in};
+  std::vector<at::Tensor> o{host_copy(out)}, i{host_buffer(in)};
   ring_steps_.push_back(static_cast<int64_t>(bytes_of(out)));
   bytes_sent_ += bytes_of(out);
   guarded(site_, op, [&] {
@@ -176,6 +192,7 @@ void SiteGroup::ring_step(const char* op, const at::Tensor& out, int next, const
     if (sent) sent->wait();
     if (got) got->wait();
   });
+  if (in.numel() > 0) land(in, i[0]);
 }
 
 void SiteGroup::all_gather_parts(const at::Tensor& full, const std::vector<int64_t>& counts) {
@@ -233,20 +250,24 @@ void SiteGroup::parts_with_root(bool to_root, const at::Tensor& part, const at::
     std::vector<c10::intrusive_ptr<c10d::Work>> works;
     for (size_t i = 1; i < counts.size(); ++i) {
       if (counts[i] == 0) continue;
-      theirs[i] = {full.narrow(0, at[i], counts[i])};
+      const at::Tensor place = full.narrow(0, at[i], counts[i]);
+      theirs[i] = {to_root ? host_buffer(place) : host_copy(place)};
       if (!to_root) bytes_sent_ += bytes_of(theirs[i][0]);
       works.push_back(post(theirs[i], static_cast<int>(i)));
     }
     for (auto& w : works) w->wait();
+    for (size_t i = 1; i < counts.size() && to_root; ++i)
+      if (counts[i] > 0) land(full.narrow(0, at[i], counts[i]), theirs[i][0]);
   });
 }
 
 void SiteGroup::part_with_root(bool to_root, const at::Tensor& part, int tag) {
   if (part.numel() == 0) return;
-  std::vector<at::Tensor> mine{part};
+  std::vector<at::Tensor> mine{to_root ? host_copy(part) : host_buffer(part)};
   if (to_root) bytes_sent_ += bytes_of(part);
   run(site_, to_root ? "gather" : "scatter",
       [&] { return to_root ? impl_->pg->send(mine, 0, tag) : impl_->pg->recv(mine, 0, tag); });
+  if (!to_root) land(part, mine[0]);
 }
 
 void SiteGroup::parts_each(bool to_root, const at::Tensor& part, const std::vector<int64_t>& counts,

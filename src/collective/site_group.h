@@ -46,8 +46,11 @@ class SiteGroup {
   // The port of the site's TCPStore: on rank 0 the one it bound (the real one when given 0).
   uint16_t store_port() const { return store_port_; }
 
-  // In-place collectives over the site's ranks (contiguous CPU tensors). Each waits at most the
+  // In-place collectives over the site's ranks (contiguous tensors). Each waits at most the
   // group's timeout and rethrows c10d's error as nebula::Error naming the site and operation.
+  // Gloo moves host memory: a GPU tensor is sent from a host copy and received into one, then
+  // copied onto its device; a reduce-scatter's sums are taken on the tensor's device (NCCL,
+  // which would keep it all on the GPUs, is not used inside a site yet).
   void allreduce_sum(at::Tensor& t);
   void reduce_sum_to_root(at::Tensor& t);
   void broadcast_from_root(at::Tensor& t);

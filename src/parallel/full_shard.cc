@@ -16,24 +16,36 @@
 namespace nebula::parallel {
 namespace {
 
-at::Tensor generator_state() {
-  at::Generator g = at::detail::getDefaultCPUGenerator();
+// The generator dropout draws from on `device` (the CPU's, or the GPU's).
+at::Generator generator_of(const at::Device& device) {
+  return device.is_cpu() ? at::detail::getDefaultCPUGenerator() : at::globalContext().defaultGenerator(device);
+}
+
+at::Tensor generator_state(const at::Device& device) {
+  at::Generator g = generator_of(device);
   std::lock_guard<std::mutex> lock(g.mutex());
   return g.get_state();
 }
 
-void set_generator_state(const at::Tensor& state) {
-  at::Generator g = at::detail::getDefaultCPUGenerator();
+void set_generator_state(const at::Device& device, const at::Tensor& state) {
+  at::Generator g = generator_of(device);
   std::lock_guard<std::mutex> lock(g.mutex());
   g.set_state(state);
 }
 
-at::Tensor no_values() { return at::empty({0}, at::kFloat); }
+at::TensorOptions floats_on(const at::Device& device) { return at::TensorOptions().dtype(at::kFloat).device(device); }
+at::Tensor no_values(const at::Device& device) { return at::empty({0}, floats_on(device)); }
 
 // A unit's buffer keeps its storage object for good (views of it, saved by autograd between a
-// layer's forward and backward, see whatever it holds) and only its bytes come and go.
+// layer's forward and backward, see whatever it holds) and only its bytes come and go: a fresh
+// allocation from the storage's own allocator (host or GPU memory alike), its old values not
+// kept (a gather overwrites them all).
 void set_storage_bytes(const at::Tensor& buffer, int64_t bytes) {
-  at::native::resize_bytes_cpu(buffer.storage().unsafeGetStorageImpl(), static_cast<size_t>(bytes));
+  c10::StorageImpl* storage = buffer.storage().unsafeGetStorageImpl();
+  if (storage->nbytes() == static_cast<size_t>(bytes)) return;
+  NEBULA_CHECK(storage->allocator() != nullptr, "ZeRO-3: a unit's buffer on ", buffer.device(), " has no allocator");
+  storage->set_data_ptr_noswap(storage->allocator()->allocate(static_cast<size_t>(bytes)));
+  storage->set_nbytes(static_cast<size_t>(bytes));
 }
 
 // fn(), then done(), whether fn returns or throws.
@@ -89,16 +101,17 @@ struct GatheredLayer : public torch::autograd::Function<GatheredLayer> {
     std::vector<at::Tensor> inputs;
     if (self->recompute()) {
       for (const at::Tensor& s : ctx->get_saved_variables()) inputs.push_back(s.detach().set_requires_grad(s.requires_grad()));
-      const at::Tensor now = generator_state();  // the forward's draws again, then carry on from here
-      set_generator_state(call.generator_state);
+      const at::Device device = self->device();
+      const at::Tensor now = generator_state(device);  // the forward's draws again, then carry on from here
+      set_generator_state(device, call.generator_state);
       at::AutoGradMode grad(true);
       try {
         out = call.body(inputs);
       } catch (...) {
-        set_generator_state(now);
+        set_generator_state(device, now);
         throw;
       }
-      set_generator_state(now);
+      set_generator_state(device, now);
     } else {
       out = std::move(call.out);
       inputs = std::move(call.inputs);
@@ -209,14 +222,14 @@ void PieceKeeper::layer_built(torch::nn::Module& layer) {
   if (params.empty()) return;
   int64_t numel = 0;
   for (const at::Tensor& p : params) {
-    NEBULA_CHECK(p.scalar_type() == at::kFloat && p.device().is_cpu() && p.is_contiguous(),
-                 "parallel.shard = \"full\": a layer's parameter is ", p.scalar_type(), " on ", p.device(),
-                 "; ZeRO-3 runs contiguous float32 parameters on CPU sites only");
+    NEBULA_CHECK(p.scalar_type() == at::kFloat && p.is_contiguous(), "parallel.shard = \"full\": a layer's parameter is ",
+                 p.scalar_type(), p.is_contiguous() ? "" : " (not contiguous)", "; ZeRO-3 runs contiguous float32 parameters");
     numel += p.numel();
   }
-  // The layer as one unit: the same cut FullShard's layout makes of it.
+  // The layer as one unit: the same cut FullShard's layout makes of it. The piece stays where
+  // the layer was built (FullShard copies it onto the site's device).
   const ShardRun mine = ShardLayout({0, numel}, workers_).piece(0, rank_);
-  at::Tensor piece = at::empty({mine.len}, at::kFloat);
+  at::Tensor piece = at::empty({mine.len}, params.front().options());
   int64_t at = 0;  // the layer's flat values so far
   for (at::Tensor& p : params) {
     const int64_t lo = std::max(mine.flat, at), hi = std::min(mine.flat + mine.len, at + p.numel());
@@ -224,8 +237,9 @@ void PieceKeeper::layer_built(torch::nn::Module& layer) {
     at += p.numel();
     parked_.insert(p.unsafeGetTensorImpl());
     // Its shape and no values: a tensor of its sizes whose storage holds 0 bytes (as a unit's
-    // buffer between gathers). Nothing reads it before FullShard takes the piece instead.
-    at::Tensor shell = at::empty(p.sizes(), at::kFloat);
+    // buffer between gathers), on the site's device (so moving the model there leaves it be).
+    // Nothing reads it before FullShard takes the piece instead.
+    at::Tensor shell = at::empty(p.sizes(), floats_on(device_));
     set_storage_bytes(shell, 0);
     p.set_data(shell);
   }
@@ -245,11 +259,12 @@ FullShard::FullShard(std::vector<at::Tensor> params, const std::vector<torch::nn
   NEBULA_CHECK(options_.prefetch == (prefetch_group_ != nullptr),
                "FullShard: prefetch needs its own group of the site (SiteGroup::fork), given exactly then");
   NEBULA_CHECK(!kept || kept->layers() == 0 || site_.size() > 1, "FullShard: pieces kept for a site of one worker");
+  if (!params_.empty()) device_ = params_.front().device();
   for (const at::Tensor& p : params_) {
-    const bool parked = kept && kept->kept(p);
-    NEBULA_CHECK(p.scalar_type() == at::kFloat && (p.device().is_cpu() || parked) && p.is_contiguous(),
+    NEBULA_CHECK(p.scalar_type() == at::kFloat && p.device() == device_ && p.is_contiguous(),
                  "parallel.shard = \"full\" on site ", site_.site(), ": a trainable parameter is ", p.scalar_type(),
-                 " on ", p.device(), "; ZeRO-3 runs contiguous float32 parameters on CPU sites only");
+                 " on ", p.device(), p.is_contiguous() ? "" : " (not contiguous)", " where the first is on ", device_,
+                 "; ZeRO-3 runs contiguous float32 parameters, all on the site's device");
     shapes_.push_back(p.sizes().vec());
   }
   const auto index_of = index_params(params_, start_);
@@ -280,7 +295,7 @@ FullShard::FullShard(std::vector<at::Tensor> params, const std::vector<torch::nn
   // This worker's pieces: the ones kept while the model was built, the others cut from the
   // whole parameters; then the parameters let go of their values.
   at::NoGradGuard no_grad;
-  shard_ = at::zeros({layout_.shard_numel()}, at::kFloat);
+  shard_ = at::zeros({layout_.shard_numel()}, floats_on(device_));
   std::vector<bool> done(params_.size(), false);
   for (const Range& r : layers_) {
     const at::Tensor piece = r.last > r.first && kept ? kept->piece_of(params_[r.first]) : at::Tensor();
@@ -301,19 +316,19 @@ FullShard::FullShard(std::vector<at::Tensor> params, const std::vector<torch::nn
     for (const ShardRun& r : layout_.runs(site_.rank(), start_[i], start_[i + 1] - start_[i]))
       shard_.narrow(0, r.local, r.len).copy_(params_[i].reshape({-1}).narrow(0, r.flat - start_[i], r.len));
   }
-  shard_grad_ = at::zeros({layout_.shard_numel()}, at::kFloat);
+  shard_grad_ = at::zeros({layout_.shard_numel()}, floats_on(device_));
   shard_.set_requires_grad(true);
   shard_.mutable_grad() = shard_grad_;
   for (size_t u = 0; u < layout_.units(); ++u) {
-    buffers_.push_back(at::empty({layout_.unit_numel(u)}, at::kFloat));
+    buffers_.push_back(at::empty({layout_.unit_numel(u)}, floats_on(device_)));
     set_storage_bytes(buffers_.back(), 0);
   }
   gathered_.assign(layout_.units(), false);
   for (auto& p : params_) {
     p.mutable_grad() = at::Tensor();
-    p.set_data(no_values());
+    p.set_data(no_values(device_));
   }
-  anchor_ = no_values().set_requires_grad(true);
+  anchor_ = no_values(device_).set_requires_grad(true);
 }
 
 FullShard::~FullShard() {
@@ -336,9 +351,11 @@ void FullShard::fill_unit(size_t u, collective::SiteGroup& group) {
   const at::Tensor& buffer = buffers_[u];
   const ShardRun mine = layout_.piece(u, site_.rank());
   set_storage_bytes(buffer, layout_.unit_numel(u) * static_cast<int64_t>(sizeof(float)));
-  // Written around autograd (no version bump): a graph may hold views of this storage.
-  std::memcpy(buffer.data_ptr<float>() + (mine.flat - layout_.unit_begin(u)), shard_.data_ptr<float>() + mine.local,
-              static_cast<size_t>(mine.len) * sizeof(float));
+  // Written around autograd (a tensor of its own over the bytes: no version bump): a graph may
+  // hold views of this storage.
+  if (mine.len > 0)
+    at::from_blob(buffer.data_ptr<float>() + (mine.flat - layout_.unit_begin(u)), {mine.len}, buffer.options())
+        .copy_(shard_.detach().narrow(0, mine.local, mine.len));
   group.all_gather_parts(buffer, layout_.piece_counts(u));
 }
 
@@ -398,7 +415,7 @@ void FullShard::drop_range(const Range& r, bool keep_views) {
   set_storage_bytes(buffers_[r.unit], 0);
   gathered_[r.unit] = false;
   if (!keep_views)
-    for (size_t i = r.first; i < r.last; ++i) params_[i].set_data(no_values());
+    for (size_t i = r.first; i < r.last; ++i) params_[i].set_data(no_values(device_));
 }
 
 void FullShard::gather(size_t u) {
@@ -427,7 +444,7 @@ void FullShard::reduce_gradients(size_t u, const std::vector<at::Tensor>& grads)
   NEBULA_CHECK(grads.size() == r.last - r.first, "reduce_gradients: ", grads.size(), " gradients for ",
                r.last - r.first, " parameters");
   at::NoGradGuard no_grad;
-  at::Tensor buffer = at::zeros({r.end - r.begin}, at::kFloat);
+  at::Tensor buffer = at::zeros({r.end - r.begin}, floats_on(device_));
   for (size_t i = r.first; i < r.last; ++i)
     if (grads[i - r.first].defined())
       buffer.narrow(0, start_[i] - r.begin, start_[i + 1] - start_[i]).copy_(grads[i - r.first].reshape({-1}));
@@ -460,7 +477,7 @@ void FullShard::begin_step() {
     const Range& r = rest_[k];
     gather_range(r);
     // Backward accumulates the rest's gradients in place into these views (defined .grad).
-    rest_grads_[k] = at::zeros({r.end - r.begin}, at::kFloat);
+    rest_grads_[k] = at::zeros({r.end - r.begin}, floats_on(device_));
     for (size_t i = r.first; i < r.last; ++i)
       params_[i].mutable_grad() =
           rest_grads_[k].narrow(0, start_[i] - r.begin, start_[i + 1] - start_[i]).view(shapes_[i]);
@@ -550,7 +567,7 @@ at::Tensor FullShard::run(torch::nn::Module& layer, const std::vector<at::Tensor
     release(it->second);
     return out;
   }
-  calls_.push_back({it->second, body, recompute() ? generator_state() : at::Tensor(), {}, {}});
+  calls_.push_back({it->second, body, recompute() ? generator_state(device_) : at::Tensor(), {}, {}});
   ++uses_left_.at(it->second);
   return GatheredLayer::apply(this, static_cast<int64_t>(calls_.size() - 1), anchor_, at::TensorList(inputs))[0];
 }

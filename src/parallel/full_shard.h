@@ -39,7 +39,9 @@
 // held_numel() counts the gathered values this worker holds now (a unit's storage while it is
 // gathered), so a test can check that no more than the units in use are ever whole.
 //
-// One thread (the training thread) uses it, as the model. CPU float32 parameters only.
+// One thread (the training thread) uses it, as the model. Float32 parameters, on the CPU or all on
+// one GPU (the site's device): the shard, its gradient and the gathered units live there, and the
+// site's collectives carry them through host copies (collective/site_group.h).
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -74,10 +76,12 @@ struct FullShardOptions {
 // and leaves its parameters holding no values (their shapes over storage of 0 bytes), so at most one
 // layer is whole at a time. FullShard then takes the pieces instead of cutting them. The
 // parameters outside the declared modules (the rest) stay whole until FullShard cuts them. Not for PEFT (whose trainable parameters are chosen after the model is built) nor for
-// models loaded from a file (model.init): those are built whole, as before.
+// models loaded from a file (model.init): those are built whole, as before. `device`: the site's
+// (where the model goes after it is built): the kept layers' parameters are left as shells there.
 class PieceKeeper : public model::BuildSink {
  public:
-  PieceKeeper(int64_t workers, int64_t rank) : workers_(workers), rank_(rank) {}
+  PieceKeeper(int64_t workers, int64_t rank, at::Device device = at::kCPU)
+      : workers_(workers), rank_(rank), device_(device) {}
   void layer_built(torch::nn::Module& layer) override;
   // This worker's piece of the layer whose first parameter is `first`, or an undefined tensor
   // when that layer was not kept here.
@@ -87,6 +91,7 @@ class PieceKeeper : public model::BuildSink {
 
  private:
   int64_t workers_, rank_;
+  at::Device device_;
   std::map<const c10::TensorImpl*, at::Tensor> pieces_;  // by the layer's first parameter
   std::set<const c10::TensorImpl*> parked_;              // every parameter of a kept layer
 };
@@ -114,6 +119,8 @@ class FullShard : public model::LayerGather {
   int64_t shard_numel() const { return layout_.shard_numel(); }
   int64_t total_numel() const { return layout_.total(); }
   const ShardLayout& layout() const { return layout_; }
+  // Where the parameters, the shard and the gathered units are (the site's device).
+  const at::Device& device() const { return device_; }
   // The trainable parameters' shapes (the parameters themselves hold no values outside a gather).
   const std::vector<std::vector<int64_t>>& shapes() const { return shapes_; }
   // The flat vector's unit bounds this model cuts into (ShardLayout): every layer's range and the
@@ -152,7 +159,7 @@ class FullShard : public model::LayerGather {
   struct Call {
     size_t unit;
     Body body;
-    at::Tensor generator_state;  // the CPU generator before the forward (for the recomputation)
+    at::Tensor generator_state;  // the device's generator before the forward (for the recomputation)
     // Without recompute: the layer's output with its graph, and the inputs it was run on.
     at::Tensor out;
     std::vector<at::Tensor> inputs;
@@ -199,6 +206,7 @@ class FullShard : public model::LayerGather {
   std::vector<std::vector<int64_t>> shapes_;
   collective::SiteGroup& site_;
   Options options_;
+  at::Device device_ = at::kCPU;
   std::vector<int64_t> start_;        // each parameter's first value in the flat vector
   ShardLayout layout_;
   std::vector<Range> layers_;         // one per layer

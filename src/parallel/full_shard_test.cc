@@ -2,6 +2,7 @@
 
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
+#include <torch/cuda.h>
 
 #include <cmath>
 #include <map>
@@ -96,13 +97,15 @@ struct Held {
   int64_t values_after_build = -1;  // "full+built": the parameters' values right after the model was built
 };
 
-// `shard`: "none", "gradients", "full", "full+recompute", "full+prefetch" or "full+built" (the
-// model built under a PieceKeeper: each layer cut as soon as it is built).
+// `shard`: "none", "optimizer", "gradients", "full", "full+recompute", "full+prefetch" or
+// "full+built" (the model built under a PieceKeeper: each layer cut as soon as it is built).
+// `device`: where the model trains (built on the CPU and moved there, as a GPU site's task does).
 Trained train(const std::string& kind, const std::string& shard, collective::SiteGroup& site, int steps,
-              Held* held = nullptr) {
+              Held* held = nullptr, at::Device device = at::kCPU) {
   std::unique_ptr<PieceKeeper> keeper;
-  if (shard == "full+built") keeper = std::make_unique<PieceKeeper>(site.size(), site.rank());
+  if (shard == "full+built") keeper = std::make_unique<PieceKeeper>(site.size(), site.rank(), device);
   Net net = make_net(kind, keeper.get());
+  net.module->to(device);
   std::vector<at::Tensor> params = net.module->parameters();
   if (keeper && held) {
     held->values_after_build = 0;
@@ -152,10 +155,10 @@ Trained train(const std::string& kind, const std::string& shard, collective::Sit
     if (o.gradients_sharded()) {  // ZeRO-2 and ZeRO-3: this worker's S values of Σ w · g
       for (const auto& p : params) EXPECT_FALSE(p.grad().defined()) << "a .grad after a sharded backward";
       o.flat_grad().div_(total);
-      at::Tensor shards = at::empty({o.state_numel() * site.size()});
+      at::Tensor shards = at::empty({o.state_numel() * site.size()}, o.flat_grad().options());
       site.all_gather(o.flat_grad(), shards);
       const ShardLayout layout = o.layout();
-      average = at::empty({o.total_numel()});  // each worker's pieces where they lie
+      average = at::empty({o.total_numel()}, shards.options());  // each worker's pieces where they lie
       for (int q = 0; q < site.size(); ++q)
         for (const ShardRun& r : layout.runs(q, 0, o.total_numel()))
           average.narrow(0, r.flat, r.len).copy_(shards.narrow(0, q * layout.shard_numel() + r.local, r.len));
@@ -196,6 +199,29 @@ Trained train(const std::string& kind, const std::string& shard, collective::Sit
 
 double max_relative(const at::Tensor& a, const at::Tensor& b) {
   return (a - b).abs().div(at::maximum(at::maximum(a.abs(), b.abs()), at::full_like(a, 1e-3))).max().item<double>();
+}
+
+// GPU sites shard too: ZeRO-1, 2 and 3 (built in pieces, and with recompute, which saves and
+// restores the GPU's generator around each layer's second run) with the parameters, shards and
+// gathered units on the GPU train as the same workers on the CPU do, the site's collectives
+// carried through host copies. Within a tenth of one AdamW step (lr) of the CPU's
+// weights: the GPU's kernels sum in their own order. Runs where LibTorch has CUDA and a GPU
+// (bench/gpu_check.sh); skipped elsewhere.
+TEST(FullShard, OnTheGpuTrainsAsOnTheCpu) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device for LibTorch here";
+  collective::testing::run_site("zero-gpu", 2, [&](collective::SiteGroup& site) {
+    for (const std::string shard : {"none", "optimizer", "gradients", "full", "full+built", "full+recompute"}) {
+      SCOPED_TRACE(str_cat(shard, ", rank ", site.rank()));
+      const Trained cpu = train("mlm", shard, site, 3);
+      const Trained gpu = train("mlm", shard, site, 3, nullptr, at::Device(at::kCUDA, 0));
+      EXPECT_TRUE(gpu.weights.device().is_cuda());
+      EXPECT_TRUE(at::allclose(gpu.first_gradient.cpu(), cpu.first_gradient, 1e-4, 1e-6))
+          << "the first step's average gradient differs by up to "
+          << (gpu.first_gradient.cpu() - cpu.first_gradient).abs().max().item<float>();
+      EXPECT_LT((gpu.weights.cpu() - cpu.weights).abs().max().item<double>(), 1e-3);
+      EXPECT_FALSE(at::equal(cpu.weights, train("mlm", "none", site, 0).weights)) << "no training happened";
+    }
+  });
 }
 
 // ZeRO-3 against ZeRO-2 and the whole model, for both built-in models on 2 to 4 workers (their

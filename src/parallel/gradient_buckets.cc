@@ -32,8 +32,9 @@ GradientBuckets::GradientBuckets(std::vector<at::Tensor> params, collective::Sit
   NEBULA_CHECK(bucket_bytes >= sizeof(float), "GradientBuckets: buckets of ", bucket_bytes, " bytes");
   start_.assign(1, 0);
   for (const at::Tensor& p : params_) {
-    NEBULA_CHECK(p.is_leaf() && p.requires_grad() && p.scalar_type() == at::kFloat && p.device().is_cpu(),
-                 "GradientBuckets: parameter #", start_.size() - 1, " is not a float32 CPU leaf that needs a gradient");
+    NEBULA_CHECK(p.is_leaf() && p.requires_grad() && p.scalar_type() == at::kFloat && p.device() == shard_grad_.device(),
+                 "GradientBuckets: parameter #", start_.size() - 1, " is not a float32 leaf that needs a gradient on ",
+                 shard_grad_.device(), " (the gradient shard's device)");
     start_.push_back(start_.back() + p.numel());
   }
   shard_numel_ = parallel::shard_numel(start_.back(), site_.size());
@@ -91,7 +92,7 @@ void GradientBuckets::on_gradient(size_t i) {
 
 at::Tensor& GradientBuckets::values_of(Bucket& b) {
   if (!b.values.defined()) {
-    b.values = at::zeros({b.end - b.begin}, at::kFloat);  // a parameter backward does not reach adds 0
+    b.values = at::zeros({b.end - b.begin}, shard_grad_.options());  // a parameter backward does not reach adds 0
     held_ += b.end - b.begin;
     peak_held_ = std::max(peak_held_, held_);
   }

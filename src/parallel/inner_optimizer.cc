@@ -34,19 +34,21 @@ InnerOptimizer::InnerOptimizer(std::vector<at::Tensor> params, double lr, double
   }
   if (sharded_ && !full_) {
     for (const auto& p : params_)
-      NEBULA_CHECK(p.scalar_type() == at::kFloat && p.device().is_cpu(), "parallel.shard = \"", shard, "\" on site ",
-                   site_.site(), ": a trainable parameter is ", p.scalar_type(), " on ", p.device(),
-                   "; sharding runs float32 parameters on CPU sites only (set shard = \"none\")");
+      NEBULA_CHECK(p.scalar_type() == at::kFloat && p.device() == params_.front().device(), "parallel.shard = \"",
+                   shard, "\" on site ", site_.site(), ": a trainable parameter is ", p.scalar_type(), " on ",
+                   p.device(), " where the first is on ", params_.front().device(),
+                   "; sharding runs float32 parameters, all on the site's device (set shard = \"none\")");
+    const at::TensorOptions on_device = at::TensorOptions().dtype(at::kFloat).device(params_.front().device());
     // The parameters move into one flat buffer of N S values (their storage from now on), and
     // AdamW optimizes a leaf that shares this worker's S of it: its step writes the shard in
     // place and the all-gather fills the others' in place, with no copy of the model.
     at::NoGradGuard no_grad;
     const int64_t n = site_.size();
     shard_numel_ = parallel::shard_numel(total_numel_, n);
-    flat_ = at::zeros({shard_numel_ * n});
+    flat_ = at::zeros({shard_numel_ * n}, on_device);
     // ZeRO-1: the gradients in one flat buffer of the same layout; ZeRO-2: this worker's S only,
     // which the buckets fill while backward runs (gradient_buckets.h).
-    flat_grad_ = at::zeros({gradients_sharded_ ? shard_numel_ : shard_numel_ * n});
+    flat_grad_ = at::zeros({gradients_sharded_ ? shard_numel_ : shard_numel_ * n}, on_device);
     int64_t offset = 0;
     for (auto& p : params_) {
       at::Tensor view = flat_.narrow(0, offset, p.numel()).view(p.sizes());

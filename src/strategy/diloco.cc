@@ -416,7 +416,7 @@ void DilocoStrategy::send_through_gateway(Fragment& fr, double weight, double ha
     part.copy_(fr.global);
     int64_t pos = 0;
     for (const auto& v : part_views(fr)) {
-      part.narrow(0, pos, v.numel()).sub_(v);
+      part.narrow(0, pos, v.numel()).sub_(v.to(part.device()));  // a GPU site's shard: from the device
       pos += v.numel();
     }
   }
@@ -466,7 +466,7 @@ void DilocoStrategy::send_own_part(Fragment& fr, double weight, double hash) {
     fr.delta = part = fr.global.clone();
     int64_t pos = 0;
     for (const auto& v : part_views(fr)) {
-      part.narrow(0, pos, v.numel()).sub_(v);
+      part.narrow(0, pos, v.numel()).sub_(v.to(part.device()));  // a GPU site's shard: from the device
       pos += v.numel();
     }
   } else {  // unsharded: the values of this worker's holding, from the whole fragment

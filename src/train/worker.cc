@@ -235,7 +235,7 @@ Trainer::Trainer(const TaskContext& ctx, bool rejoin, Clock::time_point start)
   const bool zero3 = c_.parallel.shard == "full" && workers_ > 1;
   std::unique_ptr<parallel::PieceKeeper> keeper;
   if (zero3 && c_.peft.kind == "none" && c_.model.init.empty())
-    keeper = std::make_unique<parallel::PieceKeeper>(workers_, comm_.group->rank());
+    keeper = std::make_unique<parallel::PieceKeeper>(workers_, comm_.group->rank(), ctx.device);
   {
     model::SinkScope building(keeper.get());
     task_ = make_task(ctx, comm_.teacher.get());

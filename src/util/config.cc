@@ -434,12 +434,6 @@ Config build(const toml::table& root, const std::string& file) {
     Section s(*t, "parallel", file);
     s.string("shard", c.parallel.shard, {"none", "optimizer", "gradients", "full"});
     const toml::node& key = t->get("shard") ? *t->get("shard") : static_cast<const toml::node&>(*t);
-    if (c.parallel.shard != "none")
-      for (const auto& site : c.sites)
-        if (site.device.rfind("cuda", 0) == 0)
-          s.fail(key, "shard",
-                 str_cat("\"", c.parallel.shard, "\" runs on CPU sites only, and site '", site.name,
-                         "' has device = \"", site.device, "\": set shard = \"none\" (GPU sites keep the whole optimizer)"));
     if ((c.parallel.shard == "gradients" || c.parallel.shard == "full") && c.strategy.kind == "sync")
       s.fail(key, "shard",
              str_cat("\"", c.parallel.shard, "\" (ZeRO-", c.parallel.shard == "full" ? 3 : 2,

@@ -106,8 +106,10 @@ TEST(Config, ParallelShard) {
             "gradients");
   expect_error(std::string(kValid) + "\n[parallel]\nshard = \"gradients\"\n",
                {"job.toml", "parallel.shard", "ZeRO-2", "sync", "\"optimizer\""}, {"strategy.kind=\"sync\""});
-  expect_error(std::string(kValid) + "\n[parallel]\nshard = \"gradients\"\n", {"parallel.shard", "CPU sites only", "'b'"},
-               {"sites.1.device=\"cuda\"", "strategy.kind=\"diloco\""});
+  // GPU sites shard too (their shards on the device; the site's collectives through host copies).
+  EXPECT_EQ(parse_config(kValid, "job.toml", {"parallel.shard=\"gradients\"", "strategy.kind=\"diloco\"",
+                                             "sites.1.device=\"cuda\""}).parallel.shard,
+            "gradients");
   // ZeRO-3: the built-in models with diloco and streaming; not with sync, not a TorchScript module.
   EXPECT_EQ(parse_config(kValid, "job.toml", {"parallel.shard=\"full\"", "strategy.kind=\"diloco\""}).parallel.shard,
             "full");
@@ -116,8 +118,6 @@ TEST(Config, ParallelShard) {
   expect_error(std::string(kValid) + "\n[parallel]\nshard = \"full\"\n", {"parallel.shard", "TorchScript"},
                {"strategy.kind=\"diloco\"", "model.kind=torchscript", "model.script=\"m.pt\"", "data.source=tensors",
                 "data.path=\"shards\""});
-  expect_error(std::string(kValid) + "\n[parallel]\nshard = \"optimizer\"\n", {"parallel.shard", "CPU sites only", "'b'"},
-               {"sites.1.device=\"cuda\""});
   // recompute: ZeRO-3's layers run again in backward; nothing to recompute otherwise.
   const Config r = parse_config(kValid, "job.toml", {"parallel.shard=\"full\"", "parallel.recompute=true", "strategy.kind=\"diloco\""});
   EXPECT_TRUE(r.parallel.recompute);
