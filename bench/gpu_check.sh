@@ -19,6 +19,9 @@
 #   OUT        where the logs go (default $BUILD-logs); each step's log is tee'd there
 #   JOBS       parallel build and test jobs (default nproc)
 #   TEST_TIMEOUT  seconds per test (default 120)
+#   TARGETS    build only these targets (space-separated; default: everything)
+#   TESTS      run only the tests matching this ctest regex (default: the unit tests and the e2e ones above)
+#   TRAIN      run only the training runs whose name (e.g. zero3-cuda-cuda) matches this regex
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -140,7 +143,9 @@ if cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_POLICY_VER
     "${CMAKE_ARGS[@]}" 2>&1 | tee "$OUT/configure.log"; then
   CONFIGURE_OK=yes
   step "build with $JOBS jobs (continuing past errors)"
-  if cmake --build "$BUILD" -j "$JOBS" -- -k 0 2>&1 | tee "$OUT/build.log"; then BUILD_OK=yes; fi
+  targets=()
+  for t in ${TARGETS:-}; do targets+=(--target "$t"); done
+  if cmake --build "$BUILD" -j "$JOBS" "${targets[@]}" -- -k 0 2>&1 | tee "$OUT/build.log"; then BUILD_OK=yes; fi
   if [ $BUILD_OK = no ]; then
     echo "--- first errors:"; grep -E -m 40 'error|FAILED:|undefined reference' "$OUT/build.log" || true
   fi
@@ -154,7 +159,12 @@ count() {  # adds ctest's "N% tests passed, F tests failed out of T" to PASSED/F
   t=$(sed -E 's/.* failed out of ([0-9]+).*/\1/' <<<"$line")
   PASSED=$((PASSED + t - f)); FAILED=$((FAILED + f))
 }
-if [ $CONFIGURE_OK = yes ]; then
+if [ $CONFIGURE_OK = yes ] && [ -n "${TESTS:-}" ]; then
+  step "tests matching '$TESTS'"
+  NEBULA_TEST_PYTHON=$(command -v "$PY") ctest --test-dir "$BUILD" -j "$JOBS" --timeout "$TEST_TIMEOUT" -R "$TESTS" \
+    --output-on-failure 2>&1 | tee "$OUT/test.log" || true
+  count "$OUT/test.log"
+elif [ $CONFIGURE_OK = yes ]; then
   step "unit tests (all but fuzz and EndToEnd)"
   ctest --test-dir "$BUILD" -j "$JOBS" --timeout "$TEST_TIMEOUT" -LE fuzz -E '^EndToEnd\.' \
     --output-on-failure 2>&1 | tee "$OUT/test.log" || true
@@ -186,6 +196,7 @@ if [ -x "$BUILD/nebula" ] && ls /usr/share/locale/de/LC_MESSAGES/*.mo >/dev/null
   for spec in "${TRAIN_RUNS[@]}"; do
     IFS='|' read -r label dev0 dev1 extra <<<"$spec"
     name="$label-$dev0-$dev1"
+    [[ -z ${TRAIN:-} || $name =~ $TRAIN ]] || continue
     run="$OUT/train-$name"
     rm -rf "$run"
     # shellcheck disable=SC2086  # $extra is a list of arguments

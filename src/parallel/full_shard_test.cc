@@ -5,6 +5,7 @@
 #include <torch/cuda.h>
 
 #include <cmath>
+#include <cstdio>
 #include <map>
 #include <mutex>
 
@@ -213,7 +214,13 @@ TEST(FullShard, OnTheGpuTrainsAsOnTheCpu) {
     for (const std::string shard : {"none", "optimizer", "gradients", "full", "full+built", "full+recompute"}) {
       SCOPED_TRACE(str_cat(shard, ", rank ", site.rank()));
       const Trained cpu = train("mlm", shard, site, 3);
-      const Trained gpu = train("mlm", shard, site, 3, nullptr, at::Device(at::kCUDA, 0));
+      Trained gpu;
+      try {
+        gpu = train("mlm", shard, site, 3, nullptr, at::Device(at::kCUDA, 0));
+      } catch (const std::exception& e) {  // said at once: the peer then sees only a closed connection
+        std::fprintf(stderr, "shard = %s, rank %d on the GPU: %s\n", shard.c_str(), site.rank(), e.what());
+        throw;
+      }
       EXPECT_TRUE(gpu.weights.device().is_cuda());
       EXPECT_TRUE(at::allclose(gpu.first_gradient.cpu(), cpu.first_gradient, 1e-4, 1e-6))
           << "the first step's average gradient differs by up to "
