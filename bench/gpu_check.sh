@@ -165,12 +165,14 @@ if [ $CONFIGURE_OK = yes ] && [ -n "${TESTS:-}" ]; then
     --output-on-failure 2>&1 | tee "$OUT/test.log" || true
   count "$OUT/test.log"
 elif [ $CONFIGURE_OK = yes ]; then
-  step "unit tests (all but fuzz and EndToEnd)"
-  ctest --test-dir "$BUILD" -j "$JOBS" --timeout "$TEST_TIMEOUT" -LE fuzz -E '^EndToEnd\.' \
+  # bench.soak (WAN faults, no GPU code) is left to CI: on a 16-core H200 machine with 16 tests at
+  # once it ran past its 300 s limit and held the step for that long.
+  step "unit tests (all but fuzz, bench.soak and EndToEnd)"
+  ctest --test-dir "$BUILD" -j "$JOBS" --timeout "$TEST_TIMEOUT" -LE fuzz -E '^EndToEnd\.|^bench\.soak$' \
     --output-on-failure 2>&1 | tee "$OUT/test.log" || true
   count "$OUT/test.log"
-  step "end-to-end: smoke, a GPU site, the TorchScript path"
-  NEBULA_TEST_PYTHON=$(command -v "$PY") ctest --test-dir "$BUILD" --timeout "$TEST_TIMEOUT" -R '^EndToEnd\.(SmokeRun|AGpuSite)|^TorchScript\.' \
+  step "end-to-end: smoke, a GPU site, sharded GPU sites, the TorchScript path"
+  NEBULA_TEST_PYTHON=$(command -v "$PY") ctest --test-dir "$BUILD" --timeout "$TEST_TIMEOUT" -R '^EndToEnd\.(SmokeRun|AGpuSite|ShardedGpuSites)|^TorchScript\.' \
     --output-on-failure 2>&1 | tee "$OUT/e2e.log" || true
   count "$OUT/e2e.log"
 fi

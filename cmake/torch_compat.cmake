@@ -12,6 +12,14 @@
 #    does, and without them the Gloo process group is compiled out of the header.
 # 3. CUDA builds of LibTorch (2.x wheels or zips) define the torch_cuda target; the GPU sanity
 #    check (bench/gpu_sanity.cc, run by bench/gpu_check.sh) is built only then.
+# 4. The pip wheels' libtorch_cpu.so exports a copy of libstdc++'s std::filesystem that it links
+#    statically (pytorch/pytorch#133437). A program that uses std::filesystem and names
+#    libtorch_cpu before libstdc++ among its needed libraries gets some of those functions from
+#    torch's copy and the rest from the system's: seen on an H200 with 2.11.0+cu130, where every
+#    test that made a temporary directory or read a path segfaulted (31 tests, bench/gpu_check.sh).
+#    Every program here names libstdc++ first, so the dynamic linker finds the system's
+#    definitions first; with Debian's 1.13 this changes nothing but the order. (Not yet run on a
+#    2.x machine: the run that found it had no time left to check the fix.)
 find_path(GLOO_INCLUDE_DIR gloo/rendezvous/store.h PATHS ${TORCH_INCLUDE_DIRS} NO_DEFAULT_PATH)
 find_path(GLOO_INCLUDE_DIR gloo/rendezvous/store.h REQUIRED)
 
@@ -21,6 +29,8 @@ else()
   set(NEBULA_TORCH_CUDA OFF)
 endif()
 message(STATUS "nebula: LibTorch ${Torch_VERSION} (CUDA: ${NEBULA_TORCH_CUDA}), Gloo headers in ${GLOO_INCLUDE_DIR}")
+
+add_link_options("LINKER:--push-state,--no-as-needed" -lstdc++ "LINKER:--pop-state")
 
 function(nebula_use_c10d target)
   target_include_directories(${target} PRIVATE ${GLOO_INCLUDE_DIR})

@@ -1556,6 +1556,43 @@ TEST(EndToEnd, AGpuSiteTrainsOnTheGpuOrIsRefusedSayingWhy) {
   fs::remove_all(dir);
 }
 
+// GPU sites shard ([2/7]): two sites of two workers sharing the GPU, diloco with ZeRO-2 and ZeRO-3
+// (their reduce-scatters run inside backward, on each worker's own autograd thread for the GPU:
+// one process per worker, as deployed), end within 1 % of the validation loss of the same job on
+// CPU sites. Runs where LibTorch has CUDA and a GPU (bench/gpu_check.sh); skipped elsewhere, after
+// checking that the GPU site was refused for that reason.
+TEST(EndToEnd, ShardedGpuSitesTrainAsCpuSites) {
+  const std::string dir = temp_run_dir("gpu-shard");
+  auto job = [&](const std::string& device, const std::string& shard) {
+    return run(nebula::str_cat("run examples/smoke.toml --set job.steps=30 --set sites.0.workers=2 --set sites.1.workers=2",
+                               " --set strategy.kind=diloco --set strategy.inner_steps=10 --set parallel.shard=", shard,
+                               " --set sites.0.device=\\\"", device, "\\\" --set sites.1.device=\\\"", device,
+                               "\\\" --set job.run_dir=\\\"", dir, "/", device, "-", shard, "\\\""),
+               300);
+  };
+  for (const std::string shard : {"full", "gradients"}) {
+    SCOPED_TRACE(shard);
+    Result gpu = job("cuda", shard);
+    if (gpu.exit_code != 0 && gpu.output.find("but this LibTorch sees no CUDA device") != std::string::npos)
+      GTEST_SKIP() << "no CUDA device for LibTorch here";
+    ASSERT_EQ(gpu.exit_code, 0) << gpu.output;
+    Result cpu = job("cpu", shard);
+    ASSERT_EQ(cpu.exit_code, 0) << cpu.output;
+    for (const char* worker : {"beta-0", "beta-1"})  // both on the one GPU (worker r takes GPU r mod 1)
+      EXPECT_NE(read_file(dir + "/cuda-" + shard + "/logs/" + worker + ".log").find("training on cuda:0"), std::string::npos);
+    const std::string log = read_file(dir + "/cuda-" + shard + "/logs/beta-0.log");
+    EXPECT_NE(log.find(shard == "full" ? "ZeRO-3" : "ZeRO-2"), std::string::npos) << log;
+    auto val_loss = [&](const std::string& device) {
+      std::ifstream in(dir + "/" + device + "-" + shard + "/summary.json");
+      return nlohmann::json::parse(in)["final_val_loss"].get<double>();
+    };
+    const double on_gpu = val_loss("cuda"), on_cpu = val_loss("cpu");
+    EXPECT_LT(std::abs(on_gpu - on_cpu), 0.01 * on_cpu) << "validation loss " << on_gpu << " on the GPU, " << on_cpu
+                                                        << " on the CPU";
+  }
+  fs::remove_all(dir);
+}
+
 // [7/7] Library use: examples/library/my_training_loop.cc, a user's own LibTorch loop calling
 // nebula::Session and nebula::Synchronizer, trains on two sites over mutual TLS; every replica
 // ends with the same weights and the job's test loss falls.

@@ -202,16 +202,19 @@ double max_relative(const at::Tensor& a, const at::Tensor& b) {
   return (a - b).abs().div(at::maximum(at::maximum(a.abs(), b.abs()), at::full_like(a, 1e-3))).max().item<double>();
 }
 
-// GPU sites shard too: ZeRO-1, 2 and 3 (built in pieces, and with recompute, which saves and
-// restores the GPU's generator around each layer's second run) with the parameters, shards and
-// gathered units on the GPU train as the same workers on the CPU do, the site's collectives
-// carried through host copies. Within a tenth of one AdamW step (lr) of the CPU's
-// weights: the GPU's kernels sum in their own order. Runs where LibTorch has CUDA and a GPU
-// (bench/gpu_check.sh); skipped elsewhere.
+// GPU sites shard too: ZeRO-1 with the flat parameters, gradients and shard on the GPU trains as
+// the same workers on the CPU do, the site's collectives carried through host copies; within a
+// tenth of one AdamW step (lr) of the CPU's weights (the GPU's kernels sum in their own order).
+// Only the modes whose collectives run outside backward: the workers here are threads of one
+// process, and a process's autograd engine runs all of one GPU's backward work on one thread, so
+// ZeRO-2's and ZeRO-3's reduce-scatters inside backward would wait there for each other (seen on
+// an H200: a 30 s Gloo timeout). Deployed, every worker is a process of its own:
+// EndToEnd.ShardedGpuSitesTrainAsCpuSites runs ZeRO-2 and ZeRO-3 on the GPU so. Runs where
+// LibTorch has CUDA and a GPU (bench/gpu_check.sh); skipped elsewhere.
 TEST(FullShard, OnTheGpuTrainsAsOnTheCpu) {
   if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device for LibTorch here";
   collective::testing::run_site("zero-gpu", 2, [&](collective::SiteGroup& site) {
-    for (const std::string shard : {"none", "optimizer", "gradients", "full", "full+built", "full+recompute"}) {
+    for (const std::string shard : {"none", "optimizer"}) {
       SCOPED_TRACE(str_cat(shard, ", rank ", site.rank()));
       const Trained cpu = train("mlm", shard, site, 3);
       Trained gpu;
