@@ -55,6 +55,9 @@ step() { echo; echo "=== gpu_check: $* ($(date +%T))"; }
 # --- What this machine has (env.txt) --------------------------------------------------------------
 step "environment"
 PY=${PYTHON:-python3}   # the python whose torch is used
+# The tests that export a model from Python use this one (the system's python3 may have no torch).
+NEBULA_TEST_PYTHON=$(command -v "$PY" || echo "$PY")
+export NEBULA_TEST_PYTHON
 TORCH_INFO=$("$PY" - <<'EOF' 2>&1 || true
 import os, torch
 cap = torch.cuda.get_device_capability(0) if torch.cuda.is_available() else None
@@ -161,18 +164,18 @@ count() {  # adds ctest's "N% tests passed, F tests failed out of T" to PASSED/F
 }
 if [ $CONFIGURE_OK = yes ] && [ -n "${TESTS:-}" ]; then
   step "tests matching '$TESTS'"
-  NEBULA_TEST_PYTHON=$(command -v "$PY") ctest --test-dir "$BUILD" -j "$JOBS" --timeout "$TEST_TIMEOUT" -R "$TESTS" \
+  ctest --test-dir "$BUILD" -j "$JOBS" --timeout "$TEST_TIMEOUT" -R "$TESTS" \
     --output-on-failure 2>&1 | tee "$OUT/test.log" || true
   count "$OUT/test.log"
 elif [ $CONFIGURE_OK = yes ]; then
   # bench.soak (WAN faults, no GPU code) is left to CI: on a 16-core H200 machine with 16 tests at
   # once it ran past its 300 s limit and held the step for that long.
-  step "unit tests (all but fuzz, bench.soak and EndToEnd)"
-  ctest --test-dir "$BUILD" -j "$JOBS" --timeout "$TEST_TIMEOUT" -LE fuzz -E '^EndToEnd\.|^bench\.soak$' \
+  step "unit tests (all but fuzz, bench.soak, EndToEnd and TorchScript, which the next step runs)"
+  ctest --test-dir "$BUILD" -j "$JOBS" --timeout "$TEST_TIMEOUT" -LE fuzz -E '^EndToEnd\.|^TorchScript\.|^bench\.soak$' \
     --output-on-failure 2>&1 | tee "$OUT/test.log" || true
   count "$OUT/test.log"
   step "end-to-end: smoke, a GPU site, sharded GPU sites, the TorchScript path"
-  NEBULA_TEST_PYTHON=$(command -v "$PY") ctest --test-dir "$BUILD" --timeout "$TEST_TIMEOUT" -R '^EndToEnd\.(SmokeRun|AGpuSite|ShardedGpuSites)|^TorchScript\.' \
+  ctest --test-dir "$BUILD" --timeout "$TEST_TIMEOUT" -R '^EndToEnd\.(SmokeRun|AGpuSite|ShardedGpuSites)|^TorchScript\.' \
     --output-on-failure 2>&1 | tee "$OUT/e2e.log" || true
   count "$OUT/e2e.log"
 fi

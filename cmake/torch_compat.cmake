@@ -16,7 +16,7 @@
 #    statically (pytorch/pytorch#133437). A program that uses std::filesystem and names
 #    libtorch_cpu before libstdc++ among its needed libraries gets some of those functions from
 #    torch's copy and the rest from the system's: seen on an H200 with 2.11.0+cu130, where every
-#    test that made a temporary directory or read a path segfaulted (31 tests, bench/gpu_check.sh).
+#    test that made a temporary directory or read a path segfaulted (32 tests, bench/gpu_check.sh).
 #    Every program here names libstdc++ first, so the dynamic linker finds the system's
 #    definitions first; with Debian's 1.13 this changes nothing but the order. (Not yet run on a
 #    2.x machine: the run that found it had no time left to check the fix.)
