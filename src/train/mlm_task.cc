@@ -22,7 +22,7 @@ class MlmTask : public Task {
     const SiteConfig& site = c_.sites[ctx.who.site];
     NEBULA_CHECK(ctx.tokenizer->mask_id() >= 0, ctx.tokenizer_path, " has no <mask> piece: train it with nebula");
     // Data: this site's own sentences, this worker's share of them.
-    SiteText text = load_site_text(c_, ctx.who.site, ctx.who.local_rank, static_cast<int>(site.workers));
+    SiteText text = site_text(ctx);
     auto sequences = encode_all(*ctx.tokenizer, text.train, c_.model.max_len);
     size_t tlm_sequences = 0;
     if (c_.data.objective == "mlm+tlm") {  // XLM's translation LM: the pair in one sequence

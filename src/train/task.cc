@@ -49,6 +49,12 @@ std::map<std::string, std::string> text_model_metadata(const TaskContext& ctx, c
           {"tokenizer", std::filesystem::absolute(ctx.tokenizer_path).string()}};
 }
 
+SiteText site_text(const TaskContext& ctx) {
+  if (ctx.text) return std::move(*ctx.text);
+  const SiteConfig& site = ctx.config.sites.at(ctx.who.site);
+  return load_site_text(ctx.config, ctx.who.site, ctx.who.local_rank, static_cast<int>(site.workers));
+}
+
 uint64_t batch_seed(const Config& c, const WorkerIdentity& who) {
   const std::string& name = c.sites.at(who.site).name;
   const uint32_t site = wire::crc32(0, {reinterpret_cast<const uint8_t*>(name.data()), name.size()});

@@ -28,6 +28,7 @@
 #include "model/mlm_encoder.h"
 #include "nebula/config.h"
 #include "parallel/checkpoint.h"
+#include "train/site_data.h"
 #include "train/worker.h"
 #include "transport/link.h"
 
@@ -40,7 +41,14 @@ struct TaskContext {
   std::string tokenizer_path;
   model::SpecialIds ids;
   at::Device device = at::kCPU;  // the site's device for this worker (a task moves its model there)
+  // Text tasks: this worker's share of its site's data, read before the worker joins its site
+  // and the WAN (so a site without data fails alone, saying why, instead of leaving the other
+  // sites to report a lost peer). Taken by site_text().
+  std::shared_ptr<SiteText> text;
 };
+
+// The worker's share of its site's text: what task_context read (moved out), else read now.
+SiteText site_text(const TaskContext& ctx);
 
 // The seed of this worker's training batch order. It is keyed by the site's name and the
 // worker's rank, not by the site's index in [[sites]], so a site draws the same batches in any

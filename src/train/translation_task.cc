@@ -54,7 +54,7 @@ class TranslationTask : public Task {
  public:
   TranslationTask(const TaskContext& ctx, transport::Link* teacher) : ctx_(ctx), c_(ctx.config) {
     const SiteConfig& site = c_.sites[ctx.who.site];
-    SiteText text = load_site_text(c_, ctx.who.site, ctx.who.local_rank, static_cast<int>(site.workers));
+    SiteText text = site_text(ctx);
     Pairs train = encode_pairs(*ctx.tokenizer, text.train_pairs, c_.model.max_len);
     if (train.empty())
       throw DataError(str_cat("site '", site.name, "': no sentence pairs to train a translation model on (a text "

@@ -69,6 +69,8 @@ TaskContext task_context(const Config& c, const WorkerIdentity& who) {
   }
   const data::Tokenizer& tok = ctx.tokenizer.emplace(data::Tokenizer::load(ctx.tokenizer_path));
   ctx.ids = {tok.pad_id(), tok.unk_id(), tok.bos_id(), tok.eos_id(), tok.mask_id(), 5, tok.vocab_size()};
+  if (c.model.kind != "classifier")  // the text tasks' data, before the worker joins anyone (TaskContext::text)
+    ctx.text = std::make_shared<SiteText>(load_site_text(c, who.site, who.local_rank, static_cast<int>(site.workers)));
   return ctx;
 }
 
