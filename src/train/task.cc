@@ -50,9 +50,9 @@ std::map<std::string, std::string> text_model_metadata(const TaskContext& ctx, c
 }
 
 SiteText site_text(const TaskContext& ctx) {
-  if (ctx.text) return std::move(*ctx.text);
-  const SiteConfig& site = ctx.config.sites.at(ctx.who.site);
-  return load_site_text(ctx.config, ctx.who.site, ctx.who.local_rank, static_cast<int>(site.workers));
+  NEBULA_CHECK(ctx.text, "site_text: no site text in the task context (task_context reads it for the text tasks, "
+               "and one task takes it)");
+  return std::move(*ctx.text);
 }
 
 uint64_t batch_seed(const Config& c, const WorkerIdentity& who) {

@@ -47,7 +47,7 @@ struct TaskContext {
   std::shared_ptr<SiteText> text;
 };
 
-// The worker's share of its site's text: what task_context read (moved out), else read now.
+// The worker's share of its site's text, moved out of what task_context read (once).
 SiteText site_text(const TaskContext& ctx);
 
 // The seed of this worker's training batch order. It is keyed by the site's name and the
