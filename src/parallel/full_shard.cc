@@ -253,6 +253,9 @@ FullShard::FullShard(std::vector<at::Tensor> params, const std::vector<torch::nn
                      collective::SiteGroup& site, Options options, std::unique_ptr<collective::SiteGroup> prefetch_group,
                      const PieceKeeper* kept)
     : params_(std::move(params)), site_(site), options_(options), layout_({0, 0}, 1),
+      // Freed blocks kept: a layer's and its gradients', the embedding's (another size), and
+      // with prefetch the layer ahead's.
+      blocks_(options.prefetch ? 4 : 3),
       prefetch_group_(std::move(prefetch_group)) {
   NEBULA_CHECK(options_.prefetch == (prefetch_group_ != nullptr),
                "FullShard: prefetch needs its own group of the site (SiteGroup::fork), given exactly then");
@@ -319,7 +322,11 @@ FullShard::FullShard(std::vector<at::Tensor> params, const std::vector<torch::nn
   shard_.mutable_grad() = shard_grad_;
   for (size_t u = 0; u < layout_.units(); ++u) {
     buffers_.push_back(at::empty({layout_.unit_numel(u)}, floats_on(device_)));
-    set_storage_bytes(buffers_.back(), 0);
+    set_unit_bytes(buffers_.back(), 0);
+  }
+  for (const Range& r : layers_) {
+    grad_buffers_.push_back(at::empty({r.end - r.begin}, floats_on(device_)));
+    set_unit_bytes(grad_buffers_.back(), 0);
   }
   gathered_.assign(layout_.units(), false);
   for (auto& p : params_) {
@@ -336,6 +343,47 @@ FullShard::~FullShard() {
     }
 }
 
+c10::DataPtr UnitBlocks::take(c10::Allocator& allocator, size_t bytes) {
+  {
+    MutexLock lock(mu_);
+    for (auto it = free_.rbegin(); it != free_.rend(); ++it)  // the newest first: still in cache, likely
+      if (it->first == bytes) {
+        c10::DataPtr block = std::move(it->second);
+        free_.erase(std::next(it).base());
+        return block;
+      }
+  }
+  return allocator.allocate(bytes);
+}
+
+void UnitBlocks::keep(c10::DataPtr block, size_t bytes) {
+  if (bytes == 0 || !block || capacity_ == 0) return;  // freed here
+  c10::DataPtr dropped;  // freed outside the lock
+  MutexLock lock(mu_);
+  if (free_.size() == capacity_) {  // the oldest goes: the sizes in use now are the newest
+    dropped = std::move(free_.front().second);
+    free_.erase(free_.begin());
+  }
+  free_.emplace_back(bytes, std::move(block));
+}
+
+size_t UnitBlocks::kept_bytes() const {
+  MutexLock lock(mu_);
+  size_t n = 0;
+  for (const auto& [bytes, block] : free_) n += bytes;
+  return n;
+}
+
+void FullShard::set_unit_bytes(const at::Tensor& buffer, int64_t bytes) {
+  c10::StorageImpl* storage = buffer.storage().unsafeGetStorageImpl();
+  const size_t old_bytes = storage->nbytes();
+  if (old_bytes == static_cast<size_t>(bytes)) return;
+  NEBULA_CHECK(storage->allocator() != nullptr, "ZeRO-3: a unit's buffer on ", buffer.device(), " has no allocator");
+  c10::DataPtr old = storage->set_data_ptr(blocks_.take(*storage->allocator(), static_cast<size_t>(bytes)));
+  storage->set_nbytes(static_cast<size_t>(bytes));
+  blocks_.keep(std::move(old), old_bytes);
+}
+
 int64_t FullShard::held_numel() const {
   int64_t n = 0;
   for (size_t u = 0; u < buffers_.size(); ++u)
@@ -348,7 +396,7 @@ int64_t FullShard::held_numel() const {
 void FullShard::fill_unit(size_t u, collective::SiteGroup& group) {
   const at::Tensor& buffer = buffers_[u];
   const ShardRun mine = layout_.piece(u, site_.rank());
-  set_storage_bytes(buffer, layout_.unit_numel(u) * static_cast<int64_t>(sizeof(float)));
+  set_unit_bytes(buffer, layout_.unit_numel(u) * static_cast<int64_t>(sizeof(float)));
   // Written around autograd (a tensor of its own over the bytes: no version bump): a graph may
   // hold views of this storage.
   if (mine.len > 0)
@@ -394,7 +442,7 @@ void FullShard::gather_range(const Range& r, bool to_root) {
   if (r.end > r.begin && !gathered_[u]) {
     if (to_root) {
       const ShardRun mine = layout_.piece(u, site_.rank());
-      if (here) set_storage_bytes(buffer, (r.end - r.begin) * static_cast<int64_t>(sizeof(float)));
+      if (here) set_unit_bytes(buffer, (r.end - r.begin) * static_cast<int64_t>(sizeof(float)));
       site_.gather_parts_to_root(shard_.detach().narrow(0, mine.local, mine.len), here ? buffer : at::Tensor(),
                                  layout_.piece_counts(u));
     } else {
@@ -410,7 +458,7 @@ void FullShard::gather_range(const Range& r, bool to_root) {
 }
 
 void FullShard::drop_range(const Range& r, bool keep_views) {
-  set_storage_bytes(buffers_[r.unit], 0);
+  set_unit_bytes(buffers_[r.unit], 0);
   gathered_[r.unit] = false;
   if (!keep_views)
     for (size_t i = r.first; i < r.last; ++i) params_[i].set_data(no_values(device_));
@@ -442,32 +490,38 @@ void FullShard::reduce_gradients(size_t u, const std::vector<at::Tensor>& grads)
   NEBULA_CHECK(grads.size() == r.last - r.first, "reduce_gradients: ", grads.size(), " gradients for ",
                r.last - r.first, " parameters");
   at::NoGradGuard no_grad;
-  at::Tensor buffer = at::zeros({r.end - r.begin}, floats_on(device_));
+  // The unit's gradients side by side, in its gradient buffer (bytes from blocks_, as a
+  // gathered unit's). A unit used more than once this step (the tied token embedding): its
+  // uses' gradients are added up there first, in the order backward reaches them, and
+  // reduce-scattered once, after the last, as autograd adds a shared parameter's gradients
+  // before it accumulates them: the same sums as unsharded training's.
+  at::Tensor& pending = pending_grads_.at(u);
+  if (!pending.defined()) {
+    pending = grad_buffers_.at(u);
+    set_unit_bytes(pending, (r.end - r.begin) * static_cast<int64_t>(sizeof(float)));
+    pending.zero_();
+  }
   for (size_t i = r.first; i < r.last; ++i)
     if (grads[i - r.first].defined())
-      buffer.narrow(0, start_[i] - r.begin, start_[i + 1] - start_[i]).copy_(grads[i - r.first].reshape({-1}));
-  // A unit used more than once this step (the tied token embedding): its uses' gradients are
-  // added up first, in the order backward reaches them, and reduce-scattered once, after the
-  // last, as autograd adds a shared parameter's gradients before it accumulates them: the same
-  // sums as unsharded training's.
-  at::Tensor& pending = pending_grads_.at(u);
+      pending.narrow(0, start_[i] - r.begin, start_[i + 1] - start_[i]).add_(grads[i - r.first].reshape({-1}));
   if (uses_left_.at(u) > 0) --uses_left_[u];
-  if (uses_left_[u] > 0) {
-    if (pending.defined())
-      pending.add_(buffer);
-    else
-      pending = std::move(buffer);
-    return;
-  }
-  if (pending.defined()) buffer = std::move(pending.add_(buffer));
+  if (uses_left_[u] == 0) flush_gradients(u);
+}
+
+void FullShard::flush_gradients(size_t u) {
+  at::Tensor& pending = pending_grads_.at(u);
+  if (!pending.defined()) return;
+  reduce_range(layers_.at(u), pending);
+  set_unit_bytes(pending, 0);
   pending = at::Tensor();
-  reduce_range(r, buffer);
 }
 
 void FullShard::begin_step() {
   NEBULA_CHECK(!whole_ && !in_step_ && !in_rest_, "FullShard::begin_step inside a step or with_full_model");
   calls_.clear();
   uses_left_.assign(layers_.size(), 0);
+  for (size_t l = 0; l < pending_grads_.size(); ++l)  // a step that failed midway left them
+    if (pending_grads_[l].defined()) set_unit_bytes(pending_grads_[l], 0);
   pending_grads_.assign(layers_.size(), at::Tensor());
   in_step_ = true;
   rest_grads_.resize(rest_.size());
@@ -487,12 +541,7 @@ void FullShard::end_backward() {
   at::NoGradGuard no_grad;
   // A layer some of whose calls backward did not reach (their outputs outside the loss): the
   // gradients of the calls it did reach, in layer order.
-  for (size_t l = 0; l < layers_.size(); ++l)
-    if (pending_grads_[l].defined()) {
-      at::Tensor grads = std::move(pending_grads_[l]);
-      pending_grads_[l] = at::Tensor();
-      reduce_range(layers_[l], grads);
-    }
+  for (size_t l = 0; l < layers_.size(); ++l) flush_gradients(l);
   uses_left_.assign(layers_.size(), 0);
   for (size_t k = 0; k < rest_.size(); ++k) {
     const Range& r = rest_[k];

@@ -2,6 +2,7 @@
 
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
+#include <c10/core/CPUAllocator.h>
 #include <torch/cuda.h>
 
 #include <cmath>
@@ -427,6 +428,51 @@ TEST(FullShard, WholeModelGathersAndLayerByLayerValidation) {
     torch::nn::Linear stranger(2, 2);
     EXPECT_THROW(full.run(*stranger, {at::zeros({1, 2})}, [&](const std::vector<at::Tensor>& in) { return in[0]; }),
                  Error);
+  });
+}
+
+TEST(UnitBlocks, KeepsFreedBlocksForTheNextTakeOfTheirSizeUpToItsCapacity) {
+  c10::Allocator& cpu = *c10::GetCPUAllocator();
+  UnitBlocks blocks(2);
+  c10::DataPtr a = blocks.take(cpu, 4096);
+  void* const a_bytes = a.get();
+  blocks.keep(std::move(a), 4096);
+  EXPECT_EQ(blocks.kept_bytes(), 4096u);
+  c10::DataPtr other = blocks.take(cpu, 8192);  // another size: from the allocator
+  EXPECT_NE(other.get(), a_bytes);
+  EXPECT_EQ(blocks.kept_bytes(), 4096u);
+  c10::DataPtr again = blocks.take(cpu, 4096);  // the same size: the kept block
+  EXPECT_EQ(again.get(), a_bytes);
+  EXPECT_EQ(blocks.kept_bytes(), 0u);
+  blocks.keep(std::move(again), 4096);
+  blocks.keep(std::move(other), 8192);
+  blocks.keep(cpu.allocate(1024), 1024);  // a third: the oldest (4096) goes back to the allocator
+  EXPECT_EQ(blocks.kept_bytes(), 8192u + 1024u);
+  blocks.keep(cpu.allocate(0), 0);  // nothing to keep
+  EXPECT_EQ(blocks.kept_bytes(), 8192u + 1024u);
+  UnitBlocks none(0);
+  none.keep(cpu.allocate(64), 64);
+  EXPECT_EQ(none.kept_bytes(), 0u);
+}
+
+// A step gathers and frees every layer twice: a layer's gather reuses the bytes the last layer
+// of its size freed (UnitBlocks), and its gradients' buffer too, instead of asking the heap.
+TEST(FullShard, LayersOfOneSizeReuseOneBlock) {
+  collective::testing::run_site("zero3-blocks", 2, [&](collective::SiteGroup& site) {
+    Net net = make_net("mlm");
+    std::vector<at::Tensor> params = net.module->parameters();
+    FullShard full(params, net.units, site);
+    std::vector<size_t> layer_units;  // units that are Transformer layers (all of one size)
+    for (size_t u = 0; u < net.units.size(); ++u)
+      for (torch::nn::Module* l : net.layers)
+        if (net.units[u] == l) layer_units.push_back(u);
+    ASSERT_GE(layer_units.size(), 2u);
+    full.gather(layer_units[0]);
+    const void* first = full.unit_params(layer_units[0]).front().data_ptr();
+    full.release(layer_units[0]);
+    full.gather(layer_units[1]);
+    EXPECT_EQ(full.unit_params(layer_units[1]).front().data_ptr(), first);
+    full.release(layer_units[1]);
   });
 }
 

@@ -28,6 +28,7 @@
 #include "train/site_data.h"
 #include "train/task.h"
 #include "train/worker_checkpoint.h"
+#include "util/allocator.h"
 
 namespace nebula::train {
 namespace {
@@ -286,6 +287,10 @@ Trainer::Trainer(const TaskContext& ctx, bool rejoin, Clock::time_point start)
                  full_ ? "; the parameters sharded too, gathered layer by layer" : "");
   checkpoints_ = std::make_unique<WorkerCheckpoints>(c_, who_, *comm_.comm, *task_, o, *strategy_, full_.get());
   eval_start_.assign(task_->eval_size(), 0.0);
+  // The set-up's freed memory (each layer built whole before ZeRO-3 cut it, the tokenizer's
+  // and the data's buffers) back to the system: glibc keeps it (util/allocator.h) and the
+  // steps would not reuse all of it.
+  release_free_memory();
   phases_.end();
 }
 
@@ -301,11 +306,13 @@ void Trainer::resume(bool rejoin) {
     strategy_->join();  // the others admit this site at their next round and hand it their state
   else
     strategy_->reconcile();
+  release_free_memory();  // the checkpoints read (and with ZeRO-3 the model gathered to write them back)
   phases_.end();
 }
 
 void Trainer::evaluate_at_start() {
   if (!resumed_ && task_->eval_at_start()) whole([&] { eval_start_ = evaluate(0); }, true);
+  release_free_memory();  // the gateway's gathered model (ZeRO-3) and the evaluation's activations
 }
 
 int Trainer::train() {
@@ -339,8 +346,10 @@ int Trainer::train() {
     tokens_ += batch.tokens;
     window_.add(batch);
     if (done % c_.job.log_every == 0) write_metrics(done);
-    if (c_.eval.every > 0 && done % c_.eval.every == 0)  // on the merged model, not the replica mid-round
+    if (c_.eval.every > 0 && done % c_.eval.every == 0) {  // on the merged model, not the replica mid-round
       strategy.with_global_weights([&] { whole([&] { evaluate(done); }, true); });
+      release_free_memory();
+    }
     const int signal = stop_request.poll(done);
     if (checkpoint.due(done, signal != 0)) {
       phases_.begin(PhasePeaks::kCheckpoint);
