@@ -253,9 +253,7 @@ FullShard::FullShard(std::vector<at::Tensor> params, const std::vector<torch::nn
                      collective::SiteGroup& site, Options options, std::unique_ptr<collective::SiteGroup> prefetch_group,
                      const PieceKeeper* kept)
     : params_(std::move(params)), site_(site), options_(options), layout_({0, 0}, 1),
-      // Freed blocks kept: a layer's and its gradients', the embedding's (another size), and
-      // with prefetch the layer ahead's.
-      blocks_(options.prefetch ? 4 : 3),
+      blocks_(options.prefetch ? 3 : 2),  // freed blocks kept: a layer's, the embedding's, the one ahead's
       prefetch_group_(std::move(prefetch_group)) {
   NEBULA_CHECK(options_.prefetch == (prefetch_group_ != nullptr),
                "FullShard: prefetch needs its own group of the site (SiteGroup::fork), given exactly then");
@@ -323,10 +321,6 @@ FullShard::FullShard(std::vector<at::Tensor> params, const std::vector<torch::nn
   for (size_t u = 0; u < layout_.units(); ++u) {
     buffers_.push_back(at::empty({layout_.unit_numel(u)}, floats_on(device_)));
     set_unit_bytes(buffers_.back(), 0);
-  }
-  for (const Range& r : layers_) {
-    grad_buffers_.push_back(at::empty({r.end - r.begin}, floats_on(device_)));
-    set_unit_bytes(grad_buffers_.back(), 0);
   }
   gathered_.assign(layout_.units(), false);
   for (auto& p : params_) {
@@ -490,38 +484,32 @@ void FullShard::reduce_gradients(size_t u, const std::vector<at::Tensor>& grads)
   NEBULA_CHECK(grads.size() == r.last - r.first, "reduce_gradients: ", grads.size(), " gradients for ",
                r.last - r.first, " parameters");
   at::NoGradGuard no_grad;
-  // The unit's gradients side by side, in its gradient buffer (bytes from blocks_, as a
-  // gathered unit's). A unit used more than once this step (the tied token embedding): its
-  // uses' gradients are added up there first, in the order backward reaches them, and
-  // reduce-scattered once, after the last, as autograd adds a shared parameter's gradients
-  // before it accumulates them: the same sums as unsharded training's.
-  at::Tensor& pending = pending_grads_.at(u);
-  if (!pending.defined()) {
-    pending = grad_buffers_.at(u);
-    set_unit_bytes(pending, (r.end - r.begin) * static_cast<int64_t>(sizeof(float)));
-    pending.zero_();
-  }
+  at::Tensor buffer = at::zeros({r.end - r.begin}, floats_on(device_));
   for (size_t i = r.first; i < r.last; ++i)
     if (grads[i - r.first].defined())
-      pending.narrow(0, start_[i] - r.begin, start_[i + 1] - start_[i]).add_(grads[i - r.first].reshape({-1}));
-  if (uses_left_.at(u) > 0) --uses_left_[u];
-  if (uses_left_[u] == 0) flush_gradients(u);
-}
-
-void FullShard::flush_gradients(size_t u) {
+      buffer.narrow(0, start_[i] - r.begin, start_[i + 1] - start_[i]).copy_(grads[i - r.first].reshape({-1}));
+  // A unit used more than once this step (the tied token embedding): its uses' gradients are
+  // added up first, in the order backward reaches them, and reduce-scattered once, after the
+  // last, as autograd adds a shared parameter's gradients before it accumulates them: the same
+  // sums as unsharded training's.
   at::Tensor& pending = pending_grads_.at(u);
-  if (!pending.defined()) return;
-  reduce_range(layers_.at(u), pending);
-  set_unit_bytes(pending, 0);
+  if (uses_left_.at(u) > 0) --uses_left_[u];
+  if (uses_left_[u] > 0) {
+    if (pending.defined())
+      pending.add_(buffer);
+    else
+      pending = std::move(buffer);
+    return;
+  }
+  if (pending.defined()) buffer = std::move(pending.add_(buffer));
   pending = at::Tensor();
+  reduce_range(r, buffer);
 }
 
 void FullShard::begin_step() {
   NEBULA_CHECK(!whole_ && !in_step_ && !in_rest_, "FullShard::begin_step inside a step or with_full_model");
   calls_.clear();
   uses_left_.assign(layers_.size(), 0);
-  for (size_t l = 0; l < pending_grads_.size(); ++l)  // a step that failed midway left them
-    if (pending_grads_[l].defined()) set_unit_bytes(pending_grads_[l], 0);
   pending_grads_.assign(layers_.size(), at::Tensor());
   in_step_ = true;
   rest_grads_.resize(rest_.size());
@@ -541,7 +529,12 @@ void FullShard::end_backward() {
   at::NoGradGuard no_grad;
   // A layer some of whose calls backward did not reach (their outputs outside the loss): the
   // gradients of the calls it did reach, in layer order.
-  for (size_t l = 0; l < layers_.size(); ++l) flush_gradients(l);
+  for (size_t l = 0; l < layers_.size(); ++l)
+    if (pending_grads_[l].defined()) {
+      at::Tensor grads = std::move(pending_grads_[l]);
+      pending_grads_[l] = at::Tensor();
+      reduce_range(layers_[l], grads);
+    }
   uses_left_.assign(layers_.size(), 0);
   for (size_t k = 0; k < rest_.size(); ++k) {
     const Range& r = rest_[k];

@@ -16,7 +16,7 @@
 //   begin_step()      gathers the rest for the whole step;
 //   forward           each layer (model/layer_gather.h: MlmEncoder's and Seq2Seq's) gathers its
 //                     unit (SiteGroup::all_gather_parts) into the unit's buffer, runs, and frees
-//                     the buffer's storage. Without recompute (the default) the layer runs with
+//                     the buffer's bytes (kept in UnitBlocks for the next unit of that size). Without recompute (the default) the layer runs with
 //                     autograd and keeps its activations, as an unsharded layer would; with
 //                     `recompute` only the layer's inputs are kept;
 //   backward          reaches the layer: gathers the unit again into the same storage (the saved
@@ -228,8 +228,6 @@ class FullShard : public model::LayerGather {
   void finish_prefetch();
   // Gives unit buffer `buffer`'s storage `bytes` (0: none), through blocks_.
   void set_unit_bytes(const at::Tensor& buffer, int64_t bytes);
-  // Reduce-scatters layer u's pending gradients (if any) and frees their buffer.
-  void flush_gradients(size_t u);
 
 
   std::vector<at::Tensor> params_;
@@ -259,8 +257,7 @@ class FullShard : public model::LayerGather {
   std::vector<size_t> last_calls_;    // the last step's layer calls, in forward order (the next forward's prediction)
   std::vector<Call> calls_;           // this step's layer calls
   std::vector<int> uses_left_;        // per layer: its calls this step whose backward has not run
-  std::vector<at::Tensor> grad_buffers_;   // per layer: its gradients side by side (storage of 0 bytes between backwards)
-  std::vector<at::Tensor> pending_grads_;  // per layer: grad_buffers_[l] while its uses' gradients add up
+  std::vector<at::Tensor> pending_grads_;  // per layer used more than once: its uses' gradients so far
   at::Tensor anchor_;                 // an empty leaf that needs a gradient: every layer call is differentiable
 };
 
