@@ -38,12 +38,17 @@ at::Tensor no_values(const at::Device& device) { return at::empty({0}, floats_on
 // layer's forward and backward, see whatever it holds) and only its bytes come and go: a fresh
 // allocation from the storage's own allocator (host or GPU memory alike), its old values not
 // kept (a gather overwrites them all).
-void set_storage_bytes(const at::Tensor& buffer, int64_t bytes) {
+// `blocks`: where the old bytes go and the new come from (ZeRO-3's unit buffers); null: the allocator's.
+void set_storage_bytes(const at::Tensor& buffer, int64_t bytes, UnitBlocks* blocks = nullptr) {
   c10::StorageImpl* storage = buffer.storage().unsafeGetStorageImpl();
-  if (storage->nbytes() == static_cast<size_t>(bytes)) return;
+  const size_t old_bytes = storage->nbytes();
+  if (old_bytes == static_cast<size_t>(bytes)) return;
   NEBULA_CHECK(storage->allocator() != nullptr, "ZeRO-3: a unit's buffer on ", buffer.device(), " has no allocator");
-  storage->set_data_ptr_noswap(storage->allocator()->allocate(static_cast<size_t>(bytes)));
+  c10::Allocator& allocator = *storage->allocator();
+  c10::DataPtr fresh = blocks ? blocks->take(allocator, static_cast<size_t>(bytes)) : allocator.allocate(static_cast<size_t>(bytes));
+  c10::DataPtr old = storage->set_data_ptr(std::move(fresh));
   storage->set_nbytes(static_cast<size_t>(bytes));
+  if (blocks) blocks->keep(std::move(old), old_bytes);
 }
 
 // fn(), then done(), whether fn returns or throws.
@@ -368,15 +373,7 @@ size_t UnitBlocks::kept_bytes() const {
   return n;
 }
 
-void FullShard::set_unit_bytes(const at::Tensor& buffer, int64_t bytes) {
-  c10::StorageImpl* storage = buffer.storage().unsafeGetStorageImpl();
-  const size_t old_bytes = storage->nbytes();
-  if (old_bytes == static_cast<size_t>(bytes)) return;
-  NEBULA_CHECK(storage->allocator() != nullptr, "ZeRO-3: a unit's buffer on ", buffer.device(), " has no allocator");
-  c10::DataPtr old = storage->set_data_ptr(blocks_.take(*storage->allocator(), static_cast<size_t>(bytes)));
-  storage->set_nbytes(static_cast<size_t>(bytes));
-  blocks_.keep(std::move(old), old_bytes);
-}
+void FullShard::set_unit_bytes(const at::Tensor& buffer, int64_t bytes) { set_storage_bytes(buffer, bytes, &blocks_); }
 
 int64_t FullShard::held_numel() const {
   int64_t n = 0;

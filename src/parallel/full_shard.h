@@ -16,7 +16,8 @@
 //   begin_step()      gathers the rest for the whole step;
 //   forward           each layer (model/layer_gather.h: MlmEncoder's and Seq2Seq's) gathers its
 //                     unit (SiteGroup::all_gather_parts) into the unit's buffer, runs, and frees
-//                     the buffer's bytes (kept in UnitBlocks for the next unit of that size). Without recompute (the default) the layer runs with
+//                     the buffer's bytes (kept in UnitBlocks for the next unit of that size).
+//                     Without recompute (the default) the layer runs with
 //                     autograd and keeps its activations, as an unsharded layer would; with
 //                     `recompute` only the layer's inputs are kept;
 //   backward          reaches the layer: gathers the unit again into the same storage (the saved
@@ -102,8 +103,8 @@ class PieceKeeper : public model::BuildSink {
 // The freed bytes of gathered units, kept for the next gather of a unit of the same size
 // instead of going back to the heap: a step gathers and frees every layer twice, and glibc's
 // heap, given a layer-sized block back, hands parts of it to smaller tensors (activations,
-// gradients) and grows for the next layer. Measured on a 57.5M-parameter encoder, 4 workers
-// (bench/zero.sh): that churn made a worker's resident memory ~1.5x what it had in use.
+// gradients) and grows for the next layer (docs/architecture.md, ZeRO-3: a 57.5M-parameter
+// worker's heap grew to 864-955 MiB for at most 575 MiB in use).
 // Holds at most `capacity` free blocks (the units a step holds at once); a block beyond that
 // goes back to its allocator. Thread-safe (the prefetch thread gathers too).
 class UnitBlocks {

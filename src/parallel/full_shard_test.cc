@@ -456,7 +456,7 @@ TEST(UnitBlocks, KeepsFreedBlocksForTheNextTakeOfTheirSizeUpToItsCapacity) {
 }
 
 // A step gathers and frees every layer twice: a layer's gather reuses the bytes the last layer
-// of its size freed (UnitBlocks), and its gradients' buffer too, instead of asking the heap.
+// of its size freed (UnitBlocks) instead of asking the heap.
 TEST(FullShard, LayersOfOneSizeReuseOneBlock) {
   collective::testing::run_site("zero3-blocks", 2, [&](collective::SiteGroup& site) {
     Net net = make_net("mlm");
