@@ -234,6 +234,10 @@ struct StrategyConfig {
   double outer_momentum = 0.9;       // 0 = plain SGD (with sparseloco: error feedback replaces momentum)
   bool outer_nesterov = true;
   int64_t fragments = 4;             // streaming: model fragments, synchronized at staggered steps
+  // diloco, gateway mode: the outer step's exchange goes in fragments of at most this many bytes
+  // of float32 values, one after another at the round's end, so a gateway stages two fragments'
+  // pseudo-gradient and payloads at a time, not the whole model's.
+  uint64_t staging_bytes = 64ull << 20;
   int64_t delay = 5;                 // streaming: inner steps between sending a fragment and merging it
   bool adaptive = true;              // re-decide codec / H every round (false: once, at the first measurements)
   bool heterogeneous = true;         // diloco/streaming: faster sites run more inner steps per round

@@ -33,6 +33,7 @@ DilocoOptions DilocoOptions::from(const StrategyConfig& c, std::chrono::millisec
   o.nesterov = c.outer_nesterov;
   o.fragments = c.kind == "streaming" ? c.fragments : 1;
   o.delay = c.kind == "streaming" ? c.delay : 0;
+  o.staging_bytes = c.kind == "diloco" ? c.staging_bytes : 0;
   o.heterogeneous = c.heterogeneous;
   o.adaptive = c.adaptive;
   o.codec = c.codec;
@@ -257,10 +258,26 @@ void DilocoStrategy::init_fragments(const std::vector<std::vector<int64_t>>& sha
                  buffer_numel_);
 
   // Fragments: F ranges of the flat parameter vector, cut between rows (fragment_schedule.h).
+  // Streaming's are the user's F; diloco's in gateway mode as many as keep each within
+  // staging_bytes (the gateway stages one fragment's pseudo-gradient and payloads, not the model's).
   const int64_t total = total_numel_;
-  std::vector<FragmentCut> cuts = cut_fragments(shapes, options_.fragments);
-  if (static_cast<int64_t>(cuts.size()) != options_.fragments)
-    spdlog::warn("strategy.fragments = {} but the model has {} values: using {}", options_.fragments, total, cuts.size());
+  int64_t count = options_.fragments;
+  together_ = false;
+  const auto staging = static_cast<int64_t>(options_.staging_bytes / sizeof(float));
+  if (staging > 0 && !comm_.every_worker() && total > staging) {
+    if (options_.dp_clip > 0) {
+      if (comm_.is_gateway())
+        spdlog::warn("[privacy]: the gateway clips the site's whole update, so it stages all {} values of the outer "
+                     "step at once (strategy.staging applies without [privacy])",
+                     total);
+    } else {
+      count = (total + staging - 1) / staging;
+      together_ = true;
+    }
+  }
+  std::vector<FragmentCut> cuts = cut_fragments(shapes, count);
+  if (static_cast<int64_t>(cuts.size()) != count)
+    spdlog::warn("{} fragments but the model has {} values: using {}", count, total, cuts.size());
   fragments_.assign(cuts.size(), Fragment{});
   // What each round's plan rests on besides the measurements (start_round).
   planner_.codec = options_.codec;
@@ -270,7 +287,7 @@ void DilocoStrategy::init_fragments(const std::vector<std::vector<int64_t>>& sha
   planner_.codec_options = options_.codec_options;
   planner_.site_index = options_.site_index;
   planner_.params = total_numel_;
-  planner_.fragments = static_cast<int64_t>(cuts.size());
+  planner_.fragments = together_ ? 1 : static_cast<int64_t>(cuts.size());  // the controller's exchange: all of them
   planner_.delay = options_.delay;
   for (size_t j = 0; j < cuts.size(); ++j) {
     static_cast<FragmentCut&>(fragments_[j]) = std::move(cuts[j]);
@@ -353,9 +370,17 @@ void DilocoStrategy::after_step(int64_t /*step*/) {
   ++timed_steps_;
   ++local_step_;
   ++in_round_;
-  // Fragment j goes at the end of slot j of the round.
-  while (next_fragment_ < fragments_.size() && fragment_due(next_fragment_, in_round_, round_steps_, fragments_.size()))
-    send(next_fragment_++);
+  // Fragment j goes at the end of slot j of the round (sent together: all at its end). What is
+  // due merges before the next send, all but the fragment just sent, whose exchange overlaps
+  // the next one's gathering: at most two fragments' exchanges are staged at once.
+  auto due_now = [&](size_t j) {
+    return together_ ? in_round_ >= round_steps_ : fragment_due(j, in_round_, round_steps_, fragments_.size());
+  };
+  while (next_fragment_ < fragments_.size() && due_now(next_fragment_)) {
+    const size_t sent = next_fragment_++;
+    send(sent);
+    for (size_t due; (due = next_merge(fragments_, local_step_)) < fragments_.size() && due != sent;) merge(due);
+  }
   if (next_fragment_ == fragments_.size()) {
     nominal_done_ += nominal_h_;
     ++rounds_;
@@ -523,7 +548,7 @@ void DilocoStrategy::merge(size_t f) {
     // The update guard left these out, the same on every site (the sender's own included).
     for (const auto& r : fr.work->rejected()) {
       ++rejected_updates_;
-      std::string what = str_cat("round ", fr.round, options_.fragments > 1 ? str_cat(", fragment ", f) : "",
+      std::string what = str_cat("round ", fr.round, fragments_.size() > 1 ? str_cat(", fragment ", f) : "",
                                  ": the update of site #", r.site, " was rejected on every site: ", r.reason);
       if (r.site == options_.site_index) what += " (this site's own update: applied nowhere)";
       spdlog::warn("{}", what);
@@ -600,7 +625,7 @@ void DilocoStrategy::merge(size_t f) {
   }
   spread_part(fr);
   fr.in_flight = false;
-  ++outer_steps_;
+  if (!together_ || f + 1 == fragments_.size()) ++outer_steps_;  // staged pieces: one outer step
   release_free_memory();  // the exchange's buffers, before the next step's activations
 }
 

@@ -63,6 +63,11 @@ struct DilocoOptions {
   double outer_momentum = 0.9;
   bool nesterov = true;
   int64_t fragments = 1;          // F
+  // diloco, gateway mode: the round's exchange in fragments of at most this many bytes, sent
+  // together at the round's end, each merged once the next is on its way (0: one exchange).
+  // Not with [privacy] (the gateway clips the site's whole update) nor every_worker (each
+  // worker exchanges only its own part).
+  uint64_t staging_bytes = 0;
   int64_t delay = 0;              // inner steps between sending a fragment and merging it
   bool heterogeneous = true;
   bool adaptive = true;           // re-decide auto choices every round (else once measured)
@@ -239,6 +244,7 @@ class DilocoStrategy : public Strategy {
   uint64_t next_seq_ = 0;
   std::vector<at::Tensor> params_;
   std::vector<Fragment> fragments_;
+  bool together_ = false;          // the fragments are staging_bytes' pieces of one outer step, sent together
   int64_t nominal_h_ = 0;          // H this round (before the heterogeneous scaling)
   int64_t round_steps_ = 0;        // H_s: this site's inner steps this round
   int64_t in_round_ = 0;           // inner steps done in this round

@@ -78,7 +78,9 @@ void DilocoStrategy::save_state(StrategyState& out) const {
 void DilocoStrategy::load_state(const StrategyState& in) {
   auto integer = [&](const std::string& name) { return static_cast<int64_t>(state_number(in, name)); };
   if (static_cast<size_t>(integer("fragments")) != fragments_.size())
-    throw DataError(str_cat("the checkpoint has ", integer("fragments"), " fragments, this job ", fragments_.size()));
+    throw DataError(str_cat("the checkpoint has ", integer("fragments"), " fragments, this job ", fragments_.size(),
+                            " (streaming: strategy.fragments; diloco in gateway mode: the model's bytes over "
+                            "strategy.staging): resume with the settings it was saved with"));
   at::NoGradGuard no_grad;
   for (size_t j = 0; j < fragments_.size(); ++j) {
     Fragment& fr = fragments_[j];

@@ -443,13 +443,15 @@ TEST(Streaming, DelayedMergesKeepInnerProgressAndCountEveryFragment) {
 // shows it, equal the unsharded run's bit for bit, on sites of 3 and 2 workers (whose parts
 // differ, so the global-weight hash checked at every merge must combine the parts' CRCs into
 // one value independent of the workers).
+// `staging` > 0: the whole runs exchange once per round, the sharded ones (and a third,
+// unsharded run) in staging's fragments sent together: the same weights again.
 void check_sharded_outer_state(int64_t fragments, int64_t delay, const std::string& codec,
-                               const std::vector<int>& sites = {3, 2}) {
+                               const std::vector<int>& sites = {3, 2}, uint64_t staging = 0) {
   SCOPED_TRACE(str_cat(fragments, " fragments, delay ", delay, ", codec ", codec, ", ", sites[0], " + ", sites[1],
-                       " workers"));
+                       " workers, staging ", staging));
   const int64_t h = 4, steps = 12;
   using Trace = std::map<std::pair<int, int64_t>, at::Tensor>;  // (global rank, step) -> flat weights
-  auto run = [&](bool sharded, Trace& trace, Trace& global) {
+  auto run = [&](bool sharded, uint64_t staged, Trace& trace, Trace& global) {
     std::mutex mu;
     collective::testing::run_cluster(sites, [&](collective::testing::Rank& r) {
       model::MlmEncoder m = make_model(100 + r.global_rank);
@@ -459,6 +461,7 @@ void check_sharded_outer_state(int64_t fragments, int64_t delay, const std::stri
       o.fragments = fragments;
       o.delay = delay;
       o.codec = codec;
+      o.staging_bytes = staged;
       DilocoStrategy s(*r.hierarchy, o);
       collective::SiteGroup& site = r.hierarchy->site();
       auto shard = [&](std::vector<at::Tensor>& params) {  // the parameters' storage as InnerOptimizer makes it
@@ -488,6 +491,22 @@ void check_sharded_outer_state(int64_t fragments, int64_t delay, const std::stri
           },
           shard);
       EXPECT_EQ(s.outer_steps(), steps / h * fragments);
+      if (staged > 0) {  // pieces of about `staged` bytes (cut between rows), tiling the model
+        const auto limit = static_cast<int64_t>(staged / sizeof(float));
+        int64_t total = 0, longest_row = 0, covered = 0;
+        for (const auto& p : params) {
+          total += p.numel();
+          if (p.dim() >= 2) longest_row = std::max(longest_row, p.numel() / p.size(0));
+        }
+        EXPECT_EQ(s.num_fragments(), static_cast<size_t>((total + limit - 1) / limit));
+        for (size_t j = 0; j < s.num_fragments(); ++j) {
+          auto [offset, numel] = s.fragment_range(j);
+          EXPECT_EQ(offset, covered);
+          EXPECT_LE(numel, limit + longest_row) << "fragment " << j;
+          covered += numel;
+        }
+        EXPECT_EQ(covered, total);
+      }
       const at::Tensor replica = flatten(params).clone();
       at::Tensor theta;
       s.with_global_weights([&] { theta = flatten(params).clone(); });
@@ -497,13 +516,22 @@ void check_sharded_outer_state(int64_t fragments, int64_t delay, const std::stri
     });
   };
   Trace whole, parts, whole_global, parts_global;
-  run(false, whole, whole_global);
-  run(true, parts, parts_global);
-  ASSERT_EQ(whole.size(), parts.size());
-  for (const auto& [key, values] : whole)
-    ASSERT_TRUE(at::equal(values, parts.at(key))) << "rank " << key.first << " after step " << key.second;
-  for (const auto& [key, values] : whole_global)
-    EXPECT_TRUE(at::equal(values, parts_global.at(key))) << "θ_global on rank " << key.first;
+  run(false, 0, whole, whole_global);
+  run(true, staging, parts, parts_global);
+  auto expect_equal = [&](const Trace& other, const Trace& other_global, const char* what) {
+    SCOPED_TRACE(what);
+    ASSERT_EQ(whole.size(), other.size());
+    for (const auto& [key, values] : whole)
+      ASSERT_TRUE(at::equal(values, other.at(key))) << "rank " << key.first << " after step " << key.second;
+    for (const auto& [key, values] : whole_global)
+      EXPECT_TRUE(at::equal(values, other_global.at(key))) << "θ_global on rank " << key.first;
+  };
+  expect_equal(parts, parts_global, "sharded");
+  if (staging > 0) {
+    Trace staged, staged_global;
+    run(false, staging, staged, staged_global);
+    expect_equal(staged, staged_global, "whole, staged");
+  }
   EXPECT_FALSE(at::equal(whole.at({0, 0}), whole.at({0, steps - 1})));  // training moved the weights
 }
 
@@ -554,6 +582,9 @@ TEST(Diloco, ShardedOuterStateEqualsTheWholeBitForBit) {
   check_sharded_outer_state(1, 0, "none", {4, 1});
 }
 TEST(Diloco, ShardedOuterStateWithALossyCodec) { check_sharded_outer_state(1, 0, "int8"); }
+// Gateway mode's bounded staging: the outer step's exchange in ~10 fragments of 4 KiB, sent
+// together and merged one after another, changes no weight (the outer step is elementwise).
+TEST(Diloco, StagedExchangeEqualsOneExchangeBitForBit) { check_sharded_outer_state(1, 0, "none", {3, 2}, 4096); }
 TEST(Streaming, ShardedOuterStateWithFragmentsAndDelay) {
   check_sharded_outer_state(3, 1, "none");
   check_sharded_outer_state(4, 1, "int8", {2, 4});  // fragments smaller than a shard: some parts are empty

@@ -417,6 +417,8 @@ Config build(const toml::table& root, const std::string& file) {
     s.number("outer_momentum", c.strategy.outer_momentum, 0.0, 0.999);
     s.boolean("outer_nesterov", c.strategy.outer_nesterov);
     s.integer("fragments", c.strategy.fragments, 1, 1 << 16);
+    s.unit("staging", c.strategy.staging_bytes, parse_size);
+    if (c.strategy.staging_bytes < (64u << 10)) s.fail(*t, "staging", "must be at least 64KiB");
     s.integer("delay", c.strategy.delay, 0, 1 << 20);
     s.boolean("adaptive", c.strategy.adaptive);
     s.boolean("heterogeneous", c.strategy.heterogeneous);
@@ -694,6 +696,7 @@ std::string to_toml(const Config& c) {
                                       {"outer_momentum", c.strategy.outer_momentum},
                                       {"outer_nesterov", c.strategy.outer_nesterov},
                                       {"fragments", c.strategy.fragments},
+                                      {"staging", bytes(c.strategy.staging_bytes)},
                                       {"delay", c.strategy.delay},
                                       {"adaptive", c.strategy.adaptive},
                                       {"heterogeneous", c.strategy.heterogeneous},

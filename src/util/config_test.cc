@@ -135,6 +135,12 @@ TEST(Config, ParallelShard) {
   EXPECT_EQ(b.parallel.bucket_bytes, 256u << 10);
   EXPECT_EQ(parse_config(to_toml(b), "again").parallel.bucket_bytes, 256u << 10);
   expect_error(std::string(kValid) + "\n[parallel]\nbucket = \"100B\"\n", {"job.toml", "parallel.bucket", "1KiB"});
+  // staging: diloco's gateway stages the outer step's exchange in fragments of this size.
+  EXPECT_EQ(parse_config(kValid, "job.toml").strategy.staging_bytes, 64u << 20);
+  const Config g = parse_config(kValid, "job.toml", {"strategy.kind=\"diloco\"", "strategy.staging=\"8MiB\""});
+  EXPECT_EQ(parse_config(to_toml(g), "again").strategy.staging_bytes, 8u << 20);
+  expect_error(std::string(kValid) + "\n[strategy]\nkind = \"diloco\"\nstaging = \"1KiB\"\n",
+               {"job.toml", "strategy.staging", "64KiB"});
   expect_error(std::string(kValid) + "\n[parallel]\nshard = \"zero1\"\n", {"parallel.shard", "zero1"});
   expect_error(std::string(kValid) + "\n[parallel]\nshards = \"none\"\n", {"shards"});
 }
