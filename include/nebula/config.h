@@ -234,7 +234,7 @@ struct StrategyConfig {
   double outer_momentum = 0.9;       // 0 = plain SGD (with sparseloco: error feedback replaces momentum)
   bool outer_nesterov = true;
   int64_t fragments = 4;             // streaming: model fragments, synchronized at staggered steps
-  // diloco, gateway mode: the outer step's exchange goes in fragments of at most this many bytes
+  // diloco, gateway mode: the outer step's exchange goes in fragments of about this many bytes
   // of float32 values, one after another at the round's end, so a gateway stages two fragments'
   // pseudo-gradient and payloads at a time, not the whole model's.
   uint64_t staging_bytes = 64ull << 20;

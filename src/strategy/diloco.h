@@ -63,7 +63,7 @@ struct DilocoOptions {
   double outer_momentum = 0.9;
   bool nesterov = true;
   int64_t fragments = 1;          // F
-  // diloco, gateway mode: the round's exchange in fragments of at most this many bytes, sent
+  // diloco, gateway mode: the round's exchange in fragments of about this many bytes (cut between rows), sent
   // together at the round's end, each merged once the next is on its way (0: one exchange).
   // Not with [privacy] (the gateway clips the site's whole update) nor every_worker (each
   // worker exchanges only its own part).
