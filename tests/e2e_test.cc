@@ -20,6 +20,7 @@
 #include <fstream>
 #include <functional>
 #include <map>
+#include <regex>
 #include <nlohmann/json.hpp>
 #include <set>
 #include <sstream>
@@ -1276,6 +1277,16 @@ TEST(EndToEnd, ZeroOneStopAndResumeFromShardedCheckpointsGivesTheSameWeights) {
     const std::string three_log = read_file(dir + "/three/logs/alpha-2.log");
     EXPECT_NE(three_log.find("resharded the checkpoint of step 15 from 2 workers onto 3"), std::string::npos)
         << three_log;
+    // Each of the three read only its part of the old workers' sharded state: about a third.
+    for (int r = 0; r < 3; ++r) {
+      const std::string log = read_file(nebula::str_cat(dir, "/three/logs/alpha-", r, ".log"));
+      std::smatch m;
+      ASSERT_TRUE(std::regex_search(log, m, std::regex("resharding read (\\d+) of the old workers' (\\d+) bytes")))
+          << log;
+      const double read = std::stod(m[1].str()), all = std::stod(m[2].str());
+      EXPECT_GT(read, 0) << "worker " << r;
+      EXPECT_LE(read, all / 3 * 1.02) << "worker " << r << " read more than its third";
+    }
     const nlohmann::json summary = nlohmann::json::parse(read_file(dir + "/three/summary.json"));
     EXPECT_EQ(summary["workers"].get<int>(), 4);
     // Every worker's peak memory in each phase, and its bytes to its site's other workers.

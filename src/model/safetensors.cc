@@ -105,7 +105,7 @@ void save_safetensors(const std::string& path, const TensorFile& file) {
   }
 }
 
-TensorFile load_safetensors(const std::string& path) {
+TensorIndex index_safetensors(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
   if (!in) throw DataError(str_cat(path, ": cannot open model file"));
   in.seekg(0, std::ios::end);
@@ -126,7 +126,8 @@ TensorFile load_safetensors(const std::string& path) {
   if (header.is_discarded() || !header.is_object()) throw bad("the header is not a JSON object");
   const uint64_t data_size = size - 8 - n;
 
-  TensorFile out;
+  TensorIndex out;
+  out.path = path;
   for (auto& [name, v] : header.items()) {
     if (name == "__metadata__") {
       if (!v.is_object()) throw bad("__metadata__ is not an object");
@@ -156,12 +157,33 @@ TensorFile load_safetensors(const std::string& path) {
     if (begin > end || end > data_size || end - begin != count * d->bytes)
       throw bad(str_cat("tensor '", name, "': data_offsets [", begin, ", ", end, "] do not hold ", count, " ", d->name,
                         " values within the ", data_size, " data bytes"));
-    at::Tensor t = at::empty(shape, at::TensorOptions().dtype(d->type));
-    in.seekg(static_cast<std::streamoff>(8 + n + begin));
-    in.read(static_cast<char*>(t.data_ptr()), static_cast<std::streamsize>(end - begin));
-    if (!in) throw bad(str_cat("tensor '", name, "': short read"));
-    out.tensors[name] = t;
+    out.tensors[name] = {d->type, shape, static_cast<int64_t>(count), 8 + n + begin};
   }
+  return out;
+}
+
+at::Tensor read_safetensors_range(const TensorIndex& index, const std::string& name, int64_t begin, int64_t len) {
+  auto it = index.tensors.find(name);
+  if (it == index.tensors.end()) throw DataError(str_cat(index.path, ": has no tensor '", name, "'"));
+  const TensorEntry& e = it->second;
+  if (begin < 0 || len < 0 || begin + len > e.numel)
+    throw DataError(str_cat(index.path, ": tensor '", name, "' has ", e.numel, " values, not [", begin, ", ",
+                            begin + len, ")"));
+  const size_t bytes = by_type(e.dtype)->bytes;
+  at::Tensor t = at::empty({len}, at::TensorOptions().dtype(e.dtype));
+  std::ifstream in(index.path, std::ios::binary);
+  in.seekg(static_cast<std::streamoff>(e.offset + static_cast<uint64_t>(begin) * bytes));
+  in.read(static_cast<char*>(t.data_ptr()), static_cast<std::streamsize>(static_cast<size_t>(len) * bytes));
+  if (!in) throw DataError(str_cat(index.path, ": tensor '", name, "': short read (the file changed?)"));
+  return t;
+}
+
+TensorFile load_safetensors(const std::string& path) {
+  TensorIndex index = index_safetensors(path);
+  TensorFile out;
+  out.metadata = std::move(index.metadata);
+  for (const auto& [name, e] : index.tensors)
+    out.tensors[name] = read_safetensors_range(index, name, 0, e.numel).view(e.shape);
   return out;
 }
 

@@ -36,6 +36,24 @@ struct TensorFile {
 void save_safetensors(const std::string& path, const TensorFile& file);
 TensorFile load_safetensors(const std::string& path);
 
+// A file's tensors without their values (checked as load_safetensors checks them): what a reader
+// of parts needs (resharding a checkpoint reads of each tensor only the values a worker holds).
+struct TensorEntry {
+  at::ScalarType dtype;
+  std::vector<int64_t> shape;
+  int64_t numel = 0;
+  uint64_t offset = 0;  // of the first byte in the file
+};
+struct TensorIndex {
+  std::string path;
+  std::map<std::string, TensorEntry> tensors;
+  std::map<std::string, std::string> metadata;
+};
+TensorIndex index_safetensors(const std::string& path);
+// Values [begin, begin + len) of tensor `name` flattened, in its dtype. DataError naming the
+// file and the tensor when it has no such values.
+at::Tensor read_safetensors_range(const TensorIndex& index, const std::string& name, int64_t begin, int64_t len);
+
 // Every parameter and buffer of `module`, by its dotted name ("encoder.layers.0.q.weight").
 void save_module(const torch::nn::Module& module, const std::string& path,
                  const std::map<std::string, std::string>& metadata = {});

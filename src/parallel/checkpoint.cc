@@ -38,9 +38,23 @@ std::string read_all(const std::string& path) {
   return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
 }
 
-uint32_t crc_of(const std::string& bytes) {
-  return wire::crc32(0, {reinterpret_cast<const uint8_t*>(bytes.data()), bytes.size()});
+// A file's size and CRC-32, read in pieces (a checkpoint's file can be most of a worker's memory).
+std::pair<uint64_t, uint32_t> size_and_crc(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw DataError(str_cat(path, ": cannot open"));
+  std::vector<uint8_t> piece(size_t{4} << 20);
+  uint64_t size = 0;
+  uint32_t crc = 0;
+  while (in) {
+    in.read(reinterpret_cast<char*>(piece.data()), static_cast<std::streamsize>(piece.size()));
+    const auto got = static_cast<size_t>(in.gcount());
+    crc = wire::crc32(crc, {piece.data(), got});
+    size += got;
+  }
+  return {size, crc};
 }
+
+thread_local int64_t range_bytes = 0;
 
 void fsync_path(const std::string& path, bool directory) {
   int fd = ::open(path.c_str(), (directory ? O_RDONLY | O_DIRECTORY : O_RDONLY) | O_CLOEXEC);
@@ -76,7 +90,8 @@ std::vector<std::pair<int64_t, fs::path>> checkpoints_in(const std::string& dir)
 }
 
 // Reads one checkpoint, checking every file against the manifest. DataError saying what is wrong.
-Checkpoint read_checkpoint(const fs::path& dir, const std::string& config_hash) {
+Checkpoint read_checkpoint(const fs::path& dir, const std::string& config_hash,
+                           const std::function<bool(const std::string&)>& leave_unread) {
   const std::string manifest_path = (dir / kManifest).string();
   auto m = nlohmann::json::parse(read_all(manifest_path), nullptr, false);
   if (m.is_discarded() || !m.is_object() || m.value("format", "") != "nebula-checkpoint" || !m.contains("files") ||
@@ -88,16 +103,25 @@ Checkpoint read_checkpoint(const fs::path& dir, const std::string& config_hash) 
                               "without --resume"));
   for (auto& [file, expected] : m["files"].items()) {
     const std::string path = (dir / file).string();
-    const std::string bytes = read_all(path);
-    if (bytes.size() != expected.value("bytes", uint64_t{0}) || crc_of(bytes) != expected.value("crc32", uint32_t{0}))
-      throw DataError(str_cat(path, ": ", bytes.size(), " bytes with CRC-32 ", crc_of(bytes), ", the manifest says ",
+    const auto [size, crc] = size_and_crc(path);
+    if (size != expected.value("bytes", uint64_t{0}) || crc != expected.value("crc32", uint32_t{0}))
+      throw DataError(str_cat(path, ": ", size, " bytes with CRC-32 ", crc, ", the manifest says ",
                               expected.value("bytes", uint64_t{0}), " bytes with CRC-32 ",
                               expected.value("crc32", uint32_t{0}), ": damaged"));
   }
   Checkpoint c;
   c.step = m["step"].get<int64_t>();
   c.state = m.value("state", nlohmann::json::object());
-  c.tensors = model::load_safetensors((dir / kTensors).string()).tensors;
+  auto index = std::make_shared<model::TensorIndex>(model::index_safetensors((dir / kTensors).string()));
+  bool unread = false;
+  for (const auto& [name, e] : index->tensors) {
+    if (leave_unread && leave_unread(name)) {
+      unread = true;
+      continue;
+    }
+    c.tensors[name] = model::read_safetensors_range(*index, name, 0, e.numel).view(e.shape);
+  }
+  if (unread) c.unread = std::move(index);
   return c;
 }
 
@@ -119,7 +143,7 @@ void save_checkpoint(const std::string& dir, const Checkpoint& c, const std::str
     model::TensorFile f;
     f.tensors = c.tensors;
     model::save_safetensors((tmp / kTensors).string(), f);  // fsync'ed and renamed into place inside tmp
-    const std::string tensors = read_all((tmp / kTensors).string());
+    const auto [tensor_bytes, tensor_crc] = size_and_crc((tmp / kTensors).string());
     // Tests: NEBULA_TEST_CRASH_IN_CHECKPOINT=N (or =TEXT:N, for checkpoint directories whose
     // path contains TEXT, e.g. a site's name) crashes in the middle of writing checkpoint N:
     // tensors written, no manifest yet. Once: not where a crash already left step-N.tmp.
@@ -136,7 +160,7 @@ void save_checkpoint(const std::string& dir, const Checkpoint& c, const std::str
                                {"step", c.step},
                                {"config_hash", config_hash},
                                {"state", c.state},
-                               {"files", {{kTensors, {{"bytes", tensors.size()}, {"crc32", crc_of(tensors)}}}}}};
+                               {"files", {{kTensors, {{"bytes", tensor_bytes}, {"crc32", tensor_crc}}}}}};
     write_file((tmp / kManifest).string(), manifest.dump(2));
     fsync_path(tmp.string(), true);
     fs::remove_all(final_dir, ec);  // the same step written again (e.g. after a resume)
@@ -159,11 +183,12 @@ void save_checkpoint(const std::string& dir, const Checkpoint& c, const std::str
 }
 
 std::optional<Checkpoint> load_latest_checkpoint(const std::string& dir, const std::string& config_hash,
-                                                 int64_t max_step) {
+                                                 int64_t max_step,
+                                                 const std::function<bool(const std::string&)>& leave_unread) {
   for (const auto& [step, path] : checkpoints_in(dir)) {
     if (step > max_step) continue;
     try {
-      return read_checkpoint(path, config_hash);
+      return read_checkpoint(path, config_hash, leave_unread);
     } catch (const DataError& e) {
       spdlog::warn("checkpoint {} is damaged, trying the one before it: {}", path.string(), e.what());
     } catch (const nlohmann::json::exception& e) {  // a manifest with fields of the wrong type
@@ -172,6 +197,29 @@ std::optional<Checkpoint> load_latest_checkpoint(const std::string& dir, const s
   }
   return std::nullopt;
 }
+
+int64_t tensor_numel(const Checkpoint& k, const std::string& name) {
+  if (auto it = k.tensors.find(name); it != k.tensors.end()) return it->second.numel();
+  if (k.unread)
+    if (auto it = k.unread->tensors.find(name); it != k.unread->tensors.end()) return it->second.numel;
+  return -1;
+}
+
+at::Tensor read_range(const Checkpoint& k, const std::string& name, int64_t begin, int64_t len) {
+  if (auto it = k.tensors.find(name); it != k.tensors.end()) {
+    if (begin < 0 || len < 0 || begin + len > it->second.numel())
+      throw DataError(str_cat("checkpoint of step ", k.step, ": tensor '", name, "' has ", it->second.numel(),
+                              " values, not [", begin, ", ", begin + len, ")"));
+    return it->second.reshape({-1}).narrow(0, begin, len).to(at::kFloat);
+  }
+  if (!k.unread || !k.unread->tensors.count(name))
+    throw DataError(str_cat("checkpoint of step ", k.step, ": has no tensor '", name, "'"));
+  at::Tensor values = model::read_safetensors_range(*k.unread, name, begin, len);
+  range_bytes += static_cast<int64_t>(values.nbytes());
+  return values.to(at::kFloat);
+}
+
+int64_t range_bytes_read() { return range_bytes; }
 
 void put_batcher(Checkpoint& c, const std::string& name, const model::BatcherState& s) {
   c.state["data"][name] = {{"rng", s.rng}, {"cursor", s.cursor}};

@@ -159,7 +159,7 @@ namespace {
 constexpr const char* kParamShard = "optim/0/param";
 }  // namespace
 
-bool InnerOptimizer::holds_parameter_shards(const Checkpoint& k) { return k.tensors.count(kParamShard) > 0; }
+bool InnerOptimizer::holds_parameter_shards(const Checkpoint& k) { return tensor_numel(k, kParamShard) >= 0; }
 
 void InnerOptimizer::write_flat(const at::Tensor& values, int64_t begin) {
   at::NoGradGuard no_grad;
@@ -174,36 +174,6 @@ void InnerOptimizer::write_flat(const at::Tensor& values, int64_t begin) {
 
 ShardLayout InnerOptimizer::layout() const {
   return full_ ? full_->layout() : ShardLayout::contiguous(total_numel_, sharded_ ? site_.size() : 1);
-}
-
-at::Tensor InnerOptimizer::join_shards(const Checkpoint& first, const std::vector<at::Tensor>& shards,
-                                       const std::string& what) const {
-  const nlohmann::json shard = first.state.contains("optim") ? first.state["optim"].value("shard", nlohmann::json::object())
-                                                             : nlohmann::json::object();
-  const auto n = static_cast<int64_t>(shards.size());
-  std::vector<int64_t> bounds{0, total_numel_};
-  if (shard.contains("units")) bounds = shard["units"].get<std::vector<int64_t>>();
-  if (bounds.empty() || bounds.back() != total_numel_)
-    throw DataError(str_cat("checkpoint of step ", first.step, ": ", what, " are cut into units of ",
-                            bounds.empty() ? 0 : bounds.back(), " values for a model of ", total_numel_,
-                            " parameters: the model changed"));
-  const ShardLayout old(bounds, n);
-  at::Tensor whole = at::empty({total_numel_}, at::kFloat);
-  for (int64_t q = 0; q < n; ++q) {
-    const at::Tensor& s = shards[static_cast<size_t>(q)];
-    if (s.numel() != old.shard_numel())
-      throw DataError(str_cat("checkpoint of step ", first.step, ": worker ", q, "'s shard of ", what, " has ", s.numel(),
-                              " values, its layout ", old.shard_numel(), ": the model changed"));
-    for (const ShardRun& r : old.runs(q, 0, total_numel_)) whole.narrow(0, r.flat, r.len).copy_(s.narrow(0, r.local, r.len));
-  }
-  return whole;
-}
-
-at::Tensor InnerOptimizer::take_shard(const at::Tensor& whole) const {
-  const ShardLayout mine = layout();
-  at::Tensor out = at::zeros({mine.shard_numel()}, at::kFloat);
-  for (const ShardRun& r : mine.runs(site_.rank(), 0, total_numel_)) out.narrow(0, r.local, r.len).copy_(whole.narrow(0, r.flat, r.len));
-  return out;
 }
 
 void InnerOptimizer::save(Checkpoint& out) const {
@@ -254,12 +224,62 @@ void InnerOptimizer::load_resharded(const std::vector<const Checkpoint*>& ranks)
       throw DataError(str_cat("checkpoint of step ", k.step, ": no optimizer steps"));
     return o["steps"].get<std::vector<int64_t>>();
   };
-  auto tensor = [&](const Checkpoint& k, const std::string& name) {
-    auto it = k.tensors.find(name);
-    if (it == k.tensors.end()) throw DataError(str_cat("checkpoint of step ", k.step, ": no optimizer tensor ", name));
-    return it->second.reshape({-1}).to(at::kFloat);
+  // The old layout: one flat shard per worker cut by its units (none recorded: one unit), or
+  // (of = 1) one tensor per parameter.
+  std::vector<int64_t> bounds{0, total_numel_};
+  if (optim.contains("shard") && optim["shard"].contains("units")) bounds = optim["shard"]["units"].get<std::vector<int64_t>>();
+  if (bounds.empty() || bounds.back() != total_numel_)
+    throw DataError(str_cat("checkpoint of step ", first.step, ": its shards are cut into units of ",
+                            bounds.empty() ? 0 : bounds.back(), " values for a model of ", total_numel_,
+                            " parameters: the model changed"));
+  const ShardLayout old(bounds, of);
+  auto name_of = [&](size_t i, const std::string& kind) {
+    return of == 1 ? str_cat("optim/", i, "/", kind) : kind == "param" ? std::string(kParamShard) : str_cat("optim/0/", kind);
   };
-  // The whole moments over the flat parameter vector, and the one step count they share.
+  auto check_sizes = [&](const std::string& kind, const std::string& what) {
+    for (size_t q = 0; q < ranks.size() && of > 1; ++q)
+      if (const int64_t n = tensor_numel(*ranks[q], name_of(0, kind)); n != old.shard_numel())
+        throw DataError(str_cat("checkpoint of step ", ranks[q]->step, ": worker ", q, "'s shard of ", what, " has ", n,
+                                " values, its layout ", old.shard_numel(), ": the model changed"));
+    for (size_t i = 0; i < params_.size() && of == 1; ++i)
+      if (tensor_numel(first, name_of(i, kind)) != params_[i].numel())
+        throw DataError(str_cat("checkpoint of step ", first.step, ": no ", what, " of ", params_[i].numel(),
+                                " values for parameter ", i, " (", name_of(i, kind), "): the model changed"));
+  };
+  // Values [flat, flat + out.numel()) of the flat vector's `kind` from the old workers'
+  // checkpoints: only the ranges asked for are read (from the files, when left unread there).
+  auto fill = [&](const std::string& kind, at::Tensor out, int64_t flat) {
+    const int64_t len = out.numel();
+    if (of == 1) {
+      int64_t at = 0;
+      for (size_t i = 0; i < params_.size(); ++i) {
+        const int64_t n = params_[i].numel(), lo = std::max(at, flat), hi = std::min(at + n, flat + len);
+        if (lo < hi) out.narrow(0, lo - flat, hi - lo).copy_(read_range(first, name_of(i, kind), lo - at, hi - lo));
+        at += n;
+      }
+      return;
+    }
+    for (int64_t q = 0; q < of; ++q)
+      for (const ShardRun& r : old.runs(q, flat, len))
+        out.narrow(0, r.flat - flat, r.len).copy_(read_range(*ranks[static_cast<size_t>(q)], name_of(0, kind), r.local, r.len));
+  };
+  // This worker's part of `kind`: its shard (padding zero) in its layout, or one tensor per parameter.
+  auto mine = [&](const std::string& kind) {
+    std::vector<at::Tensor> out;
+    if (sharded_) {
+      out.push_back(at::zeros({shard_numel_}, at::kFloat));
+      for (const ShardRun& r : layout().runs(site_.rank(), 0, total_numel_)) fill(kind, out[0].narrow(0, r.local, r.len), r.flat);
+      return out;
+    }
+    int64_t offset = 0;
+    for (const auto& p : params_) {
+      out.push_back(at::empty(p.sizes(), at::kFloat));
+      fill(kind, out.back().view({-1}), offset);
+      offset += p.numel();
+    }
+    return out;
+  };
+  // The one step count every parameter's moments share.
   const std::vector<int64_t> first_steps = steps_of(first);
   int64_t step = first_steps.empty() ? 0 : first_steps[0];
   for (int64_t s : first_steps)
@@ -270,55 +290,36 @@ void InnerOptimizer::load_resharded(const std::vector<const Checkpoint*>& ranks)
   now.step = first.step;
   std::vector<int64_t> now_steps(optimized_.size(), step);
   if (step > 0) {
-    std::vector<at::Tensor> avg, sq;
-    if (of == 1) {  // one entry per parameter
+    if (of == 1)
       NEBULA_CHECK(first_steps.size() == params_.size(), "checkpoint of step ", first.step, ": optimizer state for ",
                    first_steps.size(), " parameters, this model has ", params_.size());
-      for (size_t i = 0; i < params_.size(); ++i) {
-        avg.push_back(tensor(first, str_cat("optim/", i, "/exp_avg")));
-        sq.push_back(tensor(first, str_cat("optim/", i, "/exp_avg_sq")));
-      }
-    } else {  // one flat shard per worker, in rank order
-      for (const Checkpoint* k : ranks) {
-        if (steps_of(*k) != first_steps)
-          throw DataError(str_cat("checkpoint of step ", k->step, ": the workers' shards took different AdamW steps"));
-        avg.push_back(tensor(*k, "optim/0/exp_avg"));
-        sq.push_back(tensor(*k, "optim/0/exp_avg_sq"));
-      }
-    }
-    if (of == 1) {
-      const int64_t numel = at::cat(avg).numel();
-      if (numel != total_numel_)
-        throw DataError(str_cat("checkpoint of step ", first.step, ": optimizer state of ", numel,
-                                " values for a model of ", total_numel_, " parameters: the model changed"));
-    }
-    const at::Tensor whole_avg = of == 1 ? at::cat(avg) : join_shards(first, avg, "AdamW's first moment");
-    const at::Tensor whole_sq = of == 1 ? at::cat(sq) : join_shards(first, sq, "AdamW's second moment");
-    if (sharded_) {  // this worker's part of the whole, laid out like its shard
-      now.tensors["optim/0/exp_avg"] = take_shard(whole_avg);
-      now.tensors["optim/0/exp_avg_sq"] = take_shard(whole_sq);
-    } else {
-      int64_t offset = 0;
-      for (size_t i = 0; i < params_.size(); ++i) {
-        const int64_t n = params_[i].numel();
-        now.tensors[str_cat("optim/", i, "/exp_avg")] = whole_avg.narrow(0, offset, n).view(params_[i].sizes()).clone();
-        now.tensors[str_cat("optim/", i, "/exp_avg_sq")] = whole_sq.narrow(0, offset, n).view(params_[i].sizes()).clone();
-        offset += n;
-      }
+    for (const Checkpoint* k : ranks)
+      if (of > 1 && steps_of(*k) != first_steps)
+        throw DataError(str_cat("checkpoint of step ", k->step, ": the workers' shards took different AdamW steps"));
+    for (const auto& [kind, what] : {std::pair{"exp_avg", "AdamW's first moment"}, std::pair{"exp_avg_sq", "AdamW's second moment"}}) {
+      check_sizes(kind, what);
+      const std::vector<at::Tensor> part = mine(kind);
+      for (size_t i = 0; i < part.size(); ++i) now.tensors[str_cat("optim/", i, "/", kind)] = part[i];
     }
   }
   now.state["optim"] = {{"steps", now_steps}, {"shard", {{"numel", state_numel()}}}};
   load(now);
-  // The trainable parameters, when the old workers saved them as shards: joined whole and
-  // written into every parameter (ZeRO-3: inside the caller's gather; nothing to all-gather).
+  // The trainable parameters, when the old workers saved them as shards: this worker's shard
+  // (ZeRO-1/2 then all-gather the site's; ZeRO-3 holds only it), or all of them unsharded.
   if (holds_parameter_shards(first)) {
-    std::vector<at::Tensor> shards;
-    for (const Checkpoint* k : ranks) {
+    for (const Checkpoint* k : ranks)
       if (!holds_parameter_shards(*k))
         throw DataError(str_cat("checkpoint of step ", k->step, ": one worker's holds no parameter shard"));
-      shards.push_back(k->tensors.at(kParamShard).reshape({-1}).to(at::kFloat));
+    check_sizes("param", "the parameters");
+    at::NoGradGuard no_grad;
+    if (sharded_) {
+      shard_.detach().copy_(mine("param")[0]);
+      if (!full_) site_.all_gather(shard_.detach(), flat_);
+    } else {
+      at::Tensor whole = at::empty({total_numel_}, at::kFloat);
+      fill("param", whole, 0);
+      write_flat(whole, 0);
     }
-    write_flat(join_shards(first, shards, "the parameters"), 0);
   }
 }
 

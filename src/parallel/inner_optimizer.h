@@ -119,10 +119,11 @@ class InnerOptimizer {
   static bool holds_parameter_shards(const Checkpoint& k);
   // Resume under another layout ([parallel] shard or the site's workers changed since the
   // checkpoint): `ranks` are the checkpoints of every worker of the site that wrote them, in
-  // rank order, all of one step. Their moments are joined into the whole flat vector and this
-  // worker takes its part (all of it unsharded): elementwise the same AdamW state. ZeRO-3 must
-  // run it inside FullShard::with_full_model (it writes the joined parameters whole).
-  // DataError naming what does not fit.
+  // rank order, all of one step. This worker reads of every old one's moments (and parameter
+  // shard) only the values of its own part (all of them unsharded): elementwise the same AdamW
+  // state, and no whole copy when sharded (ranks whose tensors were left unread in their files
+  // are read by range). Sharded, the parameters go straight into this worker's shard (ZeRO-1/2
+  // then all-gather them: a site collective). DataError naming what does not fit.
   void load_resharded(const std::vector<const Checkpoint*>& ranks);
 
  private:
@@ -134,10 +135,6 @@ class InnerOptimizer {
   // Writes `values` into the flat parameter vector from `begin` (what lies past its n values,
   // the padding, is dropped), through the parameters: whole ones (ZeRO-3: inside a gather).
   void write_flat(const at::Tensor& values, int64_t begin);
-  // The whole flat vector (n values) from every old worker's shard (checkpoint `first` records
-  // their layout), and this worker's shard of a whole vector in its layout.
-  at::Tensor join_shards(const Checkpoint& first, const std::vector<at::Tensor>& shards, const std::string& what) const;
-  at::Tensor take_shard(const at::Tensor& whole) const;
 
   bool sharded_ = false, gradients_sharded_ = false;
   int64_t total_numel_ = 0, shard_numel_ = 0;

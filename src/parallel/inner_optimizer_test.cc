@@ -10,6 +10,7 @@
 
 #include "collective/testing.h"
 #include "nebula/error.h"
+#include "util/temp_dir.h"
 
 namespace nebula::parallel {
 namespace {
@@ -279,6 +280,68 @@ TEST(InnerOptimizer, ReshardedCheckpointsResumeOnAnotherLayout) {
     ADD_FAILURE() << "one of two shards was taken for the whole";
   } catch (const DataError& e) {
     EXPECT_NE(std::string(e.what()).find("cut into 2 shards"), std::string::npos) << e.what();
+  }
+}
+
+// Resharding from checkpoint files (as a resumed worker does: its sharded state left in the
+// old workers' files) reads of every old worker's moments and parameter shard only the values
+// of this worker's own shard, exactly, and never a whole copy; and 2 -> 3 -> 2 workers gives
+// back the first two workers' state bit for bit (the resharding only moves values).
+TEST(InnerOptimizer, ReshardingFromFilesReadsOnlyEachWorkersPartAndRoundTripsBitForBit) {
+  for (const std::string mode : {"optimizer", "gradients"}) {
+    SCOPED_TRACE(mode);
+    nebula::testing::TempDir dir("reshard");
+    auto rank_dir = [&](int workers, int q) { return str_cat(dir.path(), "/", workers, "-", q); };
+    auto optim = [](const std::string& name) { return name.rfind("optim/", 0) == 0; };
+    std::mutex mu;
+    std::vector<Checkpoint> first(2), back(2);
+    // `from` workers' files resumed on `to` workers, each saving its state (into `out` too).
+    auto reshard = [&](int from, int to, std::vector<Checkpoint>* out) {
+      collective::testing::run_site(str_cat("to-", to), to, [&](collective::SiteGroup& site) {
+        std::vector<Checkpoint> olds;
+        for (int q = 0; q < from; ++q) olds.push_back(*load_latest_checkpoint(rank_dir(from, q), "h", INT64_MAX, optim));
+        std::vector<const Checkpoint*> ranks;
+        int64_t unread_bytes = 0;
+        for (const auto& k : olds) {
+          ranks.push_back(&k);
+          ASSERT_TRUE(k.unread && k.tensors.empty()) << "the sharded state was loaded";
+          for (const auto& [name, e] : k.unread->tensors) unread_bytes += e.numel * 4;
+        }
+        std::vector<at::Tensor> params = make_params();
+        InnerOptimizer o(params, 1e-2, 0.1, mode, site);
+        const int64_t before = range_bytes_read();
+        o.load_resharded(ranks);
+        const int64_t read = range_bytes_read() - before;
+        // Its shard's values of the two moments and of the parameters, and nothing else.
+        const int64_t mine = o.layout().count(site.rank(), 0, o.total_numel());
+        EXPECT_EQ(read, 3 * 4 * mine) << "rank " << site.rank();
+        EXPECT_LE(read * to, unread_bytes) << "rank " << site.rank() << " read more than its 1/" << to;
+        Checkpoint k;
+        k.step = 4;
+        o.save(k);
+        save_checkpoint(rank_dir(to, site.rank()), k, "h");
+        std::lock_guard<std::mutex> lock(mu);
+        if (out) (*out)[static_cast<size_t>(site.rank())] = k;
+      });
+    };
+    collective::testing::run_site("from-2", 2, [&](collective::SiteGroup& site) {
+      std::vector<at::Tensor> params = make_params();
+      InnerOptimizer o(params, 1e-2, 0.1, mode, site);
+      for (int s = 0; s < 4; ++s) step_site(o, site, params, s);
+      Checkpoint k;
+      k.step = 4;
+      o.save(k);
+      save_checkpoint(rank_dir(2, site.rank()), k, "h");
+      std::lock_guard<std::mutex> lock(mu);
+      first[static_cast<size_t>(site.rank())] = k;
+    });
+    reshard(2, 3, nullptr);
+    reshard(3, 2, &back);
+    for (size_t q = 0; q < 2; ++q)
+      for (const char* name : {"optim/0/exp_avg", "optim/0/exp_avg_sq", "optim/0/param"}) {
+        ASSERT_TRUE(back[q].tensors.count(name)) << name;
+        EXPECT_TRUE(at::equal(back[q].tensors.at(name), first[q].tensors.at(name))) << "rank " << q << " " << name;
+      }
   }
 }
 

@@ -131,7 +131,8 @@ class DilocoStrategy : public Strategy {
   void drain() override;
   void save_state(StrategyState& out) const override;
   void load_state(const StrategyState& in) override;
-  // The parts of a sharded state joined into whole fragments; this worker takes its part.
+  // This worker's part of every fragment's outer state, read from the old workers' parts (or
+  // rank 0's whole state) where they overlap it: no whole fragment is joined.
   void load_resharded(const std::vector<StrategyState>& ranks) override;
   // The sites compare how many outer steps they have taken; a site behind (its newest
   // checkpoint is older) takes the global weights, momentum and round position from the

@@ -5,6 +5,7 @@
 #include <ATen/core/grad_mode.h>  // at::NoGradGuard: ATen.h no longer brings it in LibTorch 2.x
 #include <spdlog/spdlog.h>
 
+#include <algorithm>
 #include <sstream>
 
 #include "nebula/error.h"
@@ -118,8 +119,9 @@ void DilocoStrategy::load_resharded(const std::vector<StrategyState>& ranks) {
   NEBULA_CHECK(!ranks.empty(), "load_resharded without states");
   auto parts_it = ranks[0].numbers.find("parts");
   const auto parts = static_cast<size_t>(parts_it == ranks[0].numbers.end() ? 1.0 : parts_it->second);
-  if (parts <= 1) return load_state(ranks[0]);  // every worker holds the whole state
-  if (parts != ranks.size())
+  if (static_cast<size_t>(state_number(ranks[0], "fragments")) != fragments_.size())
+    return load_state(ranks[0]);  // refused, naming the setting that changed
+  if (parts > 1 && parts != ranks.size())
     throw DataError(str_cat("the checkpoint's strategy state is cut into ", parts, " parts, but ", ranks.size(),
                             " workers' checkpoints were found"));
   // The old layout: the units its parts were cut by (none recorded: one unit) at its workers.
@@ -132,28 +134,49 @@ void DilocoStrategy::load_resharded(const std::vector<StrategyState>& ranks) {
   if (bounds.empty() || bounds.back() != total_numel_)
     throw DataError(str_cat("the checkpoint's strategy state is cut into units of ", bounds.empty() ? 0 : bounds.back(),
                             " values for a model of ", total_numel_, ": the model changed"));
-  const parallel::ShardLayout old(bounds, static_cast<int64_t>(ranks.size()));
-  StrategyState whole = ranks[0];
+  // Unsharded, every old worker holds the whole state: rank 0's is read.
+  const size_t olds = parts > 1 ? ranks.size() : 1;
+  const parallel::ShardLayout old(bounds, static_cast<int64_t>(olds));
+  // Values [begin, begin + len) of old rank q's piece `key`, and its size: loaded, or read from
+  // its checkpoint file by range.
+  auto numel_of = [&](size_t q, const std::string& key) -> int64_t {
+    if (auto it = ranks[q].tensors.find(key); it != ranks[q].tensors.end()) return it->second.numel();
+    if (auto it = ranks[q].unread.find(key); it != ranks[q].unread.end() && ranks[q].read) return it->second;
+    throw DataError(str_cat("the checkpoint of rank ", q, " has no strategy tensor ", key));
+  };
+  auto values_of = [&](size_t q, const std::string& key, int64_t begin, int64_t len) {
+    if (auto it = ranks[q].tensors.find(key); it != ranks[q].tensors.end()) return it->second.reshape({-1}).narrow(0, begin, len);
+    return ranks[q].read(key, begin, len);
+  };
+  // This worker's part of every fragment's global weights and momentum, taken from the old
+  // ranks' pieces where they overlap it: no worker joins a whole fragment.
+  StrategyState mine = ranks[0];
   for (size_t j = 0; j < fragments_.size(); ++j)
     for (const char* name : {"global", "momentum"}) {
       const std::string key = str_cat("f", j, "/", name);
       const Fragment& fr = fragments_[j];
-      at::Tensor joined = at::empty({fr.numel}, at::kFloat);
       const auto parts = parts_of(fr.range(), old);
       const std::vector<int64_t> counts = counts_of(parts);
-      for (size_t q = 0; q < ranks.size(); ++q) {
-        auto it = ranks[q].tensors.find(key);
-        if (it == ranks[q].tensors.end())
-          throw DataError(str_cat("the checkpoint of rank ", q, " has no strategy tensor ", key));
-        const at::Tensor piece = it->second.reshape({-1});
-        if (piece.numel() != counts[q])
-          throw DataError(str_cat("the checkpoint of rank ", q, " holds ", piece.numel(), " values of ", key,
-                                  ", its layout ", counts[q], ": the model changed"));
-        copy_runs({parts[q]}, fr.offset, joined, piece, true);
+      for (size_t q = 0; q < olds; ++q)
+        if (const int64_t n = numel_of(q, key); n != counts[q])
+          throw DataError(str_cat("the checkpoint of rank ", q, " holds ", n, " values of ", key, ", its layout ",
+                                  counts[q], ": the model changed"));
+      at::Tensor part = at::empty({fr.part_len}, at::kFloat);
+      int64_t at = 0;
+      for (const parallel::ShardRun& r : fr.part) {
+        for (size_t q = 0; q < olds; ++q) {
+          int64_t pos = 0;  // where run o starts in rank q's piece
+          for (const parallel::ShardRun& o : parts[q]) {
+            const int64_t lo = std::max(o.flat, r.flat), hi = std::min(o.flat + o.len, r.flat + r.len);
+            if (lo < hi) part.narrow(0, at + lo - r.flat, hi - lo).copy_(values_of(q, key, pos + lo - o.flat, hi - lo));
+            pos += o.len;
+          }
+        }
+        at += r.len;
       }
-      whole.tensors[key] = joined;
+      mine.tensors[key] = part;
     }
-  load_state(whole);
+  load_state(mine);
 }
 
 void DilocoStrategy::welcome() {

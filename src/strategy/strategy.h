@@ -37,6 +37,11 @@ struct StrategyState {
   std::map<std::string, double> numbers;
   std::map<std::string, std::string> strings;
   std::vector<std::string> decisions;
+  // A resharding resume's tensors left in the checkpoint file, not in `tensors` (each new
+  // worker reads only its part): their numbers of values, and values [begin, begin + len) of
+  // one as float32 (train/worker_checkpoint.cc).
+  std::map<std::string, int64_t> unread;
+  std::function<at::Tensor(const std::string& name, int64_t begin, int64_t len)> read;
 };
 
 class Strategy {
@@ -123,8 +128,9 @@ class Strategy {
   virtual void save_state(StrategyState& out) const = 0;
   virtual void load_state(const StrategyState& in) = 0;
   // Resume under another layout ([parallel] shard or the site's workers changed since the
-  // checkpoint): the states of every worker of the site that wrote it, in rank order. The
-  // default takes rank 0's (a state that is the same on every worker, or the gateway's alone).
+  // checkpoint): the states of every worker of the site that wrote it, in rank order (their
+  // sharded tensors possibly unread: StrategyState::read). The default takes rank 0's (a state
+  // that is the same on every worker, or the gateway's alone).
   virtual void load_resharded(const std::vector<StrategyState>& ranks) { load_state(ranks.at(0)); }
   // After a resume, on every worker of every site: brings the sites to one global state if
   // their checkpoints differ (e.g. one site's newest checkpoint is a round behind).

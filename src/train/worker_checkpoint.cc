@@ -52,10 +52,28 @@ void load_model(const parallel::Checkpoint& k, Task& task) {
   for (const auto& item : task.module().named_buffers()) load(item.key(), item.value());
 }
 
+// What a worker holds a part of, not the whole (AdamW's moments and the parameter shards under
+// optim/, diloco's outer state per fragment): resharding leaves these in the old workers' files
+// and reads only this worker's part of them.
+bool sharded_state(const std::string& name) {
+  auto ends_with = [&](const std::string& tail) {
+    return name.size() >= tail.size() && name.compare(name.size() - tail.size(), tail.size(), tail) == 0;
+  };
+  return name.rfind("optim/", 0) == 0 || (name.rfind("strategy/", 0) == 0 && (ends_with("/global") || ends_with("/momentum")));
+}
+
+// The strategy's state in `k` (which must outlive it: tensors left unread are read from k's file).
 strategy::StrategyState strategy_state(const parallel::Checkpoint& k) {
   strategy::StrategyState st;
   for (const auto& [name, t] : k.tensors)
     if (name.rfind("strategy/", 0) == 0) st.tensors[name.substr(9)] = t;
+  if (k.unread) {
+    for (const auto& [name, e] : k.unread->tensors)
+      if (name.rfind("strategy/", 0) == 0) st.unread[name.substr(9)] = e.numel;
+    st.read = [&k](const std::string& name, int64_t begin, int64_t len) {
+      return parallel::read_range(k, "strategy/" + name, begin, len);
+    };
+  }
   const nlohmann::json& js = k.state.contains("strategy") ? k.state["strategy"] : nlohmann::json::object();
   if (js.contains("numbers")) st.numbers = js["numbers"].get<std::map<std::string, double>>();
   if (js.contains("strings")) st.strings = js["strings"].get<std::map<std::string, std::string>>();
@@ -72,9 +90,9 @@ void restore(const parallel::Checkpoint& k, Task& task, parallel::InnerOptimizer
 }
 
 // Resharding: `ranks` are the checkpoints of every worker of the site that wrote them (another
-// number of workers, or another [parallel] shard, than now), all of one step. The model (the
-// same on every worker) comes from rank 0's; the optimizer's and strategy's sharded state is
-// joined and this worker takes its part. With the same number of workers this worker also
+// number of workers, or another [parallel] shard, than now), all of one step, their sharded
+// state left in the files. The model's other tensors (the same on every worker) come from rank
+// 0's; of the optimizer's and strategy's sharded state this worker reads only its part. With the same number of workers this worker also
 // continues its own data position and generator (so changing only the shard mode resumes
 // exactly); with another number the site's data is partitioned anew, and each worker's
 // position starts over (its generator: that of the old rank of its index, if there was one).
@@ -154,7 +172,9 @@ void WorkerCheckpoints::save(const WorkerProgress& progress) {
 std::optional<WorkerProgress> WorkerCheckpoints::restore_newest() {
   const SiteConfig& site = c_.sites.at(who_.site);
   const int workers = static_cast<int>(site.workers);
-  std::optional<parallel::Checkpoint> newest = parallel::load_latest_checkpoint(dir_, fingerprint_);
+  // Its manifest only, for now: which layout wrote it (the tensors stay in the file).
+  std::optional<parallel::Checkpoint> newest =
+      parallel::load_latest_checkpoint(dir_, fingerprint_, INT64_MAX, [](const std::string&) { return true; });
   const WrittenLayout layout = written_layout(c_, who_, comm_.site(), newest, optimizer_);
   const int old_workers = layout.workers;
   const bool reshard = layout.reshard(workers);
@@ -162,7 +182,7 @@ std::optional<WorkerProgress> WorkerCheckpoints::restore_newest() {
   int64_t have = newest ? newest->step : -1;              // the newest step this worker can restore
   if (reshard) {
     for (int q = 0; q < old_workers; ++q) {
-      olds.push_back(q == who_.local_rank ? newest : parallel::load_latest_checkpoint(rank_dir(q), fingerprint_));
+      olds.push_back(parallel::load_latest_checkpoint(rank_dir(q), fingerprint_, INT64_MAX, sharded_state));
       have = olds.back() ? (q == 0 ? olds.back()->step : std::min(have, olds.back()->step)) : -1;
       if (have < 0) break;
     }
@@ -186,7 +206,7 @@ std::optional<WorkerProgress> WorkerCheckpoints::restore_newest() {
   }
   const auto target = static_cast<int64_t>(common);
   if (!reshard) {
-    if (newest && newest->step != target) newest = parallel::load_latest_checkpoint(dir_, fingerprint_, target);
+    newest = parallel::load_latest_checkpoint(dir_, fingerprint_, target);  // every tensor, now
     if (!newest || newest->step != target)
       throw DataError(str_cat(dir_, ": no intact checkpoint of step ", target,
                               ", the newest every other worker holds: resume is impossible from these "
@@ -200,16 +220,27 @@ std::optional<WorkerProgress> WorkerCheckpoints::restore_newest() {
     std::vector<parallel::Checkpoint> ranks;
     for (int q = 0; q < old_workers; ++q) {
       auto& k = olds[static_cast<size_t>(q)];
-      if (!k || k->step != target) k = parallel::load_latest_checkpoint(rank_dir(q), fingerprint_, target);
+      if (!k || k->step != target) k = parallel::load_latest_checkpoint(rank_dir(q), fingerprint_, target, sharded_state);
       if (!k || k->step != target)
         throw DataError(str_cat(rank_dir(q), ": no intact checkpoint of step ", target, ", which resharding the "
                                 "site's ", old_workers, " workers' checkpoints needs (every worker must be able "
                                 "to read every old rank's directory: a checkpoint.dir they share)"));
       ranks.push_back(std::move(*k));
     }
-    parallel::with_whole_model(full_, [&] {
-      restore_resharded(ranks, who_.local_rank, old_workers == workers, task_, optimizer_, strategy_);
-    });
+    // ZeRO-3 from parameter shards: straight into this worker's shard, nothing gathered (from
+    // an unsharded checkpoint the model is whole in it: loaded inside a gather).
+    int64_t sharded_bytes = 0;
+    for (const auto& k : ranks)
+      if (k.unread)
+        for (const auto& [name, e] : k.unread->tensors) sharded_bytes += e.numel * static_cast<int64_t>(at::elementSize(e.dtype));
+    const int64_t read_before = parallel::range_bytes_read();
+    auto load = [&] { restore_resharded(ranks, who_.local_rank, old_workers == workers, task_, optimizer_, strategy_); };
+    if (full_ && parallel::InnerOptimizer::holds_parameter_shards(ranks.at(0)))
+      load();
+    else
+      parallel::with_whole_model(full_, load);
+    spdlog::info("resharding read {} of the old workers' {} bytes of sharded state (AdamW's moments, parameter "
+                 "shards, outer state)", parallel::range_bytes_read() - read_before, sharded_bytes);
     // The tokens so far: each worker's own with the same workers, else all of them on rank 0.
     int64_t so_far = 0;
     for (int q = 0; q < old_workers; ++q)
