@@ -91,7 +91,8 @@ for shard in "${shards[@]}"; do
   job=(run examples/mlm.toml --set job.steps="$steps" --set strategy.kind="\"$kind\"" --set strategy.inner_steps=10
        --set strategy.heterogeneous=false --set parallel.shard="\"$mode\"" --set parallel.recompute="$recompute"
        --set wan.mode="\"$wan_mode\"" --set sites.0.workers="$workers" --set sites.1.workers="$workers1"
-       --set metrics.progress='"off"')
+       --set metrics.progress='"off"' --set job.timeout='"600s"')  # a large model's evaluation on the gateway
+                                                                    # alone can outlast 120 s on 2 cores
   killed=0
   run "$name" "${job[@]}" --set job.run_dir="\"$out/$name\"" "${extra[@]}" "${tiny[@]}" || killed=$?
   if ((killed == 0)) && [ "$tiny_base" = 1 ]; then

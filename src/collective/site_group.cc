@@ -75,14 +75,25 @@ SiteGroup::~SiteGroup() = default;
 
 namespace {
 // Runs `f` (which posts and waits for c10d work), turning c10d's errors into PeerLost.
+// A timed-out wait says which key bounds it: one worker's own work between two collectives (the
+// gateway's evaluation of a large model, say) can outlast it while its site peers wait.
+std::string failed(const std::string& site, const char* op, const std::string& why) {
+  std::string message = str_cat("site ", site, ": intra-site ", op, " failed: ", why);
+  if (why.find("Timed out") != std::string::npos)
+    message += str_cat("; every collective inside a site waits at most [job] timeout: if a worker's own work between "
+                       "collectives (e.g. the gateway's evaluation of a large model) takes longer, raise it, e.g. "
+                       "--set job.timeout='\"600s\"'");
+  return message;
+}
+
 template <typename F>
 void guarded(const std::string& site, const char* op, F&& f) {
   try {
     f();
   } catch (const c10::Error& e) {
-    throw PeerLost(site, str_cat("site ", site, ": intra-site ", op, " failed: ", e.what_without_backtrace()));
+    throw PeerLost(site, failed(site, op, e.what_without_backtrace()));
   } catch (const std::exception& e) {
-    throw PeerLost(site, str_cat("site ", site, ": intra-site ", op, " failed: ", e.what()));
+    throw PeerLost(site, failed(site, op, e.what()));
   }
 }
 template <typename F>

@@ -3,6 +3,7 @@
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
+#include <future>
 #include <thread>
 
 #include "collective/testing.h"
@@ -55,6 +56,31 @@ TEST(SiteGroup, PortZeroOnAnotherRankIsAnError) {
 TEST(SiteGroup, WaitingForAnUnpublishedPortIsBounded) {
   testing::StorePort port;
   EXPECT_THROW(testing::join_group("s", 1, 2, 200ms, port), Timeout);
+}
+
+// A collective that a peer never joins fails within the group's timeout, and the error names the
+// key that bounds it (a gateway's long evaluation outlasted job.timeout on a 57.5M model).
+TEST(SiteGroup, ATimedOutCollectiveNamesJobTimeout) {
+  testing::StorePort port;
+  std::promise<void> failed;
+  std::thread other([&] {
+    SiteGroup g = testing::join_group("late", 1, 2, 1s, port);
+    failed.get_future().wait();  // joins no collective until rank 0's has timed out
+  });
+  {
+    SiteGroup g = testing::join_group("late", 0, 2, 1s, port);
+    at::Tensor t = at::ones({4});
+    try {
+      g.allreduce_sum(t);
+      ADD_FAILURE() << "an all-reduce with a peer that never joins returned";
+    } catch (const PeerLost& e) {
+      EXPECT_NE(std::string(e.what()).find("site late: intra-site"), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find("[job] timeout"), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find("job.timeout"), std::string::npos) << e.what();
+    }
+    failed.set_value();
+  }
+  other.join();
 }
 
 // The sharded collectives against what they must equal: reduce_scatter_sum is allreduce
