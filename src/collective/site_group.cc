@@ -74,7 +74,6 @@ std::unique_ptr<SiteGroup> SiteGroup::fork(const std::string& name) {
 SiteGroup::~SiteGroup() = default;
 
 namespace {
-// Runs `f` (which posts and waits for c10d work), turning c10d's errors into PeerLost.
 // A timed-out wait says which key bounds it: one worker's own work between two collectives (the
 // gateway's evaluation of a large model, say) can outlast it while its site peers wait.
 std::string failed(const std::string& site, const char* op, const std::string& why) {
@@ -86,6 +85,7 @@ std::string failed(const std::string& site, const char* op, const std::string& w
   return message;
 }
 
+// Runs `f` (which posts and waits for c10d work), turning c10d's errors into PeerLost.
 template <typename F>
 void guarded(const std::string& site, const char* op, F&& f) {
   try {
