@@ -30,7 +30,7 @@ DEBS=${DEBS:-$ROOT/.devdeps}
 # Everything nebula's CMakeLists finds, as Debian 12 (bookworm) packages: headers, CMake/pkg-config
 # files and the runtime libraries they point to. Gloo's headers are used only if LibTorch lacks them.
 PACKAGES=(
-  libssl-dev libssl3 zlib1g-dev zlib1g libisal-dev libisal2
+  libssl-dev libssl3 zlib1g-dev zlib1g libisal-dev libisal2 libjemalloc-dev libjemalloc2
   libtomlplusplus-dev libtomlplusplus3 libcli11-dev nlohmann-json3-dev
   libspdlog-dev libspdlog1.10 libfmt-dev libfmt9
   libsentencepiece-dev libsentencepiece0 libgloo-dev

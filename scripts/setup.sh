@@ -5,6 +5,7 @@ PACKAGES=(
   cmake ninja-build ccache g++ pkg-config git
   libtorch-dev libgloo-dev libopenblas0-pthread   # without OpenBLAS LibTorch is ~13x slower
   libssl-dev openssl zlib1g-dev libzstd-dev libisal-dev
+  libjemalloc-dev                                 # the nebula binary's allocator (src/util/allocator.h)
   libsentencepiece-dev libtomlplusplus-dev libcli11-dev libspdlog-dev nlohmann-json3-dev
   libgtest-dev libgmock-dev libbenchmark-dev
   clang libclang-rt-14-dev                        # fuzz/: clang++ -fsanitize=fuzzer (libFuzzer)

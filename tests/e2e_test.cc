@@ -1291,6 +1291,7 @@ TEST(EndToEnd, ZeroOneStopAndResumeFromShardedCheckpointsGivesTheSameWeights) {
     EXPECT_EQ(summary["workers"].get<int>(), 4);
     // Every worker's peak memory in each phase, and its bytes to its site's other workers.
     const nlohmann::json& peaks = summary["peak_rss_bytes_by_phase"];
+    EXPECT_EQ(summary.value("allocator", ""), "jemalloc") << "build/nebula is linked with jemalloc (src/cli/CMakeLists.txt)";
     for (const char* phase : {"init", "resume", "step", "outer_sync", "checkpoint"}) {
       ASSERT_TRUE(peaks.contains(phase)) << summary.dump();
       const auto by_worker = peaks[phase].get<std::vector<double>>();

@@ -47,7 +47,7 @@ void check_fraction(const char* option, double value) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  nebula::tune_allocator();  // large buffers reused, not mapped afresh each step (util/allocator.h)
+  nebula::tune_allocator();  // jemalloc as it is; under glibc, large buffers reused (util/allocator.h)
   CLI::App app{"nebula: train one model across several sites joined by a slow WAN"};
   app.require_subcommand(1);
 

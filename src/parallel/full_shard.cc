@@ -592,12 +592,41 @@ void FullShard::with_rest(const std::function<void()>& fn) {
   run_then(fn, done);
 }
 
+void FullShard::with_rest_to_root(const std::function<void()>& fn) {
+  NEBULA_CHECK(!in_step_ && !in_rest_ && !whole_ && !root_only_,
+               "FullShard::with_rest_to_root inside a training step, with_rest or with_full_model");
+  at::NoGradGuard no_grad;
+  for (const Range& r : rest_) gather_range(r, true);
+  at::Tensor next = at::empty({1}, at::kLong);  // the layer rank 0 runs next; -1: fn has ended
+  if (site_.rank() != 0) {
+    for (site_.broadcast_from_root(next); next.item<int64_t>() >= 0; site_.broadcast_from_root(next))
+      gather_range(layers_.at(static_cast<size_t>(next.item<int64_t>())), true);
+    return;
+  }
+  in_rest_ = to_root_ = true;
+  auto done = [&] {
+    in_rest_ = to_root_ = false;
+    next.fill_(-1);
+    site_.broadcast_from_root(next);
+    for (const Range& r : rest_) drop_range(r);
+  };
+  run_then(fn, done);
+}
+
 at::Tensor FullShard::run(torch::nn::Module& layer, const std::vector<at::Tensor>& inputs, const Body& body) {
   auto it = layer_of_.find(&layer);
   NEBULA_CHECK(it != layer_of_.end(), "parallel.shard = \"full\": the model ran a layer it did not declare");
   NEBULA_CHECK(!root_only_, "parallel.shard = \"full\": the model ran on worker ", site_.rank(),
                " inside the gateway's evaluation, where only the gateway holds it");
   if (whole_) return body(inputs);
+  if (to_root_) {  // with_rest_to_root: the other workers are waiting for this layer's name
+    at::Tensor next = at::full({1}, static_cast<int64_t>(it->second), at::kLong);
+    site_.broadcast_from_root(next);
+    gather_range(layers_.at(it->second), true);
+    at::Tensor out = body(inputs);
+    release(it->second);
+    return out;
+  }
   if (!at::GradMode::is_enabled()) {  // e.g. a no-grad forward inside a step: gather, run, free
     gather(it->second);
     at::Tensor out = body(inputs);

@@ -32,9 +32,10 @@
 // site's weight. The cost: two all-gathers of the model per step instead of one (and with
 // recompute one more forward of every layer, about a third more compute).
 //
-// Outside a step, validation runs layer by layer too (with_rest); the gateway's evaluation and
-// the model file gather every parameter on the gateway only (with_full_model): one model-sized
-// copy, no gradients or moments. Checkpoints gather nothing: each rank saves its shard
+// Outside a step, validation runs layer by layer too (with_rest), and so does the gateway's
+// evaluation, each layer gathered to the gateway alone (with_rest_to_root); the model file
+// gathers every parameter on the gateway only (with_full_model): one model-sized copy, no
+// gradients or moments. Checkpoints gather nothing: each rank saves its shard
 // (InnerOptimizer::save); a resume writes it back inside with_full_model.
 //
 // held_numel() counts the gathered values this worker holds now (a unit's storage while it is
@@ -179,6 +180,13 @@ class FullShard : public model::LayerGather {
   // without autograd that gather each layer as it runs (validation): every worker must run
   // the same layers in the same order.
   void with_rest(const std::function<void()>& fn);
+  // fn() on rank 0 only, for the gateway's forwards without autograd (its evaluation): the
+  // parameters outside the layers gathered to rank 0 for fn, and each layer gathered to it as it
+  // runs and freed after, while the other workers send their pieces of whichever layer rank 0
+  // names next (a broadcast before each gather) until fn ends; their fn is not called. So the
+  // gateway holds at most the rest and one layer, and its peers wait in one layer's gather at a
+  // time, not in the next collective while the gateway evaluates the whole model.
+  void with_rest_to_root(const std::function<void()>& fn);
 
   at::Tensor run(torch::nn::Module& layer, const std::vector<at::Tensor>& inputs, const Body& body) override;
 
@@ -249,6 +257,7 @@ class FullShard : public model::LayerGather {
   at::Tensor shard_, shard_grad_;
   bool whole_ = false;                // inside with_full_model, holding every unit
   bool root_only_ = false;            // with_full_model on a rank other than 0: nothing gathered here
+  bool to_root_ = false;              // inside with_rest_to_root on rank 0: each layer gathered to it as it runs
   double weight_ = 1;
   int64_t peak_held_ = 0;
   std::unique_ptr<collective::SiteGroup> prefetch_group_;

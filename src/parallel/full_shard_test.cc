@@ -390,7 +390,8 @@ TEST(FullShard, EveryWorkerSendsItsNthOfEveryLayerInEveryRingStep) {
 
 // with_full_model: what fn writes into the parameters becomes the shards (a checkpoint's
 // weights); root-only, only the gateway holds them; with_rest runs the model layer by layer
-// without autograd (validation); a layer the model did not declare is an error.
+// without autograd (validation), with_rest_to_root on the gateway only (its evaluation); a layer
+// the model did not declare is an error.
 TEST(FullShard, WholeModelGathersAndLayerByLayerValidation) {
   collective::testing::run_site("zero3-full-model", 3, [&](collective::SiteGroup& site) {
     Net net = make_net("mlm");
@@ -423,6 +424,35 @@ TEST(FullShard, WholeModelGathersAndLayerByLayerValidation) {
       });
     }
     EXPECT_TRUE(at::equal(whole, layered)) << whole.item<float>() << " vs " << layered.item<float>();
+    for (const auto& p : params) EXPECT_EQ(p.numel(), 0);
+    // The gateway's evaluation (with_rest_to_root): fn runs on rank 0 alone, every layer gathered
+    // to it as it runs, the others serving; the gateway holds at most the rest and one unit.
+    int64_t largest_unit = 0, in_units = 0;
+    for (torch::nn::Module* u : net.units) {
+      int64_t n = 0;
+      for (const auto& p : u->parameters()) n += p.numel();
+      largest_unit = std::max(largest_unit, n);
+      in_units += n;
+    }
+    at::Tensor on_root;
+    int runs = 0;
+    full.reset_peak();
+    {
+      at::NoGradGuard no_grad;
+      full.with_full_model([&] { whole = net.loss(0, 1); });
+      full.with_rest_to_root([&] {
+        ++runs;
+        on_root = net.loss(0, 1);
+        on_root = net.loss(0, 1);  // twice: the others serve every gather until fn ends
+      });
+    }
+    EXPECT_EQ(runs, site.rank() == 0 ? 1 : 0) << "fn runs on the gateway only";
+    if (site.rank() == 0) EXPECT_TRUE(at::equal(whole, on_root)) << whole.item<float>() << " vs " << on_root.item<float>();
+    full.reset_peak();
+    full.with_rest_to_root([&] { net.loss(0, 1); });
+    EXPECT_LE(full.peak_held_numel(), site.rank() == 0 ? full.total_numel() - in_units + largest_unit : 0)
+        << "rank " << site.rank() << ": the rest and one unit at most, on the gateway only";
+    if (site.rank() == 0) EXPECT_GE(full.peak_held_numel(), largest_unit) << "every unit ran on the gateway";
     for (const auto& p : params) EXPECT_EQ(p.numel(), 0);
     torch::nn::Linear stranger(2, 2);
     EXPECT_THROW(full.run(*stranger, {at::zeros({1, 2})}, [&](const std::vector<at::Tensor>& in) { return in[0]; }),

@@ -183,7 +183,9 @@ class Trainer {
   int stop(int signal);
   // One metrics line per `log_every` steps (and one for the last, partial window).
   void write_metrics(int64_t steps_done);
-  // Evaluation on the gateway: a metrics line {"site", "step", "eval"} with this site's values.
+  // Evaluation on the gateway: a metrics line {"site", "step", "eval"} with this site's values
+  // (zeros on the other workers). Every worker of the site calls it: with ZeRO-3 they send the
+  // gateway each layer as it runs (FullShard::with_rest_to_root), no whole model anywhere.
   std::vector<double> evaluate(int64_t steps_done);
   // Validation runs on every worker: ZeRO-3 gathers layer by layer, as in training, when every
   // worker of the site has validation data (the same forwards everywhere), else the whole model.
@@ -288,8 +290,8 @@ Trainer::Trainer(const TaskContext& ctx, bool rejoin, Clock::time_point start)
   checkpoints_ = std::make_unique<WorkerCheckpoints>(c_, who_, *comm_.comm, *task_, o, *strategy_, full_.get());
   eval_start_.assign(task_->eval_size(), 0.0);
   // The set-up's freed memory (each layer built whole before ZeRO-3 cut it, the tokenizer's
-  // and the data's buffers) back to the system: glibc keeps it (util/allocator.h) and the
-  // steps would not reuse all of it.
+  // and the data's buffers) back to the system: the allocator keeps it (util/allocator.h) and
+  // the steps would not reuse all of it.
   release_free_memory();
   phases_.end();
 }
@@ -311,8 +313,8 @@ void Trainer::resume(bool rejoin) {
 }
 
 void Trainer::evaluate_at_start() {
-  if (!resumed_ && task_->eval_at_start()) whole([&] { eval_start_ = evaluate(0); }, true);
-  release_free_memory();  // the gateway's gathered model (ZeRO-3) and the evaluation's activations
+  if (!resumed_ && task_->eval_at_start()) eval_start_ = evaluate(0);
+  release_free_memory();  // the evaluation's activations
 }
 
 int Trainer::train() {
@@ -347,7 +349,7 @@ int Trainer::train() {
     window_.add(batch);
     if (done % c_.job.log_every == 0) write_metrics(done);
     if (c_.eval.every > 0 && done % c_.eval.every == 0) {  // on the merged model, not the replica mid-round
-      strategy.with_global_weights([&] { whole([&] { evaluate(done); }, true); });
+      strategy.with_global_weights([&] { evaluate(done); });
       release_free_memory();
     }
     const int signal = stop_request.poll(done);
@@ -410,13 +412,19 @@ void Trainer::write_metrics(int64_t steps_done) {
 }
 
 std::vector<double> Trainer::evaluate(int64_t steps_done) {
-  if (who_.local_rank != 0) return std::vector<double>(task_->eval_size(), 0.0);
   if (steps_done == last_eval_step_) return last_eval_;  // the end of the run fell on an eval.every step
-  std::vector<double> counts = task_->evaluate();
+  std::vector<double> counts(task_->eval_size(), 0.0);
+  const bool gateway = who_.local_rank == 0;
+  auto run = [&] { counts = task_->evaluate(); };
+  if (full_)
+    full_->with_rest_to_root(run);  // run() on the gateway only
+  else if (gateway)
+    run();
   last_eval_step_ = steps_done;
   last_eval_ = counts;
-  metrics_.write({{"time", unix_time()}, {"site", site_.name}, {"rank", 0}, {"step", steps_done},
-                  {"eval", task_->eval_json(counts)}});
+  if (gateway)
+    metrics_.write({{"time", unix_time()}, {"site", site_.name}, {"rank", 0}, {"step", steps_done},
+                    {"eval", task_->eval_json(counts)}});
   return counts;
 }
 
@@ -448,11 +456,11 @@ void Trainer::finish() {
   if (window_.predicted > 0) write_metrics(step_);
 
   // Validation loss, evaluation, and job-wide totals for the summary, in one collective
-  // (ZeRO-3: the gateway gathers the whole model for its evaluation and the model file).
+  // (ZeRO-3: the gateway gathers the whole model for the model file).
   const std::pair<double, double> validation = validate();
+  const std::vector<double> eval_end = evaluate(step_);
   whole([&] {
     const auto wan = comm_.comm->stats();  // before the totals exchange itself
-    std::vector<double> eval_end = evaluate(step_);
     std::vector<double> counters = {static_cast<double>(tokens_), static_cast<double>(wan.wan_bytes_sent),
                                     static_cast<double>(wan.wan_bytes_received), last_loss_,
                                     last_predicted_, validation.first, validation.second,
@@ -542,6 +550,7 @@ nlohmann::json Trainer::summary(int64_t steps, const std::vector<double>& totals
   nlohmann::json peaks = {{"exact", phases_.exact()}};  // exact: each phase's own peak (PhasePeaks)
   for (int p = 0; p < PhasePeaks::kPhases; ++p) peaks[PhasePeaks::name(static_cast<PhasePeaks::Phase>(p))] = by_worker(2 + p);
   summary["peak_rss_bytes_by_phase"] = peaks;
+  summary["allocator"] = allocator_name();  // which malloc the peaks were measured under
   nlohmann::json lost = nlohmann::json::array();
   for (const auto& [j, why] : comm_.mesh->lost()) lost.push_back({{"site", names[j]}, {"reason", why}});
   summary["sites_lost"] = lost;
