@@ -3,8 +3,8 @@
 # (examples/mlm.toml: two sites of WORKERS and WORKERS1 workers, the same steps, data and seed)
 # with [parallel] shard = "none", "optimizer" and (not with sync) "gradients", "full" and "full"
 # with recompute. Per row: AdamW values per worker; each phase's peak memory (summary.json's
-# peak_rss_bytes_by_phase: init, step, outer_sync; the kernel's high-water mark reset at each
-# phase's start) of the largest gateway and of the largest other worker; the sum over the job's
+# peak_rss_bytes_by_phase: init, step, outer_sync, eval; the kernel's high-water mark reset at
+# each phase's start) of the largest gateway and of the largest other worker; the sum over the job's
 # workers of their peaks (what the whole job needs at most); worker 1's bytes to its site's other
 # workers per step, step time and validation loss.
 #   bench/zero.sh [steps, default 150] [strategy, default diloco]
@@ -13,7 +13,9 @@
 #                                 sharding over one worker changes nothing)
 #   WORKERS1=4 bench/zero.sh ...  the second site's workers (default 1)
 #   WAN_MODE=every_worker bench/zero.sh ...   every worker on the WAN (default: the gateways)
-#   SHARDS="none full" bench/zero.sh ...      only these rows ("full+recompute" is a row too)
+#   SHARDS="none full" bench/zero.sh ...      only these rows ("full+recompute" is a row too; a
+#                                   row ending "@glibc" runs under glibc's malloc instead of the
+#                                   binary's jemalloc, through bench/glibc_malloc.c preloaded)
 #   TINY_BASE=1 bench/zero.sh ...   each row again without EXTRA (the default tiny model), and a
 #                                   second table: each phase's model-related peak (the row's minus
 #                                   its tiny twin's) against the first row's, beside 1/N + 10 %
@@ -50,20 +52,27 @@ else
     [[ "$kind" != sync ]] && shards+=(gradients full full+recompute)
   fi
 fi
-# run NAME ARGS...: one job (inside a fresh memory cgroup of MEMORY_LIMIT_MB when set);
-# returns 0, or 3 when the kernel killed a process of it for memory.
+# run NAME ARGS...: one job (inside a fresh memory cgroup of MEMORY_LIMIT_MB when set; under
+# glibc's malloc when NAME ends "-glibc"); returns 0, or 3 when the kernel killed a process of it
+# for memory.
 run() {
   local name="$1"
   shift
+  local preload=""
+  if [[ "$name" == *-glibc || "$name" == *-glibc-tiny ]]; then
+    [ -e "$out/glibc_malloc.so" ] || cc -O2 -shared -fPIC -o "$out/glibc_malloc.so" bench/glibc_malloc.c
+    preload="$out/glibc_malloc.so"
+  fi
+  local nebula=(env ${preload:+LD_PRELOAD="$preload"} "$nebula")
   if [ -z "$limit_mb" ]; then
-    "$nebula" "$@" > "$out/$name.log" 2>&1 || { echo "$name failed: see $out/$name.log" >&2; exit 1; }
+    "${nebula[@]}" "$@" > "$out/$name.log" 2>&1 || { echo "$name failed: see $out/$name.log" >&2; exit 1; }
     return 0
   fi
   local cg="$cgroups/nebula-zero-$$-$name" rc=0
   mkdir "$cg"
   echo $((limit_mb * 1048576)) > "$cg/memory.limit_in_bytes"
   [ -e "$cg/memory.memsw.limit_in_bytes" ] && echo $((limit_mb * 1048576)) > "$cg/memory.memsw.limit_in_bytes"
-  bash -c 'echo $$ > "$0/cgroup.procs" && exec "$@"' "$cg" "$nebula" "$@" > "$out/$name.log" 2>&1 || rc=$?
+  bash -c 'echo $$ > "$0/cgroup.procs" && exec "$@"' "$cg" "${nebula[@]}" "$@" > "$out/$name.log" 2>&1 || rc=$?
   local killed
   killed=$(awk '$1 == "oom_kill" { print $2 }' "$cg/memory.oom_control")
   [ -n "$killed" ] || killed=$(cat "$cg/memory.failcnt")  # kernels before 4.13: the limit was hit
@@ -76,23 +85,26 @@ run() {
   return 0
 }
 
-printf "%-15s %12s %8s | %27s | %27s | %8s | %12s %8s %10s %9s\n" "" "AdamW" "" "largest gateway peak MiB" \
+printf "%-15s %12s %8s | %36s | %36s | %8s | %12s %8s %10s %9s\n" "" "AdamW" "" "largest gateway peak MiB" \
   "largest other worker MiB" "job GiB" "site MB/step" "" "" ""
-printf "%-15s %12s %8s | %8s %8s %9s | %8s %8s %9s | %8s | %12s %8s %10s %9s\n" shard "values/wkr" "vs none" init step outer \
-  init step outer "sum" "worker 1" "s/step" "vs first" "val loss"
+printf "%-15s %12s %8s | %8s %8s %9s %8s | %8s %8s %9s %8s | %8s | %12s %8s %10s %9s\n" shard "values/wkr" "vs none" init \
+  step outer eval init step outer eval "sum" "worker 1" "s/step" "vs first" "val loss"
 first=""
 rows=()
 for shard in "${shards[@]}"; do
-  mode="${shard%%+*}"
+  row="${shard%@glibc}"
+  mode="${row%%+*}"
   recompute=false
-  [ "$shard" = full+recompute ] && recompute=true
-  [ "$mode" = "$shard" ] || [ "$shard" = full+recompute ] || { echo "SHARDS: unknown row '$shard'" >&2; exit 2; }
+  [ "$row" = full+recompute ] && recompute=true
+  [ "$mode" = "$row" ] || [ "$row" = full+recompute ] || { echo "SHARDS: unknown row '$shard'" >&2; exit 2; }
+  [[ "$mode" =~ ^(none|optimizer|gradients|full)$ ]] || { echo "SHARDS: unknown row '$shard'" >&2; exit 2; }
   name="${shard/+/-}"
+  name="${name/@/-}"
   job=(run examples/mlm.toml --set job.steps="$steps" --set strategy.kind="\"$kind\"" --set strategy.inner_steps=10
        --set strategy.heterogeneous=false --set parallel.shard="\"$mode\"" --set parallel.recompute="$recompute"
        --set wan.mode="\"$wan_mode\"" --set sites.0.workers="$workers" --set sites.1.workers="$workers1"
-       --set metrics.progress='"off"' --set job.timeout='"600s"')  # a large model's evaluation on the gateway
-                                                                    # alone can outlast 120 s on 2 cores
+       --set metrics.progress='"off"' --set job.timeout='"600s"')  # without ZeRO-3 a large model's evaluation
+                                                                    # on the gateway alone can outlast 120 s
   killed=0
   run "$name" "${job[@]}" --set job.run_dir="\"$out/$name\"" "${extra[@]}" "${tiny[@]}" || killed=$?
   if ((killed == 0)) && [ "$tiny_base" = 1 ]; then
@@ -113,14 +125,18 @@ from zero_peaks import largest, job_sum
 out, name, first, workers = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
 run = f"{out}/{name}"
 s = summary(run)
+want = "glibc" if name.endswith("-glibc") else "jemalloc"
+if s.get("allocator", want) != want:
+    sys.exit(f"{name}: ran under {s['allocator']}, not {want} (summary.json's allocator)")
 state, base = window(run)[1]["adamw_state_values"], window(f"{out}/{first}")[1]["adamw_state_values"]
 peaks = s["peak_rss_bytes_by_phase"]
-gw = [largest(peaks, phase, workers, True) / 2**20 for phase in ("init", "step", "outer_sync")]
-other = [largest(peaks, phase, workers, False) / 2**20 for phase in ("init", "step", "outer_sync")]
+phases = ("init", "step", "outer_sync", "eval")
+gw = [largest(peaks, phase, workers, True) / 2**20 for phase in phases]
+other = [largest(peaks, phase, workers, False) / 2**20 for phase in phases]
 site_bytes = s["site_bytes_sent_by_worker"][1] if workers > 1 else 0.0
 seconds = step_seconds(run)
-print(f"{name:<15} {state:12d} {state / base:7.2f}x | {gw[0]:8.0f} {gw[1]:8.0f} {gw[2]:9.0f} | "
-      f"{other[0]:8.0f} {other[1]:8.0f} {other[2]:9.0f} | {job_sum(peaks) / 2**30:8.2f} | "
+print(f"{name:<15} {state:12d} {state / base:7.2f}x | {gw[0]:8.0f} {gw[1]:8.0f} {gw[2]:9.0f} {gw[3]:8.0f} | "
+      f"{other[0]:8.0f} {other[1]:8.0f} {other[2]:9.0f} {other[3]:8.0f} | {job_sum(peaks) / 2**30:8.2f} | "
       f"{site_bytes / s['local_steps_site0'] / 1e6:12.2f} "
       f"{seconds:8.3f} {step_seconds(f'{out}/{first}') / seconds:9.2f}x {s['final_val_loss']:9.4f}"
       + ("" if peaks["exact"] else "  (peaks not per phase: /proc/self/clear_refs refused)"))
@@ -133,13 +149,13 @@ sys.path.insert(0, "bench")
 from rundir import summary
 from zero_peaks import largest
 out, workers, rows = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
-phases = ("init", "step", "outer_sync")
+phases = ("init", "step", "outer_sync", "eval")
 def related(name, phase, gateway):  # the row's peak minus its tiny twin's, MiB
     big, small = (summary(f"{out}/{r}")["peak_rss_bytes_by_phase"] for r in (name, f"{name}-tiny"))
     return (largest(big, phase, workers, gateway) - largest(small, phase, workers, gateway)) / 2**20
 print(f"\nmodel-related peak (row minus the same job with the tiny model) against {rows[0]}'s; "
       f"1/N + 10 % = {1 / workers + 0.1:.2f} for N = {workers}")
-print(f"{'shard':<15} | {'largest gateway':>29} | {'largest other worker':>29}")
+print(f"{'shard':<15} | {'largest gateway':>39} | {'largest other worker':>39}")
 print(f"{'':<15} | " + " ".join(f"{p:>9}" for p in phases) + " | " + " ".join(f"{p:>9}" for p in phases))
 for name in rows:
     cells = []

@@ -1270,6 +1270,17 @@ TEST(EndToEnd, ZeroOneStopAndResumeFromShardedCheckpointsGivesTheSameWeights) {
     EXPECT_NE(unsharded_log.find("resharded the checkpoint of step 15 from 2 workers onto 2"), std::string::npos)
         << unsharded_log;
     EXPECT_EQ(tensor_bytes(dir + "/unsharded/model.safetensors"), expected);
+    if (std::string(mode) == "full") {
+      // ZeRO-3 from the unsharded run's last checkpoint (the parameters whole in each file), at
+      // the run's end: each worker reads its pieces by range, nothing gathered, the same model.
+      fs::copy(dir + "/unsharded", dir + "/refull", fs::copy_options::recursive);
+      fs::remove(dir + "/refull/model.safetensors");
+      Result refull = run(common + "/refull\\\" --resume" + zero + vocabulary);
+      ASSERT_EQ(refull.exit_code, 0) << refull.output;
+      const std::string log = read_file(dir + "/refull/logs/alpha-1.log");
+      EXPECT_NE(log.find("ZeRO-3: the trainable parameters, saved whole"), std::string::npos) << log;
+      EXPECT_EQ(tensor_bytes(dir + "/refull/model.safetensors"), tensor_bytes(dir + "/unsharded/model.safetensors"));
+    }
     // On three workers: resharded 2 -> 3 (the data partitioned anew, so other weights), and
     // every merge's hash check across the sites passes (site 0's θ_global rejoined exactly).
     Result three = run(common + "/three\\\" --resume --set sites.0.workers=3" + zero + vocabulary);
@@ -1292,7 +1303,7 @@ TEST(EndToEnd, ZeroOneStopAndResumeFromShardedCheckpointsGivesTheSameWeights) {
     // Every worker's peak memory in each phase, and its bytes to its site's other workers.
     const nlohmann::json& peaks = summary["peak_rss_bytes_by_phase"];
     EXPECT_EQ(summary.value("allocator", ""), "jemalloc") << "build/nebula is linked with jemalloc (src/cli/CMakeLists.txt)";
-    for (const char* phase : {"init", "resume", "step", "outer_sync", "checkpoint"}) {
+    for (const char* phase : {"init", "resume", "step", "outer_sync", "checkpoint", "eval"}) {
       ASSERT_TRUE(peaks.contains(phase)) << summary.dump();
       const auto by_worker = peaks[phase].get<std::vector<double>>();
       ASSERT_EQ(by_worker.size(), 4u) << phase;
@@ -1303,6 +1314,21 @@ TEST(EndToEnd, ZeroOneStopAndResumeFromShardedCheckpointsGivesTheSameWeights) {
     ASSERT_EQ(site_bytes.size(), 4u);
     for (size_t w = 0; w < 3; ++w) EXPECT_GT(site_bytes[w], 0) << "worker " << w << " of the 3-worker site";
     EXPECT_EQ(site_bytes[3], 0) << "a site of one worker sends nothing inside it";
+    // And back onto two (3 -> 2) from the three's last checkpoint, at the run's end: nothing
+    // left to train, so the model is the three's, bit for bit, each worker having read about half.
+    fs::copy(dir + "/three", dir + "/back", fs::copy_options::recursive);
+    fs::remove(dir + "/back/model.safetensors");
+    Result back = run(common + "/back\\\" --resume" + zero + vocabulary);
+    ASSERT_EQ(back.exit_code, 0) << back.output;
+    EXPECT_NE(read_file(dir + "/back/logs/alpha-1.log").find("from 3 workers onto 2"), std::string::npos);
+    for (int r = 0; r < 2; ++r) {
+      const std::string log = read_file(nebula::str_cat(dir, "/back/logs/alpha-", r, ".log"));
+      std::smatch m;
+      ASSERT_TRUE(std::regex_search(log, m, std::regex("resharding read (\\d+) of the old workers' (\\d+) bytes")))
+          << log;
+      EXPECT_LE(std::stod(m[1].str()), std::stod(m[2].str()) / 2 * 1.02) << "worker " << r << " read more than its half";
+    }
+    EXPECT_EQ(tensor_bytes(dir + "/back/model.safetensors"), tensor_bytes(dir + "/three/model.safetensors"));
     fs::remove_all(dir);
   }
 }

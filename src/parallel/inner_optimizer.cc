@@ -233,6 +233,13 @@ void InnerOptimizer::load_resharded(const std::vector<const Checkpoint*>& ranks)
                             bounds.empty() ? 0 : bounds.back(), " values for a model of ", total_numel_,
                             " parameters: the model changed"));
   const ShardLayout old(bounds, of);
+  // Each parameter's number of values (ZeRO-3's parameters hold none outside a gather: their shapes').
+  auto numel_of = [&](size_t i) {
+    if (!full_) return params_[i].numel();
+    int64_t n = 1;
+    for (int64_t d : full_->shapes().at(i)) n *= d;
+    return n;
+  };
   auto name_of = [&](size_t i, const std::string& kind) {
     return of == 1 ? str_cat("optim/", i, "/", kind) : kind == "param" ? std::string(kParamShard) : str_cat("optim/0/", kind);
   };
@@ -242,8 +249,8 @@ void InnerOptimizer::load_resharded(const std::vector<const Checkpoint*>& ranks)
         throw DataError(str_cat("checkpoint of step ", ranks[q]->step, ": worker ", q, "'s shard of ", what, " has ", n,
                                 " values, its layout ", old.shard_numel(), ": the model changed"));
     for (size_t i = 0; i < params_.size() && of == 1; ++i)
-      if (tensor_numel(first, name_of(i, kind)) != params_[i].numel())
-        throw DataError(str_cat("checkpoint of step ", first.step, ": no ", what, " of ", params_[i].numel(),
+      if (tensor_numel(first, name_of(i, kind)) != numel_of(i))
+        throw DataError(str_cat("checkpoint of step ", first.step, ": no ", what, " of ", numel_of(i),
                                 " values for parameter ", i, " (", name_of(i, kind), "): the model changed"));
   };
   // Values [flat, flat + out.numel()) of the flat vector's `kind` from the old workers'
@@ -253,7 +260,7 @@ void InnerOptimizer::load_resharded(const std::vector<const Checkpoint*>& ranks)
     if (of == 1) {
       int64_t at = 0;
       for (size_t i = 0; i < params_.size(); ++i) {
-        const int64_t n = params_[i].numel(), lo = std::max(at, flat), hi = std::min(at + n, flat + len);
+        const int64_t n = numel_of(i), lo = std::max(at, flat), hi = std::min(at + n, flat + len);
         if (lo < hi) out.narrow(0, lo - flat, hi - lo).copy_(read_range(first, name_of(i, kind), lo - at, hi - lo));
         at += n;
       }

@@ -37,7 +37,7 @@ bool reset_peak_rss() {
 }  // namespace
 
 const char* PhasePeaks::name(Phase p) {
-  static const char* const names[kPhases] = {"init", "resume", "step", "outer_sync", "checkpoint"};
+  static const char* const names[kPhases] = {"init", "resume", "step", "outer_sync", "checkpoint", "eval"};
   return names[p];
 }
 

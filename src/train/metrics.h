@@ -46,7 +46,7 @@ int64_t peak_rss_bytes();
 // before 4.0, a locked-down /proc) every phase reads the peak so far (exact() false).
 class PhasePeaks {
  public:
-  enum Phase { kInit, kResume, kStep, kOuterSync, kCheckpoint, kPhases };
+  enum Phase { kInit, kResume, kStep, kOuterSync, kCheckpoint, kEval, kPhases };
   static const char* name(Phase p);
   explicit PhasePeaks(Phase first);  // begins `first`
   void begin(Phase p);

@@ -413,6 +413,7 @@ void Trainer::write_metrics(int64_t steps_done) {
 
 std::vector<double> Trainer::evaluate(int64_t steps_done) {
   if (steps_done == last_eval_step_) return last_eval_;  // the end of the run fell on an eval.every step
+  phases_.begin(PhasePeaks::kEval);
   std::vector<double> counts(task_->eval_size(), 0.0);
   const bool gateway = who_.local_rank == 0;
   auto run = [&] { counts = task_->evaluate(); };
@@ -422,6 +423,7 @@ std::vector<double> Trainer::evaluate(int64_t steps_done) {
     run();
   last_eval_step_ = steps_done;
   last_eval_ = counts;
+  phases_.end();
   if (gateway)
     metrics_.write({{"time", unix_time()}, {"site", site_.name}, {"rank", 0}, {"step", steps_done},
                     {"eval", task_->eval_json(counts)}});

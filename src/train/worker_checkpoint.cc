@@ -3,6 +3,7 @@
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
+#include <map>
 #include <set>
 
 #include "nebula/error.h"
@@ -33,11 +34,12 @@ parallel::Checkpoint capture(int64_t step, Task& task, const parallel::InnerOpti
 }
 
 // A checkpoint with the trainable parameters as shards holds only the rest here: the
-// optimizer writes them (InnerOptimizer::load / load_resharded).
-void load_model(const parallel::Checkpoint& k, Task& task) {
+// optimizer writes them (InnerOptimizer::load / load_resharded). `pieces`: ZeRO-3 takes this
+// worker's pieces of them from the file by range (load_parameter_pieces), so they are skipped here.
+void load_model(const parallel::Checkpoint& k, Task& task, bool pieces = false) {
   at::NoGradGuard no_grad;
   std::set<const void*> sharded;
-  if (parallel::InnerOptimizer::holds_parameter_shards(k))
+  if (pieces || parallel::InnerOptimizer::holds_parameter_shards(k))
     for (const auto& p : task.trainable()) sharded.insert(p.unsafeGetTensorImpl());
   auto load = [&](const std::string& name, at::Tensor t) {
     if (sharded.count(t.unsafeGetTensorImpl())) return;
@@ -50,6 +52,37 @@ void load_model(const parallel::Checkpoint& k, Task& task) {
   };
   for (const auto& item : task.module().named_parameters()) load(item.key(), item.value());
   for (const auto& item : task.module().named_buffers()) load(item.key(), item.value());
+}
+
+// The checkpoint names of the trainable parameters, in the optimizer's order.
+std::vector<std::string> trainable_names(Task& task) {
+  std::map<const void*, std::string> names;
+  for (const auto& item : task.module().named_parameters()) names[item.value().unsafeGetTensorImpl()] = "model/" + item.key();
+  std::vector<std::string> out;
+  for (const auto& p : task.trainable()) out.push_back(names.at(p.unsafeGetTensorImpl()));
+  return out;
+}
+
+// ZeRO-3 from a checkpoint that holds the trainable parameters whole (written with shard =
+// "none", or by ZeRO-1/2 before they saved parameter shards): this worker's pieces of them,
+// read by range from the tensors `k` left in its file, straight into the shard. Nothing is whole
+// here, and the site gathers nothing.
+void load_parameter_pieces(const parallel::Checkpoint& k, Task& task, parallel::FullShard& full, int rank) {
+  const std::vector<std::string> names = trainable_names(task);
+  at::NoGradGuard no_grad;
+  at::Tensor shard = full.shard().detach();
+  int64_t at = 0;
+  for (size_t i = 0; i < names.size(); ++i) {
+    int64_t n = 1;
+    for (int64_t d : full.shapes().at(i)) n *= d;
+    if (parallel::tensor_numel(k, names[i]) != n)
+      throw DataError(str_cat("checkpoint of step ", k.step, ": model tensor '", names[i].substr(6), "' is ",
+                              parallel::tensor_numel(k, names[i]) < 0 ? "missing" : "of another size",
+                              ": the model changed since the checkpoint"));
+    for (const parallel::ShardRun& r : full.layout().runs(rank, at, n))
+      shard.narrow(0, r.local, r.len).copy_(parallel::read_range(k, names[i], r.flat - at, r.len).to(shard.device()));
+    at += n;
+  }
 }
 
 // What a worker holds a part of, not the whole (AdamW's moments and the parameter shards under
@@ -97,8 +130,10 @@ void restore(const parallel::Checkpoint& k, Task& task, parallel::InnerOptimizer
 // exactly); with another number the site's data is partitioned anew, and each worker's
 // position starts over (its generator: that of the old rank of its index, if there was one).
 void restore_resharded(const std::vector<parallel::Checkpoint>& ranks, int rank, bool same_workers, Task& task,
-                       parallel::InnerOptimizer& optimizer, strategy::Strategy& strategy) {
-  load_model(ranks.at(0), task);
+                       parallel::InnerOptimizer& optimizer, strategy::Strategy& strategy,
+                       parallel::FullShard* pieces = nullptr) {
+  load_model(ranks.at(0), task, pieces != nullptr);
+  if (pieces) load_parameter_pieces(ranks.at(0), task, *pieces, rank);
   std::vector<const parallel::Checkpoint*> pointers;
   std::vector<strategy::StrategyState> states;
   for (const auto& k : ranks) {
@@ -178,11 +213,17 @@ std::optional<WorkerProgress> WorkerCheckpoints::restore_newest() {
   const WrittenLayout layout = written_layout(c_, who_, comm_.site(), newest, optimizer_);
   const int old_workers = layout.workers;
   const bool reshard = layout.reshard(workers);
+  // Resharding leaves the sharded state in the old files, to read by range; so does ZeRO-3 the
+  // trainable parameters of a checkpoint that holds them whole (load_parameter_pieces).
+  std::set<std::string> pieces_of;
+  if (full_)
+    for (const std::string& name : trainable_names(task_)) pieces_of.insert(name);
+  auto unread = [&](const std::string& name) { return sharded_state(name) || pieces_of.count(name) > 0; };
   std::vector<std::optional<parallel::Checkpoint>> olds;  // resharding: each old rank's newest
   int64_t have = newest ? newest->step : -1;              // the newest step this worker can restore
   if (reshard) {
     for (int q = 0; q < old_workers; ++q) {
-      olds.push_back(parallel::load_latest_checkpoint(rank_dir(q), fingerprint_, INT64_MAX, sharded_state));
+      olds.push_back(parallel::load_latest_checkpoint(rank_dir(q), fingerprint_, INT64_MAX, unread));
       have = olds.back() ? (q == 0 ? olds.back()->step : std::min(have, olds.back()->step)) : -1;
       if (have < 0) break;
     }
@@ -220,27 +261,26 @@ std::optional<WorkerProgress> WorkerCheckpoints::restore_newest() {
     std::vector<parallel::Checkpoint> ranks;
     for (int q = 0; q < old_workers; ++q) {
       auto& k = olds[static_cast<size_t>(q)];
-      if (!k || k->step != target) k = parallel::load_latest_checkpoint(rank_dir(q), fingerprint_, target, sharded_state);
+      if (!k || k->step != target) k = parallel::load_latest_checkpoint(rank_dir(q), fingerprint_, target, unread);
       if (!k || k->step != target)
         throw DataError(str_cat(rank_dir(q), ": no intact checkpoint of step ", target, ", which resharding the "
                                 "site's ", old_workers, " workers' checkpoints needs (every worker must be able "
                                 "to read every old rank's directory: a checkpoint.dir they share)"));
       ranks.push_back(std::move(*k));
     }
-    // ZeRO-3 from parameter shards: straight into this worker's shard, nothing gathered (from
-    // an unsharded checkpoint the model is whole in it: loaded inside a gather).
+    // ZeRO-3: straight into this worker's shard, from the old parameter shards or, when the
+    // checkpoint holds the parameters whole, from this worker's pieces of them: nothing gathered.
     int64_t sharded_bytes = 0;
     for (const auto& k : ranks)
       if (k.unread)
         for (const auto& [name, e] : k.unread->tensors) sharded_bytes += e.numel * static_cast<int64_t>(at::elementSize(e.dtype));
     const int64_t read_before = parallel::range_bytes_read();
-    auto load = [&] { restore_resharded(ranks, who_.local_rank, old_workers == workers, task_, optimizer_, strategy_); };
-    if (full_ && parallel::InnerOptimizer::holds_parameter_shards(ranks.at(0)))
-      load();
-    else
-      parallel::with_whole_model(full_, load);
+    const bool pieces = full_ && !parallel::InnerOptimizer::holds_parameter_shards(ranks.at(0));
+    restore_resharded(ranks, who_.local_rank, old_workers == workers, task_, optimizer_, strategy_,
+                      pieces ? full_ : nullptr);
     spdlog::info("resharding read {} of the old workers' {} bytes of sharded state (AdamW's moments, parameter "
-                 "shards, outer state)", parallel::range_bytes_read() - read_before, sharded_bytes);
+                 "shards, outer state{})", parallel::range_bytes_read() - read_before, sharded_bytes,
+                 pieces ? "; ZeRO-3: the trainable parameters, saved whole" : "");
     // The tokens so far: each worker's own with the same workers, else all of them on rank 0.
     int64_t so_far = 0;
     for (int q = 0; q < old_workers; ++q)

@@ -4,16 +4,24 @@
 #include <malloc.h>
 
 #include <cstddef>
+#include <cstring>
 
 namespace nebula {
 namespace {
 
-// jemalloc's control interface, if jemalloc serves this process (it defines mallctl; glibc does
-// not). Looked up rather than linked, so that the library and the Python module, which run under
-// whatever allocator their host chose, need no jemalloc.
+// jemalloc's control interface, if jemalloc serves this process's malloc: looked up rather than
+// linked, so that the library and the Python module, which run under whatever allocator their
+// host chose, need no jemalloc; and only when the library that defines the malloc in use is
+// jemalloc (a glibc shim preloaded before it, bench/glibc_malloc.c, makes glibc serve instead).
 using Mallctl = int (*)(const char*, void*, std::size_t*, void*, std::size_t);
 Mallctl jemalloc_ctl() {
-  static const Mallctl ctl = reinterpret_cast<Mallctl>(::dlsym(RTLD_DEFAULT, "mallctl"));
+  static const Mallctl ctl = []() -> Mallctl {
+    Dl_info info{};
+    void* serving = ::dlsym(RTLD_DEFAULT, "malloc");
+    if (!serving || !::dladdr(serving, &info) || !info.dli_fname || !std::strstr(info.dli_fname, "jemalloc"))
+      return nullptr;
+    return reinterpret_cast<Mallctl>(::dlsym(RTLD_DEFAULT, "mallctl"));
+  }();
   return ctl;
 }
 
