@@ -21,7 +21,11 @@
 #                                   its tiny twin's) against the first row's, beside 1/N + 10 %
 #   MEMORY_LIMIT_MB=N bench/zero.sh ...   the whole job of each row inside a memory cgroup (v1,
 #                                   /sys/fs/cgroup/memory) of N MiB, no swap: a row the kernel
-#                                   kills for memory is printed as such and the others go on
+#                                   kills for memory is printed as such and the others go on;
+#                                   so is a job that has not ended after MEMORY_LIMIT_SECONDS
+#                                   (default 1800): without swap, a job far over the limit can
+#                                   thrash on its libraries' pages instead of being killed (an
+#                                   unsharded 14 GiB job in 8 GiB did, for minutes)
 #   BENCH_TINY=1 bench/zero.sh 6 diloco   (tiny mode, bench/common.sh)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -35,6 +39,7 @@ workers="${WORKERS:-2}"
 workers1="${WORKERS1:-1}"
 [[ "$workers1" =~ ^[1-9][0-9]*$ ]] || { echo "WORKERS1=$workers1: want a positive number of workers" >&2; exit 2; }
 limit_mb="${MEMORY_LIMIT_MB:-}"
+[[ "${MEMORY_LIMIT_SECONDS:-1800}" =~ ^[1-9][0-9]*$ ]] || { echo "MEMORY_LIMIT_SECONDS=$MEMORY_LIMIT_SECONDS: want a positive number of seconds" >&2; exit 2; }
 cgroups=/sys/fs/cgroup/memory
 if [ -n "$limit_mb" ]; then
   [[ "$limit_mb" =~ ^[1-9][0-9]*$ ]] || { echo "MEMORY_LIMIT_MB=$limit_mb: want a positive number of MiB" >&2; exit 2; }
@@ -72,7 +77,13 @@ run() {
   mkdir "$cg"
   echo $((limit_mb * 1048576)) > "$cg/memory.limit_in_bytes"
   [ -e "$cg/memory.memsw.limit_in_bytes" ] && echo $((limit_mb * 1048576)) > "$cg/memory.memsw.limit_in_bytes"
-  bash -c 'echo $$ > "$0/cgroup.procs" && exec "$@"' "$cg" "${nebula[@]}" "$@" > "$out/$name.log" 2>&1 || rc=$?
+  timeout -k 30 "${MEMORY_LIMIT_SECONDS:-1800}" bash -c 'echo $$ > "$0/cgroup.procs" && exec "$@"' "$cg" \
+    "${nebula[@]}" "$@" > "$out/$name.log" 2>&1 || rc=$?
+  if ((rc == 124 || rc == 137)); then  # stalled: stop what is left of the job (only its cgroup's processes)
+    xargs -r kill -9 < "$cg/cgroup.procs" 2>/dev/null || true
+    for _ in 1 2 3 4 5 6 7 8 9 10; do rmdir "$cg" 2>/dev/null && break; sleep 1; done
+    return 4
+  fi
   local killed
   killed=$(awk '$1 == "oom_kill" { print $2 }' "$cg/memory.oom_control")
   [ -n "$killed" ] || killed=$(cat "$cg/memory.failcnt")  # kernels before 4.13: the limit was hit
@@ -110,7 +121,11 @@ for shard in "${shards[@]}"; do
   if ((killed == 0)) && [ "$tiny_base" = 1 ]; then
     run "$name-tiny" "${job[@]}" --set job.run_dir="\"$out/$name-tiny\"" "${tiny[@]}" || killed=$?
   fi
-  if ((killed != 0)); then
+  if ((killed == 4)); then
+    printf "%-15s not ended after %s s inside the job's cgroup of %s MiB (not killed; without swap it can thrash): stopped\n" "$name" \
+      "${MEMORY_LIMIT_SECONDS:-1800}" "$limit_mb"
+    continue
+  elif ((killed != 0)); then
     printf "%-15s killed for memory inside the job's cgroup of %s MiB; the launcher says: %s\n" "$name" "$limit_mb" \
       "$(grep -m1 'error:' "$out/$name.log" || grep -v '^\s*$' "$out/$name.log" | tail -1)"
     continue
