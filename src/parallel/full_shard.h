@@ -36,7 +36,8 @@
 // evaluation, each layer gathered to the gateway alone (with_rest_to_root); the model file
 // gathers every parameter on the gateway only (with_full_model): one model-sized copy, no
 // gradients or moments. Checkpoints gather nothing: each rank saves its shard
-// (InnerOptimizer::save); a resume writes it back inside with_full_model.
+// (InnerOptimizer::save), and a resume writes it straight back (from another layout, or from a
+// checkpoint holding the parameters whole, the pieces this worker holds now, read by range).
 //
 // held_numel() counts the gathered values this worker holds now (a unit's storage while it is
 // gathered), so a test can check that no more than the units in use are ever whole.
