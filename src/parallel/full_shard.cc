@@ -619,16 +619,13 @@ at::Tensor FullShard::run(torch::nn::Module& layer, const std::vector<at::Tensor
   NEBULA_CHECK(!root_only_, "parallel.shard = \"full\": the model ran on worker ", site_.rank(),
                " inside the gateway's evaluation, where only the gateway holds it");
   if (whole_) return body(inputs);
-  if (to_root_) {  // with_rest_to_root: the other workers are waiting for this layer's name
-    at::Tensor next = at::full({1}, static_cast<int64_t>(it->second), at::kLong);
-    site_.broadcast_from_root(next);
-    gather_range(layers_.at(it->second), true);
-    at::Tensor out = body(inputs);
-    release(it->second);
-    return out;
-  }
-  if (!at::GradMode::is_enabled()) {  // e.g. a no-grad forward inside a step: gather, run, free
-    gather(it->second);
+  // A no-grad forward (e.g. inside a step), or the gateway's in with_rest_to_root: gather, run, free.
+  if (to_root_ || !at::GradMode::is_enabled()) {
+    if (to_root_) {  // the other workers are waiting for this layer's name
+      at::Tensor next = at::full({1}, static_cast<int64_t>(it->second), at::kLong);
+      site_.broadcast_from_root(next);
+    }
+    gather_range(layers_.at(it->second), to_root_);
     at::Tensor out = body(inputs);
     release(it->second);
     return out;

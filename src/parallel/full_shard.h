@@ -152,6 +152,9 @@ class FullShard : public model::LayerGather {
   const at::Device& device() const { return device_; }
   // The trainable parameters' shapes (the parameters themselves hold no values outside a gather).
   const std::vector<std::vector<int64_t>>& shapes() const { return shapes_; }
+  // Parameter i's first value in the flat vector, and its number of values (whatever it holds now).
+  int64_t param_begin(size_t i) const { return start_.at(i); }
+  int64_t param_numel(size_t i) const { return start_.at(i + 1) - start_.at(i); }
   // The flat vector's unit bounds this model cuts into (ShardLayout): every layer's range and the
   // runs between them. The same on every site of the job, whatever its number of workers, so a
   // site can work out another's layout (wan.mode = "every_worker").

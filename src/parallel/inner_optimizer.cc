@@ -234,12 +234,7 @@ void InnerOptimizer::load_resharded(const std::vector<const Checkpoint*>& ranks)
                             " parameters: the model changed"));
   const ShardLayout old(bounds, of);
   // Each parameter's number of values (ZeRO-3's parameters hold none outside a gather: their shapes').
-  auto numel_of = [&](size_t i) {
-    if (!full_) return params_[i].numel();
-    int64_t n = 1;
-    for (int64_t d : full_->shapes().at(i)) n *= d;
-    return n;
-  };
+  auto numel_of = [&](size_t i) { return full_ ? full_->param_numel(i) : params_[i].numel(); };
   auto name_of = [&](size_t i, const std::string& kind) {
     return of == 1 ? str_cat("optim/", i, "/", kind) : kind == "param" ? std::string(kParamShard) : str_cat("optim/0/", kind);
   };

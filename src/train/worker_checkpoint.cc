@@ -71,17 +71,14 @@ void load_parameter_pieces(const parallel::Checkpoint& k, Task& task, parallel::
   const std::vector<std::string> names = trainable_names(task);
   at::NoGradGuard no_grad;
   at::Tensor shard = full.shard().detach();
-  int64_t at = 0;
   for (size_t i = 0; i < names.size(); ++i) {
-    int64_t n = 1;
-    for (int64_t d : full.shapes().at(i)) n *= d;
+    const int64_t at = full.param_begin(i), n = full.param_numel(i);
     if (parallel::tensor_numel(k, names[i]) != n)
       throw DataError(str_cat("checkpoint of step ", k.step, ": model tensor '", names[i].substr(6), "' is ",
                               parallel::tensor_numel(k, names[i]) < 0 ? "missing" : "of another size",
                               ": the model changed since the checkpoint"));
     for (const parallel::ShardRun& r : full.layout().runs(rank, at, n))
       shard.narrow(0, r.local, r.len).copy_(parallel::read_range(k, names[i], r.flat - at, r.len).to(shard.device()));
-    at += n;
   }
 }
 
