@@ -270,6 +270,24 @@ double max_relative_difference(const std::map<std::string, std::string>& a, cons
   return worst;
 }
 
+// A model file's tensors without attention's key biases, and those apart. A key bias's gradient
+// is exactly zero (softmax ignores a shift shared by every key), so what backward gives it is
+// rounding alone, and AdamW turns that into steps of up to lr: two runs that sum the same
+// gradients in another order end with key biases apart by up to lr per step, and nothing else
+// changes. They are compared apart, against the steps they took.
+std::pair<std::map<std::string, std::string>, std::map<std::string, std::string>> split_key_biases(
+    std::map<std::string, std::string> all) {
+  std::map<std::string, std::string> key_bias;
+  for (auto it = all.begin(); it != all.end();)
+    if (it->first.size() > 7 && it->first.compare(it->first.size() - 7, 7, ".k.bias") == 0) {
+      key_bias.insert(*it);
+      it = all.erase(it);
+    } else {
+      ++it;
+    }
+  return {all, key_bias};
+}
+
 // ZeRO-1 (sync, diloco), ZeRO-2 and ZeRO-3 (diloco, streaming) against the whole optimizer on the
 // same data and seeds: the same final weights within 1e-6 relative, 1e-4 for ZeRO-3 (the same
 // AdamW elementwise; ZeRO-2 and -3 sum the site's gradients by reduce-scatter, ZeRO-3 layer by
@@ -303,21 +321,9 @@ TEST(EndToEnd, ZeroOneShardsTheOptimizerAndTrainsAsTheWholeOne) {
   };
   // ZeRO-3 cuts each layer over the workers, ZeRO-2 one flat vector: the 2-worker site sums in
   // the same order (a + b), the 3-worker site's rings start from other workers, so the sums agree
-  // to rounding (parallel/full_shard_test.cc: bit-identical with 2 workers). One tensor amplifies
-  // that rounding: attention's key bias, whose gradient is exactly zero (softmax ignores a shift
-  // shared by every key), so what backward gives it is rounding alone and AdamW turns that into
-  // steps of up to lr. It changes no output; it is compared apart, against the steps it took.
-  auto split = [](std::map<std::string, std::string> all) {
-    std::map<std::string, std::string> key_bias;
-    for (auto it = all.begin(); it != all.end();)
-      if (it->first.size() > 7 && it->first.compare(it->first.size() - 7, 7, ".k.bias") == 0) {
-        key_bias.insert(*it);
-        it = all.erase(it);
-      } else {
-        ++it;
-      }
-    return std::pair{all, key_bias};
-  };
+  // to rounding (parallel/full_shard_test.cc: bit-identical with 2 workers); the key biases
+  // amplify that rounding (split_key_biases) and are compared apart.
+  auto split = split_key_biases;
   for (const auto& [kind, shard] : runs) {
     if (shard == "none" || kind == "dropout") continue;
     const bool three = shard == "full";
@@ -353,6 +359,54 @@ TEST(EndToEnd, ZeroOneShardsTheOptimizerAndTrainsAsTheWholeOne) {
     Result r = run(nebula::str_cat("run examples/smoke.toml --set strategy.kind=sync --set parallel.shard=", shard), 60);
     EXPECT_EQ(r.exit_code, 2) << r.output;
     EXPECT_NE(r.output.find("parallel.shard"), std::string::npos) << r.output;
+  }
+  fs::remove_all(dir);
+}
+
+// [parallel] pipeline: a one-site job's stages train as the same job without them (sync, no
+// dropout, gradients clipped by the whole model's norm): 2 stages × 2 replicas as 2 replicas,
+// 4 stages as one worker, to rounding (each micro-batch's loss is summed apart; the key biases
+// apart, as above). Each stage holds part of
+// the model; the gateway writes the whole one. Bad layouts are refused naming the key.
+TEST(EndToEnd, PipelineStagesTrainAsTheWholeModel) {
+  const std::string dir = temp_run_dir("pipeline");
+  const std::vector<std::pair<std::string, std::string>> runs = {
+      {"data2", "--set sites.0.workers=2 --set parallel.pipeline=1"},
+      {"pipe2x2", ""},
+      {"one", "--set sites.0.workers=1 --set parallel.pipeline=1"},
+      {"pipe4", "--set parallel.pipeline=4 --set parallel.micro_batches=3"}};
+  for (const auto& [name, args] : runs) {
+    Result r = run(nebula::str_cat("run examples/pipeline.toml --set job.steps=20 ", args, " --set job.run_dir=\\\"",
+                                   dir, "/", name, "\\\""));
+    ASSERT_EQ(r.exit_code, 0) << name << "\n" << r.output;
+  }
+  const std::string log = read_file(dir + "/pipe4/logs/alpha-3.log");
+  EXPECT_NE(log.find("pipeline stage 3 of 4: layers [3, 4), the final norm and the tied projection"), std::string::npos)
+      << log;
+  auto weights = [&](const std::string& name) { return split_key_biases(tensor_bytes(dir + "/" + name + "/model.safetensors")); };
+  auto summary = [&](const std::string& name) { return nlohmann::json::parse(read_file(dir + "/" + name + "/summary.json")); };
+  for (const auto& [plain, staged] : {std::pair{"data2", "pipe2x2"}, std::pair{"one", "pipe4"}}) {
+    const auto [a, a_bias] = weights(plain);
+    const auto [b, b_bias] = weights(staged);
+    ASSERT_FALSE(a.empty());
+    const double d = max_relative_difference(a, b), bias = max_relative_difference(a_bias, b_bias);
+    std::printf("pipeline: %s ends %.3g (relative) from %s, the key biases %.3g\n", staged, d, plain, bias);
+    EXPECT_LE(d, 1e-4) << staged << " against " << plain;
+    EXPECT_EQ(summary(plain)["tokens"], summary(staged)["tokens"]) << "the same batches, counted once";
+    EXPECT_NEAR(summary(plain)["final_val_loss"].get<double>(), summary(staged)["final_val_loss"].get<double>(), 1e-3);
+  }
+  // Bad layouts: exit code 2 and the key.
+  for (const auto& [args, key] : std::vector<std::pair<std::string, std::string>>{
+           {"--set parallel.pipeline=3", "parallel.pipeline"},
+           {"--set parallel.pipeline=5 --set sites.0.workers=5", "parallel.pipeline"},
+           {"--set parallel.micro_batches=17", "parallel.micro_batches"},
+           {"--set model.kind=seq2seq", "parallel.pipeline"},
+           {"--set parallel.shard=optimizer", "parallel.pipeline"}}) {
+    Result r = run("run examples/pipeline.toml " + args, 60);
+    EXPECT_EQ(r.exit_code, 2) << args << "\n" << r.output;
+    EXPECT_NE(r.output.find(key), std::string::npos) << args << "\n" << r.output;
+    if (args.find(key) == std::string::npos)  // the key is the file's: its line is named
+      EXPECT_NE(r.output.find("pipeline.toml:"), std::string::npos) << args << "\n" << r.output;
   }
   fs::remove_all(dir);
 }

@@ -281,10 +281,16 @@ struct PeftConfig {
 //                       for the activations' memory); off: keep the activations.
 //  prefetch             ZeRO-3 only: the next layer's all-gather runs (on a second group of the
 //                       site, its own thread) while a layer computes, one layer ahead.
+//  pipeline = P         the model's layers in P stages over the site's workers, each stage on
+//                       workers / P of them (data × pipeline = workers; parallel/pipeline.h);
+//  micro_batches = M    each step's batch cut into M micro-batches that flow through the stages
+//                       in a 1F1B schedule (idle fraction (P − 1) / (M + P − 1)).
 struct ParallelConfig {
   std::string shard = "none";
   bool recompute = false;
   bool prefetch = false;
+  int64_t pipeline = 1;
+  int64_t micro_batches = 4;
   uint64_t bucket_bytes = 4ull << 20;  // ZeRO-2 reduce-scatters the gradients in buckets of about this size during backward
 };
 

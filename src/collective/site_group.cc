@@ -16,6 +16,11 @@ struct SiteGroup::Impl {
   c10::intrusive_ptr<c10d::ProcessGroupGloo> pg;
 };
 
+struct SiteGroup::PendingSend {
+  c10::intrusive_ptr<c10d::Work> work;
+  std::vector<at::Tensor> values;  // kept alive until the send completes
+};
+
 namespace {
 bool is_loopback(const std::string& host) {
   return host == "127.0.0.1" || host == "localhost" || host == "::1" || host.rfind("127.", 0) == 0;
@@ -69,6 +74,26 @@ std::unique_ptr<SiteGroup> SiteGroup::fork(const std::string& name) {
                                  "' failed to form: ", e.what_without_backtrace()));
   }
   return std::unique_ptr<SiteGroup>(new SiteGroup(std::move(impl), site_, rank_, size_, store_port_));
+}
+
+std::unique_ptr<SiteGroup> SiteGroup::subgroup(const std::string& name, const std::vector<int>& ranks) {
+  const auto at = std::find(ranks.begin(), ranks.end(), rank_);
+  NEBULA_CHECK(at != ranks.end() && std::is_sorted(ranks.begin(), ranks.end()) &&
+                   std::adjacent_find(ranks.begin(), ranks.end()) == ranks.end() && ranks.front() >= 0 &&
+                   ranks.back() < size_,
+               "site ", site_, ": rank ", rank_, " forming subgroup '", name, "' of ranks that are not distinct, ",
+               "ascending ranks of the site's ", size_, " including its own");
+  const int rank = static_cast<int>(at - ranks.begin()), size = static_cast<int>(ranks.size());
+  auto impl = std::make_unique<Impl>();
+  impl->options = impl_->options;
+  impl->store = c10::make_intrusive<c10d::PrefixStore>("sub/" + name, impl_->store);
+  try {
+    impl->pg = c10::make_intrusive<c10d::ProcessGroupGloo>(impl->store, rank, size, impl->options);
+  } catch (const c10::Error& e) {
+    throw Timeout(site_, str_cat("site ", site_, " rank ", rank_, ": subgroup '", name, "' of ", size,
+                                 " ranks failed to form: ", e.what_without_backtrace()));
+  }
+  return std::unique_ptr<SiteGroup>(new SiteGroup(std::move(impl), site_, rank, size, store_port_));
 }
 
 SiteGroup::~SiteGroup() = default;
@@ -191,6 +216,29 @@ std::vector<int64_t> part_offsets(const std::string& site, const char* op, const
   return at;
 }
 }  // namespace
+
+void SiteGroup::send(const at::Tensor& t, int dst, int tag) {
+  NEBULA_CHECK(t.is_contiguous() && dst >= 0 && dst < size_ && dst != rank_, "site ", site_, ": rank ", rank_,
+               " sending a ", t.is_contiguous() ? "" : "non-contiguous ", "tensor to rank ", dst, " of ", size_);
+  PendingSend p{{}, {host_copy(t)}};
+  bytes_sent_ += bytes_of(t);
+  guarded(site_, "send", [&] { p.work = impl_->pg->send(p.values, dst, tag); });
+  pending_.push_back(std::move(p));
+}
+
+void SiteGroup::recv(const at::Tensor& t, int src, int tag) {
+  NEBULA_CHECK(t.is_contiguous() && src >= 0 && src < size_ && src != rank_, "site ", site_, ": rank ", rank_,
+               " receiving a ", t.is_contiguous() ? "" : "non-contiguous ", "tensor from rank ", src, " of ", size_);
+  std::vector<at::Tensor> v{host_buffer(t)};
+  run(site_, "recv", [&] { return impl_->pg->recv(v, src, tag); });
+  land(t, v[0]);
+}
+
+void SiteGroup::wait_sends() {
+  std::vector<PendingSend> pending = std::move(pending_);
+  pending_.clear();
+  for (PendingSend& p : pending) guarded(site_, "send", [&] { p.work->wait(); });
+}
 
 void SiteGroup::ring_step(const char* op, const at::Tensor& out, int next, const at::Tensor& in, int prev, int tag) {
   std::vector<at::Tensor> o{host_copy(out)}, i{host_buffer(in)};

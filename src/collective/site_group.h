@@ -40,6 +40,11 @@ class SiteGroup {
   // every rank calls it with the same `name`, once.
   std::unique_ptr<SiteGroup> fork(const std::string& name);
 
+  // A group of some of this group's ranks (a pipeline stage's data replicas,
+  // parallel/pipeline.h), over the same store: `ranks` in this group's numbering, ascending;
+  // its rank i is ranks[i]. Only those ranks call it, each with the same `name` and `ranks`.
+  std::unique_ptr<SiteGroup> subgroup(const std::string& name, const std::vector<int>& ranks);
+
   int rank() const { return rank_; }
   int size() const { return size_; }
   const std::string& site() const { return site_; }
@@ -96,6 +101,16 @@ class SiteGroup {
   void gather_parts_each(const at::Tensor& part, const std::vector<int64_t>& counts, const PartFn& at_root);
   void scatter_parts_each(const at::Tensor& part, const std::vector<int64_t>& counts, const PartFn& at_root);
 
+  // Point-to-point (pipeline stages): send() posts `t` (contiguous) to rank `dst` under `tag`
+  // and returns at once; `t` must stay unchanged until wait_sends(), which completes every send
+  // posted so far. recv() blocks until `t` (contiguous, of the sent shape and dtype) holds what
+  // rank `src` sent under `tag`. A send and its recv match by (rank, tag), in any order of
+  // posting, so a schedule that posts every send before it waits on a recv cannot deadlock.
+  // Both wait at most the group's timeout (then PeerLost naming the site).
+  void send(const at::Tensor& t, int dst, int tag);
+  void recv(const at::Tensor& t, int src, int tag);
+  void wait_sends();
+
   // Bytes this rank has sent to the site's other ranks since the group was made: exactly, for
   // the send/recv of the part rings and of gather/scatter with the root; for c10d's own
   // collectives, the bytes their algorithm sends (an all-reduce as a ring's 2 (N - 1) / N of the
@@ -118,6 +133,8 @@ class SiteGroup {
   // A non-root rank's side of both: its part sent to (or received from) rank 0.
   void part_with_root(bool to_root, const at::Tensor& part, int tag);
   struct Impl;
+  struct PendingSend;
+  std::vector<PendingSend> pending_;  // send()'s, until wait_sends() (the group's thread)
   SiteGroup(std::unique_ptr<Impl> impl, std::string site, int rank, int size, uint16_t store_port);
   std::unique_ptr<Impl> impl_;
   std::string site_;

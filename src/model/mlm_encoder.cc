@@ -58,24 +58,38 @@ std::vector<torch::nn::Module*> MlmEncoderImpl::units() const {
   return out;
 }
 
-at::Tensor MlmEncoderImpl::encode(const at::Tensor& input) {
+at::Tensor MlmEncoderImpl::embed_input(const at::Tensor& input) {
   const at::Tensor ids = input.to(tokens_->weight.device());  // a no-op when both are on the CPU
   NEBULA_CHECK(ids.dim() == 2 && ids.size(1) <= max_len_, "ids of shape ", ids.sizes(), ", max_len ", max_len_);
   const int64_t seq = ids.size(1);
   at::Tensor pos = at::arange(seq, ids.options());
   const torch::nn::Embedding positions = positions_;
-  at::Tensor x = embed_tokens(ids) + run_layer(gather_, *positions_, {}, [positions, pos](const std::vector<at::Tensor>&) {
-                   return torch::nn::Embedding(positions)(pos).unsqueeze(0);
-                 });
-  at::Tensor pad_mask = ids.eq(pad_id_);
-  for (const EncoderLayer& layer : layers_)
+  return embed_tokens(ids) + run_layer(gather_, *positions_, {}, [positions, pos](const std::vector<at::Tensor>&) {
+           return torch::nn::Embedding(positions)(pos).unsqueeze(0);
+         });
+}
+
+at::Tensor MlmEncoderImpl::run_layers(at::Tensor x, const at::Tensor& ids, size_t begin, size_t end) {
+  NEBULA_CHECK(begin <= end && end <= layers_.size(), "layers [", begin, ", ", end, ") of ", layers_.size());
+  const at::Tensor pad_mask = ids.to(x.device()).eq(pad_id_);
+  for (size_t i = begin; i < end; ++i) {
+    const EncoderLayer& layer = layers_[i];
     x = run_layer(gather_, *layer.ptr(), {x}, [layer, pad_mask](const std::vector<at::Tensor>& in) {
       return EncoderLayer(layer)(in[0], pad_mask);
     });
+  }
+  return x;
+}
+
+at::Tensor MlmEncoderImpl::final_norm(const at::Tensor& x) {
   const torch::nn::LayerNorm norm = norm_;
   return run_layer(gather_, *norm_, {x}, [norm](const std::vector<at::Tensor>& in) {
     return torch::nn::LayerNorm(norm)(in[0]);
   });
+}
+
+at::Tensor MlmEncoderImpl::encode(const at::Tensor& ids) {
+  return final_norm(run_layers(embed_input(ids), ids, 0, layers_.size()));
 }
 
 at::Tensor MlmEncoderImpl::forward(const at::Tensor& ids) { return project(encode(ids)); }

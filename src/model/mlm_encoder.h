@@ -27,6 +27,13 @@ class MlmEncoderImpl : public torch::nn::Module {
 
   // ids: [batch, seq] int64. Returns hidden states [batch, seq, dim].
   at::Tensor encode(const at::Tensor& ids);
+  // encode() in the parts a pipeline's stages run (parallel/pipeline.h): encode(ids) is
+  // final_norm(run_layers(embed_input(ids), ids, 0, layers().size())). embed_input: the token and
+  // position embeddings [batch, seq, dim]; run_layers: layers [begin, end) on x (ids: for the
+  // padding mask); final_norm: the last LayerNorm.
+  at::Tensor embed_input(const at::Tensor& ids);
+  at::Tensor run_layers(at::Tensor x, const at::Tensor& ids, size_t begin, size_t end);
+  at::Tensor final_norm(const at::Tensor& x);
   // Logits over the vocabulary, [batch, seq, vocab].
   at::Tensor forward(const at::Tensor& ids);
   // Mean cross-entropy over positions whose label != kIgnoreIndex; the vocabulary logits are

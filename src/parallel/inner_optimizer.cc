@@ -95,6 +95,18 @@ void InnerOptimizer::set_lr(double lr) {
 
 double InnerOptimizer::clip_grad_norm(double max_norm) {
   NEBULA_CHECK(max_norm > 0, "clip_grad_norm: max_norm ", max_norm);
+  if (norm_group_) {  // pipeline stages: the whole model's norm, from every stage's squares
+    at::NoGradGuard no_grad;
+    at::Tensor sq = at::zeros({1}, at::kDouble);
+    for (const at::Tensor& p : params_)
+      if (p.grad().defined()) sq += p.grad().to(at::kDouble).pow(2).sum();
+    norm_group_->allreduce_sum(sq);
+    const double norm = std::sqrt(sq.item<double>() / norm_copies_);
+    if (norm > max_norm)
+      for (const at::Tensor& p : params_)
+        if (p.grad().defined()) p.grad().mul_(max_norm / (norm + 1e-6));
+    return norm;
+  }
   if (!gradients_sharded_) return torch::nn::utils::clip_grad_norm_(params_, max_norm);
   // ZeRO-2/3: this worker holds the site's average for its shard only.
   at::NoGradGuard no_grad;
@@ -104,6 +116,13 @@ double InnerOptimizer::clip_grad_norm(double max_norm) {
   const double norm = std::sqrt(sq.item<double>());
   if (norm > max_norm) mine.mul_(max_norm / (norm + 1e-6));
   return norm;
+}
+
+void InnerOptimizer::set_norm_group(collective::SiteGroup* group, int copies) {
+  NEBULA_CHECK(!sharded_ && copies >= 1, "set_norm_group on a ", sharded_ ? "sharded " : "", "optimizer with ",
+               copies, " copies");
+  norm_group_ = group;
+  norm_copies_ = copies;
 }
 
 void InnerOptimizer::zero_grad() {

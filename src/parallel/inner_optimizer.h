@@ -90,6 +90,11 @@ class InnerOptimizer {
   // The same scale on every worker of the site: sharded gradients' norm is summed over the
   // site (a site collective then, like step()).
   double clip_grad_norm(double max_norm);
+  // Pipeline stages (parallel/pipeline.h): the parameters are one stage's, so clip_grad_norm's
+  // squares are summed over `group` (the site: every stage of every replica, a collective then)
+  // and divided by `copies` (the data replicas, which hold the same averaged gradients), so the
+  // norm is the whole model's. Unsharded only.
+  void set_norm_group(collective::SiteGroup* group, int copies);
 
   // Elements whose AdamW moments this worker holds (n, or S when sharded).
   int64_t state_numel() const { return sharded_ ? shard_numel_ : total_numel_; }
@@ -131,6 +136,8 @@ class InnerOptimizer {
   std::vector<at::Tensor> optimized_;  // what AdamW holds: params_, or {shard_}
   collective::SiteGroup& site_;
   FullShard* full_;
+  collective::SiteGroup* norm_group_ = nullptr;  // set_norm_group
+  int norm_copies_ = 1;
   void rebind_grads();  // every .grad back to its view of flat_grad_
   // Writes `values` into the flat parameter vector from `begin` (what lies past its n values,
   // the padding, is dropped), through the parameters: whole ones (ZeRO-3: inside a gather).

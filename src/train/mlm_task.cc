@@ -8,6 +8,7 @@
 #include "model/mlm_encoder.h"
 #include "model/peft.h"
 #include "model/xlingual.h"
+#include "parallel/encoder_stage.h"
 #include "nebula/error.h"
 #include "train/evaluation.h"
 #include "train/site_data.h"
@@ -15,6 +16,25 @@
 
 namespace nebula::train {
 namespace {
+
+// The task's side of a pipeline stage: the batch (parallel/encoder_stage.h computes).
+class MlmStage : public Task::Stage {
+ public:
+  MlmStage(model::MlmEncoderImpl& model, parallel::Pipeline& pipeline, model::MlmBatcher& batches)
+      : stage(model, pipeline), batches_(batches) {}
+  Task::Step prepare(int64_t) override {
+    model::MlmBatch b = batches_.next();
+    stage.set_batch(b.ids, b.labels);
+    return {at::Tensor(), static_cast<double>(b.predicted), b.tokens};
+  }
+  std::vector<at::Tensor> forward(int micro, const std::vector<at::Tensor>& inputs) override {
+    return stage.forward(micro, inputs);
+  }
+  parallel::EncoderStage stage;
+
+ private:
+  model::MlmBatcher& batches_;
+};
 
 class MlmTask : public Task {
  public:
@@ -72,6 +92,20 @@ class MlmTask : public Task {
   std::vector<at::Tensor> trainable() override { return params_; }
   std::vector<torch::nn::Module*> layers() override { return model_->units(); }
   void set_layer_gather(model::LayerGather* gather) override { model_->set_layer_gather(gather); }
+
+  Stage* make_stage(parallel::Pipeline& pipeline) override {
+    stage_ = std::make_unique<MlmStage>(*model_, pipeline, *batches_);
+    params_ = stage_->stage.trainable();
+    spdlog::info("pipeline stage {} of {}: layers [{}, {}){}{}, {} trainable parameters", pipeline.stage(),
+                 pipeline.stages(), stage_->stage.begin(), stage_->stage.end(), pipeline.first() ? ", the embeddings" : "",
+                 pipeline.last() ? ", the final norm and the tied projection" : "", model::numel(params_));
+    return stage_.get();
+  }
+  void with_whole_on_gateway(collective::SiteGroup& group, const std::function<void()>& fn,
+                             bool everywhere) override {
+    if (!stage_) return fn();
+    stage_->stage.staged().with_whole_on_root(group, site_grid(c_, c_.sites[ctx_.who.site]), fn, everywhere);
+  }
 
   Step forward(int64_t) override {
     model::MlmBatch b = batches_->next();
@@ -155,6 +189,7 @@ class MlmTask : public Task {
   std::unique_ptr<XlingualProbe> probe_;
   model::MlmEncoder model_{nullptr};
   std::vector<at::Tensor> params_;
+  std::unique_ptr<MlmStage> stage_;  // pipeline stages: this worker's
 };
 
 }  // namespace

@@ -58,7 +58,18 @@ SiteText site_text(const TaskContext& ctx) {
 uint64_t batch_seed(const Config& c, const WorkerIdentity& who) {
   const std::string& name = c.sites.at(who.site).name;
   const uint32_t site = wire::crc32(0, {reinterpret_cast<const uint8_t*>(name.data()), name.size()});
-  return c.job.seed * 1000003 + uint64_t{site} * 1009 + static_cast<uint64_t>(who.local_rank);
+  return c.job.seed * 1000003 + uint64_t{site} * 1009 + static_cast<uint64_t>(data_replica(c, who).local_rank);
+}
+
+parallel::SiteGrid site_grid(const Config& c, const SiteConfig& site) {
+  const auto pipeline = static_cast<int>(c.parallel.pipeline);
+  return {static_cast<int>(site.workers) / pipeline, pipeline};
+}
+
+WorkerIdentity data_replica(const Config& c, const WorkerIdentity& who) {
+  WorkerIdentity out = who;
+  out.local_rank = site_grid(c, c.sites.at(who.site)).replica(who.local_rank);
+  return out;
 }
 
 }  // namespace nebula::train

@@ -28,6 +28,7 @@
 #include "model/mlm_encoder.h"
 #include "nebula/config.h"
 #include "parallel/checkpoint.h"
+#include "parallel/pipeline.h"
 #include "train/site_data.h"
 #include "train/worker.h"
 #include "transport/link.h"
@@ -56,6 +57,12 @@ SiteText site_text(const TaskContext& ctx);
 // second site of a two-site job) see the same batches in the same order.
 uint64_t batch_seed(const Config& config, const WorkerIdentity& who);
 
+// A site's workers as a data × pipeline grid ([parallel] pipeline); and a worker's data replica:
+// the share of the site's data it trains on (every stage of one pipeline the same share, drawn
+// in the same order), its rank without pipeline stages.
+parallel::SiteGrid site_grid(const Config& config, const SiteConfig& site);
+WorkerIdentity data_replica(const Config& config, const WorkerIdentity& who);
+
 class Task {
  public:
   virtual ~Task() = default;
@@ -74,6 +81,26 @@ class Task {
     double weight = 0;    // loss terms (predicted tokens): the worker's weight in the global mean
     int64_t tokens = 0;   // input tokens processed
   };
+  // Pipeline parallelism ([parallel] pipeline > 1): what this worker's stage computes for each
+  // micro-batch of a step (parallel::StageModel), and the step's batch.
+  class Stage : public parallel::StageModel {
+   public:
+    // Draws step `step`'s batch (every stage of a pipeline draws the same one) and cuts it into
+    // the pipeline's micro-batches. Returns the step's weight and tokens (no loss yet).
+    virtual Step prepare(int64_t step) = 0;
+  };
+  // Cuts the model into `pipeline`'s stages (parallel::balance_stages), lets go of the other
+  // stages' parameters, ties what two stages share (Pipeline::tie) and returns this worker's
+  // stage; trainable() and layers() are the stage's from then on. Once, before the strategy is
+  // made. Null: this task's model cannot be cut (the config check refuses it first).
+  virtual Stage* make_stage(parallel::Pipeline& pipeline) { return nullptr; }
+  // With stages: fn() with the whole model on the site's rank 0 (the gateway's evaluation,
+  // validation and the model file), run there only or, `everywhere`, on every worker; a site
+  // collective (parallel::StagedModel::with_whole_on_root). Without stages: fn().
+  virtual void with_whole_on_gateway(collective::SiteGroup& group, const std::function<void()>& fn,
+                                     bool everywhere = false) {
+    fn();
+  }
   // The forward pass of step `step` (0-based) on the next batch.
   virtual Step forward(int64_t step) = 0;
   // Loss sum and weight over `batches` fixed held-out batches of this worker's share.

@@ -71,7 +71,8 @@ TaskContext task_context(const Config& c, const WorkerIdentity& who) {
   const data::Tokenizer& tok = ctx.tokenizer.emplace(data::Tokenizer::load(ctx.tokenizer_path));
   ctx.ids = {tok.pad_id(), tok.unk_id(), tok.bos_id(), tok.eos_id(), tok.mask_id(), 5, tok.vocab_size()};
   if (c.model.kind != "classifier")  // the text tasks' data, before the worker joins anyone (TaskContext::text)
-    ctx.text = std::make_shared<SiteText>(load_site_text(c, who.site, who.local_rank, static_cast<int>(site.workers)));
+    ctx.text = std::make_shared<SiteText>(
+        load_site_text(c, who.site, data_replica(c, who).local_rank, site_grid(c, site).data));
   return ctx;
 }
 
@@ -181,6 +182,8 @@ class Trainer {
 
  private:
   int stop(int signal);
+  // [parallel] pipeline > 1: this worker's stage, its runner and its replicas' group.
+  void connect_stage(Millis timeout);
   // One metrics line per `log_every` steps (and one for the last, partial window).
   void write_metrics(int64_t steps_done);
   // Evaluation on the gateway: a metrics line {"site", "step", "eval"} with this site's values
@@ -191,7 +194,11 @@ class Trainer {
   // worker of the site has validation data (the same forwards everywhere), else the whole model.
   std::pair<double, double> validate();
   // fn() with the whole model here (ZeRO-3 gathers it; `gateway`: only the gateway needs it).
-  void whole(const std::function<void()>& fn, bool gateway = false) { parallel::with_whole_model(full_.get(), fn, gateway); }
+  // Pipeline stages: the other stages lend the gateway their layers (fn runs on every worker).
+  void whole(const std::function<void()>& fn, bool gateway = false) {
+    if (pipeline_) return task_->with_whole_on_gateway(*comm_.group, fn, /*everywhere=*/true);
+    parallel::with_whole_model(full_.get(), fn, gateway);
+  }
   // Bytes this worker sent to its site's other workers so far (both of its groups).
   uint64_t site_bytes_sent() const {
     return comm_.group->bytes_sent() + (comm_.comm_group ? comm_.comm_group->bytes_sent() : 0) +
@@ -209,6 +216,14 @@ class Trainer {
   PhasePeaks phases_{PhasePeaks::kInit};  // peak memory per phase, from here (the set-up) on
   site::SiteComm comm_;
   std::unique_ptr<Task> task_;
+  // [parallel] pipeline > 1: this worker's stage and its runner; the strategy and the optimizer
+  // work over the stage's data replicas (stage_group_, and a one-site hierarchy over it).
+  std::unique_ptr<parallel::Pipeline> pipeline_;
+  Task::Stage* stage_ = nullptr;
+  std::unique_ptr<collective::SiteGroup> stage_group_;
+  std::unique_ptr<collective::GatewayMesh> stage_mesh_;
+  std::unique_ptr<collective::Hierarchy> stage_comm_;
+  double pipeline_compute_s_ = 0, pipeline_wall_s_ = 0;  // Pipeline::Timing summed over the steps
   std::vector<at::Tensor> params_;                 // the trainable parameters (ZeRO-3: views of this worker's shard)
   int64_t trainable_values_ = 0, model_values_ = 0;  // before any sharding
   std::unique_ptr<strategy::Strategy> strategy_;
@@ -245,12 +260,13 @@ Trainer::Trainer(const TaskContext& ctx, bool rejoin, Clock::time_point start)
     model::SinkScope building(keeper.get());
     task_ = make_task(ctx, comm_.teacher.get());
   }
-  params_ = task_->trainable();
-  for (const auto& p : params_) trainable_values_ += p.numel();
+  for (const auto& p : task_->trainable()) trainable_values_ += p.numel();
   for (const auto& p : task_->module().parameters()) model_values_ += p.numel();
   const auto timeout = std::chrono::duration_cast<Millis>(c_.job.timeout);
-  strategy_ = strategy::make_strategy(c_.strategy, *comm_.comm, timeout, comm_.training_names.size(),
-                                      comm_.training_index, c_.privacy);
+  if (c_.parallel.pipeline > 1) connect_stage(timeout);
+  params_ = task_->trainable();
+  strategy_ = strategy::make_strategy(c_.strategy, pipeline_ ? *stage_comm_ : *comm_.comm, timeout,
+                                      comm_.training_names.size(), comm_.training_index, c_.privacy);
   strategy_->set_buffers(task_->module().buffers());  // BatchNorm statistics ...: kept equal too
   if (c_.parallel.shard != "none" && workers_ > 1) strategy_->expect_sharding();  // InnerOptimizer::sharded()
   // ZeRO-3's units, on every site (one of one worker too: the others cut their exchanges by them).
@@ -278,9 +294,11 @@ Trainer::Trainer(const TaskContext& ctx, bool rejoin, Clock::time_point start)
     strategy_->init(params_);
   }
   optimizer_ = std::make_unique<parallel::InnerOptimizer>(params_, c_.model.lr, c_.model.weight_decay,
-                                                          c_.parallel.shard, *comm_.group, full_.get(),
+                                                          c_.parallel.shard, pipeline_ ? *stage_group_ : *comm_.group,
+                                                          full_.get(),
                                                           c_.parallel.bucket_bytes);
   parallel::InnerOptimizer& o = *optimizer_;
+  if (pipeline_) o.set_norm_group(comm_.group.get(), site_grid(c_, site_).data);  // clipping: the whole model's norm
   if (o.sharded())  // the strategy keeps its shard of the outer state (and ZeRO-2/3's gradients)
     strategy_->set_sharding({o.flat_params(), o.gradients_sharded() ? o.flat_grad() : at::Tensor(), o.params_gathered()});
   if (o.sharded() && who_.local_rank == 0)
@@ -294,6 +312,23 @@ Trainer::Trainer(const TaskContext& ctx, bool rejoin, Clock::time_point start)
   // the steps would not reuse all of it.
   release_free_memory();
   phases_.end();
+}
+
+void Trainer::connect_stage(Millis timeout) {
+  const parallel::SiteGrid grid = site_grid(c_, site_);
+  pipeline_ = std::make_unique<parallel::Pipeline>(*comm_.group, grid, static_cast<int>(c_.parallel.micro_batches));
+  stage_ = task_->make_stage(*pipeline_);
+  NEBULA_CHECK(stage_, "model.kind = \"", c_.model.kind, "\" cannot be cut into pipeline stages");
+  const int stage = pipeline_->stage();
+  stage_group_ = comm_.group->subgroup(str_cat("stage", stage), grid.stage_ranks(stage));
+  if (stage_group_->rank() == 0) {  // the stage's replicas' own one-site mesh: nothing crosses the WAN here
+    collective::MeshOptions mesh;
+    mesh.site_names = {site_.name};
+    mesh.timeout = timeout;
+    std::vector<std::unique_ptr<transport::Link>> none(1);
+    stage_mesh_ = std::make_unique<collective::GatewayMesh>(std::move(mesh), std::move(none));
+  }
+  stage_comm_ = std::make_unique<collective::Hierarchy>(*stage_group_, stage_mesh_.get());
 }
 
 void Trainer::resume(bool rejoin) {
@@ -328,12 +363,21 @@ int Trainer::train() {
     const auto step_start = Clock::now();
     phases_.begin(PhasePeaks::kStep);
     if (full) full->begin_step();
-    Task::Step batch = task_->forward(step_);
     optimizer.zero_grad();
-    strategy.before_backward(batch.weight);
-    optimizer.before_backward(batch.weight);  // ZeRO-2/3: reduce-scattered as backward makes them
-    batch.loss.backward();  // gradient buckets start crossing the WAN (sync) or the site (ZeRO-2/3) while this runs
-    optimizer.end_backward();
+    Task::Step batch;
+    if (stage_) {  // pipeline stages: every micro-batch's forward and backward, in 1F1B order
+      batch = stage_->prepare(step_);
+      batch.loss = at::scalar_tensor(pipeline_->run(*stage_), at::kDouble);
+      if (!pipeline_->last()) batch.tokens = 0;  // the last stage counts the pipeline's tokens
+      pipeline_compute_s_ += pipeline_->last_timing().compute_s;
+      pipeline_wall_s_ += pipeline_->last_timing().wall_s;
+    } else {
+      batch = task_->forward(step_);
+      strategy.before_backward(batch.weight);
+      optimizer.before_backward(batch.weight);  // ZeRO-2/3: reduce-scattered as backward makes them
+      batch.loss.backward();  // gradient buckets start crossing the WAN (sync) or the site (ZeRO-2/3) while this runs
+      optimizer.end_backward();
+    }
     strategy.sync_gradients(params_, batch.weight);
     if (c_.model.clip_norm > 0) optimizer.clip_grad_norm(c_.model.clip_norm);
     optimizer.set_lr(parallel::scheduled_lr(c_.model, step_, c_.job.steps));
@@ -353,6 +397,7 @@ int Trainer::train() {
       release_free_memory();
     }
     const int signal = stop_request.poll(done);
+    if (signal && pipeline_) return stop(signal);  // (checkpoints of stages are not built yet)
     if (checkpoint.due(done, signal != 0)) {
       phases_.begin(PhasePeaks::kCheckpoint);
       checkpoints_->save({done, tokens_, eval_start_});
@@ -419,6 +464,8 @@ std::vector<double> Trainer::evaluate(int64_t steps_done) {
   auto run = [&] { counts = task_->evaluate(); };
   if (full_)
     full_->with_rest_to_root(run);  // run() on the gateway only
+  else if (pipeline_)
+    task_->with_whole_on_gateway(*comm_.group, run);  // the other stages' layers lent to the gateway
   else if (gateway)
     run();
   last_eval_step_ = steps_done;
@@ -433,6 +480,10 @@ std::vector<double> Trainer::evaluate(int64_t steps_done) {
 std::pair<double, double> Trainer::validate() {
   std::pair<double, double> out;
   auto run = [&] { out = task_->validate(c_.job.eval_batches); };
+  if (pipeline_) {  // the gateway's share, on the whole model there
+    task_->with_whole_on_gateway(*comm_.group, run);
+    return out;
+  }
   if (!full_) {
     run();
     return out;
@@ -481,6 +532,10 @@ void Trainer::finish() {
     for (int p = 0; p < PhasePeaks::kPhases; ++p)
       counters[by_worker_at + (2 + static_cast<size_t>(p)) * workers + me] =
           static_cast<double>(phases_.peak(static_cast<PhasePeaks::Phase>(p)));
+    // And its pipeline stage's seconds computing and in all (Pipeline::Timing).
+    counters.resize(by_worker_at + (4 + PhasePeaks::kPhases) * workers, 0.0);
+    counters[by_worker_at + (2 + PhasePeaks::kPhases) * workers + me] = pipeline_compute_s_;
+    counters[by_worker_at + (3 + PhasePeaks::kPhases) * workers + me] = pipeline_wall_s_;
     const std::vector<double> totals = collective::sum_counters(*comm_.comm, counters);
     // The first site still in the job (elastic: site 0 may be lost) writes the summary and model.
     const collective::GatewayMesh* mesh = comm_.mesh.get();
@@ -553,6 +608,18 @@ nlohmann::json Trainer::summary(int64_t steps, const std::vector<double>& totals
   for (int p = 0; p < PhasePeaks::kPhases; ++p) peaks[PhasePeaks::name(static_cast<PhasePeaks::Phase>(p))] = by_worker(2 + p);
   summary["peak_rss_bytes_by_phase"] = peaks;
   summary["allocator"] = allocator_name();  // which malloc the peaks were measured under
+  if (pipeline_) {  // the measured bubble: the stages' time not computing, against 1F1B's formula
+    const std::vector<double> compute = by_worker(2 + PhasePeaks::kPhases), wall = by_worker(3 + PhasePeaks::kPhases);
+    double c = 0, w = 0;
+    for (size_t i = 0; i < compute.size(); ++i) c += compute[i], w += wall[i];
+    const auto P = static_cast<int>(c_.parallel.pipeline), M = static_cast<int>(c_.parallel.micro_batches);
+    summary["pipeline"] = {{"stages", P},
+                           {"micro_batches", M},
+                           {"bubble_formula", parallel::bubble_fraction(P, M)},
+                           {"bubble_measured", w > 0 ? 1.0 - c / w : 0.0},
+                           {"compute_seconds_by_worker", compute},
+                           {"wall_seconds_by_worker", wall}};
+  }
   nlohmann::json lost = nlohmann::json::array();
   for (const auto& [j, why] : comm_.mesh->lost()) lost.push_back({{"site", names[j]}, {"reason", why}});
   summary["sites_lost"] = lost;

@@ -96,6 +96,41 @@ std::string place(const toml::table& root, const char* table, const char* key, c
   return where(n ? *n : *t, file);
 }
 
+// [parallel] pipeline: what the stages are cut from and what runs with them so far.
+void check_pipeline(const Config& c, const toml::table& root, const std::string& file) {
+  const ParallelConfig& p = c.parallel;
+  if (p.pipeline == 1) return;
+  auto fail = [&](const char* key, const std::string& why) {
+    throw ConfigError(str_cat(place(root, "parallel", key, file), ": key 'parallel.", key, "': ", why));
+  };
+  if (c.model.kind == "torchscript")
+    fail("pipeline", "a TorchScript module is one piece to nebula, so it cannot be cut into stages (giving the "
+                     "stages as separate modules is not supported yet): use pipeline = 1");
+  if (c.model.kind != "mlm_encoder")
+    fail("pipeline", str_cat("pipeline stages run model.kind = \"mlm_encoder\" so far, not \"", c.model.kind,
+                             "\": use pipeline = 1"));
+  if (p.pipeline > c.model.layers)
+    fail("pipeline", str_cat(p.pipeline, " stages for a model of ", c.model.layers,
+                             " layers (model.layers): each stage runs at least one layer"));
+  for (const auto& site : c.sites)
+    if (site.workers % p.pipeline != 0)
+      fail("pipeline", str_cat("site '", site.name, "' has ", site.workers, " workers, not a multiple of pipeline = ",
+                               p.pipeline, " (each stage runs on workers / pipeline of them)"));
+  if (p.micro_batches > c.data.batch_size)
+    fail("micro_batches", str_cat(p.micro_batches, " micro-batches of a batch of ", c.data.batch_size,
+                                  " sequences (data.batch_size): at most one micro-batch per sequence"));
+  if (p.shard != "none")
+    fail("pipeline", str_cat("pipeline stages run with shard = \"none\" so far, not \"", p.shard, "\""));
+  if (c.sites.size() > 1)
+    fail("pipeline", str_cat("pipeline stages run in one-site jobs so far (this job has ", c.sites.size(),
+                             " sites): the WAN exchange of stages is not built yet"));
+  if (c.data.contrastive_weight > 0)
+    fail("pipeline", "the contrastive objective's in-batch negatives would change with the micro-batches: set "
+                     "data.contrastive_weight = 0 with pipeline stages");
+  if (c.checkpoint.every > 0)
+    fail("pipeline", "checkpoints of pipeline stages are not built yet: set checkpoint.every = 0");
+}
+
 // [wan] mode = "every_worker": what it runs with, and each site's worker addresses.
 void check_wan_mode(const Config& c, const toml::table& root, const std::string& file) {
   for (size_t i = 0; i < c.sites.size(); ++i) {
@@ -457,6 +492,8 @@ Config build(const toml::table& root, const std::string& file) {
                      "\" nothing is gathered: set shard = \"full\" or drop prefetch"));
     s.unit("bucket", c.parallel.bucket_bytes, parse_size);
     if (c.parallel.bucket_bytes < 1024) s.fail(*t, "bucket", "must be at least 1KiB");
+    s.integer("pipeline", c.parallel.pipeline, 1, 1024);
+    s.integer("micro_batches", c.parallel.micro_batches, 1, 1 << 20);
     s.finish();
   }
   if (auto* t = top.table("peft")) {
@@ -525,6 +562,7 @@ Config build(const toml::table& root, const std::string& file) {
     s.finish();
   }
   top.finish();
+  check_pipeline(c, root, file);
   check_wan_mode(c, root, file);
   check_liveness(c, root, file);
   if (c.checkpoint.dir.empty()) c.checkpoint.dir = c.job.run_dir + "/checkpoints";
@@ -718,6 +756,8 @@ std::string to_toml(const Config& c) {
   root.insert("parallel", toml::table{{"shard", c.parallel.shard},
                                       {"recompute", c.parallel.recompute},
                                       {"prefetch", c.parallel.prefetch},
+                                      {"pipeline", c.parallel.pipeline},
+                                      {"micro_batches", c.parallel.micro_batches},
                                       {"bucket", bytes(c.parallel.bucket_bytes)}});
   root.insert("security", toml::table{{"insecure", c.security.insecure},
                                       {"certs", c.security.certs},

@@ -145,6 +145,30 @@ TEST(Config, ParallelShard) {
   expect_error(std::string(kValid) + "\n[parallel]\nshards = \"none\"\n", {"shards"});
 }
 
+TEST(Config, ParallelPipeline) {
+  // One site of 2 workers, a model of 4 layers.
+  const std::string one = replace_once(replace_once(kValid, "[[sites]]\nname = \"b\"\n", ""), "heads = 4\n",
+                                       "heads = 4\nlayers = 4\n");
+  const Config p = parse_config(one + "\n[parallel]\npipeline = 2\nmicro_batches = 2\n", "job.toml");
+  EXPECT_EQ(p.parallel.pipeline, 2);
+  EXPECT_EQ(p.parallel.micro_batches, 2);
+  EXPECT_EQ(parse_config(to_toml(p), "again").parallel.micro_batches, 2);
+  EXPECT_EQ(parse_config(kValid, "job.toml").parallel.pipeline, 1);
+  const std::string piped = one + "\n[parallel]\npipeline = 2\n";
+  expect_error(one + "\n[parallel]\npipeline = 3\n",
+               {"job.toml:", "parallel.pipeline", "3 stages for a model of 2 layers"}, {"model.layers=2"});
+  expect_error(one + "\n[parallel]\npipeline = 3\n",
+               {"job.toml:", "parallel.pipeline", "site 'a' has 2 workers", "multiple of pipeline = 3"});
+  expect_error(piped, {"parallel.micro_batches", "data.batch_size"}, {"data.batch_size=3"});
+  expect_error(piped, {"job.toml:", "parallel.pipeline", "mlm_encoder", "seq2seq"}, {"model.kind=\"seq2seq\""});
+  expect_error(piped, {"job.toml:", "parallel.pipeline", "shard = \"none\""}, {"parallel.shard=\"optimizer\""});
+  expect_error(piped, {"parallel.pipeline", "contrastive_weight"}, {"data.contrastive_weight=0.5"});
+  expect_error(piped, {"parallel.pipeline", "checkpoint.every"}, {"checkpoint.every=10"});
+  expect_error(std::string(kValid) + "\n[parallel]\npipeline = 2\n", {"parallel.pipeline", "one-site jobs", "2 sites"},
+               {"model.layers=4", "sites.1.workers=2"});
+  expect_error(piped, {"parallel.pipeline"}, {"parallel.pipeline=0"});
+}
+
 TEST(Config, WanModeEveryWorker) {
   EXPECT_EQ(parse_config(kValid, "job.toml").wan.mode, "gateway");
   const Config e = parse_config(kValid, "job.toml",

@@ -1,0 +1,52 @@
+#include "parallel/encoder_stage.h"
+
+#include <ATen/ATen.h>
+
+#include "model/peft.h"
+#include "nebula/error.h"
+
+namespace nebula::parallel {
+
+EncoderStage::EncoderStage(model::MlmEncoderImpl& model, Pipeline& pipeline) : model_(model), pipeline_(pipeline) {
+  // Units in parameter order: the token and position embeddings, every layer, the final norm.
+  const std::vector<torch::nn::Module*> units = model.units();
+  std::vector<int64_t> costs;
+  for (const auto& layer : model.layers()) costs.push_back(model::numel(layer->parameters()));
+  const std::vector<int64_t> cuts =
+      balance_stages(costs, model::numel(units[0]->parameters()) + model::numel(units[1]->parameters()),
+                     model::numel(units.back()->parameters()), pipeline.stages());
+  std::vector<int> owner(units.size(), 0);
+  for (int s = 0; s < pipeline.stages(); ++s)
+    for (int64_t i = cuts[static_cast<size_t>(s)]; i < cuts[static_cast<size_t>(s) + 1]; ++i)
+      owner[static_cast<size_t>(2 + i)] = s;
+  owner.back() = pipeline.stages() - 1;
+  // The last stage projects onto the vocabulary with the first stage's token embedding.
+  staged_ = std::make_unique<StagedModel>(units, owner, pipeline.stage(),
+                                          pipeline.last() ? std::vector<size_t>{0} : std::vector<size_t>{});
+  pipeline.tie(model.token_embedding()->weight, 0, pipeline.stages() - 1);
+  begin_ = cuts[static_cast<size_t>(pipeline.stage())];
+  end_ = cuts[static_cast<size_t>(pipeline.stage()) + 1];
+}
+
+void EncoderStage::set_batch(const at::Tensor& ids, const at::Tensor& labels) {
+  NEBULA_CHECK(ids.dim() == 2 && ids.sizes() == labels.sizes() && ids.size(0) >= pipeline_.micro_batches(),
+               "a batch of shape ", ids.sizes(), " (labels ", labels.sizes(), ") for ", pipeline_.micro_batches(),
+               " micro-batches");
+  ids_ = ids.tensor_split(pipeline_.micro_batches());
+  labels_ = labels.tensor_split(pipeline_.micro_batches());
+  predicted_ = labels.ne(model::kIgnoreIndex).sum().item<int64_t>();
+}
+
+std::vector<at::Tensor> EncoderStage::forward(int micro, const std::vector<at::Tensor>& inputs) {
+  const at::Tensor& ids = ids_.at(static_cast<size_t>(micro));
+  at::Tensor x = pipeline_.first() ? model_.embed_input(ids) : inputs.at(0);
+  x = model_.run_layers(x, ids, static_cast<size_t>(begin_), static_cast<size_t>(end_));
+  if (!pipeline_.last()) return {x};
+  const at::Tensor& labels = labels_.at(static_cast<size_t>(micro));
+  const int64_t predicted = labels.ne(model::kIgnoreIndex).sum().item<int64_t>();
+  x = model_.final_norm(x);
+  if (predicted == 0) return {x.sum() * 0.0};  // nothing to predict here; every stage still runs its backward
+  return {model_.masked_loss(x, labels) * (static_cast<double>(predicted) / static_cast<double>(predicted_))};
+}
+
+}  // namespace nebula::parallel

@@ -1,0 +1,46 @@
+// The MLM encoder (model/mlm_encoder.h) cut into pipeline stages (parallel/pipeline.h): layers
+// [begin, end) on each stage, balanced by parameter count, with the token and position
+// embeddings on the first stage and the final norm and the tied projection (the loss) on the
+// last, which holds a copy of the token embedding (Pipeline::tie). The batch is cut by rows;
+// each micro-batch's loss is its masked-token mean scaled by its share of the batch's masked
+// tokens, so the M losses sum to the batch's mean, as one worker running the whole batch has it.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <functional>
+#include <memory>
+#include <vector>
+
+#include "model/mlm_encoder.h"
+#include "parallel/pipeline.h"
+
+namespace nebula::parallel {
+
+class EncoderStage : public StageModel {
+ public:
+  // Cuts `model` (built whole, from the job's seed) for `pipeline`: lets go of the other stages'
+  // parameters and ties the token embedding. Both must outlive this.
+  EncoderStage(model::MlmEncoderImpl& model, Pipeline& pipeline);
+
+  // This step's batch ([batch, seq] ids and labels, model::kIgnoreIndex where no loss), cut by
+  // rows into the pipeline's micro-batches (at least one row each: batch >= M).
+  void set_batch(const at::Tensor& ids, const at::Tensor& labels);
+  std::vector<at::Tensor> forward(int micro, const std::vector<at::Tensor>& inputs) override;
+
+  // This stage's layers, and what its optimizer and strategy get.
+  int64_t begin() const { return begin_; }
+  int64_t end() const { return end_; }
+  std::vector<at::Tensor> trainable() const { return staged_->trainable(); }
+  StagedModel& staged() { return *staged_; }
+
+ private:
+  model::MlmEncoderImpl& model_;
+  const Pipeline& pipeline_;
+  std::unique_ptr<StagedModel> staged_;
+  int64_t begin_ = 0, end_ = 0;
+  std::vector<at::Tensor> ids_, labels_;  // this step's micro-batches
+  int64_t predicted_ = 0;                 // the batch's masked tokens
+};
+
+}  // namespace nebula::parallel
