@@ -270,6 +270,23 @@ double max_relative_difference(const std::map<std::string, std::string>& a, cons
   return worst;
 }
 
+// ‖a − b‖ / ‖a‖ over every value of two model files' tensors (HUGE_VAL if their tensors differ).
+double relative_l2_difference(const std::map<std::string, std::string>& a, const std::map<std::string, std::string>& b) {
+  double diff = 0, norm = 0;
+  for (const auto& [name, bytes] : a) {
+    auto it = b.find(name);
+    if (it == b.end() || it->second.size() != bytes.size() || bytes.size() % 4) return HUGE_VAL;
+    for (size_t i = 0; i < bytes.size(); i += 4) {
+      float x, y;
+      std::memcpy(&x, bytes.data() + i, 4);
+      std::memcpy(&y, it->second.data() + i, 4);
+      diff += (double(x) - y) * (double(x) - y);
+      norm += double(x) * x;
+    }
+  }
+  return a.size() == b.size() && norm > 0 ? std::sqrt(diff / norm) : HUGE_VAL;
+}
+
 // A model file's tensors without attention's key biases, and those apart. A key bias's gradient
 // is exactly zero (softmax ignores a shift shared by every key), so what backward gives it is
 // rounding alone, and AdamW turns that into steps of up to lr: two runs that sum the same
@@ -389,9 +406,24 @@ TEST(EndToEnd, PipelineStagesTrainAsTheWholeModel) {
     const auto [a, a_bias] = weights(plain);
     const auto [b, b_bias] = weights(staged);
     ASSERT_FALSE(a.empty());
-    const double d = max_relative_difference(a, b), bias = max_relative_difference(a_bias, b_bias);
-    std::printf("pipeline: %s ends %.3g (relative) from %s, the key biases %.3g\n", staged, d, plain, bias);
-    EXPECT_LE(d, 1e-4) << staged << " against " << plain;
+    const double l2 = relative_l2_difference(a, b), d = max_relative_difference(a, b);
+    const double bias = max_relative_difference(a_bias, b_bias);
+    std::printf("pipeline: %s ends %.3g from %s (relative L2; elementwise at most %.3g), the key biases %.3g\n",
+                staged, l2, plain, d, bias);
+    // The whole weight vector within 1e-5 (measured: 2e-7). Elementwise, AdamW amplifies the
+    // rounding of reordered sums where a gradient is small next to its running scale (as with
+    // ZeRO-3 above; measured 5.3e-4 after 20 steps); the key biases move up to lr per step.
+    EXPECT_LE(l2, 1e-5) << staged << " against " << plain;
+    EXPECT_LE(d, 2e-3) << staged << " against " << plain;
+    double bias_abs = 0;
+    for (const auto& [name, bytes] : a_bias)
+      for (size_t i = 0; i < bytes.size(); i += 4) {
+        float x, y;
+        std::memcpy(&x, bytes.data() + i, 4);
+        std::memcpy(&y, b_bias.at(name).data() + i, 4);
+        bias_abs = std::max(bias_abs, std::fabs(double(x) - y));
+      }
+    EXPECT_LE(bias_abs, 20 * 3e-3) << staged << ": the key biases moved further than their steps";
     EXPECT_EQ(summary(plain)["tokens"], summary(staged)["tokens"]) << "the same batches, counted once";
     EXPECT_NEAR(summary(plain)["final_val_loss"].get<double>(), summary(staged)["final_val_loss"].get<double>(), 1e-3);
   }
@@ -400,7 +432,7 @@ TEST(EndToEnd, PipelineStagesTrainAsTheWholeModel) {
            {"--set parallel.pipeline=3", "parallel.pipeline"},
            {"--set parallel.pipeline=5 --set sites.0.workers=5", "parallel.pipeline"},
            {"--set parallel.micro_batches=17", "parallel.micro_batches"},
-           {"--set model.kind=seq2seq", "parallel.pipeline"},
+           {"--set model.kind=seq2seq --set 'data.languages=[\"de\"]'", "parallel.pipeline"},
            {"--set parallel.shard=optimizer", "parallel.pipeline"}}) {
     Result r = run("run examples/pipeline.toml " + args, 60);
     EXPECT_EQ(r.exit_code, 2) << args << "\n" << r.output;

@@ -290,24 +290,25 @@ std::vector<at::Tensor> StagedModel::trainable() const {
   return out;
 }
 
-void StagedModel::with_whole_on_root(collective::SiteGroup& group, const SiteGrid& grid,
-                                     const std::function<void()>& fn, bool everywhere) {
-  const int rank = group.rank();
-  const bool root = rank == 0, sender = grid.replica(rank) == 0 && !root;
+void StagedModel::with_whole(collective::SiteGroup& group, const SiteGrid& grid, int replicas,
+                             const std::function<void()>& fn, bool everywhere) {
+  const int rank = group.rank(), replica = grid.replica(rank);
+  const bool lent = replica < replicas;  // this worker's replica borrows the model
+  const bool holder = lent && grid.stage(rank) == 0, sender = lent && !holder;
   at::NoGradGuard no_grad;
-  std::vector<at::Tensor> borrowed;  // the root's copies of other stages' parameters
+  std::vector<at::Tensor> borrowed;  // the holder's copies of other stages' parameters
   for (size_t u = 0; u < units_.size(); ++u) {
-    if (owner_[u] == 0) continue;  // the root's own
+    if (owner_[u] == 0) continue;  // the first stage's own
     std::vector<at::Tensor> params = units_[u]->parameters();
     for (size_t k = 0; k < params.size(); ++k) {
       const int tag = static_cast<int>(u * 64 + k);
-      if (sender && owner_[u] == stage_) group.send(params[k].detach().contiguous(), 0, tag);
-      if (root) {
+      if (sender && owner_[u] == stage_) group.send(params[k].detach().contiguous(), grid.rank(0, replica), tag);
+      if (holder) {
         if (params[k].numel() == 0) {  // let go here: take the owner's for fn
           params[k].set_data(at::empty(shapes_[u][k], params[k].options()));
           borrowed.push_back(params[k]);
         }
-        group.recv(params[k].detach(), grid.rank(owner_[u], 0), tag);
+        group.recv(params[k].detach(), grid.rank(owner_[u], replica), tag);
       }
     }
   }
@@ -315,7 +316,7 @@ void StagedModel::with_whole_on_root(collective::SiteGroup& group, const SiteGri
   auto give_back = [&] {
     for (at::Tensor& p : borrowed) p.set_data(at::empty({0}, p.options()));
   };
-  if (root || everywhere) {
+  if (holder || everywhere) {
     try {
       fn();
     } catch (...) {

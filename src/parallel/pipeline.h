@@ -139,12 +139,13 @@ class StagedModel {
   // The trainable parameters of this stage's units, in parameter order: what its optimizer and
   // the strategy get.
   std::vector<at::Tensor> trainable() const;
-  // fn() with the whole model on `group`'s rank 0: every other stage's first replica sends its
-  // units' parameters to it; afterwards rank 0 lets them go again. Every worker of the site calls
-  // it (a site collective); fn runs on rank 0 only, or with `everywhere` on every worker (a fn
-  // that is itself a collective).
-  void with_whole_on_root(collective::SiteGroup& group, const SiteGrid& grid, const std::function<void()>& fn,
-                          bool everywhere = false);
+  // fn() with the whole model on the first-stage workers of replicas [0, replicas): each other
+  // stage's worker of those replicas sends its units' parameters to its replica's first-stage
+  // worker, which lets them go again afterwards. Every worker of the site calls it (a site
+  // collective); fn runs on those first-stage workers only, or with `everywhere` on every worker
+  // (a fn that is itself a collective).
+  void with_whole(collective::SiteGroup& group, const SiteGrid& grid, int replicas, const std::function<void()>& fn,
+                  bool everywhere = false);
 
  private:
   std::vector<torch::nn::Module*> units_;

@@ -157,27 +157,28 @@ TEST(Pipeline, FourStagesEqualOneWorker) { expect_pipeline_equals_one_worker(4, 
 TEST(Pipeline, MoreStagesThanMicroBatches) { expect_pipeline_equals_one_worker(4, 1, 2); }
 TEST(Pipeline, TwoStagesTimesTwoReplicas) { expect_pipeline_equals_one_worker(2, 2, 3); }
 
-TEST(Pipeline, WholeModelOnTheGatewayForAWhile) {
+TEST(Pipeline, WholeModelLentToTheFirstStagesForAWhile) {
   const model::MlmEncoder whole = make_encoder();
-  collective::testing::run_site("whole", 4, [&](collective::SiteGroup& group) {
-    const SiteGrid grid{2, 2};
-    model::MlmEncoder m = make_encoder();
-    Pipeline pipeline(group, grid, 2);
-    EncoderStage stage(*m, pipeline);
-    int64_t held = 0;
-    for (const auto& p : m->parameters()) held += p.numel();
-    bool ran = false;
-    stage.staged().with_whole_on_root(group, grid, [&] {
-      ran = true;
-      const auto want = whole->named_parameters();
-      for (const auto& item : m->named_parameters()) EXPECT_TRUE(at::equal(item.value(), want[item.key()])) << item.key();
+  for (int replicas : {1, 2})
+    collective::testing::run_site("whole", 4, [&](collective::SiteGroup& group) {
+      const SiteGrid grid{2, 2};
+      model::MlmEncoder m = make_encoder();
+      Pipeline pipeline(group, grid, 2);
+      EncoderStage stage(*m, pipeline);
+      int64_t held = 0;
+      for (const auto& p : m->parameters()) held += p.numel();
+      bool ran = false;
+      stage.staged().with_whole(group, grid, replicas, [&] {
+        ran = true;
+        const auto want = whole->named_parameters();
+        for (const auto& item : m->named_parameters()) EXPECT_TRUE(at::equal(item.value(), want[item.key()])) << item.key();
+      });
+      EXPECT_EQ(ran, grid.stage(group.rank()) == 0 && grid.replica(group.rank()) < replicas) << group.rank();
+      int64_t after = 0;
+      for (const auto& p : m->parameters()) after += p.numel();
+      EXPECT_EQ(after, held) << "lent, then let go again";
+      EXPECT_LT(held, model::numel(whole->parameters())) << "a stage holds part of the model";
     });
-    EXPECT_EQ(ran, group.rank() == 0);
-    int64_t after = 0;
-    for (const auto& p : m->parameters()) after += p.numel();
-    EXPECT_EQ(after, held) << "lent, then let go again";
-    EXPECT_LT(held, model::numel(whole->parameters())) << "a stage holds part of the model";
-  });
 }
 
 }  // namespace

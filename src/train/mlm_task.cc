@@ -101,10 +101,10 @@ class MlmTask : public Task {
                  pipeline.last() ? ", the final norm and the tied projection" : "", model::numel(params_));
     return stage_.get();
   }
-  void with_whole_on_gateway(collective::SiteGroup& group, const std::function<void()>& fn,
-                             bool everywhere) override {
+  void with_whole(collective::SiteGroup& group, int replicas, const std::function<void()>& fn,
+                  bool everywhere) override {
     if (!stage_) return fn();
-    stage_->stage.staged().with_whole_on_root(group, site_grid(c_, c_.sites[ctx_.who.site]), fn, everywhere);
+    stage_->stage.staged().with_whole(group, site_grid(c_, c_.sites[ctx_.who.site]), replicas, fn, everywhere);
   }
 
   Step forward(int64_t) override {

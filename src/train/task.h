@@ -94,11 +94,12 @@ class Task {
   // stage; trainable() and layers() are the stage's from then on. Once, before the strategy is
   // made. Null: this task's model cannot be cut (the config check refuses it first).
   virtual Stage* make_stage(parallel::Pipeline& pipeline) { return nullptr; }
-  // With stages: fn() with the whole model on the site's rank 0 (the gateway's evaluation,
-  // validation and the model file), run there only or, `everywhere`, on every worker; a site
-  // collective (parallel::StagedModel::with_whole_on_root). Without stages: fn().
-  virtual void with_whole_on_gateway(collective::SiteGroup& group, const std::function<void()>& fn,
-                                     bool everywhere = false) {
+  // With stages: fn() with the whole model on the first-stage worker of replicas [0, replicas)
+  // (replica 0's is the gateway: its evaluation and the model file; every replica's: each
+  // validates its own share), run there only or, `everywhere`, on every worker; a site collective
+  // (parallel::StagedModel::with_whole). Without stages: fn().
+  virtual void with_whole(collective::SiteGroup& group, int replicas, const std::function<void()>& fn,
+                          bool everywhere = false) {
     fn();
   }
   // The forward pass of step `step` (0-based) on the next batch.

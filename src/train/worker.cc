@@ -196,7 +196,7 @@ class Trainer {
   // fn() with the whole model here (ZeRO-3 gathers it; `gateway`: only the gateway needs it).
   // Pipeline stages: the other stages lend the gateway their layers (fn runs on every worker).
   void whole(const std::function<void()>& fn, bool gateway = false) {
-    if (pipeline_) return task_->with_whole_on_gateway(*comm_.group, fn, /*everywhere=*/true);
+    if (pipeline_) return task_->with_whole(*comm_.group, 1, fn, /*everywhere=*/true);
     parallel::with_whole_model(full_.get(), fn, gateway);
   }
   // Bytes this worker sent to its site's other workers so far (both of its groups).
@@ -465,7 +465,7 @@ std::vector<double> Trainer::evaluate(int64_t steps_done) {
   if (full_)
     full_->with_rest_to_root(run);  // run() on the gateway only
   else if (pipeline_)
-    task_->with_whole_on_gateway(*comm_.group, run);  // the other stages' layers lent to the gateway
+    task_->with_whole(*comm_.group, 1, run);  // the other stages' layers lent to the gateway
   else if (gateway)
     run();
   last_eval_step_ = steps_done;
@@ -480,8 +480,8 @@ std::vector<double> Trainer::evaluate(int64_t steps_done) {
 std::pair<double, double> Trainer::validate() {
   std::pair<double, double> out;
   auto run = [&] { out = task_->validate(c_.job.eval_batches); };
-  if (pipeline_) {  // the gateway's share, on the whole model there
-    task_->with_whole_on_gateway(*comm_.group, run);
+  if (pipeline_) {  // each replica's share, on the whole model lent to its first stage
+    task_->with_whole(*comm_.group, site_grid(c_, site_).data, run);
     return out;
   }
   if (!full_) {
