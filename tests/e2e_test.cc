@@ -384,7 +384,8 @@ TEST(EndToEnd, ZeroOneShardsTheOptimizerAndTrainsAsTheWholeOne) {
 // dropout, gradients clipped by the whole model's norm): 2 stages × 2 replicas as 2 replicas,
 // 4 stages as one worker, to rounding (each micro-batch's loss is summed apart; the key biases
 // apart, as above). Each stage holds part of
-// the model; the gateway writes the whole one. Bad layouts are refused naming the key.
+// the model; the gateway writes the whole one; a stop and resume changes nothing. Bad layouts are
+// refused naming the key.
 TEST(EndToEnd, PipelineStagesTrainAsTheWholeModel) {
   const std::string dir = temp_run_dir("pipeline");
   const std::vector<std::pair<std::string, std::string>> runs = {
@@ -427,6 +428,18 @@ TEST(EndToEnd, PipelineStagesTrainAsTheWholeModel) {
     EXPECT_EQ(summary(plain)["tokens"], summary(staged)["tokens"]) << "the same batches, counted once";
     EXPECT_NEAR(summary(plain)["final_val_loss"].get<double>(), summary(staged)["final_val_loss"].get<double>(), 1e-3);
   }
+  // Stopped and resumed (each worker's checkpoint holds its stage): the uninterrupted run's weights
+  // bit for bit. Onto another layout: refused, saying which to resume with.
+  const std::string piped = nebula::str_cat("run examples/pipeline.toml --set job.steps=20 --set job.run_dir=\\\"", dir,
+                                            "/pipe2x2");
+  Result stopped = run(piped + "-stopped\\\"", 600, "NEBULA_TEST_STOP_AT_STEP=9");
+  ASSERT_EQ(stopped.exit_code, 128 + 15) << stopped.output;
+  Result other = run(piped + "-stopped\\\" --resume --set parallel.pipeline=4", 120);
+  EXPECT_NE(other.exit_code, 0) << other.output;
+  EXPECT_NE(other.output.find("resume with parallel.pipeline = 2"), std::string::npos) << other.output;
+  Result resumed = run(piped + "-stopped\\\" --resume");
+  ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
+  EXPECT_EQ(tensor_bytes(dir + "/pipe2x2-stopped/model.safetensors"), tensor_bytes(dir + "/pipe2x2/model.safetensors"));
   // Bad layouts: exit code 2 and the key.
   for (const auto& [args, key] : std::vector<std::pair<std::string, std::string>>{
            {"--set parallel.pipeline=3", "parallel.pipeline"},

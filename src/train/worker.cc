@@ -397,7 +397,6 @@ int Trainer::train() {
       release_free_memory();
     }
     const int signal = stop_request.poll(done);
-    if (signal && pipeline_) return stop(signal);  // (checkpoints of stages are not built yet)
     if (checkpoint.due(done, signal != 0)) {
       phases_.begin(PhasePeaks::kCheckpoint);
       checkpoints_->save({done, tokens_, eval_start_});

@@ -127,8 +127,6 @@ void check_pipeline(const Config& c, const toml::table& root, const std::string&
   if (c.data.contrastive_weight > 0)
     fail("pipeline", "the contrastive objective's in-batch negatives would change with the micro-batches: set "
                      "data.contrastive_weight = 0 with pipeline stages");
-  if (c.checkpoint.every > 0)
-    fail("pipeline", "checkpoints of pipeline stages are not built yet: set checkpoint.every = 0");
 }
 
 // [wan] mode = "every_worker": what it runs with, and each site's worker addresses.

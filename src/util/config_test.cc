@@ -163,7 +163,7 @@ TEST(Config, ParallelPipeline) {
   expect_error(piped, {"job.toml:", "parallel.pipeline", "mlm_encoder", "seq2seq"}, {"model.kind=\"seq2seq\""});
   expect_error(piped, {"job.toml:", "parallel.pipeline", "shard = \"none\""}, {"parallel.shard=\"optimizer\""});
   expect_error(piped, {"parallel.pipeline", "contrastive_weight"}, {"data.contrastive_weight=0.5"});
-  expect_error(piped, {"parallel.pipeline", "checkpoint.every"}, {"checkpoint.every=10"});
+  EXPECT_EQ(parse_config(piped, "job.toml", {"checkpoint.every=10"}).checkpoint.every, 10);
   expect_error(std::string(kValid) + "\n[parallel]\npipeline = 2\n", {"parallel.pipeline", "one-site jobs", "2 sites"},
                {"model.layers=4", "sites.1.workers=2"});
   expect_error(piped, {"parallel.pipeline"}, {"parallel.pipeline=0"});
