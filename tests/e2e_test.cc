@@ -392,7 +392,10 @@ TEST(EndToEnd, PipelineStagesTrainAsTheWholeModel) {
       {"data2", "--set sites.0.workers=2 --set parallel.pipeline=1"},
       {"pipe2x2", ""},
       {"one", "--set sites.0.workers=1 --set parallel.pipeline=1"},
-      {"pipe4", "--set parallel.pipeline=4 --set parallel.micro_batches=3"}};
+      {"pipe4", "--set parallel.pipeline=4 --set parallel.micro_batches=3"},
+      {"pipe2x2-zero1", "--set parallel.shard=optimizer"},
+      {"pipe2x2-diloco", "--set strategy.kind=diloco --set strategy.inner_steps=5"},
+      {"pipe2x2-diloco-zero2", "--set strategy.kind=diloco --set strategy.inner_steps=5 --set parallel.shard=gradients"}};
   for (const auto& [name, args] : runs) {
     Result r = run(nebula::str_cat("run examples/pipeline.toml --set job.steps=20 ", args, " --set job.run_dir=\\\"",
                                    dir, "/", name, "\\\""));
@@ -428,6 +431,17 @@ TEST(EndToEnd, PipelineStagesTrainAsTheWholeModel) {
     EXPECT_EQ(summary(plain)["tokens"], summary(staged)["tokens"]) << "the same batches, counted once";
     EXPECT_NEAR(summary(plain)["final_val_loss"].get<double>(), summary(staged)["final_val_loss"].get<double>(), 1e-3);
   }
+  // ZeRO along the data dimension: each stage's 2 replicas shard its AdamW state (ZeRO-1, the same
+  // arithmetic: bit for bit) and its gradients (ZeRO-2, reduce-scattered: the same sums of 2).
+  const auto zero1 = tensor_bytes(dir + "/pipe2x2-zero1/model.safetensors");
+  ASSERT_FALSE(zero1.empty());
+  EXPECT_EQ(zero1, tensor_bytes(dir + "/pipe2x2/model.safetensors"));
+  const double zero2 = relative_l2_difference(tensor_bytes(dir + "/pipe2x2-diloco/model.safetensors"),
+                                              tensor_bytes(dir + "/pipe2x2-diloco-zero2/model.safetensors"));
+  std::printf("pipeline: diloco with ZeRO-2 inside the stages ends %.3g (relative L2) from without\n", zero2);
+  EXPECT_LE(zero2, 1e-6);
+  EXPECT_NE(read_file(dir + "/pipe2x2-diloco-zero2/logs/alpha-2.log").find("ZeRO-2 over 2 replicas of pipeline stage 1"),
+            std::string::npos);
   // Stopped and resumed (each worker's checkpoint holds its stage): the uninterrupted run's weights
   // bit for bit. Onto another layout: refused, saying which to resume with.
   const std::string piped = nebula::str_cat("run examples/pipeline.toml --set job.steps=20 --set job.run_dir=\\\"", dir,
@@ -446,7 +460,7 @@ TEST(EndToEnd, PipelineStagesTrainAsTheWholeModel) {
            {"--set parallel.pipeline=5 --set sites.0.workers=5", "parallel.pipeline"},
            {"--set parallel.micro_batches=17", "parallel.micro_batches"},
            {"--set model.kind=seq2seq --set 'data.languages=[\"de\"]'", "parallel.pipeline"},
-           {"--set parallel.shard=optimizer", "parallel.pipeline"}}) {
+           {"--set parallel.shard=full --set strategy.kind=diloco", "parallel.pipeline"}}) {
     Result r = run("run examples/pipeline.toml " + args, 60);
     EXPECT_EQ(r.exit_code, 2) << args << "\n" << r.output;
     EXPECT_NE(r.output.find(key), std::string::npos) << args << "\n" << r.output;

@@ -122,6 +122,12 @@ void GradientBuckets::send(Bucket& b) {
   if (in_hook_send_) ++sent_in_backward_;
 }
 
+void GradientBuckets::take_accumulated(double weight) {
+  arm(weight);
+  for (size_t i = params_.size(); i-- > 0;) on_gradient(i);
+  finish();
+}
+
 void GradientBuckets::finish() {
   NEBULA_CHECK(armed_, "GradientBuckets::finish without arm()");
   armed_ = false;

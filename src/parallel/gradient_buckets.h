@@ -51,6 +51,10 @@ class GradientBuckets {
   void arm(double weight);
   // After backward: the buckets backward left incomplete sent, in order; disarmed.
   void finish();
+  // The same for gradients a backward accumulated in .grad while disarmed (a pipeline stage's
+  // micro-batches, parallel/pipeline.h): arm(weight), every parameter's gradient taken in
+  // backward's order (the last first), finish().
+  void take_accumulated(double weight);
   bool armed() const { return armed_; }
 
   size_t buckets() const { return buckets_.size(); }

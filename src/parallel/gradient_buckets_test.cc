@@ -108,6 +108,34 @@ TEST(GradientBuckets, ReduceScatterAsBackwardRunsExactlyAsOneWholeReduceScatter)
   }
 }
 
+// A pipeline stage's micro-batches accumulate into .grad with the buckets disarmed; handed over
+// after the last (take_accumulated), the shard holds what one reduce-scatter of weight · the
+// summed gradient leaves there, bit for bit, and no .grad is left.
+TEST(GradientBuckets, AccumulatedGradientsHandedOverAfterwards) {
+  collective::testing::run_site("buckets-accumulated", 3, [&](collective::SiteGroup& site) {
+    const double weight = site.rank() + 1;
+    const int64_t total = Chain().numel(), shard = shard_numel(total, site.size());
+    Chain ref;
+    ref.loss(site.rank()).backward();
+    ref.loss(site.rank() + 5).backward();  // a second micro-batch, accumulated
+    at::Tensor whole = at::zeros({shard * site.size()});
+    whole.narrow(0, 0, total).copy_(flat_grads(ref.params).mul(weight));
+    at::Tensor want = at::zeros({shard});
+    site.reduce_scatter_sum(whole, want);
+
+    Chain net;
+    at::Tensor mine = at::zeros({shard});
+    GradientBuckets buckets(net.params, site, mine, 1300 * 4);
+    net.loss(site.rank()).backward();
+    net.loss(site.rank() + 5).backward();
+    buckets.take_accumulated(weight);
+    EXPECT_TRUE(at::equal(mine, want)) << "rank " << site.rank() << ": differs by up to "
+                                       << (mine - want).abs().max().item<float>();
+    for (const auto& p : net.params) EXPECT_FALSE(p.grad().defined()) << "a .grad left after the buckets";
+    EXPECT_FALSE(buckets.armed());
+  });
+}
+
 TEST(GradientBuckets, RefusesAShardOfTheWrongSize) {
   collective::testing::run_site("buckets-bad", 2, [&](collective::SiteGroup& site) {
     Chain net;

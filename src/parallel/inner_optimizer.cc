@@ -97,14 +97,20 @@ double InnerOptimizer::clip_grad_norm(double max_norm) {
   NEBULA_CHECK(max_norm > 0, "clip_grad_norm: max_norm ", max_norm);
   if (norm_group_) {  // pipeline stages: the whole model's norm, from every stage's squares
     at::NoGradGuard no_grad;
-    at::Tensor sq = at::zeros({1}, at::kDouble);
-    for (const at::Tensor& p : params_)
-      if (p.grad().defined()) sq += p.grad().to(at::kDouble).pow(2).sum();
-    norm_group_->allreduce_sum(sq);
-    const double norm = std::sqrt(sq.item<double>() / norm_copies_);
-    if (norm > max_norm)
+    // What this worker holds: its shard of the stage's gradients (ZeRO-2; the shards partition
+    // the stage, counted once) or all of them (each replica of the stage has the same).
+    std::vector<at::Tensor> grads;
+    if (gradients_sharded_)
+      grads.push_back(flat_grad_);
+    else
       for (const at::Tensor& p : params_)
-        if (p.grad().defined()) p.grad().mul_(max_norm / (norm + 1e-6));
+        if (p.grad().defined()) grads.push_back(p.grad());
+    at::Tensor sq = at::zeros({1}, at::kDouble);
+    for (const at::Tensor& g : grads) sq += g.to(at::kDouble).pow(2).sum();
+    norm_group_->allreduce_sum(sq);
+    const double norm = std::sqrt(sq.item<double>() / (gradients_sharded_ ? 1 : norm_copies_));
+    if (norm > max_norm)
+      for (const at::Tensor& g : grads) g.mul_(max_norm / (norm + 1e-6));
     return norm;
   }
   if (!gradients_sharded_) return torch::nn::utils::clip_grad_norm_(params_, max_norm);
@@ -119,8 +125,8 @@ double InnerOptimizer::clip_grad_norm(double max_norm) {
 }
 
 void InnerOptimizer::set_norm_group(collective::SiteGroup* group, int copies) {
-  NEBULA_CHECK(!sharded_ && copies >= 1, "set_norm_group on a ", sharded_ ? "sharded " : "", "optimizer with ",
-               copies, " copies");
+  NEBULA_CHECK(!full_ && copies >= 1, "set_norm_group on a ", full_ ? "ZeRO-3 " : "", "optimizer with ", copies,
+               " copies");
   norm_group_ = group;
   norm_copies_ = copies;
 }
@@ -140,6 +146,11 @@ void InnerOptimizer::zero_grad() {
 void InnerOptimizer::before_backward(double weight) {
   if (buckets_) buckets_->arm(weight);
   if (full_) full_->set_grad_weight(weight);
+}
+
+void InnerOptimizer::reduce_accumulated(double weight) {
+  NEBULA_CHECK(!full_, "reduce_accumulated with ZeRO-3 (its layers reduce-scatter in their own backward)");
+  if (buckets_) buckets_->take_accumulated(weight);
 }
 
 void InnerOptimizer::end_backward() {

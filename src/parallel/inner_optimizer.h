@@ -90,10 +90,14 @@ class InnerOptimizer {
   // The same scale on every worker of the site: sharded gradients' norm is summed over the
   // site (a site collective then, like step()).
   double clip_grad_norm(double max_norm);
+  // After a backward that ran without before_backward (a pipeline stage's micro-batches, each
+  // accumulating into .grad): ZeRO-2 reduce-scatters weight · the accumulated gradients now, as
+  // its buckets do during a backward; otherwise there is nothing to do.
+  void reduce_accumulated(double weight);
   // Pipeline stages (parallel/pipeline.h): the parameters are one stage's, so clip_grad_norm's
   // squares are summed over `group` (the site: every stage of every replica, a collective then)
-  // and divided by `copies` (the data replicas, which hold the same averaged gradients), so the
-  // norm is the whole model's. Unsharded only.
+  // and divided by `copies` (the data replicas, which hold the same averaged gradients; ZeRO-2's
+  // shards partition the stage and count once), so the norm is the whole model's. Not ZeRO-3.
   void set_norm_group(collective::SiteGroup* group, int copies);
 
   // Elements whose AdamW moments this worker holds (n, or S when sharded).

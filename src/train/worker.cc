@@ -268,7 +268,8 @@ Trainer::Trainer(const TaskContext& ctx, bool rejoin, Clock::time_point start)
   strategy_ = strategy::make_strategy(c_.strategy, pipeline_ ? *stage_comm_ : *comm_.comm, timeout,
                                       comm_.training_names.size(), comm_.training_index, c_.privacy);
   strategy_->set_buffers(task_->module().buffers());  // BatchNorm statistics ...: kept equal too
-  if (c_.parallel.shard != "none" && workers_ > 1) strategy_->expect_sharding();  // InnerOptimizer::sharded()
+  // InnerOptimizer::sharded(): over the site's workers, or a pipeline stage's replicas.
+  if (c_.parallel.shard != "none" && (pipeline_ ? stage_group_->size() : workers_) > 1) strategy_->expect_sharding();
   // ZeRO-3's units, on every site (one of one worker too: the others cut their exchanges by them).
   if (c_.parallel.shard == "full") strategy_->set_unit_bounds(parallel::FullShard::unit_bounds(params_, task_->layers()));
   // ZeRO-3: from here on this worker holds its shard of the parameters only; the model gathers
@@ -301,10 +302,11 @@ Trainer::Trainer(const TaskContext& ctx, bool rejoin, Clock::time_point start)
   if (pipeline_) o.set_norm_group(comm_.group.get(), site_grid(c_, site_).data);  // clipping: the whole model's norm
   if (o.sharded())  // the strategy keeps its shard of the outer state (and ZeRO-2/3's gradients)
     strategy_->set_sharding({o.flat_params(), o.gradients_sharded() ? o.flat_grad() : at::Tensor(), o.params_gathered()});
-  if (o.sharded() && who_.local_rank == 0)
-    spdlog::info("inner optimizer: ZeRO-{} over the site's {} workers, AdamW moments for {} of {} parameters per worker{}",
-                 full_ ? 3 : o.gradients_sharded() ? 2 : 1, workers_, o.state_numel(), o.total_numel(),
-                 full_ ? "; the parameters sharded too, gathered layer by layer" : "");
+  if (o.sharded() && (pipeline_ ? stage_group_->rank() : who_.local_rank) == 0)
+    spdlog::info("inner optimizer: ZeRO-{} over {} {}, AdamW moments for {} of {} parameters per worker{}",
+                 full_ ? 3 : o.gradients_sharded() ? 2 : 1, pipeline_ ? stage_group_->size() : workers_,
+                 pipeline_ ? str_cat("replicas of pipeline stage ", pipeline_->stage()) : std::string("workers of the site"),
+                 o.state_numel(), o.total_numel(), full_ ? "; the parameters sharded too, gathered layer by layer" : "");
   checkpoints_ = std::make_unique<WorkerCheckpoints>(c_, who_, *comm_.comm, *task_, o, *strategy_, full_.get());
   eval_start_.assign(task_->eval_size(), 0.0);
   // The set-up's freed memory (each layer built whole before ZeRO-3 cut it, the tokenizer's
@@ -368,6 +370,7 @@ int Trainer::train() {
     if (stage_) {  // pipeline stages: every micro-batch's forward and backward, in 1F1B order
       batch = stage_->prepare(step_);
       batch.loss = at::scalar_tensor(pipeline_->run(*stage_), at::kDouble);
+      optimizer.reduce_accumulated(batch.weight);  // ZeRO-2: reduce-scattered now, after the micro-batches
       if (!pipeline_->last()) batch.tokens = 0;  // the last stage counts the pipeline's tokens
       pipeline_compute_s_ += pipeline_->last_timing().compute_s;
       pipeline_wall_s_ += pipeline_->last_timing().wall_s;

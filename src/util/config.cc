@@ -119,8 +119,9 @@ void check_pipeline(const Config& c, const toml::table& root, const std::string&
   if (p.micro_batches > c.data.batch_size)
     fail("micro_batches", str_cat(p.micro_batches, " micro-batches of a batch of ", c.data.batch_size,
                                   " sequences (data.batch_size): at most one micro-batch per sequence"));
-  if (p.shard != "none")
-    fail("pipeline", str_cat("pipeline stages run with shard = \"none\" so far, not \"", p.shard, "\""));
+  if (p.shard == "full")
+    fail("pipeline", "ZeRO-3 (shard = \"full\") of pipeline stages is not built yet: use shard = \"none\", "
+                     "\"optimizer\" or \"gradients\" (each stage's replicas shard its state)");
   if (c.sites.size() > 1)
     fail("pipeline", str_cat("pipeline stages run in one-site jobs so far (this job has ", c.sites.size(),
                              " sites): the WAN exchange of stages is not built yet"));

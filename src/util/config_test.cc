@@ -161,7 +161,8 @@ TEST(Config, ParallelPipeline) {
                {"job.toml:", "parallel.pipeline", "site 'a' has 2 workers", "multiple of pipeline = 3"});
   expect_error(piped, {"parallel.micro_batches", "data.batch_size"}, {"data.batch_size=3"});
   expect_error(piped, {"job.toml:", "parallel.pipeline", "mlm_encoder", "seq2seq"}, {"model.kind=\"seq2seq\""});
-  expect_error(piped, {"job.toml:", "parallel.pipeline", "shard = \"none\""}, {"parallel.shard=\"optimizer\""});
+  EXPECT_EQ(parse_config(piped, "job.toml", {"parallel.shard=\"optimizer\""}).parallel.shard, "optimizer");
+  expect_error(piped, {"job.toml:", "parallel.pipeline", "ZeRO-3"}, {"parallel.shard=\"full\"", "strategy.kind=\"diloco\""});
   expect_error(piped, {"parallel.pipeline", "contrastive_weight"}, {"data.contrastive_weight=0.5"});
   EXPECT_EQ(parse_config(piped, "job.toml", {"checkpoint.every=10"}).checkpoint.every, 10);
   expect_error(std::string(kValid) + "\n[parallel]\npipeline = 2\n", {"parallel.pipeline", "one-site jobs", "2 sites"},
