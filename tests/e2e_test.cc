@@ -429,6 +429,7 @@ TEST(EndToEnd, PipelineStagesTrainAsTheWholeModel) {
       }
     EXPECT_LE(bias_abs, 20 * 3e-3) << staged << ": the key biases moved further than their steps";
     EXPECT_EQ(summary(plain)["tokens"], summary(staged)["tokens"]) << "the same batches, counted once";
+    EXPECT_EQ(summary(plain)["parameters"], summary(staged)["parameters"]) << "the whole model's, every stage's";
     EXPECT_NEAR(summary(plain)["final_val_loss"].get<double>(), summary(staged)["final_val_loss"].get<double>(), 1e-3);
   }
   // ZeRO along the data dimension: each stage's 2 replicas shard its AdamW state (ZeRO-1, the same

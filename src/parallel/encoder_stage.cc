@@ -2,19 +2,44 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
+#include <memory>
+
 #include "model/peft.h"
 #include "nebula/error.h"
 
 namespace nebula::parallel {
 
-EncoderStage::EncoderStage(model::MlmEncoderImpl& model, Pipeline& pipeline) : model_(model), pipeline_(pipeline) {
+std::vector<int64_t> encoder_cuts(const ModelConfig& c, int64_t vocab_size, int64_t layer_numel, int stages) {
+  return balance_stages(std::vector<int64_t>(static_cast<size_t>(c.layers), layer_numel),
+                        (vocab_size + c.max_len) * c.dim, 2 * c.dim, stages);
+}
+
+std::unique_ptr<StageKeeper> encoder_keeper(const ModelConfig& c, int64_t vocab_size, int stages, int stage) {
+  // MlmEncoder builds its layers first, then the token embedding, the position embedding and the
+  // final norm (model::layer_built after each).
+  auto cuts = std::make_shared<std::vector<int64_t>>();
+  return std::make_unique<StageKeeper>([=, &c](size_t i, torch::nn::Module& layer) {
+    const auto layers = static_cast<size_t>(c.layers);
+    if (i < layers) {
+      if (cuts->empty()) *cuts = encoder_cuts(c, vocab_size, model::numel(layer.parameters()), stages);
+      return (*cuts)[static_cast<size_t>(stage)] <= static_cast<int64_t>(i) &&
+             static_cast<int64_t>(i) < (*cuts)[static_cast<size_t>(stage) + 1];
+    }
+    if (i == layers) return stage == 0 || stage + 1 == stages;  // tokens: the last stage's tied copy too
+    if (i == layers + 1) return stage == 0;                     // positions
+    return stage + 1 == stages;                                 // the final norm
+  });
+}
+
+EncoderStage::EncoderStage(model::MlmEncoderImpl& model, Pipeline& pipeline, const StageKeeper* built)
+    : model_(model), pipeline_(pipeline) {
   // Units in parameter order: the token and position embeddings, every layer, the final norm.
   const std::vector<torch::nn::Module*> units = model.units();
-  std::vector<int64_t> costs;
-  for (const auto& layer : model.layers()) costs.push_back(model::numel(layer->parameters()));
+  int64_t layer_numel = 0;  // the layers are alike: any this worker holds (every stage holds one)
+  for (const auto& layer : model.layers()) layer_numel = std::max(layer_numel, model::numel(layer->parameters()));
   const std::vector<int64_t> cuts =
-      balance_stages(costs, model::numel(units[0]->parameters()) + model::numel(units[1]->parameters()),
-                     model::numel(units.back()->parameters()), pipeline.stages());
+      encoder_cuts(model.config(), model.token_embedding()->options.num_embeddings(), layer_numel, pipeline.stages());
   std::vector<int> owner(units.size(), 0);
   for (int s = 0; s < pipeline.stages(); ++s)
     for (int64_t i = cuts[static_cast<size_t>(s)]; i < cuts[static_cast<size_t>(s) + 1]; ++i)
@@ -22,7 +47,7 @@ EncoderStage::EncoderStage(model::MlmEncoderImpl& model, Pipeline& pipeline) : m
   owner.back() = pipeline.stages() - 1;
   // The last stage projects onto the vocabulary with the first stage's token embedding.
   staged_ = std::make_unique<StagedModel>(units, owner, pipeline.stage(),
-                                          pipeline.last() ? std::vector<size_t>{0} : std::vector<size_t>{});
+                                          pipeline.last() ? std::vector<size_t>{0} : std::vector<size_t>{}, built);
   pipeline.tie(model.token_embedding()->weight, 0, pipeline.stages() - 1);
   begin_ = cuts[static_cast<size_t>(pipeline.stage())];
   end_ = cuts[static_cast<size_t>(pipeline.stage()) + 1];

@@ -17,11 +17,23 @@
 
 namespace nebula::parallel {
 
+// The cut: layers [cuts[s], cuts[s + 1]) on stage s of `stages` (balance_stages by parameter
+// count: every layer `layer_numel` values (the encoder's layers are alike), the token and
+// position embeddings on the first stage, the final norm on the last).
+std::vector<int64_t> encoder_cuts(const ModelConfig& config, int64_t vocab_size, int64_t layer_numel, int stages);
+
+// The keeper to build the encoder under (model::SinkScope) on a worker of stage `stage`: the
+// layers of the other stages are let go as soon as each is built (the cut from the first layer's
+// size), so the model is never whole on this worker. Not for a model that is changed after it is
+// built (PEFT, model.init): build that whole and let EncoderStage cut it.
+std::unique_ptr<StageKeeper> encoder_keeper(const ModelConfig& config, int64_t vocab_size, int stages, int stage);
+
 class EncoderStage : public StageModel {
  public:
-  // Cuts `model` (built whole, from the job's seed) for `pipeline`: lets go of the other stages'
-  // parameters and ties the token embedding. Both must outlive this.
-  EncoderStage(model::MlmEncoderImpl& model, Pipeline& pipeline);
+  // Cuts `model` (built from the job's seed, whole or under `built`, encoder_keeper's) for
+  // `pipeline`: lets go of the other stages' parameters and ties the token embedding. All must
+  // outlive this.
+  EncoderStage(model::MlmEncoderImpl& model, Pipeline& pipeline, const StageKeeper* built = nullptr);
 
   // This step's batch ([batch, seq] ids and labels, model::kIgnoreIndex where no loss), cut by
   // rows into the pipeline's micro-batches (at least one row each: batch >= M).

@@ -265,14 +265,35 @@ double Pipeline::run(StageModel& model) {
   return loss;
 }
 
+void StageKeeper::layer_built(torch::nn::Module& layer) {
+  if (keep_(built_++, layer)) return;
+  at::NoGradGuard no_grad;
+  std::vector<std::vector<int64_t>>& shapes = dropped_[&layer];
+  for (at::Tensor& p : layer.parameters()) {
+    shapes.push_back(p.sizes().vec());
+    p.set_data(at::empty({0}, p.options()));
+  }
+}
+
+const std::vector<std::vector<int64_t>>* StageKeeper::shapes_of(const torch::nn::Module* layer) const {
+  auto it = dropped_.find(layer);
+  return it == dropped_.end() ? nullptr : &it->second;
+}
+
 StagedModel::StagedModel(std::vector<torch::nn::Module*> units, std::vector<int> owner, int stage,
-                         std::vector<size_t> used)
+                         std::vector<size_t> used, const StageKeeper* built)
     : units_(std::move(units)), owner_(std::move(owner)), stage_(stage) {
   NEBULA_CHECK(owner_.size() == units_.size(), owner_.size(), " owners for ", units_.size(), " units");
   at::NoGradGuard no_grad;
   for (size_t u = 0; u < units_.size(); ++u) {
-    std::vector<std::vector<int64_t>> shapes;
     const bool keep = owner_[u] == stage_ || std::find(used.begin(), used.end(), u) != used.end();
+    if (const auto* dropped = built ? built->shapes_of(units_[u]) : nullptr) {
+      NEBULA_CHECK(!keep, "pipeline stage ", stage_, ": unit ", u, " was let go while the model was built, but the "
+                   "stage holds it (the keeper and the cut disagree)");
+      shapes_.push_back(*dropped);
+      continue;
+    }
+    std::vector<std::vector<int64_t>> shapes;
     for (at::Tensor& p : units_[u]->parameters()) {
       shapes.push_back(p.sizes().vec());
       if (!keep) p.set_data(at::empty({0}, p.options()));
@@ -288,6 +309,20 @@ std::vector<at::Tensor> StagedModel::trainable() const {
       for (const at::Tensor& p : units_[u]->parameters())
         if (p.requires_grad()) out.push_back(p);
   return out;
+}
+
+int64_t StagedModel::whole_numel(bool trainable) const {
+  int64_t n = 0;
+  for (size_t u = 0; u < units_.size(); ++u) {
+    const std::vector<at::Tensor> params = units_[u]->parameters();
+    for (size_t k = 0; k < params.size(); ++k) {
+      if (trainable && !params[k].requires_grad()) continue;
+      int64_t count = 1;
+      for (int64_t d : shapes_[u][k]) count *= d;
+      n += count;
+    }
+  }
+  return n;
 }
 
 void StagedModel::with_whole(collective::SiteGroup& group, const SiteGrid& grid, int replicas,

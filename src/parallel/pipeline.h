@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "collective/site_group.h"
+#include "model/layer_gather.h"
 
 namespace nebula::parallel {
 
@@ -127,6 +128,22 @@ class Pipeline {
   Timing timing_;
 };
 
+// While a built-in model is built (model::SinkScope), lets go of each layer this worker's stage
+// does not hold as soon as the layer is built (model::layer_built), so the model is never whole
+// here. keep(i, layer): whether the i-th layer built (in build order) stays.
+class StageKeeper : public model::BuildSink {
+ public:
+  explicit StageKeeper(std::function<bool(size_t, torch::nn::Module&)> keep) : keep_(std::move(keep)) {}
+  void layer_built(torch::nn::Module& layer) override;
+  // The shapes of the parameters of `layer` if it was let go here, else null.
+  const std::vector<std::vector<int64_t>>* shapes_of(const torch::nn::Module* layer) const;
+
+ private:
+  std::function<bool(size_t, torch::nn::Module&)> keep_;
+  size_t built_ = 0;
+  std::map<const torch::nn::Module*, std::vector<std::vector<int64_t>>> dropped_;
+};
+
 // A built-in model cut into stages, held by one worker: the units (embeddings, layers, norms:
 // what ZeRO-3 gathers, model/layer_gather.h) of the other stages have their parameters let go
 // (no values; their shapes remembered), so a worker holds its stage's share of the model only.
@@ -134,11 +151,15 @@ class StagedModel {
  public:
   // `units` in parameter order, unit u trained by stage owner[u]; `used` the units this worker's
   // stage also runs without training them (a tie's copy, Pipeline::tie). Lets go of the rest
-  // now (the model was built whole, from the job's seed).
-  StagedModel(std::vector<torch::nn::Module*> units, std::vector<int> owner, int stage, std::vector<size_t> used = {});
+  // now; `built`: the keeper the model was built under (its units let go already), or null
+  // (the model was built whole, from the job's seed).
+  StagedModel(std::vector<torch::nn::Module*> units, std::vector<int> owner, int stage, std::vector<size_t> used = {},
+              const StageKeeper* built = nullptr);
   // The trainable parameters of this stage's units, in parameter order: what its optimizer and
   // the strategy get.
   std::vector<at::Tensor> trainable() const;
+  // The whole model's parameter values (`trainable`: those that need a gradient), every stage's.
+  int64_t whole_numel(bool trainable) const;
   // fn() with the whole model on the first-stage workers of replicas [0, replicas): each other
   // stage's worker of those replicas sends its units' parameters to its replica's first-stage
   // worker, which lets them go again afterwards. Every worker of the site calls it (a site

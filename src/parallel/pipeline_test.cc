@@ -73,10 +73,12 @@ TEST(Pipeline, SimulatedScheduleHasTheFormulasBubble) {
   EXPECT_DOUBLE_EQ(bubble_fraction(4, 4), 3.0 / 7.0);
 }
 
-// The encoder of the equivalence tests: 4 layers, no dropout, built from one seed.
-model::MlmEncoder make_encoder() {
+// The encoder of the equivalence tests: 4 layers, no dropout, built from one seed (under `sink`
+// when given).
+model::MlmEncoder make_encoder(model::BuildSink* sink = nullptr) {
   static std::mutex seed_lock;  // LibTorch's default generator is the process's
   std::lock_guard<std::mutex> lock(seed_lock);
+  model::SinkScope building(sink);
   at::manual_seed(11);
   ModelConfig c = model::testing::tiny_model_config();
   c.layers = 4;
@@ -156,6 +158,35 @@ TEST(Pipeline, ThreeStagesEqualOneWorker) { expect_pipeline_equals_one_worker(3,
 TEST(Pipeline, FourStagesEqualOneWorker) { expect_pipeline_equals_one_worker(4, 1, 6); }
 TEST(Pipeline, MoreStagesThanMicroBatches) { expect_pipeline_equals_one_worker(4, 1, 2); }
 TEST(Pipeline, TwoStagesTimesTwoReplicas) { expect_pipeline_equals_one_worker(2, 2, 3); }
+
+// Built under encoder_keeper, a worker never holds another stage's layer, and trains as a model
+// built whole and cut afterwards: the same gradients, the same whole-model sizes.
+TEST(Pipeline, BuiltStageByStageEqualsBuiltWholeThenCut) {
+  const model::MlmEncoder whole = make_encoder();
+  collective::testing::run_site("keeper", 2, [&](collective::SiteGroup& group) {
+    const SiteGrid grid{1, 2};
+    Pipeline cut_pipeline(group, grid, 2);
+    model::MlmEncoder a = make_encoder();
+    EncoderStage cut(*a, cut_pipeline);
+    std::unique_ptr<StageKeeper> keeper = encoder_keeper(whole->config(), 41, 2, grid.stage(group.rank()));
+    model::MlmEncoder b = make_encoder(keeper.get());
+    Pipeline kept_pipeline(group, grid, 2);
+    EncoderStage kept(*b, kept_pipeline, keeper.get());
+    EXPECT_EQ(kept.begin(), cut.begin());
+    EXPECT_EQ(kept.end(), cut.end());
+    EXPECT_EQ(kept.staged().whole_numel(false), model::numel(whole->parameters()));
+    EXPECT_EQ(kept.staged().whole_numel(true), cut.staged().whole_numel(true));
+    const auto want = a->named_parameters();
+    for (const auto& item : b->named_parameters())
+      EXPECT_TRUE(at::equal(item.value(), want[item.key()])) << item.key() << " on stage " << grid.stage(group.rank());
+    auto [ids, labels] = batch_of(0);
+    for (auto* stage : {&cut, &kept}) stage->set_batch(ids, labels);
+    EXPECT_DOUBLE_EQ(cut_pipeline.run(cut), kept_pipeline.run(kept));
+    for (const auto& item : b->named_parameters())
+      if (item.value().grad().defined())
+        EXPECT_TRUE(at::equal(item.value().grad(), want[item.key()].grad())) << item.key();
+  });
+}
 
 TEST(Pipeline, WholeModelLentToTheFirstStagesForAWhile) {
   const model::MlmEncoder whole = make_encoder();

@@ -20,8 +20,9 @@ namespace {
 // The task's side of a pipeline stage: the batch (parallel/encoder_stage.h computes).
 class MlmStage : public Task::Stage {
  public:
-  MlmStage(model::MlmEncoderImpl& model, parallel::Pipeline& pipeline, model::MlmBatcher& batches)
-      : stage(model, pipeline), batches_(batches) {}
+  MlmStage(model::MlmEncoderImpl& model, parallel::Pipeline& pipeline, model::MlmBatcher& batches,
+           const parallel::StageKeeper* built)
+      : stage(model, pipeline, built), batches_(batches) {}
   Task::Step prepare(int64_t) override {
     model::MlmBatch b = batches_.next();
     stage.set_batch(b.ids, b.labels);
@@ -78,14 +79,23 @@ class MlmTask : public Task {
     if (ctx.who.local_rank == 0) probe_ = std::make_unique<XlingualProbe>(c_, ctx.who.site, *ctx.tokenizer, ctx.ids);
 
     at::manual_seed(c_.job.seed);  // the same initial weights on every worker
-    model_ = model::MlmEncoder(c_.model, ctx.tokenizer->vocab_size(), ctx.tokenizer->pad_id());
+    // Pipeline stages: the other stages' layers let go as each is built (not with PEFT or a
+    // model file, which change the model after it is built: built whole, cut by make_stage).
+    const parallel::SiteGrid grid = site_grid(c_, site);
+    if (grid.pipeline > 1 && c_.peft.kind == "none" && c_.model.init.empty())
+      keeper_ = parallel::encoder_keeper(c_.model, ctx.tokenizer->vocab_size(), grid.pipeline,
+                                         grid.stage(ctx.who.local_rank));
+    {
+      model::SinkScope building(keeper_.get());
+      model_ = model::MlmEncoder(c_.model, ctx.tokenizer->vocab_size(), ctx.tokenizer->pad_id());
+    }
     if (!c_.model.init.empty()) load_pretrained(ctx, *model_, *model_);  // PEFT below freezes it
     // PEFT freezes the backbone (equal on every worker: same seed). Only the trainable
     // parameters are optimized and synchronized, so they alone cross the WAN.
     params_ = model::apply_peft(*model_, c_.peft);
     model_->to(ctx.device);  // in place (the same parameter tensors): the batches follow in MlmEncoder
-    spdlog::info("{} trainable of {} parameters (peft: {})", model::numel(params_),
-                 model::numel(model_->parameters()), c_.peft.kind);
+    spdlog::info("{} trainable of {} parameters{} (peft: {})", model::numel(params_), model::numel(model_->parameters()),
+                 keeper_ ? " here (this worker's pipeline stage)" : "", c_.peft.kind);
   }
 
   torch::nn::Module& module() override { return *model_; }
@@ -94,12 +104,16 @@ class MlmTask : public Task {
   void set_layer_gather(model::LayerGather* gather) override { model_->set_layer_gather(gather); }
 
   Stage* make_stage(parallel::Pipeline& pipeline) override {
-    stage_ = std::make_unique<MlmStage>(*model_, pipeline, *batches_);
+    stage_ = std::make_unique<MlmStage>(*model_, pipeline, *batches_, keeper_.get());
     params_ = stage_->stage.trainable();
     spdlog::info("pipeline stage {} of {}: layers [{}, {}){}{}, {} trainable parameters", pipeline.stage(),
                  pipeline.stages(), stage_->stage.begin(), stage_->stage.end(), pipeline.first() ? ", the embeddings" : "",
                  pipeline.last() ? ", the final norm and the tied projection" : "", model::numel(params_));
     return stage_.get();
+  }
+  std::pair<int64_t, int64_t> model_numel() override {
+    if (!stage_) return Task::model_numel();
+    return {stage_->stage.staged().whole_numel(false), stage_->stage.staged().whole_numel(true)};
   }
   void with_whole(collective::SiteGroup& group, int replicas, const std::function<void()>& fn,
                   bool everywhere) override {
@@ -189,7 +203,8 @@ class MlmTask : public Task {
   std::unique_ptr<XlingualProbe> probe_;
   model::MlmEncoder model_{nullptr};
   std::vector<at::Tensor> params_;
-  std::unique_ptr<MlmStage> stage_;  // pipeline stages: this worker's
+  std::unique_ptr<parallel::StageKeeper> keeper_;  // pipeline stages: what the model was built under
+  std::unique_ptr<MlmStage> stage_;                // pipeline stages: this worker's
 };
 
 }  // namespace

@@ -49,6 +49,13 @@ std::map<std::string, std::string> text_model_metadata(const TaskContext& ctx, c
           {"tokenizer", std::filesystem::absolute(ctx.tokenizer_path).string()}};
 }
 
+std::pair<int64_t, int64_t> Task::model_numel() {
+  int64_t all = 0, trained = 0;
+  for (const auto& p : module().parameters()) all += p.numel();
+  for (const auto& p : trainable()) trained += p.numel();
+  return {all, trained};
+}
+
 SiteText site_text(const TaskContext& ctx) {
   NEBULA_CHECK(ctx.text, "site_text: no site text in the task context (task_context reads it for the text tasks, "
                "and one task takes it)");

@@ -68,6 +68,9 @@ class Task {
   virtual ~Task() = default;
 
   virtual torch::nn::Module& module() = 0;
+  // The whole model's parameter values and of them the trainable ones, whatever this worker
+  // holds (pipeline stages: every stage's).
+  virtual std::pair<int64_t, int64_t> model_numel();
   // What the optimizer and the strategy get (PEFT: the unfrozen part).
   virtual std::vector<at::Tensor> trainable() = 0;
   // ZeRO-3 ([parallel] shard = "full", parallel/full_shard.h): the modules the model runs through

@@ -15,6 +15,7 @@
 #include <memory>
 #include <optional>
 #include <thread>
+#include <tuple>
 
 #include "collective/hierarchical.h"
 #include "nebula/error.h"
@@ -260,11 +261,10 @@ Trainer::Trainer(const TaskContext& ctx, bool rejoin, Clock::time_point start)
     model::SinkScope building(keeper.get());
     task_ = make_task(ctx, comm_.teacher.get());
   }
-  for (const auto& p : task_->trainable()) trainable_values_ += p.numel();
-  for (const auto& p : task_->module().parameters()) model_values_ += p.numel();
   const auto timeout = std::chrono::duration_cast<Millis>(c_.job.timeout);
   if (c_.parallel.pipeline > 1) connect_stage(timeout);
   params_ = task_->trainable();
+  std::tie(model_values_, trainable_values_) = task_->model_numel();
   strategy_ = strategy::make_strategy(c_.strategy, pipeline_ ? *stage_comm_ : *comm_.comm, timeout,
                                       comm_.training_names.size(), comm_.training_index, c_.privacy);
   strategy_->set_buffers(task_->module().buffers());  // BatchNorm statistics ...: kept equal too
