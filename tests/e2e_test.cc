@@ -252,39 +252,50 @@ TEST(EndToEnd, EveryCodecTrainsToNearlyTheSameLossWithFewerWanBytes) {
 // parameters all-gathered after every step. The math is the whole AdamW's, so sync and diloco
 // end at the loss of the same job with shard = "none" (float differences only), and the log
 // says how much optimizer state each worker holds.
-// The largest |a - b| / max(|a|, |b|, 1e-3) over the float32 tensors of two model files
-// (tensor_bytes), or +inf if their names or sizes differ.
-double max_relative_difference(const std::map<std::string, std::string>& a, const std::map<std::string, std::string>& b) {
-  if (a.size() != b.size()) return HUGE_VAL;
-  double worst = 0;
+// fn(x, y) for every pair of float32 values at one place of two model files' tensors
+// (tensor_bytes); false, before any call, if their names or sizes differ.
+bool each_value_pair(const std::map<std::string, std::string>& a, const std::map<std::string, std::string>& b,
+                     const std::function<void(double, double)>& fn) {
+  if (a.size() != b.size()) return false;
   for (const auto& [name, bytes] : a) {
     auto it = b.find(name);
-    if (it == b.end() || it->second.size() != bytes.size() || bytes.size() % 4) return HUGE_VAL;
+    if (it == b.end() || it->second.size() != bytes.size() || bytes.size() % 4) return false;
+  }
+  for (const auto& [name, bytes] : a)
     for (size_t i = 0; i < bytes.size(); i += 4) {
       float x, y;
       std::memcpy(&x, bytes.data() + i, 4);
-      std::memcpy(&y, it->second.data() + i, 4);
-      worst = std::max(worst, std::fabs(double(x) - y) / std::max({std::fabs(double(x)), std::fabs(double(y)), 1e-3}));
+      std::memcpy(&y, b.at(name).data() + i, 4);
+      fn(x, y);
     }
-  }
-  return worst;
+  return true;
 }
 
-// ‖a − b‖ / ‖a‖ over every value of two model files' tensors (HUGE_VAL if their tensors differ).
+// The largest |a - b| / max(|a|, |b|, 1e-3) over the values of two model files, or +inf if their
+// names or sizes differ.
+double max_relative_difference(const std::map<std::string, std::string>& a, const std::map<std::string, std::string>& b) {
+  double worst = 0;
+  const bool same = each_value_pair(a, b, [&](double x, double y) {
+    worst = std::max(worst, std::fabs(x - y) / std::max({std::fabs(x), std::fabs(y), 1e-3}));
+  });
+  return same ? worst : HUGE_VAL;
+}
+
+// The largest |a - b| over the values of two model files (+inf as above).
+double max_abs_difference(const std::map<std::string, std::string>& a, const std::map<std::string, std::string>& b) {
+  double worst = 0;
+  const bool same = each_value_pair(a, b, [&](double x, double y) { worst = std::max(worst, std::fabs(x - y)); });
+  return same ? worst : HUGE_VAL;
+}
+
+// ‖a − b‖ / ‖a‖ over every value of two model files (+inf as above, or for a of norm 0).
 double relative_l2_difference(const std::map<std::string, std::string>& a, const std::map<std::string, std::string>& b) {
   double diff = 0, norm = 0;
-  for (const auto& [name, bytes] : a) {
-    auto it = b.find(name);
-    if (it == b.end() || it->second.size() != bytes.size() || bytes.size() % 4) return HUGE_VAL;
-    for (size_t i = 0; i < bytes.size(); i += 4) {
-      float x, y;
-      std::memcpy(&x, bytes.data() + i, 4);
-      std::memcpy(&y, it->second.data() + i, 4);
-      diff += (double(x) - y) * (double(x) - y);
-      norm += double(x) * x;
-    }
-  }
-  return a.size() == b.size() && norm > 0 ? std::sqrt(diff / norm) : HUGE_VAL;
+  const bool same = each_value_pair(a, b, [&](double x, double y) {
+    diff += (x - y) * (x - y);
+    norm += x * x;
+  });
+  return same && norm > 0 ? std::sqrt(diff / norm) : HUGE_VAL;
 }
 
 // A model file's tensors without attention's key biases, and those apart. A key bias's gradient
@@ -354,14 +365,7 @@ TEST(EndToEnd, ZeroOneShardsTheOptimizerAndTrainsAsTheWholeOne) {
     // gradient is small next to its running scale (measured: 6.6e-5).
     EXPECT_LE(d, shard == "optimizer" ? 0.0 : three ? 1e-4 : 1e-6) << kind << " " << shard;
     if (three) {
-      double bias = 0;  // |a - b| in units of lr (examples/smoke.toml: 3e-3) per step (40)
-      for (const auto& [name, bytes] : a_bias)
-        for (size_t i = 0; i < bytes.size(); i += 4) {
-          float x, y;
-          std::memcpy(&x, bytes.data() + i, 4);
-          std::memcpy(&y, b_bias.at(name).data() + i, 4);
-          bias = std::max(bias, std::fabs(double(x) - y));
-        }
+      const double bias = max_abs_difference(a_bias, b_bias);  // against lr (examples/smoke.toml: 3e-3) per step (40)
       std::printf("%s: shard = full's key biases end %.3g from shard = none's\n", kind.c_str(), bias);
       EXPECT_LE(bias, 40 * 3e-3) << kind << ": the key biases moved further than their steps";
     }
@@ -419,15 +423,7 @@ TEST(EndToEnd, PipelineStagesTrainAsTheWholeModel) {
     // ZeRO-3 above; measured 5.3e-4 after 20 steps); the key biases move up to lr per step.
     EXPECT_LE(l2, 1e-5) << staged << " against " << plain;
     EXPECT_LE(d, 2e-3) << staged << " against " << plain;
-    double bias_abs = 0;
-    for (const auto& [name, bytes] : a_bias)
-      for (size_t i = 0; i < bytes.size(); i += 4) {
-        float x, y;
-        std::memcpy(&x, bytes.data() + i, 4);
-        std::memcpy(&y, b_bias.at(name).data() + i, 4);
-        bias_abs = std::max(bias_abs, std::fabs(double(x) - y));
-      }
-    EXPECT_LE(bias_abs, 20 * 3e-3) << staged << ": the key biases moved further than their steps";
+    EXPECT_LE(max_abs_difference(a_bias, b_bias), 20 * 3e-3) << staged << ": the key biases moved further than their steps";
     EXPECT_EQ(summary(plain)["tokens"], summary(staged)["tokens"]) << "the same batches, counted once";
     EXPECT_EQ(summary(plain)["parameters"], summary(staged)["parameters"]) << "the whole model's, every stage's";
     EXPECT_NEAR(summary(plain)["final_val_loss"].get<double>(), summary(staged)["final_val_loss"].get<double>(), 1e-3);

@@ -63,17 +63,21 @@ SiteGroup::SiteGroup(const std::string& site, const std::string& store_host, uin
 SiteGroup::SiteGroup(std::unique_ptr<Impl> impl, std::string site, int rank, int size, uint16_t store_port)
     : impl_(std::move(impl)), site_(std::move(site)), rank_(rank), size_(size), store_port_(store_port) {}
 
-std::unique_ptr<SiteGroup> SiteGroup::fork(const std::string& name) {
+std::unique_ptr<SiteGroup> SiteGroup::derive(const std::string& prefix, int rank, int size, const std::string& what) {
   auto impl = std::make_unique<Impl>();
   impl->options = impl_->options;
-  impl->store = c10::make_intrusive<c10d::PrefixStore>("fork/" + name, impl_->store);
+  impl->store = c10::make_intrusive<c10d::PrefixStore>(prefix, impl_->store);
   try {
-    impl->pg = c10::make_intrusive<c10d::ProcessGroupGloo>(impl->store, rank_, size_, impl->options);
+    impl->pg = c10::make_intrusive<c10d::ProcessGroupGloo>(impl->store, rank, size, impl->options);
   } catch (const c10::Error& e) {
-    throw Timeout(site_, str_cat("site ", site_, " rank ", rank_, "/", size_, ": second group '", name,
-                                 "' failed to form: ", e.what_without_backtrace()));
+    throw Timeout(site_, str_cat("site ", site_, " rank ", rank_, "/", size_, ": ", what, " failed to form: ",
+                                 e.what_without_backtrace()));
   }
-  return std::unique_ptr<SiteGroup>(new SiteGroup(std::move(impl), site_, rank_, size_, store_port_));
+  return std::unique_ptr<SiteGroup>(new SiteGroup(std::move(impl), site_, rank, size, store_port_));
+}
+
+std::unique_ptr<SiteGroup> SiteGroup::fork(const std::string& name) {
+  return derive("fork/" + name, rank_, size_, str_cat("second group '", name, "'"));
 }
 
 std::unique_ptr<SiteGroup> SiteGroup::subgroup(const std::string& name, const std::vector<int>& ranks) {
@@ -83,17 +87,8 @@ std::unique_ptr<SiteGroup> SiteGroup::subgroup(const std::string& name, const st
                    ranks.back() < size_,
                "site ", site_, ": rank ", rank_, " forming subgroup '", name, "' of ranks that are not distinct, ",
                "ascending ranks of the site's ", size_, " including its own");
-  const int rank = static_cast<int>(at - ranks.begin()), size = static_cast<int>(ranks.size());
-  auto impl = std::make_unique<Impl>();
-  impl->options = impl_->options;
-  impl->store = c10::make_intrusive<c10d::PrefixStore>("sub/" + name, impl_->store);
-  try {
-    impl->pg = c10::make_intrusive<c10d::ProcessGroupGloo>(impl->store, rank, size, impl->options);
-  } catch (const c10::Error& e) {
-    throw Timeout(site_, str_cat("site ", site_, " rank ", rank_, ": subgroup '", name, "' of ", size,
-                                 " ranks failed to form: ", e.what_without_backtrace()));
-  }
-  return std::unique_ptr<SiteGroup>(new SiteGroup(std::move(impl), site_, rank, size, store_port_));
+  return derive("sub/" + name, static_cast<int>(at - ranks.begin()), static_cast<int>(ranks.size()),
+                str_cat("subgroup '", name, "' of ", ranks.size(), " ranks"));
 }
 
 SiteGroup::~SiteGroup() = default;

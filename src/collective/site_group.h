@@ -133,6 +133,8 @@ class SiteGroup {
   // A non-root rank's side of both: its part sent to (or received from) rank 0.
   void part_with_root(bool to_root, const at::Tensor& part, int tag);
   struct Impl;
+  // A group over this one's store (under `prefix`) as rank `rank` of `size`; `what` names it in errors.
+  std::unique_ptr<SiteGroup> derive(const std::string& prefix, int rank, int size, const std::string& what);
   struct PendingSend;
   std::vector<PendingSend> pending_;  // send()'s, until wait_sends() (the group's thread)
   SiteGroup(std::unique_ptr<Impl> impl, std::string site, int rank, int size, uint16_t store_port);

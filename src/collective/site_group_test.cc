@@ -117,6 +117,34 @@ void check_sharded_collectives(int size, int64_t shard) {
   });
 }
 
+// Point-to-point: sends posted before any receive, received in another order than posted,
+// match by (rank, tag); a subgroup's collectives see its ranks only; a subgroup that does not
+// include the caller is refused.
+TEST(SiteGroup, SendRecvMatchByTagAndSubgroupsSeeTheirRanksOnly) {
+  testing::run_site("p2p", 4, [](SiteGroup& group) {
+    const int r = group.rank(), next = (r + 1) % 4, prev = (r + 3) % 4;
+    const at::Tensor a = at::full({3}, 10.0f * r), b = at::full({2, 2}, 10.0f * r + 1);
+    group.send(a, next, 7);
+    group.send(b, next, 8);
+    at::Tensor got_b = at::empty({2, 2}), got_a = at::empty({3});
+    group.recv(got_b, prev, 8);  // the later send first
+    group.recv(got_a, prev, 7);
+    group.wait_sends();
+    EXPECT_TRUE(at::equal(got_a, at::full({3}, 10.0f * prev)));
+    EXPECT_TRUE(at::equal(got_b, at::full({2, 2}, 10.0f * prev + 1)));
+    EXPECT_THROW(group.send(a, r, 1), Error);  // to itself
+
+    const std::vector<int> odd{1, 3}, even{0, 2};
+    std::unique_ptr<SiteGroup> sub = group.subgroup(r % 2 ? "odd" : "even", r % 2 ? odd : even);
+    EXPECT_EQ(sub->size(), 2);
+    EXPECT_EQ(sub->rank(), r / 2);
+    at::Tensor sum = at::full({1}, static_cast<float>(r));
+    sub->allreduce_sum(sum);
+    EXPECT_EQ(sum.item<float>(), r % 2 ? 4.0f : 2.0f);
+    EXPECT_THROW(group.subgroup("wrong", r % 2 ? even : odd), Error);
+  });
+}
+
 TEST(SiteGroup, ReduceScatterEqualsAllreduceThenSliceAndAllGatherConcatenates) {
   check_sharded_collectives(1, 5);
   check_sharded_collectives(2, 7);

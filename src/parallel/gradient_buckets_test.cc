@@ -44,6 +44,16 @@ at::Tensor flat_grads(const std::vector<at::Tensor>& params) {
   return at::cat(g);
 }
 
+// This worker's shard of the sum over the site of `flat`, by one reduce-scatter of the whole.
+at::Tensor reduce_scattered(collective::SiteGroup& site, const at::Tensor& flat) {
+  const int64_t shard = shard_numel(flat.numel(), site.size());
+  at::Tensor whole = at::zeros({shard * site.size()});
+  whole.narrow(0, 0, flat.numel()).copy_(flat);
+  at::Tensor out = at::zeros({shard});
+  site.reduce_scatter_sum(whole, out);
+  return out;
+}
+
 // Over 2 to 4 workers, with buckets of one layer, of about two layers and one of the whole chain,
 // weights rank + 1: after backward every worker's shard holds exactly what one reduce-scatter of
 // the whole weighted gradient leaves there (the same sums in the same order: bit for bit), no
@@ -64,10 +74,7 @@ TEST(GradientBuckets, ReduceScatterAsBackwardRunsExactlyAsOneWholeReduceScatter)
           // The reference: the whole weighted gradient, reduce-scattered at once.
           Chain ref;
           ref.loss(site.rank(), skip).backward();
-          at::Tensor whole = at::zeros({shard * site.size()});
-          whole.narrow(0, 0, total).copy_(flat_grads(ref.params).mul(weight));
-          at::Tensor want = at::zeros({shard});
-          site.reduce_scatter_sum(whole, want);
+          const at::Tensor want = reduce_scattered(site, flat_grads(ref.params).mul(weight));
 
           Chain net;
           at::Tensor mine = at::zeros({shard});
@@ -118,10 +125,7 @@ TEST(GradientBuckets, AccumulatedGradientsHandedOverAfterwards) {
     Chain ref;
     ref.loss(site.rank()).backward();
     ref.loss(site.rank() + 5).backward();  // a second micro-batch, accumulated
-    at::Tensor whole = at::zeros({shard * site.size()});
-    whole.narrow(0, 0, total).copy_(flat_grads(ref.params).mul(weight));
-    at::Tensor want = at::zeros({shard});
-    site.reduce_scatter_sum(whole, want);
+    const at::Tensor want = reduce_scattered(site, flat_grads(ref.params).mul(weight));
 
     Chain net;
     at::Tensor mine = at::zeros({shard});
