@@ -5,9 +5,9 @@
 # the same tokens per step: each replica's batch is BATCH (default 16; tiny mode 4) times its
 # stages, so data 4 runs 4 batches of BATCH and pipeline 4 one of 4 BATCH. Per row: the largest
 # worker's peak memory at set-up and in the steps (summary.json's peak_rss_bytes_by_phase), the
-# model's parameters over the stages (a stage's, on average: the cut balances them), steady-state seconds per step, the measured pipeline bubble (the stages'
-# time not computing, over the job's steps: Pipeline::Timing) against 1F1B's (P − 1)/(M + P − 1),
-# and the validation loss (the same tokens per step, each replica's share of the data drawn in
+# model's parameters over the stages (a stage's, on average: the cut balances them), steady-state
+# seconds per step, the measured pipeline bubble (the stages' time not computing, over the job's
+# steps: Pipeline::Timing) against 1F1B's (P − 1)/(M + P − 1), and the validation loss (the same tokens per step, each replica's share of the data drawn in
 # its own order: close, not equal; bit-for-bit equality is tests/e2e_test.cc's).
 # On this machine's 2 cores the 4 workers share 2 cores, so a stage waiting for another frees a
 # core for it: the measured bubble is a wall-clock fraction, not idle hardware.

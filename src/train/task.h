@@ -94,8 +94,8 @@ class Task {
   };
   // Cuts the model into `pipeline`'s stages (parallel::balance_stages), lets go of the other
   // stages' parameters, ties what two stages share (Pipeline::tie) and returns this worker's
-  // stage; trainable() and layers() are the stage's from then on. Once, before the strategy is
-  // made. Null: this task's model cannot be cut (the config check refuses it first).
+  // stage; trainable() is the stage's from then on. Once, before the strategy is made. Null:
+  // this task's model cannot be cut (the config check refuses it first).
   virtual Stage* make_stage(parallel::Pipeline& pipeline) { return nullptr; }
   // With stages: fn() with the whole model on the first-stage worker of replicas [0, replicas)
   // (replica 0's is the gateway: its evaluation and the model file; every replica's: each

@@ -371,7 +371,7 @@ int Trainer::train() {
       batch = stage_->prepare(step_);
       batch.loss = at::scalar_tensor(pipeline_->run(*stage_), at::kDouble);
       optimizer.reduce_accumulated(batch.weight);  // ZeRO-2: reduce-scattered now, after the micro-batches
-      if (!pipeline_->last()) batch.tokens = 0;  // the last stage counts the pipeline's tokens
+      if (!pipeline_->first()) batch.tokens = 0;  // the first stage (the gateway's) counts the pipeline's tokens
       pipeline_compute_s_ += pipeline_->last_timing().compute_s;
       pipeline_wall_s_ += pipeline_->last_timing().wall_s;
     } else {

@@ -128,6 +128,9 @@ void check_pipeline(const Config& c, const toml::table& root, const std::string&
   if (c.data.contrastive_weight > 0)
     fail("pipeline", "the contrastive objective's in-batch negatives would change with the micro-batches: set "
                      "data.contrastive_weight = 0 with pipeline stages");
+  if (c.privacy.enabled())
+    fail("pipeline", "[privacy] clips a site's whole update, and each pipeline stage holds a part of it: not with "
+                     "stages yet (remove [privacy] or set pipeline = 1)");
 }
 
 // [wan] mode = "every_worker": what it runs with, and each site's worker addresses.

@@ -164,6 +164,7 @@ TEST(Config, ParallelPipeline) {
   EXPECT_EQ(parse_config(piped, "job.toml", {"parallel.shard=\"optimizer\""}).parallel.shard, "optimizer");
   expect_error(piped, {"job.toml:", "parallel.pipeline", "ZeRO-3"}, {"parallel.shard=\"full\"", "strategy.kind=\"diloco\""});
   expect_error(piped, {"parallel.pipeline", "contrastive_weight"}, {"data.contrastive_weight=0.5"});
+  expect_error(piped, {"parallel.pipeline", "[privacy]"}, {"strategy.kind=\"diloco\"", "privacy.clip=1"});
   EXPECT_EQ(parse_config(piped, "job.toml", {"checkpoint.every=10"}).checkpoint.every, 10);
   expect_error(std::string(kValid) + "\n[parallel]\npipeline = 2\n", {"parallel.pipeline", "one-site jobs", "2 sites"},
                {"model.layers=4", "sites.1.workers=2"});
