@@ -461,8 +461,9 @@ TEST(EndToEnd, PipelineStagesTrainAsTheWholeModel) {
     Result r = run("run examples/pipeline.toml " + args, 60);
     EXPECT_EQ(r.exit_code, 2) << args << "\n" << r.output;
     EXPECT_NE(r.output.find(key), std::string::npos) << args << "\n" << r.output;
-    if (args.find(key) == std::string::npos)  // the key is the file's: its line is named
+    if (args.find(key) == std::string::npos) {  // the key is the file's: its line is named
       EXPECT_NE(r.output.find("pipeline.toml:"), std::string::npos) << args << "\n" << r.output;
+    }
   }
   fs::remove_all(dir);
 }
