@@ -5,8 +5,9 @@
 // c10d point-to-point (Gloo send/recv). After a step each stage's parameters hold the gradient
 // of the whole batch's loss, as one worker running the whole model would compute it.
 //
-// Plain arithmetic (the grid, the cut, the schedule) and the runner; what a stage computes is
-// the task's (StageModel), so nothing here knows a model.
+// Plain arithmetic (the grid, the cut, the schedule), the runner and a model held by stage; what
+// a stage computes is the task's (StageModel, parallel/encoder_stage.h for the MLM encoder), so
+// nothing here knows which model it is.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -39,8 +40,8 @@ struct SiteGrid {
 // Stage s runs layers [cuts[s], cuts[s + 1]) (P + 1 values, 0 to the number of layers): the
 // contiguous cut into `stages` runs of at least one layer each whose largest cost is least,
 // where stage 0 also carries `first_cost` (the embeddings) and the last stage `last_cost` (the
-// final norm); costs are parameter counts. Of equal cuts the one with the earliest boundaries.
-// std::invalid_argument for stages < 1 or more stages than layers.
+// final norm); costs are parameter counts. Ties: the last stage starts as early as the optimum
+// allows, then the one before it, and so on. std::invalid_argument for stages < 1 or more stages than layers.
 std::vector<int64_t> balance_stages(const std::vector<int64_t>& layer_costs, int64_t first_cost, int64_t last_cost,
                                     int stages);
 
