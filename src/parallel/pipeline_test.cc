@@ -139,7 +139,9 @@ void expect_pipeline_equals_one_worker(int P, int D, int M) {
       const at::Tensor& p = item.value();
       const bool is_mine = std::any_of(mine.begin(), mine.end(), [&](const at::Tensor& t) { return t.is_same(p); });
       if (!is_mine) {
-        if (item.key() != "tokens.weight") EXPECT_EQ(p.numel(), 0) << item.key() << " held by stage " << pipeline.stage();
+        if (item.key() != "tokens.weight") {
+          EXPECT_EQ(p.numel(), 0) << item.key() << " held by stage " << pipeline.stage();
+        }
         continue;
       }
       ++trained[item.key()];
@@ -182,9 +184,11 @@ TEST(Pipeline, BuiltStageByStageEqualsBuiltWholeThenCut) {
     auto [ids, labels] = batch_of(0);
     for (auto* stage : {&cut, &kept}) stage->set_batch(ids, labels);
     EXPECT_DOUBLE_EQ(cut_pipeline.run(cut), kept_pipeline.run(kept));
-    for (const auto& item : b->named_parameters())
-      if (item.value().grad().defined())
+    for (const auto& item : b->named_parameters()) {
+      if (item.value().grad().defined()) {
         EXPECT_TRUE(at::equal(item.value().grad(), want[item.key()].grad())) << item.key();
+      }
+    }
   });
 }
 
