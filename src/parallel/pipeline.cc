@@ -127,23 +127,21 @@ void Pipeline::tie(const at::Tensor& param, int owner, int user) {
   ties_.push_back({param, owner, user});
 }
 
-void Pipeline::send_tensors(const std::vector<at::Tensor>& tensors, int dst, int tag, bool header) {
-  if (header) {
-    NEBULA_CHECK(tensors.size() <= static_cast<size_t>(kMaxTensors), "a pipeline stage passes ", tensors.size(),
-                 " tensors on (at most ", kMaxTensors, ")");
-    at::Tensor h = at::zeros({kHeaderSize}, at::kLong);
-    auto* v = h.data_ptr<int64_t>();
-    v[0] = static_cast<int64_t>(tensors.size());
-    for (size_t k = 0; k < tensors.size(); ++k) {
-      const at::Tensor& t = tensors[k];
-      NEBULA_CHECK(t.dim() <= kMaxDims, "a pipeline stage passes on a tensor of ", t.dim(), " dimensions");
-      int64_t* e = v + 1 + k * (2 + kMaxDims);
-      e[0] = static_cast<int64_t>(t.scalar_type());
-      e[1] = t.dim();
-      for (int64_t d = 0; d < t.dim(); ++d) e[2 + d] = t.size(d);
-    }
-    group_.send(h, dst, tag + kHeaderTag);
+void Pipeline::send_activations(const std::vector<at::Tensor>& tensors, int dst, int tag) {
+  NEBULA_CHECK(tensors.size() <= static_cast<size_t>(kMaxTensors), "a pipeline stage passes ", tensors.size(),
+               " tensors on (at most ", kMaxTensors, ")");
+  at::Tensor h = at::zeros({kHeaderSize}, at::kLong);
+  auto* v = h.data_ptr<int64_t>();
+  v[0] = static_cast<int64_t>(tensors.size());
+  for (size_t k = 0; k < tensors.size(); ++k) {
+    const at::Tensor& t = tensors[k];
+    NEBULA_CHECK(t.dim() <= kMaxDims, "a pipeline stage passes on a tensor of ", t.dim(), " dimensions");
+    int64_t* e = v + 1 + k * (2 + kMaxDims);
+    e[0] = static_cast<int64_t>(t.scalar_type());
+    e[1] = t.dim();
+    for (int64_t d = 0; d < t.dim(); ++d) e[2 + d] = t.size(d);
   }
+  group_.send(h, dst, tag + kHeaderTag);
   for (size_t k = 0; k < tensors.size(); ++k)
     group_.send(tensors[k].detach().contiguous(), dst, tag + static_cast<int>(k));
 }
@@ -173,7 +171,7 @@ void Pipeline::forward(StageModel& model, int micro, double& loss) {
                  m.outputs.size(), " tensors, not the micro-batch's loss");
     loss += m.outputs[0].item<double>();
   } else {
-    send_tensors(m.outputs, neighbour(stage_ + 1), tag_of(micro, 0, 0), true);
+    send_activations(m.outputs, neighbour(stage_ + 1), tag_of(micro, 0, 0));
   }
   live_[micro] = std::move(m);
 }

@@ -114,7 +114,8 @@ class Pipeline {
   };
   void forward(StageModel& model, int micro, double& loss);
   void backward(int micro);
-  void send_tensors(const std::vector<at::Tensor>& tensors, int dst, int tag, bool header);
+  // A forward's outputs to the next stage: a header of their dtypes and shapes, then each.
+  void send_activations(const std::vector<at::Tensor>& tensors, int dst, int tag);
   int neighbour(int stage) const { return grid_.rank(stage, grid_.replica(group_.rank())); }
 
   collective::SiteGroup& group_;
