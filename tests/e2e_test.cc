@@ -473,6 +473,68 @@ TEST(EndToEnd, PipelineStagesTrainAsTheWholeModel) {
 // (unsharded and with ZeRO-2, 2 + 3 workers); streaming with ZeRO-3 and int8 passes every hash
 // check. Every worker sends bytes (in gateway mode only the gateways), and they add up to the
 // job's total. Bad configs are refused naming the key.
+// Sites of different layouts ([[sites]] parallel, examples/mixed_layouts.toml): site alpha in 2
+// pipeline stages (× 2 data replicas, with ZeRO-1 over each stage's pair) beside site beta of
+// plain data parallelism train as the same job with alpha unstaged, to rounding (the stages sum
+// each micro-batch's loss apart): diloco in both WAN modes and streaming, every outer step's
+// global weights agreeing on every site (hash_checks), the same bytes on the WAN in gateway mode.
+TEST(EndToEnd, SitesOfDifferentLayoutsTrainOneModel) {
+  const std::string dir = temp_run_dir("mixed_layouts");
+  const std::string base = "run examples/mixed_layouts.toml --set job.steps=20 --set strategy.inner_steps=5 "
+                           "--set sites.1.workers=1 --set strategy.heterogeneous=false ";
+  const std::string equal = "--set sites.0.parallel.pipeline=1 ";
+  const std::string every = "--set wan.mode=every_worker ";
+  const std::string stream = "--set strategy.kind=streaming --set strategy.fragments=2 --set strategy.delay=1 ";
+  const std::vector<std::pair<std::string, std::string>> runs = {
+      {"equal", equal + "--set sites.0.workers=1"},
+      {"mixed", "--set sites.0.workers=2"},
+      {"mixed-every", every + "--set sites.0.workers=2"},
+      {"equal-stream", stream + every + equal + "--set sites.0.workers=1"},
+      {"mixed-stream", stream + every + "--set sites.0.workers=2"},
+      {"equal-data2", equal + "--set sites.0.workers=2"},
+      {"mixed-2x2-zero1", every + "--set sites.0.workers=4 --set parallel.shard=optimizer"}};
+  std::map<std::string, nlohmann::json> summaries;
+  for (const auto& [name, sets] : runs) {
+    Result r = run(base + sets + " --set job.run_dir=\\\"" + dir + "/" + name + "\\\"");
+    ASSERT_EQ(r.exit_code, 0) << name << "\n" << r.output;
+    summaries[name] = nlohmann::json::parse(read_file(dir + "/" + name + "/summary.json"));
+    EXPECT_GT(summaries[name]["strategy_metrics"]["hash_checks"].get<double>(), 0) << name;
+  }
+  auto weights = [&](const std::string& name) { return tensor_bytes(dir + "/" + name + "/model.safetensors"); };
+  // The key biases amplify rounding (split_key_biases, as with the stages of one site): apart.
+  for (const auto& [plain, mixed] : {std::pair{"equal", "mixed"}, std::pair{"equal-stream", "mixed-stream"},
+                                     std::pair{"equal-data2", "mixed-2x2-zero1"}}) {
+    const auto [a, a_bias] = split_key_biases(weights(plain));
+    const auto [b, b_bias] = split_key_biases(weights(mixed));
+    ASSERT_FALSE(a.empty());
+    const double l2 = relative_l2_difference(a, b);
+    std::printf("mixed layouts: %s ends %.3g (relative L2; the key biases %.3g) from %s\n", mixed, l2,
+                relative_l2_difference(a_bias, b_bias), plain);
+    EXPECT_LE(l2, 1e-5) << mixed << " against " << plain;
+    EXPECT_LE(max_abs_difference(a_bias, b_bias), 20 * 3e-3) << mixed << ": the key biases moved further than their steps";
+    EXPECT_EQ(summaries[plain]["tokens"], summaries[mixed]["tokens"]) << mixed;
+    EXPECT_NEAR(summaries[plain]["final_val_loss"].get<double>(), summaries[mixed]["final_val_loss"].get<double>(), 1e-3)
+        << mixed;
+  }
+  // Each worker's own piece over its own links: the same arithmetic as the gateway's, bit for bit.
+  EXPECT_EQ(weights("mixed-every"), weights("mixed"));
+  // Gateway mode: alpha's gateway assembles each fragment from the stages, so the WAN carries
+  // what it carries between unstaged sites (framing and liveness aside).
+  const double equal_bytes = summaries["equal"]["wan_bytes"].get<double>();
+  const double mixed_bytes = summaries["mixed"]["wan_bytes"].get<double>();
+  std::printf("mixed layouts: %.0f WAN bytes with alpha in stages, %.0f without\n", mixed_bytes, equal_bytes);
+  EXPECT_NEAR(mixed_bytes / equal_bytes, 1.0, 0.02);
+  // every_worker: both of alpha's stages carry their own values over their own links.
+  const auto by_worker = summaries["mixed-every"]["wan_bytes_sent_by_worker"].get<std::vector<double>>();
+  ASSERT_EQ(by_worker.size(), 3u);
+  for (double b : by_worker) EXPECT_GT(b, 0);
+  // Refused by key: sync between a staged site and another.
+  Result r = run("run examples/mixed_layouts.toml --set strategy.kind=sync", 60);
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  EXPECT_NE(r.output.find("sites[0].parallel.pipeline"), std::string::npos) << r.output;
+  fs::remove_all(dir);
+}
+
 TEST(EndToEnd, EveryWorkerCarriesItsOwnShardOverItsOwnLinks) {
   const std::string dir = temp_run_dir("every_worker");
   const std::string base = "run examples/smoke.toml --set sites.0.workers=2 --set sites.1.workers=3 "

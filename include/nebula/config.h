@@ -141,6 +141,10 @@ struct SiteConfig {
   // Whether this site's training pairs may leave it: required to send them to another
   // site's teacher ([distill]). Everything else a site shares is model updates.
   bool shareable = false;
+  // [[sites]] parallel = { pipeline = P }: this site's pipeline stages, overriding [parallel]
+  // pipeline (0: the job's). Sites of different layouts train one model together (diloco and
+  // streaming exchange by position in the flat parameter vector, not by rank).
+  int64_t pipeline = 0;
 };
 
 // [distill]: cross-site knowledge distillation for seq2seq. The teacher serves on

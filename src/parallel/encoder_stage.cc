@@ -15,6 +15,18 @@ std::vector<int64_t> encoder_cuts(const ModelConfig& c, int64_t vocab_size, int6
                         (vocab_size + c.max_len) * c.dim, 2 * c.dim, stages);
 }
 
+std::vector<int> encoder_owners(const ModelConfig& c, int64_t vocab_size, int64_t layer_numel, int stages,
+                                size_t units) {
+  NEBULA_CHECK(units == static_cast<size_t>(c.layers) + 3, units, " units for an encoder of ", c.layers, " layers");
+  const std::vector<int64_t> cuts = encoder_cuts(c, vocab_size, layer_numel, stages);
+  std::vector<int> owner(units, 0);
+  for (int s = 0; s < stages; ++s)
+    for (int64_t i = cuts[static_cast<size_t>(s)]; i < cuts[static_cast<size_t>(s) + 1]; ++i)
+      owner[static_cast<size_t>(2 + i)] = s;
+  owner.back() = stages - 1;
+  return owner;
+}
+
 std::unique_ptr<StageKeeper> encoder_keeper(const ModelConfig& c, int64_t vocab_size, int stages, int stage) {
   // MlmEncoder builds its layers first, then the token embedding, the position embedding and the
   // final norm (model::layer_built after each).
@@ -40,11 +52,8 @@ EncoderStage::EncoderStage(model::MlmEncoderImpl& model, Pipeline& pipeline, con
   for (const auto& layer : model.layers()) layer_numel = std::max(layer_numel, model::numel(layer->parameters()));
   const std::vector<int64_t> cuts =
       encoder_cuts(model.config(), model.token_embedding()->options.num_embeddings(), layer_numel, pipeline.stages());
-  std::vector<int> owner(units.size(), 0);
-  for (int s = 0; s < pipeline.stages(); ++s)
-    for (int64_t i = cuts[static_cast<size_t>(s)]; i < cuts[static_cast<size_t>(s) + 1]; ++i)
-      owner[static_cast<size_t>(2 + i)] = s;
-  owner.back() = pipeline.stages() - 1;
+  const std::vector<int> owner = encoder_owners(model.config(), model.token_embedding()->options.num_embeddings(),
+                                                layer_numel, pipeline.stages(), units.size());
   // The last stage projects onto the vocabulary with the first stage's token embedding.
   staged_ = std::make_unique<StagedModel>(units, owner, pipeline.stage(),
                                           pipeline.last() ? std::vector<size_t>{0} : std::vector<size_t>{}, built);

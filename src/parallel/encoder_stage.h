@@ -22,6 +22,11 @@ namespace nebula::parallel {
 // position embeddings on the first stage, the final norm on the last).
 std::vector<int64_t> encoder_cuts(const ModelConfig& config, int64_t vocab_size, int64_t layer_numel, int stages);
 
+// Which stage trains each of the encoder's `units` (MlmEncoder::units(): the token and position
+// embeddings, every layer, the final norm) under encoder_cuts.
+std::vector<int> encoder_owners(const ModelConfig& config, int64_t vocab_size, int64_t layer_numel, int stages,
+                                size_t units);
+
 // The keeper to build the encoder under (model::SinkScope) on a worker of stage `stage`: the
 // layers of the other stages are let go as soon as each is built (the cut from the first layer's
 // size), so the model is never whole on this worker. Not for a model that is changed after it is

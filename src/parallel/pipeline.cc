@@ -53,6 +53,21 @@ std::vector<int64_t> balance_stages(const std::vector<int64_t>& layer_costs, int
   return cuts;
 }
 
+std::vector<int64_t> stage_bounds(const std::vector<int64_t>& unit_numel, const std::vector<int>& owner, int stages) {
+  if (stages < 1 || owner.size() != unit_numel.size())
+    throw std::invalid_argument(str_cat("stage_bounds: ", stages, " stages, ", owner.size(), " owners of ",
+                                        unit_numel.size(), " units"));
+  std::vector<int64_t> bounds(static_cast<size_t>(stages) + 1, 0);
+  for (size_t u = 0; u < owner.size(); ++u) {
+    if (owner[u] < 0 || owner[u] >= stages || (u > 0 && owner[u] < owner[u - 1]))
+      throw std::invalid_argument(str_cat("stage_bounds: unit ", u, " on stage ", owner[u], " of ", stages,
+                                          ": a stage's units must be consecutive, in stage order"));
+    bounds[static_cast<size_t>(owner[u]) + 1] += unit_numel[u];
+  }
+  for (size_t s = 1; s < bounds.size(); ++s) bounds[s] += bounds[s - 1];
+  return bounds;
+}
+
 std::vector<PipeOp> one_f_one_b(int stages, int micro_batches, int stage) {
   NEBULA_CHECK(stages >= 1 && micro_batches >= 1 && stage >= 0 && stage < stages, "1F1B schedule of stage ", stage,
                " of ", stages, " with ", micro_batches, " micro-batches");
@@ -321,6 +336,32 @@ int64_t StagedModel::whole_numel(bool trainable) const {
     }
   }
   return n;
+}
+
+std::vector<std::vector<int64_t>> StagedModel::trainable_shapes() const {
+  std::vector<std::vector<int64_t>> out;
+  for (size_t u = 0; u < units_.size(); ++u) {
+    const std::vector<at::Tensor> params = units_[u]->parameters();
+    for (size_t k = 0; k < params.size(); ++k)
+      if (params[k].requires_grad()) out.push_back(shapes_[u][k]);
+  }
+  return out;
+}
+
+std::vector<int64_t> StagedModel::unit_numel(bool trainable) const {
+  std::vector<int64_t> out;
+  for (size_t u = 0; u < units_.size(); ++u) {
+    const std::vector<at::Tensor> params = units_[u]->parameters();
+    int64_t n = 0;
+    for (size_t k = 0; k < params.size(); ++k) {
+      if (trainable && !params[k].requires_grad()) continue;
+      int64_t count = 1;
+      for (int64_t d : shapes_[u][k]) count *= d;
+      n += count;
+    }
+    out.push_back(n);
+  }
+  return out;
 }
 
 void StagedModel::with_whole(collective::SiteGroup& group, const SiteGrid& grid, int replicas,

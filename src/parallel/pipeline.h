@@ -45,6 +45,11 @@ struct SiteGrid {
 std::vector<int64_t> balance_stages(const std::vector<int64_t>& layer_costs, int64_t first_cost, int64_t last_cost,
                                     int stages);
 
+// Where each stage's values lie in the flat vector of the units' values (`unit_numel` each, in
+// order) when unit u is on stage owner[u]: P + 1 bounds, stage s's [b_s, b_{s+1}).
+// std::invalid_argument unless the owners rise with the units (a stage's units consecutive).
+std::vector<int64_t> stage_bounds(const std::vector<int64_t>& unit_numel, const std::vector<int>& owner, int stages);
+
 // One entry of a stage's schedule: the forward or the backward of micro-batch `micro`.
 struct PipeOp {
   enum Kind { kForward, kBackward };
@@ -162,6 +167,11 @@ class StagedModel {
   std::vector<at::Tensor> trainable() const;
   // The whole model's parameter values (`trainable`: those that need a gradient), every stage's.
   int64_t whole_numel(bool trainable) const;
+  // The shapes of the whole model's trainable parameters, every stage's, in parameter order:
+  // the flat vector the sites exchange (strategy::Strategy::set_layouts).
+  std::vector<std::vector<int64_t>> trainable_shapes() const;
+  // Each unit's parameter values (`trainable`: those that need a gradient), every stage's.
+  std::vector<int64_t> unit_numel(bool trainable) const;
   // fn() with the whole model on the first-stage workers of replicas [0, replicas): each other
   // stage's worker of those replicas sends its units' parameters to its replica's first-stage
   // worker, which lets them go again afterwards. Every worker of the site calls it (a site

@@ -46,4 +46,25 @@ std::vector<int64_t> ShardLayout::counts(int64_t offset, int64_t numel) const {
   return out;
 }
 
+StageLayout::StageLayout(std::vector<int64_t> bounds, int64_t data) : bounds_(std::move(bounds)), data_(data) {
+  if (data_ < 1) throw std::invalid_argument("StageLayout: " + std::to_string(data_) + " data replicas");
+  if (bounds_.size() < 2 || bounds_.front() != 0)
+    throw std::invalid_argument("StageLayout: stage bounds must start at 0 and hold at least one stage");
+  for (size_t s = 0; s + 1 < bounds_.size(); ++s)
+    if (bounds_[s + 1] < bounds_[s])
+      throw std::invalid_argument("StageLayout: stage bound #" + std::to_string(s + 1) + " (" +
+                                  std::to_string(bounds_[s + 1]) + ") before #" + std::to_string(s) + " (" +
+                                  std::to_string(bounds_[s]) + ")");
+}
+
+std::vector<ShardRun> StageLayout::runs(int64_t rank, int64_t offset, int64_t numel) const {
+  const int64_t s = stage_of(rank), q = rank % data_;
+  if (s < 0 || s >= stages()) return {};
+  const int64_t n = stage_numel(s), piece = parallel::shard_numel(n, data_);
+  const int64_t begin = stage_begin(s) + std::min(q * piece, n), end = stage_begin(s) + std::min((q + 1) * piece, n);
+  const int64_t lo = std::max(begin, offset), hi = std::min(end, offset + numel);
+  if (lo >= hi) return {};
+  return {{lo, lo - stage_begin(s), hi - lo}};
+}
+
 }  // namespace nebula::parallel

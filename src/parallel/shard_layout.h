@@ -91,4 +91,33 @@ class ShardLayout {
   int64_t workers_ = 1;
 };
 
+// A site of pipeline stages (parallel/pipeline.h) in the same terms: stage s trains the values
+// [b_s, b_{s+1}) of the flat vector (a stage's units are consecutive) and each of its `data`
+// replicas (site rank s · data + q, SiteGrid's order) holds all of them. For the outer state and
+// the WAN exchange, replica q answers for the q-th piece of ceil(L_s / data) of its stage's L_s
+// values, as ShardLayout::contiguous cuts a site: so every value has one worker, the site's
+// ranks hold the flat vector in order, and a run's `local` is its index among the stage's values
+// (where ZeRO-1/2 over the stage's replicas puts it too).
+class StageLayout {
+ public:
+  // `bounds`: 0 = b_0 <= b_1 <= ... <= b_P = total (P >= 1 stages). Throws std::invalid_argument
+  // for bounds that are not so, or data < 1.
+  StageLayout(std::vector<int64_t> bounds, int64_t data);
+
+  int64_t total() const { return bounds_.back(); }
+  int64_t stages() const { return static_cast<int64_t>(bounds_.size()) - 1; }
+  int64_t data() const { return data_; }
+  int64_t workers() const { return stages() * data_; }
+  const std::vector<int64_t>& bounds() const { return bounds_; }
+  int64_t stage_of(int64_t rank) const { return rank / data_; }
+  int64_t stage_begin(int64_t s) const { return bounds_[static_cast<size_t>(s)]; }
+  int64_t stage_numel(int64_t s) const { return bounds_[static_cast<size_t>(s) + 1] - bounds_[static_cast<size_t>(s)]; }
+  // Worker `rank`'s values of [offset, offset + numel): at most one run, `local` in its stage.
+  std::vector<ShardRun> runs(int64_t rank, int64_t offset, int64_t numel) const;
+
+ private:
+  std::vector<int64_t> bounds_;
+  int64_t data_ = 1;
+};
+
 }  // namespace nebula::parallel

@@ -79,5 +79,46 @@ TEST(ShardLayoutTest, BadBoundsThrow) {
   EXPECT_THROW(ShardLayout({0, 5}, 0), std::invalid_argument);
 }
 
+// A staged site: every value of the flat vector has one worker, of the stage that trains it, at
+// its index among that stage's values; the site's ranks hold the vector in flat order; and a
+// stage's replicas split it as ShardLayout::contiguous splits a site of that many workers.
+TEST(StageLayoutTest, EveryValueHeldOnceAtItsIndexInTheStage) {
+  for (int64_t data : {1, 2, 3}) {
+    const StageLayout layout({0, 10, 10, 23, 24}, data);
+    ASSERT_EQ(layout.workers(), 4 * data);
+    std::vector<int> held(static_cast<size_t>(layout.total()), 0);
+    int64_t next = 0;
+    for (int64_t rank = 0; rank < layout.workers(); ++rank) {
+      const int64_t s = layout.stage_of(rank);
+      const std::vector<ShardRun> runs = layout.runs(rank, 0, layout.total());
+      ASSERT_LE(runs.size(), 1u);
+      const std::vector<ShardRun> cut = ShardLayout::contiguous(layout.stage_numel(s), data).runs(rank % data, 0, layout.stage_numel(s));
+      ASSERT_EQ(runs.size(), cut.size());
+      for (size_t k = 0; k < runs.size(); ++k) {
+        EXPECT_EQ(runs[k].flat, layout.stage_begin(s) + cut[k].flat);
+        EXPECT_EQ(runs[k].local, cut[k].flat);
+        EXPECT_EQ(runs[k].flat, next) << "rank " << rank;
+        next = runs[k].flat + runs[k].len;
+        for (int64_t i = 0; i < runs[k].len; ++i) ++held[static_cast<size_t>(runs[k].flat + i)];
+      }
+      // A range inside the vector: the run clipped to it, its local index moved alike.
+      for (const ShardRun& r : layout.runs(rank, 5, 12)) {
+        EXPECT_GE(r.flat, 5);
+        EXPECT_LE(r.flat + r.len, 17);
+        EXPECT_EQ(r.local, r.flat - layout.stage_begin(s));
+      }
+    }
+    EXPECT_EQ(next, layout.total());
+    for (int h : held) EXPECT_EQ(h, 1) << data << " replicas";
+  }
+}
+
+TEST(StageLayoutTest, BadBoundsThrow) {
+  EXPECT_THROW(StageLayout({0, 5, 3}, 1), std::invalid_argument);
+  EXPECT_THROW(StageLayout({1, 5}, 1), std::invalid_argument);
+  EXPECT_THROW(StageLayout({0}, 1), std::invalid_argument);
+  EXPECT_THROW(StageLayout({0, 5}, 0), std::invalid_argument);
+}
+
 }  // namespace
 }  // namespace nebula::parallel

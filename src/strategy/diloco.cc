@@ -6,6 +6,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <functional>
+#include <numeric>
+#include <variant>
 
 #include "nebula/error.h"
 #include "strategy/replica_check.h"
@@ -74,6 +77,7 @@ void DilocoStrategy::set_codec(const std::string& kind) {
 }
 
 std::vector<at::Tensor> DilocoStrategy::param_views(const Fragment& fr) const {
+  NEBULA_CHECK(!staged(), "param_views on a pipeline stage: its parameters are the stage's, not the model's");
   std::vector<at::Tensor> views;
   for (const Piece& pc : fr.pieces) views.push_back(params_[pc.param].view({-1}).narrow(0, pc.at, pc.numel));
   return views;
@@ -96,11 +100,36 @@ void DilocoStrategy::write_params(const Fragment& fr, const at::Tensor& flat) co
   unflatten_into(flat, param_views(fr));
 }
 
+std::vector<at::Tensor> DilocoStrategy::stage_views(int64_t local, int64_t len) const {
+  std::vector<at::Tensor> views;
+  int64_t pos = 0;
+  for (const auto& p : params_) {  // the stage's parameters in order: its values one after another
+    const int64_t lo = std::max(local, pos), hi = std::min(local + len, pos + p.numel());
+    if (lo < hi) views.push_back(p.view({-1}).narrow(0, lo - pos, hi - lo));
+    pos += p.numel();
+  }
+  return views;
+}
+
+std::pair<int64_t, int64_t> DilocoStrategy::stage_span(const Fragment& fr) const {
+  const auto& layout = std::get<parallel::StageLayout>(layouts_.at(options_.site_index));
+  const int64_t s = layout.stage_of(comm_.site().rank()), begin = layout.stage_begin(s), n = layout.stage_numel(s);
+  return {std::clamp(fr.offset - begin, int64_t{0}, n), std::clamp(fr.offset + fr.numel - begin, int64_t{0}, n)};
+}
+
 std::vector<at::Tensor> DilocoStrategy::part_views(const Fragment& fr) const {
+  if (staged() && fr.part_len == 0) return {at::empty({0}, at::kFloat)};
+  if (staged() && shard_numel_ == 0) {  // the stage's parameters, by index among its values
+    std::vector<at::Tensor> views;
+    for (const parallel::ShardRun& r : fr.part)
+      for (at::Tensor& v : stage_views(r.local, r.len)) views.push_back(std::move(v));
+    return views;
+  }
   if (shard_numel_ == 0) return param_views(fr);
   if (fr.part_len == 0) return {flat_params_.narrow(0, 0, 0)};  // ZeRO-3: the part may lie past this worker's shard
   std::vector<at::Tensor> views;  // ZeRO-1/2: flat_params_ is the whole flat vector; ZeRO-3: this worker's shard
-  for (const parallel::ShardRun& r : fr.part) views.push_back(flat_params_.narrow(0, gathered_ ? r.flat : r.local, r.len));
+  for (const parallel::ShardRun& r : fr.part)  // a stage's ZeRO-1/2: flat_params_ is the stage's values
+    views.push_back(flat_params_.narrow(0, gathered_ && !staged() ? r.flat : r.local, r.len));
   return views;
 }
 
@@ -109,8 +138,13 @@ parallel::ShardLayout DilocoStrategy::site_layout(int64_t workers) const {
                               : parallel::ShardLayout(unit_bounds_, workers);
 }
 
+SiteLayout DilocoStrategy::layout_of(size_t site) const {
+  if (!layouts_.empty() && std::holds_alternative<parallel::StageLayout>(layouts_.at(site))) return layouts_[site];
+  return site_layout(site == options_.site_index ? comm_.site().size() : comm_.workers_per_site().at(site));
+}
+
 std::vector<std::vector<parallel::ShardRun>> DilocoStrategy::site_parts(const Fragment& fr) const {
-  return parts_of(fr.range(), site_layout(comm_.site().size()));
+  return parts_of(fr.range(), layout_of(options_.site_index));
 }
 
 std::vector<int64_t> DilocoStrategy::part_counts(const Fragment& fr) const { return counts_of(site_parts(fr)); }
@@ -153,6 +187,19 @@ void DilocoStrategy::scatter_from_gateway(const Fragment& fr, const at::Tensor& 
 }
 
 void DilocoStrategy::spread_part(const Fragment& fr) {
+  if (staged()) {  // the stage's replicas all-gather their pieces of the stage's values of fr
+    const auto [lo, hi] = stage_span(fr);
+    const int64_t d = stage_group_->size(), first = comm_.site().rank() / d * d;
+    if (d == 1 || lo == hi) return;
+    const auto parts = site_parts(fr);
+    std::vector<int64_t> counts;
+    for (int64_t q = 0; q < d; ++q) counts.push_back(counts_of({parts.at(static_cast<size_t>(first + q))})[0]);
+    if (shard_numel_ > 0) return stage_group_->all_gather_parts(flat_params_.narrow(0, lo, hi - lo), counts);
+    at::Tensor values = flatten(stage_views(lo, hi - lo));
+    stage_group_->all_gather_parts(values, counts);
+    unflatten_into(values, stage_views(lo, hi - lo));
+    return;
+  }
   // ZeRO-3 keeps the parameters sharded: its layers gather them when they run.
   if (shard_numel_ > 0 && gathered_)
     comm_.site().all_gather_parts(flat_params_.narrow(0, fr.offset, fr.numel), part_counts(fr));
@@ -160,6 +207,21 @@ void DilocoStrategy::spread_part(const Fragment& fr) {
 
 void DilocoStrategy::with_global_weights(const std::function<void()>& fn) {
   at::NoGradGuard no_grad;
+  if (staged()) {  // each worker writes its piece, the stage's replicas all-gather; the stage's own values back after
+    const at::Tensor local = flatten(params_);
+    for (const Fragment& fr : fragments_) {
+      write_part(fr, fr.global);
+      spread_part(fr);
+    }
+    try {
+      fn();
+    } catch (...) {
+      unflatten_into(local, params_);
+      throw;
+    }
+    unflatten_into(local, params_);
+    return;
+  }
   // Sharded, each worker writes its shard of θ_global and the site all-gathers (and again to
   // put the replica back; ZeRO-3 gathers where the model runs); else every worker writes all of it.
   const bool sharded = shard_numel_ > 0;
@@ -195,6 +257,24 @@ void DilocoStrategy::init(const std::vector<at::Tensor>& params) {
   for (size_t i = 0; i < params.size(); ++i)
     NEBULA_CHECK(params[i].is_contiguous(), "parameter #", i, " of shape ", params[i].sizes(),
                  " is not contiguous: fragments are ranges of the flat parameter vector; make it contiguous");
+  if (!layouts_.empty()) {  // sites of different layouts: no worker holds all to send
+    params_ = params;
+    int64_t held = 0, whole = 0;
+    for (const auto& p : params) held += p.numel();
+    for (const auto& shape : layout_shapes_) whole += std::accumulate(shape.begin(), shape.end(), int64_t{1}, std::multiplies<>());
+    const SiteLayout& mine = layouts_.at(options_.site_index);
+    const int64_t want = staged() ? std::get<parallel::StageLayout>(mine).stage_numel(
+                                        std::get<parallel::StageLayout>(mine).stage_of(comm_.site().rank()))
+                                  : whole;
+    NEBULA_CHECK(held == want, "init: ", held, " parameter values on this worker, its site's layout gives it ", want,
+                 " (of the model's ", whole, ")");
+    init_fragments(layout_shapes_, [&](const Fragment& fr, const parallel::ShardRun& r) {
+      return staged() ? flatten(stage_views(r.local, r.len)) : read_range(fr, r.flat - fr.offset, r.len);
+    });
+    check_initial_weights("the sites hold the model in different layouts ([[sites]] parallel), so none holds a "
+                          "whole copy to send");
+    return;
+  }
   std::vector<at::Tensor> state = params;
   state.insert(state.end(), buffers_.begin(), buffers_.end());
   make_replicas_equal(comm_, state);
@@ -225,22 +305,38 @@ void DilocoStrategy::init_from_shard(const std::vector<at::Tensor>& params,
   init_fragments(shapes, [&](const Fragment&, const parallel::ShardRun& r) {
     return shard.narrow(0, sharded ? r.local : r.flat, r.len);
   });
+  check_initial_weights("with parallel.shard = \"full\" each worker builds only its pieces of the model and none "
+                        "holds a whole copy to send");
+}
+
+void DilocoStrategy::check_initial_weights(const std::string& why) {
   // Every site built its replica from the same seed: the whole θ_global's CRC (taken over the
   // site's pieces in flat order, whatever its layout) must be global rank 0's. Nothing can put
   // it right from here (the pieces are all there is), so a difference is an error.
-  std::vector<at::Tensor> globals;
-  std::vector<std::vector<std::vector<parallel::ShardRun>>> parts;
-  for (const Fragment& fr : fragments_) {
-    globals.push_back(fr.global);
-    if (sharded) parts.push_back(site_parts(fr));
-  }
-  const double hash = strategy::global_hash(comm_, globals, parts);
+  const double hash = global_hash(fragments_.size());
   if (!replicas_agree(comm_, static_cast<uint32_t>(hash), comm_.is_gateway()))
     throw Error(str_cat("site '", comm_.site().site(), "' (site #", options_.site_index,
                         "): the initial weights differ between sites (CRC of this site's ", total_numel_,
-                        " values: ", static_cast<uint32_t>(hash), "); with parallel.shard = \"full\" each worker "
-                        "builds only its pieces of the model and none holds a whole copy to send: give every site "
-                        "the same job.seed, model and model.init"));
+                        " values: ", static_cast<uint32_t>(hash), "); ", why,
+                        ": give every site the same job.seed, model and model.init"));
+}
+
+void DilocoStrategy::set_layouts(Layouts layouts) {
+  NEBULA_CHECK(fragments_.empty(), "set_layouts after init()");
+  NEBULA_CHECK(layouts.sites.size() == options_.num_sites, "set_layouts: ", layouts.sites.size(),
+               " sites' layouts for a job of ", options_.num_sites);
+  const SiteLayout& mine = layouts.sites[options_.site_index];
+  NEBULA_CHECK(workers_of(mine) == comm_.site().size(), "set_layouts: this site's layout has ", workers_of(mine),
+               " workers, the site ", comm_.site().size());
+  if (const auto* stages = std::get_if<parallel::StageLayout>(&mine)) {
+    NEBULA_CHECK(layouts.stage && layouts.stage->size() == stages->data(), "set_layouts: a staged site's worker needs "
+                 "the group of its stage's ", stages->data(), " replicas");
+    NEBULA_CHECK(buffers_.empty(), "a pipeline stage's model buffers in a job of several sites are not kept equal yet "
+                 "(each stage holds its own): use a model without buffers or pipeline = 1");
+    stage_group_ = layouts.stage;
+  }
+  layouts_ = std::move(layouts.sites);
+  layout_shapes_ = std::move(layouts.shapes);
 }
 
 void DilocoStrategy::init_fragments(const std::vector<std::vector<int64_t>>& shapes, const PartReader& read) {
@@ -295,7 +391,8 @@ void DilocoStrategy::init_fragments(const std::vector<std::vector<int64_t>>& sha
     fragments_[j].part_len = fragments_[j].numel;
   }
   const int64_t n = comm_.site().size(), rank = comm_.site().rank();
-  const bool sharded = expect_sharding_ && n > 1;
+  const bool sharded = (expect_sharding_ && n > 1) || staged();
+  parted_ = sharded;
   for (Fragment& fr : fragments_) {
     if (sharded) {
       fr.part = site_parts(fr).at(static_cast<size_t>(rank));
@@ -430,7 +527,7 @@ void DilocoStrategy::send(size_t f) {
 // other workers' parts into the rest of it, and alone sends the whole.
 void DilocoStrategy::send_through_gateway(Fragment& fr, double weight, double hash) {
   const size_t f = static_cast<size_t>(&fr - fragments_.data());
-  const bool sharded = shard_numel_ > 0;
+  const bool sharded = parted();
   at::Tensor part;
   if (comm_.is_gateway()) fr.delta = at::empty({fr.numel}, at::kFloat);
   if (sharded)
@@ -485,7 +582,7 @@ void DilocoStrategy::send_own_part(Fragment& fr, double weight, double hash) {
   at::Tensor part;
   int64_t len = 0;
   for (const auto& span : mine) len += span.end - span.begin;
-  if (shard_numel_ > 0) {
+  if (parted()) {
     NEBULA_CHECK(len == fr.part_len, "fragment ", f, ": this worker's part has ", fr.part_len,
                  " values, its WAN holding ", len);
     fr.delta = part = fr.global.clone();
@@ -518,8 +615,8 @@ void DilocoStrategy::send_own_part(Fragment& fr, double weight, double hash) {
 }
 
 collective::Holdings DilocoStrategy::wan_holdings(const Fragment& fr) const {
-  std::vector<parallel::ShardLayout> layouts;
-  for (int64_t w : comm_.workers_per_site()) layouts.push_back(site_layout(w));
+  std::vector<SiteLayout> layouts;
+  for (size_t s = 0; s < options_.num_sites; ++s) layouts.push_back(layout_of(s));
   return strategy::wan_holdings(fr.range(), layouts);
 }
 
@@ -570,7 +667,7 @@ void DilocoStrategy::merge(size_t f) {
   // The sites' mean pseudo-gradient for this worker's part (sharded: scattered, else all of it).
   at::Tensor update = fr.delta;
   if (comm_.every_worker()) {  // this worker's part of the mean, exchanged in place
-    if (shard_numel_ == 0 && comm_.site().size() > 1) {  // unsharded: the site's parts joined
+    if (!parted() && comm_.site().size() > 1) {  // unsharded: the site's parts joined
       const auto parts = site_parts(fr);
       NEBULA_CHECK(in_rank_order(parts), "fragment ", f, ": an unsharded site's WAN cut is of one unit");
       const int64_t at = parts[static_cast<size_t>(comm_.site().rank())].empty()
@@ -580,7 +677,7 @@ void DilocoStrategy::merge(size_t f) {
       update.narrow(0, at, fr.delta.numel()).copy_(fr.delta);
       comm_.site().all_gather_parts(update, counts_of(parts));
     }
-  } else if (shard_numel_ > 0) {
+  } else if (parted()) {
     update = at::empty({fr.part_len}, at::kFloat);
     scatter_from_gateway(fr, fr.delta, update);
   } else if (comm_.site().size() > 1) {
@@ -619,7 +716,7 @@ void DilocoStrategy::merge(size_t f) {
     at::Tensor progress = read_part(fr).sub_(fr.sent_local);
     fr.sent_local = at::Tensor();
     at::Tensor diverged = at::full({1}, at::isfinite(progress).all().item<bool>() ? 0.0f : 1.0f);
-    if (shard_numel_ > 0) comm_.site().allreduce_sum(diverged);
+    if (parted()) comm_.site().allreduce_sum(diverged);
     if (diverged.item<float>() > 0) progress.zero_();
     write_part(fr, progress.add_(fr.global));
   }
@@ -685,7 +782,7 @@ double DilocoStrategy::global_hash(size_t f) {
   std::vector<std::vector<std::vector<parallel::ShardRun>>> parts;  // empty: the state is whole
   for (size_t j = begin; j < end; ++j) {
     globals.push_back(fragments_[j].global);
-    if (shard_numel_ > 0) parts.push_back(site_parts(fragments_[j]));
+    if (parted()) parts.push_back(site_parts(fragments_[j]));
   }
   return strategy::global_hash(comm_, globals, parts);
 }

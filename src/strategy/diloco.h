@@ -117,6 +117,11 @@ class DilocoStrategy : public Strategy {
   // ZeRO-3's units (FullShard::unit_bounds): every site's workers hold a piece of each, and
   // exchange (every_worker) and keep their outer state by those pieces.
   void set_unit_bounds(std::vector<int64_t> bounds) override { unit_bounds_ = std::move(bounds); }
+  // Sites of different layouts (a site of pipeline stages among others): every site's cut of
+  // the flat vector. A staged site's workers keep their pieces of the outer state (StageLayout),
+  // run the data parallel step over their stage's replicas, and after a merge all-gather the
+  // stage's values over them; the exchanges (both WAN modes) cut by each site's layout.
+  void set_layouts(Layouts layouts) override;
   void after_step(int64_t step) override;
   bool keep_training(int64_t step, int64_t steps) override;
   void finish() override;
@@ -187,8 +192,23 @@ class DilocoStrategy : public Strategy {
   collective::Holdings wan_holdings(const Fragment& fr) const;
   // The layout of a site of `workers` workers: ZeRO-3's units (set_unit_bounds), else one unit.
   parallel::ShardLayout site_layout(int64_t workers) const;
+  // Site s's layout: its stages' (set_layouts), else site_layout at its number of workers.
+  SiteLayout layout_of(size_t site) const;
   // Every rank of this site's part of fr (runs in flat order), by the site's layout.
   std::vector<std::vector<parallel::ShardRun>> site_parts(const Fragment& fr) const;
+  // Whether this worker holds a pipeline stage's parameters only (set_layouts), and whether its
+  // outer state is its part of each fragment (a stage's piece, or ZeRO's shard) rather than all.
+  bool staged() const { return stage_group_ != nullptr; }
+  bool parted() const { return parted_; }
+  // The workers this worker's data parallel step runs over: its stage's replicas, or the site.
+  collective::SiteGroup& data_group() const { return staged() ? *stage_group_ : comm_.site(); }
+  // Staged: views of values [local, local + len) of this worker's stage (params_ flattened).
+  std::vector<at::Tensor> stage_views(int64_t local, int64_t len) const;
+  // Staged: fragment fr's values among this worker's stage's, [first, second).
+  std::pair<int64_t, int64_t> stage_span(const Fragment& fr) const;
+  // init()'s check with set_layouts or ZeRO-3 (no worker holds all to send): every site's
+  // θ_global has global rank 0's CRC; `why` ends the error.
+  void check_initial_weights(const std::string& why);
   // This worker's `part` gathered into the gateway's whole fragment `whole` (fr.numel values, in
   // flat order; undefined off the gateway), and back: site collectives.
   void gather_to_gateway(const Fragment& fr, const at::Tensor& part, const at::Tensor& whole);
@@ -238,8 +258,12 @@ class DilocoStrategy : public Strategy {
   at::Tensor flat_params_;  // ZeRO (set_sharding): the parameters' flat buffer, N S values (ZeRO-3: this worker's S)
   bool gathered_ = true;    // flat_params_ holds every shard (ZeRO-1/2), else this worker's only (ZeRO-3)
   std::vector<int64_t> unit_bounds_;  // ZeRO-3's units; empty: one unit
+  std::vector<SiteLayout> layouts_;   // set_layouts: every site's; empty: every site by site_layout
+  std::vector<std::vector<int64_t>> layout_shapes_;  // set_layouts: the whole model's trainable shapes
+  collective::SiteGroup* stage_group_ = nullptr;     // set_layouts on a staged site: its stage's replicas
   int64_t shard_numel_ = 0;  // S; 0 = the outer state is whole
   bool expect_sharding_ = false;  // init() cuts the parts already (set_sharding follows)
+  bool parted_ = false;           // each fragment's outer state is this worker's part (staged, or ZeRO)
   at::Tensor flat_grad_;    // ZeRO-2: the gradients' flat buffer, N S values
   bool round_open_ = false;
   uint64_t next_seq_ = 0;

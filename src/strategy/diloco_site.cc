@@ -11,7 +11,7 @@ namespace nebula::strategy {
 void DilocoStrategy::sync_gradients(const std::vector<at::Tensor>& params, double weight) {
   NEBULA_CHECK(params.size() == params_.size(), "sync_gradients with ", params.size(), " parameters, init had ",
                params_.size());
-  collective::SiteGroup& site = comm_.site();
+  collective::SiteGroup& site = data_group();  // a pipeline stage: its replicas
   if (site.size() == 1) {  // nothing to average; the weight still counts for the exchange
     site_weight_ += weight;
     return;
@@ -42,7 +42,8 @@ void DilocoStrategy::sync_gradients(const std::vector<at::Tensor>& params, doubl
   }
   // Every step: the weighted gradients and the tail go straight into one buffer (no
   // intermediate flat copy), one all-reduce, and straight back.
-  const int64_t n = total_numel_;
+  int64_t n = 0;  // the site's whole model, or this worker's stage
+  for (const auto& p : params_) n += p.numel();
   at::Tensor buf = at::empty({n + 1 + buffer_numel_}, at::kFloat);
   int64_t offset = 0;
   for (const auto& p : params) {
@@ -65,17 +66,20 @@ void DilocoStrategy::sync_gradients(const std::vector<at::Tensor>& params, doubl
 }
 
 void DilocoStrategy::set_sharding(const Sharding& shards) {
-  collective::SiteGroup& site = comm_.site();
+  collective::SiteGroup& site = data_group();  // a pipeline stage: ZeRO over its replicas
   const int64_t n = site.size();
   NEBULA_CHECK(n > 1 && !fragments_.empty() && shard_numel_ == 0 && can_save(),
                "set_sharding: once, after init() and before the first step, on a site of more than one worker");
   const int64_t shards_held = shards.gathered ? n : 1;  // ZeRO-3: this worker's only
-  const parallel::ShardLayout layout = site_layout(n);
+  int64_t held = 0;  // the values this worker's group shards: the model's, or its stage's
+  for (const auto& p : params_) held += p.numel();
+  // A stage's replicas shard its values as a site shards the model's (StageLayout's pieces).
+  const parallel::ShardLayout layout = staged() ? parallel::ShardLayout::contiguous(held, n) : site_layout(n);
   const int64_t shard = layout.shard_numel();
   auto check = [&](const at::Tensor& flat, const char* what) {
     NEBULA_CHECK(flat.numel() == shard * shards_held && flat.scalar_type() == at::kFloat && flat.is_contiguous() &&
                      flat.dim() == 1,
-                 "set_sharding: ", flat.numel(), " ", what, " for ", total_numel_, " parameters over ", n,
+                 "set_sharding: ", flat.numel(), " ", what, " for ", held, " parameters over ", n,
                  " workers (want ", shards.gathered ? "N equal shards" : "one of N equal shards", " of ", shard,
                  " values: the site's layout, 1-D float32, contiguous)");
   };
@@ -91,17 +95,18 @@ void DilocoStrategy::set_sharding(const Sharding& shards) {
   }
   if (shards.grads.defined()) {
     NEBULA_CHECK(shards.grads.numel() == shard && shards.grads.scalar_type() == at::kFloat && shards.grads.is_contiguous(),
-                 "set_sharding: ", shards.grads.numel(), " gradient values for ", total_numel_, " parameters over ", n,
+                 "set_sharding: ", shards.grads.numel(), " gradient values for ", held, " parameters over ", n,
                  " workers (want this worker's ", shard, ": ZeRO-2/3 reduce-scatter them in backward)");
     flat_grad_ = shards.grads;
   }
   flat_params_ = shards.params;
   gathered_ = shards.gathered;
   shard_numel_ = shard;
+  parted_ = true;
   // This worker's part of each fragment: its runs of the fragment in the site's layout.
   at::NoGradGuard no_grad;
   for (Fragment& fr : fragments_) {
-    fr.part = site_parts(fr).at(static_cast<size_t>(site.rank()));
+    fr.part = site_parts(fr).at(static_cast<size_t>(comm_.site().rank()));
     fr.part_len = counts_of({fr.part})[0];
     if (expect_sharding_) {  // init() made the part already
       NEBULA_CHECK(fr.global.numel() == fr.part_len, "set_sharding: init() cut a part of ", fr.global.numel(),

@@ -53,7 +53,13 @@ void DilocoStrategy::save_state(StrategyState& out) const {
   save_codec_states(comm_, out);
   auto& n = out.numbers;
   n["fragments"] = static_cast<double>(fragments_.size());
-  n["parts"] = shard_numel_ > 0 ? static_cast<double>(comm_.site().size()) : 1.0;  // each worker's part, or whole
+  n["parts"] = parted() ? static_cast<double>(comm_.site().size()) : 1.0;  // each worker's part, or whole
+  if (staged()) {  // the stages the parts are cut by (a resume onto another layout is refused)
+    const auto& stages = std::get<parallel::StageLayout>(layouts_.at(options_.site_index));
+    std::string bounds;
+    for (int64_t b : stages.bounds()) bounds += (bounds.empty() ? "" : ",") + std::to_string(b);
+    out.strings["stages"] = str_cat(bounds, "x", stages.data());
+  }
   if (shard_numel_ > 0 && !unit_bounds_.empty()) {  // the units the parts are cut by (load_resharded)
     std::string units;
     for (int64_t b : unit_bounds_) units += (units.empty() ? "" : ",") + std::to_string(b);
@@ -121,6 +127,9 @@ void DilocoStrategy::load_resharded(const std::vector<StrategyState>& ranks) {
   const auto parts = static_cast<size_t>(parts_it == ranks[0].numbers.end() ? 1.0 : parts_it->second);
   if (static_cast<size_t>(state_number(ranks[0], "fragments")) != fragments_.size())
     return load_state(ranks[0]);  // refused, naming the setting that changed
+  if (staged() || ranks[0].strings.count("stages"))
+    throw DataError("a resume that changes the layout of a site of pipeline stages ([parallel] pipeline, shard or "
+                    "the site's workers) is not built yet: resume with the layout the checkpoint was saved with");
   if (parts > 1 && parts != ranks.size())
     throw DataError(str_cat("the checkpoint's strategy state is cut into ", parts, " parts, but ", ranks.size(),
                             " workers' checkpoints were found"));
@@ -218,7 +227,7 @@ void DilocoStrategy::reconcile() {
   // position: counters (double on the WAN and inside the site), and the info decisions rest on.
   // A site behind takes the leader's buffers too (not with [privacy]: they never leave a site).
   const int64_t buffers_len = buffers_cross_sites() ? buffer_numel_ : 0;
-  const bool sharded = shard_numel_ > 0;
+  const bool sharded = parted();
   collective::SiteGroup& site = comm_.site();
   at::Tensor values;
   if (!sharded) {

@@ -2,9 +2,17 @@
 
 namespace nebula::strategy {
 
-std::vector<std::vector<parallel::ShardRun>> parts_of(const FragmentRange& fr, const parallel::ShardLayout& layout) {
+int64_t workers_of(const SiteLayout& layout) {
+  return std::visit([](const auto& l) { return l.workers(); }, layout);
+}
+
+std::vector<std::vector<parallel::ShardRun>> parts_of(const FragmentRange& fr, const SiteLayout& layout) {
   std::vector<std::vector<parallel::ShardRun>> parts;
-  for (int64_t q = 0; q < layout.workers(); ++q) parts.push_back(layout.runs(q, fr.offset, fr.numel));
+  std::visit(
+      [&](const auto& l) {
+        for (int64_t q = 0; q < l.workers(); ++q) parts.push_back(l.runs(q, fr.offset, fr.numel));
+      },
+      layout);
   return parts;
 }
 
@@ -29,9 +37,9 @@ bool in_rank_order(const std::vector<std::vector<parallel::ShardRun>>& parts) {
   return true;
 }
 
-collective::Holdings wan_holdings(const FragmentRange& fr, const std::vector<parallel::ShardLayout>& layouts) {
+collective::Holdings wan_holdings(const FragmentRange& fr, const std::vector<SiteLayout>& layouts) {
   collective::Holdings holdings;
-  for (const parallel::ShardLayout& layout : layouts) {
+  for (const SiteLayout& layout : layouts) {
     auto& site = holdings.emplace_back();
     for (const auto& runs : parts_of(fr, layout)) {
       auto& spans = site.emplace_back();

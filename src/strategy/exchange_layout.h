@@ -7,6 +7,7 @@
 #pragma once
 
 #include <cstdint>
+#include <variant>
 #include <vector>
 
 #include "collective/hierarchical.h"
@@ -19,9 +20,13 @@ struct FragmentRange {
   int64_t offset = 0, numel = 0;
 };
 
+// How one site holds the flat vector: ZeRO's cut of its workers, or its pipeline stages'.
+using SiteLayout = std::variant<parallel::ShardLayout, parallel::StageLayout>;
+int64_t workers_of(const SiteLayout& layout);
+
 // Every rank's runs of the fragment under `layout` (flat and shard-local indices absolute), in
 // rank order; a rank's part is its runs' values one after another.
-std::vector<std::vector<parallel::ShardRun>> parts_of(const FragmentRange& fr, const parallel::ShardLayout& layout);
+std::vector<std::vector<parallel::ShardRun>> parts_of(const FragmentRange& fr, const SiteLayout& layout);
 
 // Σ len of each rank's runs.
 std::vector<int64_t> counts_of(const std::vector<std::vector<parallel::ShardRun>>& parts);
@@ -32,6 +37,6 @@ bool in_rank_order(const std::vector<std::vector<parallel::ShardRun>>& parts);
 
 // Every site's holdings of the fragment (Hierarchy::exchange_parts_async), spans relative to the
 // fragment: site s cut by layouts[s].
-collective::Holdings wan_holdings(const FragmentRange& fr, const std::vector<parallel::ShardLayout>& layouts);
+collective::Holdings wan_holdings(const FragmentRange& fr, const std::vector<SiteLayout>& layouts);
 
 }  // namespace nebula::strategy

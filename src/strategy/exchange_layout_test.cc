@@ -50,5 +50,33 @@ TEST(ExchangeLayout, UnitsSpreadEveryFragmentOverEveryWorker) {
   EXPECT_EQ(counts_of(parts_of({8, 16}, ShardLayout::contiguous(24, 4))), (std::vector<int64_t>{0, 4, 6, 6}));
 }
 
+// Sites of different layouts in one exchange: {pipeline 2 × data 2} (stages [0, 9) and [9, 20))
+// and {data 3}. Each site's holdings cover the fragment exactly once, in flat order, whatever
+// its layout: the exchange pairs workers by position, not by rank.
+TEST(ExchangeLayout, StagedAndUnstagedSitesCoverTheFragmentOnceEach) {
+  const parallel::StageLayout staged({0, 9, 20}, 2);
+  const FragmentRange fr{4, 12};  // [4, 16): both stages
+  const collective::Holdings h = wan_holdings(fr, {staged, ShardLayout::contiguous(20, 3)});
+  ASSERT_EQ(h.size(), 2u);
+  ASSERT_EQ(h[0].size(), 4u);
+  ASSERT_EQ(h[1].size(), 3u);
+  for (const auto& site : h) {
+    int64_t next = 0;
+    for (const auto& spans : site)
+      for (const auto& span : spans) {
+        EXPECT_EQ(span.begin, next);
+        next = span.end;
+      }
+    EXPECT_EQ(next, fr.numel);
+  }
+  // Stage 0's pieces are [0, 5) and [5, 9), stage 1's [9, 15) and [15, 20).
+  const auto parts = parts_of(fr, staged);
+  EXPECT_EQ(counts_of(parts), (std::vector<int64_t>{1, 4, 6, 1}));
+  EXPECT_TRUE(in_rank_order(parts));
+  EXPECT_EQ(parts[2][0], (ShardRun{9, 0, 6}));
+  EXPECT_EQ(parts[3][0], (ShardRun{15, 6, 1}));
+  EXPECT_EQ(workers_of(staged), 4);
+}
+
 }  // namespace
 }  // namespace nebula::strategy

@@ -27,6 +27,7 @@
 #include "collective/hierarchical.h"
 #include "nebula/config.h"
 #include "nebula/error.h"
+#include "strategy/exchange_layout.h"
 
 namespace nebula::strategy {
 
@@ -93,6 +94,21 @@ class Strategy {
   // Before init(), on every worker of a job with shard = "full": the units ZeRO-3 cuts the flat
   // parameter vector into (parallel/shard_layout.h), the same on every site.
   virtual void set_unit_bounds(std::vector<int64_t> /*bounds*/) {}
+  // Before init(), on every worker of a job whose sites hold the model differently (a site of
+  // pipeline stages among others, [[sites]] parallel): how every site holds the flat vector of
+  // the whole model's trainable parameters (`shapes`, in order), by site index. On a staged
+  // site `params` (init, sync_gradients) are this worker's stage's only, and `stage` is the
+  // group of its stage's data replicas (null elsewhere). init() then checks that every site
+  // starts from the same weights (a CRC over the sites' parts) instead of making them so.
+  struct Layouts {
+    std::vector<SiteLayout> sites;
+    std::vector<std::vector<int64_t>> shapes;
+    collective::SiteGroup* stage = nullptr;
+  };
+  virtual void set_layouts(Layouts /*layouts*/) {
+    throw ConfigError(str_cat("strategy.kind = \"", name(), "\" does not run sites of pipeline stages in a job of "
+                              "several sites (its whole gradients cross the WAN every step): use diloco or streaming"));
+  }
   virtual void set_sharding(const Sharding& shards) {
     if (shards.grads.defined())
       throw ConfigError(str_cat("parallel.shard = \"", shards.gathered ? "gradients" : "full",

@@ -115,6 +115,29 @@ class MlmTask : public Task {
     if (!stage_) return Task::model_numel();
     return {stage_->stage.staged().whole_numel(false), stage_->stage.staged().whole_numel(true)};
   }
+  std::vector<std::vector<int64_t>> trainable_shapes() override {
+    return stage_ ? stage_->stage.staged().trainable_shapes() : Task::trainable_shapes();
+  }
+  std::vector<int64_t> stage_bounds(int stages) override {
+    std::vector<int64_t> all, trained;  // per unit, the whole model's (a stage knows the others' shapes)
+    if (stage_) {
+      all = stage_->stage.staged().unit_numel(false);
+      trained = stage_->stage.staged().unit_numel(true);
+    } else {
+      for (torch::nn::Module* unit : model_->units()) {
+        all.push_back(0);
+        trained.push_back(0);
+        for (const at::Tensor& p : unit->parameters()) {
+          all.back() += p.numel();
+          if (p.requires_grad()) trained.back() += p.numel();
+        }
+      }
+    }
+    const int64_t layer_numel = *std::max_element(all.begin() + 2, all.end() - 1);  // the layers are alike
+    return parallel::stage_bounds(trained, parallel::encoder_owners(c_.model, model_->token_embedding()->options.num_embeddings(),
+                                                                    layer_numel, stages, all.size()),
+                                  stages);
+  }
   void with_whole(collective::SiteGroup& group, int replicas, const std::function<void()>& fn,
                   bool everywhere) override {
     if (!stage_) return fn();

@@ -97,6 +97,16 @@ class Task {
   // stage; trainable() is the stage's from then on. Once, before the strategy is made. Null:
   // this task's model cannot be cut (the config check refuses it first).
   virtual Stage* make_stage(parallel::Pipeline& pipeline) { return nullptr; }
+  // The flat vector the sites exchange, whatever this worker holds: the shapes of the whole
+  // model's trainable parameters in order (with stages: every stage's).
+  virtual std::vector<std::vector<int64_t>> trainable_shapes() {
+    std::vector<std::vector<int64_t>> shapes;
+    for (const at::Tensor& p : trainable()) shapes.push_back(p.sizes().vec());
+    return shapes;
+  }
+  // Where each of `stages` stages' values would lie in it (StagedModel's cut; every site can tell
+  // every other's); empty: the model is not cut into stages.
+  virtual std::vector<int64_t> stage_bounds(int /*stages*/) { return {}; }
   // With stages: fn() with the whole model on the first-stage worker of replicas [0, replicas)
   // (replica 0's is the gateway: its evaluation and the model file; every replica's: each
   // validates its own share), run there only or, `everywhere`, on every worker; a site collective

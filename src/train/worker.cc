@@ -12,7 +12,9 @@
 #include <chrono>
 #include <cstdlib>
 #include <filesystem>
+#include <functional>
 #include <memory>
+#include <numeric>
 #include <optional>
 #include <thread>
 #include <tuple>
@@ -185,6 +187,11 @@ class Trainer {
   int stop(int signal);
   // [parallel] pipeline > 1: this worker's stage, its runner and its replicas' group.
   void connect_stage(Millis timeout);
+  // Whether the sites hold the model in different layouts the strategy must know (a site of
+  // pipeline stages in a job of several training sites: diloco and streaming exchange by
+  // position), and every training site's layout, in mesh order.
+  bool by_layouts() const;
+  std::vector<strategy::SiteLayout> site_layouts();
   // One metrics line per `log_every` steps (and one for the last, partial window).
   void write_metrics(int64_t steps_done);
   // Evaluation on the gateway: a metrics line {"site", "step", "eval"} with this site's values
@@ -262,12 +269,15 @@ Trainer::Trainer(const TaskContext& ctx, bool rejoin, Clock::time_point start)
     task_ = make_task(ctx, comm_.teacher.get());
   }
   const auto timeout = std::chrono::duration_cast<Millis>(c_.job.timeout);
-  if (c_.parallel.pipeline > 1) connect_stage(timeout);
+  if (site_grid(c_, site_).pipeline > 1) connect_stage(timeout);
   params_ = task_->trainable();
   std::tie(model_values_, trainable_values_) = task_->model_numel();
-  strategy_ = strategy::make_strategy(c_.strategy, pipeline_ ? *stage_comm_ : *comm_.comm, timeout,
+  // A one-site job's stages each run the strategy over their replicas (stage_comm_); sites of
+  // different layouts run it over the site, each stage's replicas as its data parallel group.
+  strategy_ = strategy::make_strategy(c_.strategy, stage_comm_ ? *stage_comm_ : *comm_.comm, timeout,
                                       comm_.training_names.size(), comm_.training_index, c_.privacy);
   strategy_->set_buffers(task_->module().buffers());  // BatchNorm statistics ...: kept equal too
+  if (by_layouts()) strategy_->set_layouts({site_layouts(), task_->trainable_shapes(), stage_group_.get()});
   // InnerOptimizer::sharded(): over the site's workers, or a pipeline stage's replicas.
   if (c_.parallel.shard != "none" && (pipeline_ ? stage_group_->size() : workers_) > 1) strategy_->expect_sharding();
   // ZeRO-3's units, on every site (one of one worker too: the others cut their exchanges by them).
@@ -323,6 +333,7 @@ void Trainer::connect_stage(Millis timeout) {
   NEBULA_CHECK(stage_, "model.kind = \"", c_.model.kind, "\" cannot be cut into pipeline stages");
   const int stage = pipeline_->stage();
   stage_group_ = comm_.group->subgroup(str_cat("stage", stage), grid.stage_ranks(stage));
+  if (by_layouts()) return;  // the strategy runs over the site (set_layouts)
   if (stage_group_->rank() == 0) {  // the stage's replicas' own one-site mesh: nothing crosses the WAN here
     collective::MeshOptions mesh;
     mesh.site_names = {site_.name};
@@ -331,6 +342,33 @@ void Trainer::connect_stage(Millis timeout) {
     stage_mesh_ = std::make_unique<collective::GatewayMesh>(std::move(mesh), std::move(none));
   }
   stage_comm_ = std::make_unique<collective::Hierarchy>(*stage_group_, stage_mesh_.get());
+}
+
+bool Trainer::by_layouts() const {
+  if (c_.strategy.kind == "sync" || comm_.training_names.size() < 2) return false;
+  for (const std::string& name : comm_.training_names)
+    if (site_grid(c_, c_.sites.at(c_.site_index(name))).pipeline > 1) return true;
+  return false;
+}
+
+std::vector<strategy::SiteLayout> Trainer::site_layouts() {
+  int64_t total = 0;
+  for (const auto& shape : task_->trainable_shapes())
+    total += std::accumulate(shape.begin(), shape.end(), int64_t{1}, std::multiplies<>());
+  std::vector<strategy::SiteLayout> layouts;
+  for (const std::string& name : comm_.training_names) {
+    const SiteConfig& site = c_.sites.at(c_.site_index(name));
+    const parallel::SiteGrid grid = site_grid(c_, site);
+    if (grid.pipeline == 1) {
+      layouts.emplace_back(parallel::ShardLayout::contiguous(total, site.workers));
+      continue;
+    }
+    std::vector<int64_t> bounds = task_->stage_bounds(grid.pipeline);
+    NEBULA_CHECK(!bounds.empty() && bounds.back() == total, "site '", site.name, "': model.kind = \"", c_.model.kind,
+                 "\" cannot be cut into ", grid.pipeline, " pipeline stages here");
+    layouts.emplace_back(parallel::StageLayout(std::move(bounds), grid.data));
+  }
+  return layouts;
 }
 
 void Trainer::resume(bool rejoin) {
@@ -614,7 +652,7 @@ nlohmann::json Trainer::summary(int64_t steps, const std::vector<double>& totals
     const std::vector<double> compute = by_worker(2 + PhasePeaks::kPhases), wall = by_worker(3 + PhasePeaks::kPhases);
     double c = 0, w = 0;
     for (size_t i = 0; i < compute.size(); ++i) c += compute[i], w += wall[i];
-    const auto P = static_cast<int>(c_.parallel.pipeline), M = static_cast<int>(c_.parallel.micro_batches);
+    const int P = pipeline_->stages(), M = pipeline_->micro_batches();
     summary["pipeline"] = {{"stages", P},
                            {"micro_batches", M},
                            {"bubble_formula", parallel::bubble_fraction(P, M)},

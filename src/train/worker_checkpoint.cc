@@ -191,7 +191,7 @@ void WorkerCheckpoints::save(const WorkerProgress& progress) {
     parallel::Checkpoint k = capture(progress.step, task_, optimizer_, strategy_);
     k.state["worker"] = {{"tokens", progress.tokens}, {"eval_start", progress.eval_start}, {"site", site.name},
                          {"rank", who_.local_rank},   {"workers", site.workers},           {"shard", c_.parallel.shard},
-                         {"pipeline", c_.parallel.pipeline}};
+                         {"pipeline", site_grid(c_, site).pipeline}};
     parallel::save_checkpoint(dir_, k, fingerprint_, static_cast<int>(c_.checkpoint.keep));
   };
   // Sharded, each rank saves its shard of the trainable parameters: ZeRO-3 gathers nothing.
@@ -213,11 +213,12 @@ std::optional<WorkerProgress> WorkerCheckpoints::restore_newest() {
   const bool reshard = layout.reshard(workers);
   // Pipeline stages: each worker's checkpoint holds its stage; resuming onto other stages (or
   // onto stages from a checkpoint without them) would need their layers cut again: not built.
+  const int64_t pipeline = site_grid(c_, site).pipeline;
   const int64_t old_pipeline =
-      newest ? newest->state.value("worker", nlohmann::json::object()).value("pipeline", int64_t{1}) : c_.parallel.pipeline;
-  if (old_pipeline != c_.parallel.pipeline || (reshard && c_.parallel.pipeline > 1))
+      newest ? newest->state.value("worker", nlohmann::json::object()).value("pipeline", int64_t{1}) : pipeline;
+  if (old_pipeline != pipeline || (reshard && pipeline > 1))
     throw ConfigError(str_cat(dir_, ": the checkpoint was written by ", old_workers, " workers in ", old_pipeline,
-                              " pipeline stage(s); this run has ", workers, " in ", c_.parallel.pipeline,
+                              " pipeline stage(s); this run has ", workers, " in ", pipeline,
                               ": resuming onto another pipeline layout is not built yet; resume with parallel.pipeline = ",
                               old_pipeline, " and the site's ", old_workers, " workers"));
   // Resharding leaves the sharded state in the old files, to read by range; so does ZeRO-3 the

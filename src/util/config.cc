@@ -96,41 +96,64 @@ std::string place(const toml::table& root, const char* table, const char* key, c
   return where(n ? *n : *t, file);
 }
 
-// [parallel] pipeline: what the stages are cut from and what runs with them so far.
+// [parallel] pipeline and [[sites]] parallel.pipeline: what the stages are cut from and what
+// runs with them so far. An error names the key that asked for stages: the site's own, else the job's.
 void check_pipeline(const Config& c, const toml::table& root, const std::string& file) {
   const ParallelConfig& p = c.parallel;
-  if (p.pipeline == 1) return;
-  auto fail = [&](const char* key, const std::string& why) {
-    throw ConfigError(str_cat(place(root, "parallel", key, file), ": key 'parallel.", key, "': ", why));
+  size_t staged = c.sites.size();  // the first site with stages
+  for (size_t i = 0; i < c.sites.size() && staged == c.sites.size(); ++i)
+    if ((c.sites[i].pipeline > 0 ? c.sites[i].pipeline : p.pipeline) > 1) staged = i;
+  auto site_key = [&](size_t i) -> std::pair<std::string, std::string> {  // {place, key}
+    if (c.sites[i].pipeline == 0) return {place(root, "parallel", "pipeline", file), "parallel.pipeline"};
+    const toml::node* n = root["sites"][i]["parallel"]["pipeline"].node();
+    return {n ? where(*n, file) : file, str_cat("sites[", i, "].parallel.pipeline")};
   };
+  if (staged == c.sites.size()) return;
+  const auto [at, key] = site_key(staged);
+  auto fail = [&, at = at, key = key](const std::string& why) { throw ConfigError(str_cat(at, ": key '", key, "': ", why)); };
   if (c.model.kind == "torchscript")
-    fail("pipeline", "a TorchScript module is one piece to nebula, so it cannot be cut into stages (giving the "
-                     "stages as separate modules is not supported yet): use pipeline = 1");
+    fail("a TorchScript module is one piece to nebula, so it cannot be cut into stages (giving the "
+         "stages as separate modules is not supported yet): use pipeline = 1");
   if (c.model.kind != "mlm_encoder")
-    fail("pipeline", str_cat("pipeline stages run model.kind = \"mlm_encoder\" so far, not \"", c.model.kind,
-                             "\": use pipeline = 1"));
-  if (p.pipeline > c.model.layers)
-    fail("pipeline", str_cat(p.pipeline, " stages for a model of ", c.model.layers,
-                             " layers (model.layers): each stage runs at least one layer"));
-  for (const auto& site : c.sites)
-    if (site.workers % p.pipeline != 0)
-      fail("pipeline", str_cat("site '", site.name, "' has ", site.workers, " workers, not a multiple of pipeline = ",
-                               p.pipeline, " (each stage runs on workers / pipeline of them)"));
+    fail(str_cat("pipeline stages run model.kind = \"mlm_encoder\" so far, not \"", c.model.kind, "\": use pipeline = 1"));
+  for (size_t i = 0; i < c.sites.size(); ++i) {
+    const int64_t pipeline = c.sites[i].pipeline > 0 ? c.sites[i].pipeline : p.pipeline;
+    if (pipeline > c.model.layers) {
+      const auto [where_i, key_i] = site_key(i);
+      throw ConfigError(str_cat(where_i, ": key '", key_i, "': ", pipeline, " stages for a model of ", c.model.layers,
+                                " layers (model.layers): each stage runs at least one layer"));
+    }
+  }
+  for (size_t i = 0; i < c.sites.size(); ++i) {
+    const int64_t pipeline = c.sites[i].pipeline > 0 ? c.sites[i].pipeline : p.pipeline;
+    if (c.sites[i].workers % pipeline != 0) {
+      const auto [where_i, key_i] = site_key(i);
+      throw ConfigError(str_cat(where_i, ": key '", key_i, "': site '", c.sites[i].name, "' has ", c.sites[i].workers,
+                                " workers, not a multiple of pipeline = ", pipeline,
+                                " (each stage runs on workers / pipeline of them)"));
+    }
+  }
   if (p.micro_batches > c.data.batch_size)
-    fail("micro_batches", str_cat(p.micro_batches, " micro-batches of a batch of ", c.data.batch_size,
-                                  " sequences (data.batch_size): at most one micro-batch per sequence"));
+    throw ConfigError(str_cat(place(root, "parallel", "micro_batches", file), ": key 'parallel.micro_batches': ",
+                              p.micro_batches, " micro-batches of a batch of ", c.data.batch_size,
+                              " sequences (data.batch_size): at most one micro-batch per sequence"));
   if (p.shard == "full")
-    fail("pipeline", "ZeRO-3 (shard = \"full\") of pipeline stages is not built yet: use shard = \"none\", "
-                     "\"optimizer\" or \"gradients\" (each stage's replicas shard its state)");
-  if (c.sites.size() > 1)
-    fail("pipeline", str_cat("pipeline stages run in one-site jobs so far (this job has ", c.sites.size(),
-                             " sites): the WAN exchange of stages is not built yet"));
+    fail("ZeRO-3 (shard = \"full\") of pipeline stages is not built yet: use shard = \"none\", "
+         "\"optimizer\" or \"gradients\" (each stage's replicas shard its state)");
   if (c.data.contrastive_weight > 0)
-    fail("pipeline", "the contrastive objective's in-batch negatives would change with the micro-batches: set "
-                     "data.contrastive_weight = 0 with pipeline stages");
+    fail("the contrastive objective's in-batch negatives would change with the micro-batches: set "
+         "data.contrastive_weight = 0 with pipeline stages");
   if (c.privacy.enabled())
-    fail("pipeline", "[privacy] clips a site's whole update, and each pipeline stage holds a part of it: not with "
-                     "stages yet (remove [privacy] or set pipeline = 1)");
+    fail("[privacy] clips a site's whole update, and each pipeline stage holds a part of it: not with "
+         "stages yet (remove [privacy] or set pipeline = 1)");
+  if (c.sites.size() > 1 && c.strategy.kind == "sync")
+    fail(str_cat("pipeline stages on sites that exchange over the WAN run strategy.kind = \"diloco\" or "
+                 "\"streaming\" (sync sends each stage's gradients every step; not built): this job has ",
+                 c.sites.size(), " sites"));
+  if (c.sites.size() > 1 && c.job.elastic)
+    fail("a site of pipeline stages cannot rejoin a running job yet: set job.elastic = false");
+  if (c.sites.size() > 1 && c.distill.enabled())
+    fail("pipeline stages do not run with [distill] yet: use pipeline = 1");
 }
 
 // [wan] mode = "every_worker": what it runs with, and each site's worker addresses.
@@ -321,6 +344,11 @@ Config build(const toml::table& root, const std::string& file) {
     s.number("slowdown", site.slowdown, 1.0, 1000.0);
     s.integer("max_pairs_per_language", site.max_pairs_per_language, 0, INT64_MAX);
     s.boolean("shareable", site.shareable);
+    if (const toml::table* pt = s.table("parallel")) {  // this site's own layout
+      Section ps(*pt, s.key_name("parallel"), file);
+      ps.integer("pipeline", site.pipeline, 1, 1024);
+      ps.finish();
+    }
     s.finish();  // unknown keys before the checks below
     const toml::node* name = st.get("name");
     if (site.name.empty())
@@ -690,6 +718,7 @@ std::string to_toml(const Config& c) {
                                 {"slowdown", s.slowdown},
                                 {"max_pairs_per_language", s.max_pairs_per_language},
                                 {"shareable", s.shareable}});
+    if (s.pipeline > 0) sites.back().as_table()->insert("parallel", toml::table{{"pipeline", s.pipeline}});
   }
   root.insert("sites", std::move(sites));
   auto path = [&](toml::table t, const WanPathConfig& p) {

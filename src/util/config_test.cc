@@ -166,9 +166,37 @@ TEST(Config, ParallelPipeline) {
   expect_error(piped, {"parallel.pipeline", "contrastive_weight"}, {"data.contrastive_weight=0.5"});
   expect_error(piped, {"parallel.pipeline", "[privacy]"}, {"strategy.kind=\"diloco\"", "privacy.clip=1"});
   EXPECT_EQ(parse_config(piped, "job.toml", {"checkpoint.every=10"}).checkpoint.every, 10);
-  expect_error(std::string(kValid) + "\n[parallel]\npipeline = 2\n", {"parallel.pipeline", "one-site jobs", "2 sites"},
+  expect_error(std::string(kValid) + "\n[parallel]\npipeline = 2\n", {"parallel.pipeline", "diloco", "2 sites"},
                {"model.layers=4", "sites.1.workers=2"});
+  expect_error(std::string(kValid) + "\n[parallel]\npipeline = 2\n", {"parallel.pipeline", "site 'b' has 1 workers"},
+               {"model.layers=4", "strategy.kind=\"diloco\""});
   expect_error(piped, {"parallel.pipeline"}, {"parallel.pipeline=0"});
+}
+
+// [[sites]] parallel: a site's own layout, its errors naming its key and line.
+TEST(Config, SiteLayouts) {
+  const std::string mixed = replace_once(replace_once(kValid, "workers = 2\n", "workers = 2\nparallel = { pipeline = 2 }\n"),
+                                         "heads = 4\n", "heads = 4\nlayers = 4\n");
+  const Config m = parse_config(mixed, "job.toml", {"strategy.kind=\"diloco\""});
+  EXPECT_EQ(m.sites[0].pipeline, 2);
+  EXPECT_EQ(m.sites[1].pipeline, 0);
+  EXPECT_EQ(m.parallel.pipeline, 1);
+  EXPECT_EQ(parse_config(to_toml(m), "again").sites[0].pipeline, 2);
+  EXPECT_EQ(parse_config(to_toml(m), "again").sites[1].pipeline, 0);
+  // The site's line, not the job's [parallel].
+  expect_error(mixed, {"job.toml:18:", "sites[0].parallel.pipeline", "diloco"});
+  expect_error(replace_once(mixed, "pipeline = 2 }", "pipeline = 3 }"),
+               {"job.toml:18:", "sites[0].parallel.pipeline", "site 'a' has 2 workers", "multiple of pipeline = 3"},
+               {"strategy.kind=\"diloco\""});
+  expect_error(mixed, {"sites[0].parallel.pipeline", "2 stages for a model of 1 layers"},
+               {"strategy.kind=\"diloco\"", "model.layers=1"});
+  expect_error(mixed, {"sites[0].parallel.pipeline", "job.elastic"}, {"strategy.kind=\"diloco\"", "job.elastic=true"});
+  expect_error(replace_once(mixed, "pipeline = 2 }", "tensor = 2 }"), {"sites[0].parallel", "tensor"});
+  expect_error(replace_once(mixed, "pipeline = 2 }", "pipeline = 0 }"), {"sites[0].parallel.pipeline"});
+  // A site of one stage beside a job of two: the job's key still asks the other site for stages.
+  const Config one = parse_config(replace_once(mixed, "pipeline = 2 }", "pipeline = 1 }"), "job.toml",
+                                  {"strategy.kind=\"diloco\""});
+  EXPECT_EQ(one.sites[0].pipeline, 1);
 }
 
 TEST(Config, WanModeEveryWorker) {
