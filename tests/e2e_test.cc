@@ -528,6 +528,17 @@ TEST(EndToEnd, SitesOfDifferentLayoutsTrainOneModel) {
   const auto by_worker = summaries["mixed-every"]["wan_bytes_sent_by_worker"].get<std::vector<double>>();
   ASSERT_EQ(by_worker.size(), 3u);
   for (double b : by_worker) EXPECT_GT(b, 0);
+  // Stopped mid-round and resumed (each worker's checkpoint holds its stage and its piece of the
+  // outer state): the uninterrupted run's weights, bit for bit. Onto another layout: refused.
+  const std::string stop = base + "--set sites.0.workers=2 --set job.run_dir=\\\"" + dir + "/mixed-stopped\\\"";
+  Result stopped = run(stop, 600, "NEBULA_TEST_STOP_AT_STEP=7");
+  ASSERT_EQ(stopped.exit_code, 128 + 15) << stopped.output;
+  Result other = run(stop + " --resume --set sites.0.parallel.pipeline=1", 120);
+  EXPECT_NE(other.exit_code, 0) << other.output;
+  EXPECT_NE(other.output.find("resume with sites[0].parallel.pipeline = 2"), std::string::npos) << other.output;
+  Result resumed = run(stop + " --resume");
+  ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
+  EXPECT_EQ(weights("mixed-stopped"), weights("mixed"));
   // Refused by key: sync between a staged site and another.
   Result r = run("run examples/mixed_layouts.toml --set strategy.kind=sync", 60);
   EXPECT_EQ(r.exit_code, 2) << r.output;

@@ -219,7 +219,8 @@ std::optional<WorkerProgress> WorkerCheckpoints::restore_newest() {
   if (old_pipeline != pipeline || (reshard && pipeline > 1))
     throw ConfigError(str_cat(dir_, ": the checkpoint was written by ", old_workers, " workers in ", old_pipeline,
                               " pipeline stage(s); this run has ", workers, " in ", pipeline,
-                              ": resuming onto another pipeline layout is not built yet; resume with parallel.pipeline = ",
+                              ": resuming onto another pipeline layout is not built yet; resume with ",
+                              site.pipeline > 0 ? str_cat("sites[", who_.site, "].") : std::string(), "parallel.pipeline = ",
                               old_pipeline, " and the site's ", old_workers, " workers"));
   // Resharding leaves the sharded state in the old files, to read by range; so does ZeRO-3 the
   // trainable parameters of a checkpoint that holds them whole (load_parameter_pieces).

@@ -844,7 +844,7 @@ std::string training_fingerprint(const Config& c) {
   if (auto* sites = t["sites"].as_array())
     for (auto& s : *sites)
       if (auto* site = s.as_table())
-        for (const char* key : {"gateway", "store", "worker_addresses", "slowdown", "device", "workers"}) site->erase(key);
+        for (const char* key : {"gateway", "store", "worker_addresses", "slowdown", "device", "workers", "parallel"}) site->erase(key);
   std::ostringstream out;
   out << t;
   uint64_t h = 1469598103934665603ull;  // FNV-1a, 64 bits

@@ -94,6 +94,11 @@ TEST(Config, TrainingFingerprintIgnoresAddressesStepsEmulationAndLayout) {
   for (const char* other : {"model.dim=64", "job.seed=2", "strategy.kind=\"diloco\"", "data.batch_size=8",
                             "sites.1.name=\"gamma\""})
     EXPECT_NE(training_fingerprint(parse_config(kValid, "job.toml", {other})), h) << other;
+  // A site's own layout ([[sites]] parallel) is checked by the resume itself (train/worker_checkpoint.cc).
+  const std::vector<std::string> diloco = {"model.layers=4", "strategy.kind=\"diloco\""};
+  EXPECT_EQ(training_fingerprint(parse_config(replace_once(kValid, "workers = 2\n", "workers = 2\nparallel = { pipeline = 2 }\n"),
+                                              "job.toml", diloco)),
+            training_fingerprint(parse_config(kValid, "job.toml", diloco)));
 }
 
 TEST(Config, ParallelShard) {
