@@ -343,6 +343,8 @@ struct Config {
   int64_t total_workers() const;
   // Index of the site named `name`; ConfigError listing the known names if absent.
   size_t site_index(const std::string& name) const;
+  // A site's pipeline stages: its own ([[sites]] parallel), else the job's ([parallel]).
+  int64_t pipeline_of(const SiteConfig& site) const { return site.pipeline > 0 ? site.pipeline : parallel.pipeline; }
 };
 
 // Parses and validates `path`, after applying `overrides` ("section.key=value", the value in

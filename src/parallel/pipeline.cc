@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <chrono>
 #include <limits>
+#include <numeric>
 #include <stdexcept>
 #include <string>
 
@@ -325,17 +326,8 @@ std::vector<at::Tensor> StagedModel::trainable() const {
 }
 
 int64_t StagedModel::whole_numel(bool trainable) const {
-  int64_t n = 0;
-  for (size_t u = 0; u < units_.size(); ++u) {
-    const std::vector<at::Tensor> params = units_[u]->parameters();
-    for (size_t k = 0; k < params.size(); ++k) {
-      if (trainable && !params[k].requires_grad()) continue;
-      int64_t count = 1;
-      for (int64_t d : shapes_[u][k]) count *= d;
-      n += count;
-    }
-  }
-  return n;
+  const std::vector<int64_t> units = unit_numel(trainable);
+  return std::accumulate(units.begin(), units.end(), int64_t{0});
 }
 
 std::vector<std::vector<int64_t>> StagedModel::trainable_shapes() const {

@@ -6,8 +6,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <functional>
-#include <numeric>
 #include <variant>
 
 #include "nebula/error.h"
@@ -259,15 +257,13 @@ void DilocoStrategy::init(const std::vector<at::Tensor>& params) {
                  " is not contiguous: fragments are ranges of the flat parameter vector; make it contiguous");
   if (!layouts_.empty()) {  // sites of different layouts: no worker holds all to send
     params_ = params;
-    int64_t held = 0, whole = 0;
-    for (const auto& p : params) held += p.numel();
-    for (const auto& shape : layout_shapes_) whole += std::accumulate(shape.begin(), shape.end(), int64_t{1}, std::multiplies<>());
     const SiteLayout& mine = layouts_.at(options_.site_index);
+    const int64_t whole = std::visit([](const auto& l) { return l.total(); }, mine);
     const int64_t want = staged() ? std::get<parallel::StageLayout>(mine).stage_numel(
                                         std::get<parallel::StageLayout>(mine).stage_of(comm_.site().rank()))
                                   : whole;
-    NEBULA_CHECK(held == want, "init: ", held, " parameter values on this worker, its site's layout gives it ", want,
-                 " (of the model's ", whole, ")");
+    NEBULA_CHECK(held_numel() == want, "init: ", held_numel(), " parameter values on this worker, its site's layout "
+                 "gives it ", want, " (of the model's ", whole, ")");
     init_fragments(layout_shapes_, [&](const Fragment& fr, const parallel::ShardRun& r) {
       return staged() ? flatten(stage_views(r.local, r.len)) : read_range(fr, r.flat - fr.offset, r.len);
     });

@@ -200,6 +200,12 @@ class DilocoStrategy : public Strategy {
   // outer state is its part of each fragment (a stage's piece, or ZeRO's shard) rather than all.
   bool staged() const { return stage_group_ != nullptr; }
   bool parted() const { return parted_; }
+  // The values params_ hold: the whole model's, or this worker's stage's (ZeRO-3's hold none).
+  int64_t held_numel() const {
+    int64_t n = 0;
+    for (const auto& p : params_) n += p.numel();
+    return n;
+  }
   // The workers this worker's data parallel step runs over: its stage's replicas, or the site.
   collective::SiteGroup& data_group() const { return staged() ? *stage_group_ : comm_.site(); }
   // Staged: views of values [local, local + len) of this worker's stage (params_ flattened).

@@ -42,8 +42,7 @@ void DilocoStrategy::sync_gradients(const std::vector<at::Tensor>& params, doubl
   }
   // Every step: the weighted gradients and the tail go straight into one buffer (no
   // intermediate flat copy), one all-reduce, and straight back.
-  int64_t n = 0;  // the site's whole model, or this worker's stage
-  for (const auto& p : params_) n += p.numel();
+  const int64_t n = held_numel();  // the site's whole model, or this worker's stage
   at::Tensor buf = at::empty({n + 1 + buffer_numel_}, at::kFloat);
   int64_t offset = 0;
   for (const auto& p : params) {
@@ -71,8 +70,7 @@ void DilocoStrategy::set_sharding(const Sharding& shards) {
   NEBULA_CHECK(n > 1 && !fragments_.empty() && shard_numel_ == 0 && can_save(),
                "set_sharding: once, after init() and before the first step, on a site of more than one worker");
   const int64_t shards_held = shards.gathered ? n : 1;  // ZeRO-3: this worker's only
-  int64_t held = 0;  // the values this worker's group shards: the model's, or its stage's
-  for (const auto& p : params_) held += p.numel();
+  const int64_t held = held_numel();  // the values this worker's group shards: the model's, or its stage's
   // A stage's replicas shard its values as a site shards the model's (StageLayout's pieces).
   const parallel::ShardLayout layout = staged() ? parallel::ShardLayout::contiguous(held, n) : site_layout(n);
   const int64_t shard = layout.shard_numel();

@@ -69,7 +69,7 @@ uint64_t batch_seed(const Config& c, const WorkerIdentity& who) {
 }
 
 parallel::SiteGrid site_grid(const Config& c, const SiteConfig& site) {
-  const auto pipeline = static_cast<int>(site.pipeline > 0 ? site.pipeline : c.parallel.pipeline);
+  const auto pipeline = static_cast<int>(c.pipeline_of(site));
   return {static_cast<int>(site.workers) / pipeline, pipeline};
 }
 

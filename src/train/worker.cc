@@ -12,9 +12,7 @@
 #include <chrono>
 #include <cstdlib>
 #include <filesystem>
-#include <functional>
 #include <memory>
-#include <numeric>
 #include <optional>
 #include <thread>
 #include <tuple>
@@ -352,9 +350,7 @@ bool Trainer::by_layouts() const {
 }
 
 std::vector<strategy::SiteLayout> Trainer::site_layouts() {
-  int64_t total = 0;
-  for (const auto& shape : task_->trainable_shapes())
-    total += std::accumulate(shape.begin(), shape.end(), int64_t{1}, std::multiplies<>());
+  const int64_t total = trainable_values_;  // the whole model's, every stage's
   std::vector<strategy::SiteLayout> layouts;
   for (const std::string& name : comm_.training_names) {
     const SiteConfig& site = c_.sites.at(c_.site_index(name));

@@ -102,7 +102,7 @@ void check_pipeline(const Config& c, const toml::table& root, const std::string&
   const ParallelConfig& p = c.parallel;
   size_t staged = c.sites.size();  // the first site with stages
   for (size_t i = 0; i < c.sites.size() && staged == c.sites.size(); ++i)
-    if ((c.sites[i].pipeline > 0 ? c.sites[i].pipeline : p.pipeline) > 1) staged = i;
+    if (c.pipeline_of(c.sites[i]) > 1) staged = i;
   auto site_key = [&](size_t i) -> std::pair<std::string, std::string> {  // {place, key}
     if (c.sites[i].pipeline == 0) return {place(root, "parallel", "pipeline", file), "parallel.pipeline"};
     const toml::node* n = root["sites"][i]["parallel"]["pipeline"].node();
@@ -117,7 +117,7 @@ void check_pipeline(const Config& c, const toml::table& root, const std::string&
   if (c.model.kind != "mlm_encoder")
     fail(str_cat("pipeline stages run model.kind = \"mlm_encoder\" so far, not \"", c.model.kind, "\": use pipeline = 1"));
   for (size_t i = 0; i < c.sites.size(); ++i) {
-    const int64_t pipeline = c.sites[i].pipeline > 0 ? c.sites[i].pipeline : p.pipeline;
+    const int64_t pipeline = c.pipeline_of(c.sites[i]);
     if (pipeline > c.model.layers) {
       const auto [where_i, key_i] = site_key(i);
       throw ConfigError(str_cat(where_i, ": key '", key_i, "': ", pipeline, " stages for a model of ", c.model.layers,
@@ -125,7 +125,7 @@ void check_pipeline(const Config& c, const toml::table& root, const std::string&
     }
   }
   for (size_t i = 0; i < c.sites.size(); ++i) {
-    const int64_t pipeline = c.sites[i].pipeline > 0 ? c.sites[i].pipeline : p.pipeline;
+    const int64_t pipeline = c.pipeline_of(c.sites[i]);
     if (c.sites[i].workers % pipeline != 0) {
       const auto [where_i, key_i] = site_key(i);
       throw ConfigError(str_cat(where_i, ": key '", key_i, "': site '", c.sites[i].name, "' has ", c.sites[i].workers,
@@ -210,6 +210,41 @@ void check_liveness(const Config& c, const toml::table& root, const std::string&
   };
   check(c.wan.path, "the default path");
   for (const auto& p : c.wan.pairs) check(p.path, str_cat("the path between '", p.a, "' and '", p.b, "'"));
+}
+
+// One [[sites]] table (the `i`-th): its keys, its own layout (parallel), and the checks of its
+// name and device. The names' uniqueness is the caller's.
+SiteConfig read_site(Section& s, const toml::table& st, size_t i, const std::string& file) {
+  SiteConfig site;
+  s.string("name", site.name);
+  s.integer("workers", site.workers, 1, 1 << 16);
+  s.string("device", site.device);
+  s.string("gateway", site.gateway);
+  s.string("store", site.store);
+  s.strings("worker_addresses", site.worker_addresses);
+  s.strings("languages", site.languages);
+  s.number("slowdown", site.slowdown, 1.0, 1000.0);
+  s.integer("max_pairs_per_language", site.max_pairs_per_language, 0, INT64_MAX);
+  s.boolean("shareable", site.shareable);
+  if (const toml::table* pt = s.table("parallel")) {  // this site's own layout
+    Section ps(*pt, s.key_name("parallel"), file);
+    ps.integer("pipeline", site.pipeline, 1, 1024);
+    ps.finish();
+  }
+  s.finish();  // unknown keys before the checks below
+  const toml::node* name = st.get("name");
+  if (site.name.empty())
+    s.fail(name ? *name : st, "name", str_cat("[[sites]] #", i + 1, " needs a name, e.g. name = \"alpha\""));
+  if (!is_valid_site_name(site.name))
+    s.fail(*name, "name", str_cat("\"", site.name, "\" is not a valid site name: use 1 to 64 characters from "
+                                  "A-Z a-z 0-9 . _ - (not \"ca\", which is reserved for the CA's files); a site "
+                                  "name becomes file names (logs, certificates)"));
+  if (site.device != "cpu" && site.device != "cuda" &&
+      !(site.device.rfind("cuda:", 0) == 0 && site.device.size() > 5 && site.device.size() < 9 &&
+        site.device.find_first_not_of("0123456789", 5) == std::string::npos))
+    s.fail(*st.get("device"), "device", str_cat("\"", site.device, "\" is not a device: use \"cpu\", \"cuda\" (worker r of "
+                                                "the site takes GPU r mod the GPUs it sees) or \"cuda:N\""));
+  return site;
 }
 
 Config build(const toml::table& root, const std::string& file) {
@@ -332,38 +367,9 @@ Config build(const toml::table& root, const std::string& file) {
   std::set<std::string> names;
   size_t index = 0;
   top.tables("sites", [&](Section& s, const toml::table& st) {
-    const size_t i = index++;
-    SiteConfig site;
-    s.string("name", site.name);
-    s.integer("workers", site.workers, 1, 1 << 16);
-    s.string("device", site.device);
-    s.string("gateway", site.gateway);
-    s.string("store", site.store);
-    s.strings("worker_addresses", site.worker_addresses);
-    s.strings("languages", site.languages);
-    s.number("slowdown", site.slowdown, 1.0, 1000.0);
-    s.integer("max_pairs_per_language", site.max_pairs_per_language, 0, INT64_MAX);
-    s.boolean("shareable", site.shareable);
-    if (const toml::table* pt = s.table("parallel")) {  // this site's own layout
-      Section ps(*pt, s.key_name("parallel"), file);
-      ps.integer("pipeline", site.pipeline, 1, 1024);
-      ps.finish();
-    }
-    s.finish();  // unknown keys before the checks below
-    const toml::node* name = st.get("name");
-    if (site.name.empty())
-      s.fail(name ? *name : st, "name", str_cat("[[sites]] #", i + 1, " needs a name, e.g. name = \"alpha\""));
-    if (!is_valid_site_name(site.name))
-      s.fail(*name, "name", str_cat("\"", site.name, "\" is not a valid site name: use 1 to 64 characters from "
-                                    "A-Z a-z 0-9 . _ - (not \"ca\", which is reserved for the CA's files); a site "
-                                    "name becomes file names (logs, certificates)"));
-    if (site.device != "cpu" && site.device != "cuda" &&
-        !(site.device.rfind("cuda:", 0) == 0 && site.device.size() > 5 && site.device.size() < 9 &&
-          site.device.find_first_not_of("0123456789", 5) == std::string::npos))
-      s.fail(*st.get("device"), "device", str_cat("\"", site.device, "\" is not a device: use \"cpu\", \"cuda\" (worker r of "
-                                                  "the site takes GPU r mod the GPUs it sees) or \"cuda:N\""));
+    SiteConfig site = read_site(s, st, index++, file);
     if (!names.insert(site.name).second)
-      s.fail(*name, "name", str_cat("site name '", site.name, "' is used twice: give each [[sites]] its own name"));
+      s.fail(*st.get("name"), "name", str_cat("site name '", site.name, "' is used twice: give each [[sites]] its own name"));
     c.sites.push_back(site);
   });
   if (c.sites.empty()) throw ConfigError(str_cat(file, ": no [[sites]]: a job needs at least one site"));
