@@ -289,12 +289,16 @@ struct PeftConfig {
 //                       workers / P of them (data × pipeline = workers; parallel/pipeline.h);
 //  micro_batches = M    each step's batch cut into M micro-batches that flow through the stages
 //                       in a 1F1B schedule (idle fraction (P − 1) / (M + P − 1)).
+//  tensor = T           every layer split over T workers that compute it together (Megatron's
+//                       tensor parallelism: attention heads, MLP units and vocabulary rows
+//                       sliced; parallel/tensor_parallel.h): data × pipeline × tensor = workers.
 struct ParallelConfig {
   std::string shard = "none";
   bool recompute = false;
   bool prefetch = false;
   int64_t pipeline = 1;
   int64_t micro_batches = 4;
+  int64_t tensor = 1;
   uint64_t bucket_bytes = 4ull << 20;  // ZeRO-2 reduce-scatters the gradients in buckets of about this size during backward
 };
 

@@ -14,9 +14,10 @@ BuildSink*& build_sink() {
 }
 
 MlmEncoderImpl::MlmEncoderImpl(const ModelConfig& c, int64_t vocab_size, int64_t pad_id)
-    : config_(c), pad_id_(pad_id), max_len_(c.max_len), dim_(c.dim) {
+    : config_(c), pad_id_(pad_id), max_len_(c.max_len), dim_(c.dim), vocab_size_(vocab_size) {
   NEBULA_CHECK(vocab_size > 0 && pad_id >= 0 && pad_id < vocab_size, "vocab ", vocab_size, " pad ", pad_id);
   tokens_ = register_module("tokens", torch::nn::Embedding(vocab_size, c.dim));
+  vocab_ = {0, vocab_size};
   positions_ = register_module("positions", torch::nn::Embedding(c.max_len, c.dim));
   auto list = register_module("layers", torch::nn::ModuleList());
   for (int64_t i = 0; i < c.layers; ++i) {
@@ -39,6 +40,11 @@ MlmEncoderImpl::MlmEncoderImpl(const ModelConfig& c, int64_t vocab_size, int64_t
 at::Tensor MlmEncoderImpl::embed_tokens(const at::Tensor& ids) {
   const torch::nn::Embedding tokens = tokens_;
   const double scale = std::sqrt(static_cast<double>(dim_));
+  if (tensor_) {  // vocabulary-parallel: this worker's rows, zeros for the others' ids, summed over the group
+    const at::Tensor mine = ids.ge(vocab_.begin).logical_and(ids.lt(vocab_.end));
+    const at::Tensor local = at::embedding(tokens_->weight, (ids - vocab_.begin).clamp(0, vocab_.size() - 1));
+    return reduce_from_tensor_group(local * mine.unsqueeze(-1).to(local.scalar_type()), *tensor_) * scale;
+  }
   return run_layer(gather_, *tokens_, {}, [tokens, ids, scale](const std::vector<at::Tensor>&) {
     return torch::nn::Embedding(tokens)(ids) * scale;
   });
@@ -46,6 +52,7 @@ at::Tensor MlmEncoderImpl::embed_tokens(const at::Tensor& ids) {
 
 at::Tensor MlmEncoderImpl::project(const at::Tensor& hidden) {
   const torch::nn::Embedding tokens = tokens_;
+  if (tensor_) return at::matmul(copy_to_tensor_group(hidden, *tensor_), tokens_->weight.t());  // this worker's rows' logits
   return run_layer(gather_, *tokens_, {hidden}, [tokens](const std::vector<at::Tensor>& in) {
     return at::matmul(in[0], tokens->weight.t());
   });
@@ -92,7 +99,29 @@ at::Tensor MlmEncoderImpl::encode(const at::Tensor& ids) {
   return final_norm(run_layers(embed_input(ids), ids, 0, layers_.size()));
 }
 
-at::Tensor MlmEncoderImpl::forward(const at::Tensor& ids) { return project(encode(ids)); }
+at::Tensor MlmEncoderImpl::forward(const at::Tensor& ids) {
+  NEBULA_CHECK(!tensor_, "MlmEncoder::forward gives the whole vocabulary's logits: not while split for tensor "
+                         "parallelism (run it with the slices gathered: parallel::TensorSplit::with_whole)");
+  return project(encode(ids));
+}
+
+std::vector<TensorSlice> MlmEncoderImpl::split_for_tensor(TensorGroup& group) {
+  NEBULA_CHECK(!gather_ && !tensor_, "split_for_tensor on an encoder ", gather_ ? "under ZeRO-3" : "split already");
+  NEBULA_CHECK(tokens_->weight.size(0) >= group.size(), "a vocabulary of ", tokens_->weight.size(0),
+               " pieces cannot be split over ", group.size(), " workers");
+  std::vector<TensorSlice> out;
+  slice_parameter(tokens_->weight, 0, group, out);
+  vocab_ = out.back().mine;
+  for (EncoderLayer& layer : layers_) layer->split_for_tensor(group, out);
+  tensor_ = &group;
+  return out;
+}
+
+void MlmEncoderImpl::set_tensor_group(TensorGroup* group) {
+  tensor_ = group;
+  for (EncoderLayer& layer : layers_) layer->set_tensor_group(group);
+  vocab_ = group ? slice_of(vocab_size_, group->size(), group->rank()) : SliceRange{0, vocab_size_};
+}
 
 std::vector<at::Tensor> MlmEncoderImpl::trainable_parameters() const {
   std::vector<at::Tensor> out;
@@ -111,6 +140,7 @@ at::Tensor MlmEncoderImpl::masked_loss(const at::Tensor& hidden, const at::Tenso
   const at::Tensor flat = labels.reshape({-1}).to(hidden.device());
   const at::Tensor masked = flat.ne(kIgnoreIndex).nonzero().squeeze(1);
   const at::Tensor logits = project(hidden.reshape({-1, hidden.size(-1)}).index_select(0, masked));
+  if (tensor_) return vocab_parallel_cross_entropy(logits, flat.index_select(0, masked), vocab_.begin, *tensor_);
   return at::cross_entropy_loss(logits, flat.index_select(0, masked), /*weight=*/{}, at::Reduction::Mean, kIgnoreIndex);
 }
 

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "model/layer_gather.h"
+#include "model/tensor_parallel.h"
 #include "model/transformer.h"
 #include "nebula/config.h"
 
@@ -34,7 +35,8 @@ class MlmEncoderImpl : public torch::nn::Module {
   at::Tensor embed_input(const at::Tensor& ids);
   at::Tensor run_layers(at::Tensor x, const at::Tensor& ids, size_t begin, size_t end);
   at::Tensor final_norm(const at::Tensor& x);
-  // Logits over the vocabulary, [batch, seq, vocab].
+  // Logits over the vocabulary, [batch, seq, vocab]. Not while split for tensor parallelism
+  // (each worker has its vocabulary rows' logits only): run it on the whole model.
   at::Tensor forward(const at::Tensor& ids);
   // Mean cross-entropy over positions whose label != kIgnoreIndex; the vocabulary logits are
   // computed at those positions only (the same value as from forward()'s full logits).
@@ -58,7 +60,8 @@ class MlmEncoderImpl : public torch::nn::Module {
   const torch::nn::Embedding& token_embedding() const { return tokens_; }
   // The token embedding of `ids` scaled by sqrt(dim), and `hidden` [..., dim] projected onto the
   // vocabulary by the tied embedding [..., vocab]: each through the layer gather, so ZeRO-3
-  // gathers the embedding only while one of them runs.
+  // gathers the embedding only while one of them runs. Split for tensor parallelism, project()
+  // gives this worker's vocabulary rows' logits [..., vocab_rows().size()].
   at::Tensor embed_tokens(const at::Tensor& ids);
   at::Tensor project(const at::Tensor& hidden);
   // What ZeRO-3 cuts into units and gathers where they run (model/layer_gather.h), in parameter
@@ -72,10 +75,22 @@ class MlmEncoderImpl : public torch::nn::Module {
   // Not owned; it must outlive its use.
   void set_layer_gather(LayerGather* gather) { gather_ = gather; }
 
+  // Tensor parallelism (model/tensor_parallel.h): keeps this worker's slices of every layer and
+  // its rows of the token embedding (vocabulary-parallel; the tied projection and the loss
+  // follow), computing with `group` from then on; the position embeddings and the norms stay
+  // whole. Returns the slices (parameter, dimension, range). Not with ZeRO-3 or PEFT.
+  std::vector<TensorSlice> split_for_tensor(TensorGroup& group);
+  // The group the model computes with (null: whole here for a while: its slices gathered).
+  void set_tensor_group(TensorGroup* group);
+  // This worker's rows of the vocabulary once split (all of them before).
+  SliceRange vocab_rows() const { return vocab_; }
+
  private:
   ModelConfig config_;
-  int64_t pad_id_, max_len_, dim_;
+  int64_t pad_id_, max_len_, dim_, vocab_size_;
   LayerGather* gather_ = nullptr;
+  TensorGroup* tensor_ = nullptr;  // not owned
+  SliceRange vocab_;
   torch::nn::Embedding tokens_{nullptr}, positions_{nullptr};
   std::vector<EncoderLayer> layers_;  // registered as "layers.<i>"
   torch::nn::LayerNorm norm_{nullptr};

@@ -94,17 +94,25 @@ at::Tensor EncoderLayerImpl::drop(const at::Tensor& x, double p) const {
   return p > 0 && is_training() ? at::dropout(x, p, /*train=*/true) : x;
 }
 
+at::Tensor EncoderLayerImpl::row_parallel(Projection p, const at::Tensor& x) {
+  if (!tensor_) return project(p, x);
+  const torch::nn::Linear& l = linears_[p];
+  return reduce_from_tensor_group(at::linear(x, l->weight), *tensor_) + l->bias;
+}
+
 at::Tensor EncoderLayerImpl::attention(const at::Tensor& x, const at::Tensor& key_padding_mask) {
   NEBULA_CHECK(x.dim() == 3 && x.size(2) == dim_, "encoder layer input of shape ", x.sizes(), ", dim ", dim_);
-  return project(kOut, multi_head_attention(project(kQuery, x), project(kKey, x), project(kValue, x), heads_,
-                                            key_padding_mask, /*causal=*/false, is_training() ? dropout_ : 0.0));
+  const at::Tensor in = column_input(x);
+  const int64_t heads = tensor_ ? heads_ / tensor_->size() : heads_;  // this worker's
+  return row_parallel(kOut, multi_head_attention(project(kQuery, in), project(kKey, in), project(kValue, in), heads,
+                                                 key_padding_mask, /*causal=*/false, is_training() ? dropout_ : 0.0));
 }
 
 at::Tensor EncoderLayerImpl::forward(const at::Tensor& x, const at::Tensor& key_padding_mask) {
   at::Tensor h = drop(attention(x, key_padding_mask), dropout_);
   if (has_adapters()) h = adapters_[0].forward(h);
   at::Tensor y = norm1_(x + h);
-  h = project(kFfnOut, drop(at::gelu(project(kFfnIn, y)), dropout_));
+  h = row_parallel(kFfnOut, drop(at::gelu(project(kFfnIn, column_input(y))), dropout_));
   h = drop(h, dropout_);
   if (has_adapters()) h = adapters_[1].forward(h);
   return norm2_(y + h);
@@ -114,6 +122,22 @@ void EncoderLayerImpl::set_projection(Projection p, torch::nn::AnyModule module)
   NEBULA_CHECK(p < kNumProjections && !module.is_empty(), "set_projection(", static_cast<size_t>(p), ")");
   replace_module(kProjectionNames[p], module.ptr());
   projections_[p] = std::move(module);
+}
+
+void EncoderLayerImpl::split_for_tensor(TensorGroup& group, std::vector<TensorSlice>& out) {
+  const int t = group.size();
+  const int64_t ffn = linears_[kFfnIn]->weight.size(0);
+  NEBULA_CHECK(heads_ % t == 0 && ffn % t == 0, "an encoder layer of ", heads_, " heads and ffn ", ffn,
+               " cannot be split over ", t, " workers: both must be multiples of it");
+  for (size_t p = 0; p < kNumProjections; ++p)
+    NEBULA_CHECK(projections_[p].ptr() == linears_[p].ptr() && !has_adapters(),
+                 "tensor parallelism of a layer with PEFT modules is not built");
+  for (Projection p : {kQuery, kKey, kValue, kFfnIn}) {  // column-parallel: output rows
+    slice_parameter(linears_[p]->weight, 0, group, out);
+    slice_parameter(linears_[p]->bias, 0, group, out);
+  }
+  for (Projection p : {kOut, kFfnOut}) slice_parameter(linears_[p]->weight, 1, group, out);  // row-parallel
+  tensor_ = &group;
 }
 
 void EncoderLayerImpl::set_adapters(torch::nn::AnyModule after_attention, torch::nn::AnyModule after_ffn) {

@@ -27,6 +27,9 @@
 
 #include <array>
 #include <cstdint>
+#include <vector>
+
+#include "model/tensor_parallel.h"
 
 namespace nebula::model {
 
@@ -76,8 +79,21 @@ class EncoderLayerImpl : public torch::nn::Module {
   void set_adapters(torch::nn::AnyModule after_attention, torch::nn::AnyModule after_ffn);
   bool has_adapters() const { return !adapters_[0].is_empty(); }
 
+  // Tensor parallelism (model/tensor_parallel.h): keeps this worker's slices of q, k, v and
+  // linear1 (their output rows: heads / T heads, ffn / T units) and of out and linear2 (their
+  // input columns), records them in `out`, and computes with `group` from then on. heads and
+  // ffn must be multiples of group.size(); not with PEFT.
+  void split_for_tensor(TensorGroup& group, std::vector<TensorSlice>& out);
+  // The group the layer computes with (null: the whole layer here, e.g. while its slices are
+  // gathered whole for a while, parallel::TensorSplit::with_whole).
+  void set_tensor_group(TensorGroup* group) { tensor_ = group; }
+
  private:
   at::Tensor project(Projection p, const at::Tensor& x) { return projections_[p].forward(x); }
+  // With tensor parallelism: the input of a column-parallel projection (copy_to_tensor_group),
+  // and row-parallel projection `p` (its partial sums added over the group, then its bias).
+  at::Tensor column_input(const at::Tensor& x) { return tensor_ ? copy_to_tensor_group(x, *tensor_) : x; }
+  at::Tensor row_parallel(Projection p, const at::Tensor& x);
   at::Tensor drop(const at::Tensor& x, double p) const;
 
   int64_t dim_, heads_;
@@ -86,6 +102,7 @@ class EncoderLayerImpl : public torch::nn::Module {
   std::array<torch::nn::AnyModule, kNumProjections> projections_;  // what forward calls: linears_ or wrappers
   torch::nn::LayerNorm norm1_{nullptr}, norm2_{nullptr};
   std::array<torch::nn::AnyModule, 2> adapters_;  // empty = identity
+  TensorGroup* tensor_ = nullptr;                  // not owned
 };
 TORCH_MODULE(EncoderLayer);
 

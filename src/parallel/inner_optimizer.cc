@@ -95,18 +95,23 @@ void InnerOptimizer::set_lr(double lr) {
 
 double InnerOptimizer::clip_grad_norm(double max_norm) {
   NEBULA_CHECK(max_norm > 0, "clip_grad_norm: max_norm ", max_norm);
-  if (norm_group_) {  // pipeline stages: the whole model's norm, from every stage's squares
+  if (norm_group_) {  // pipeline stages, tensor slices: the whole model's norm, from every part's squares
     at::NoGradGuard no_grad;
     // What this worker holds: its shard of the stage's gradients (ZeRO-2; the shards partition
     // the stage, counted once) or all of them (each replica of the stage has the same).
     std::vector<at::Tensor> grads;
-    if (gradients_sharded_)
-      grads.push_back(flat_grad_);
-    else
-      for (const at::Tensor& p : params_)
-        if (p.grad().defined()) grads.push_back(p.grad());
     at::Tensor sq = at::zeros({1}, at::kDouble);
-    for (const at::Tensor& g : grads) sq += g.to(at::kDouble).pow(2).sum();
+    if (gradients_sharded_) {
+      grads.push_back(flat_grad_);
+      const at::Tensor squares = flat_grad_.to(at::kDouble).pow(2);
+      sq += (norm_shard_weights_.defined() ? squares * norm_shard_weights_ : squares).sum();
+    } else {
+      for (size_t i = 0; i < params_.size(); ++i)
+        if (params_[i].grad().defined()) {
+          grads.push_back(params_[i].grad());
+          sq += params_[i].grad().to(at::kDouble).pow(2).sum() * (norm_weights_.empty() ? 1.0 : norm_weights_[i]);
+        }
+    }
     norm_group_->allreduce_sum(sq);
     const double norm = std::sqrt(sq.item<double>() / (gradients_sharded_ ? 1 : norm_copies_));
     if (norm > max_norm)
@@ -124,11 +129,23 @@ double InnerOptimizer::clip_grad_norm(double max_norm) {
   return norm;
 }
 
-void InnerOptimizer::set_norm_group(collective::SiteGroup* group, int copies) {
+void InnerOptimizer::set_norm_group(collective::SiteGroup* group, int copies, std::vector<double> weights) {
   NEBULA_CHECK(!full_ && copies >= 1, "set_norm_group on a ", full_ ? "ZeRO-3 " : "", "optimizer with ", copies,
                " copies");
+  NEBULA_CHECK(weights.empty() || weights.size() == params_.size(), "set_norm_group with ", weights.size(),
+               " weights for ", params_.size(), " parameters");
   norm_group_ = group;
   norm_copies_ = copies;
+  norm_weights_ = std::move(weights);
+  if (gradients_sharded_ && !norm_weights_.empty()) {  // ZeRO-2: the weights of this worker's shard, elementwise
+    at::Tensor flat = at::zeros({site_.size() * shard_numel_}, at::kDouble);  // the padding weighs nothing
+    int64_t at = 0;
+    for (size_t i = 0; i < params_.size(); ++i) {
+      flat.narrow(0, at, params_[i].numel()).fill_(norm_weights_[i]);
+      at += params_[i].numel();
+    }
+    norm_shard_weights_ = flat.narrow(0, site_.rank() * shard_numel_, shard_numel_).clone();
+  }
 }
 
 void InnerOptimizer::zero_grad() {

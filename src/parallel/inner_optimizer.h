@@ -98,7 +98,10 @@ class InnerOptimizer {
   // squares are summed over `group` (the site: every stage of every replica, a collective then)
   // and divided by `copies` (the data replicas, which hold the same averaged gradients; ZeRO-2's
   // shards partition the stage and count once), so the norm is the whole model's. Not ZeRO-3.
-  void set_norm_group(collective::SiteGroup* group, int copies);
+  // Tensor slices (parallel/tensor_parallel.h) likewise, `weights` (one per parameter, empty:
+  // all 1) counting a parameter whole on every slice's worker once: 1 / tensor for it, 1 for a
+  // slice (ZeRO-2: elementwise over this worker's shard of the gradients).
+  void set_norm_group(collective::SiteGroup* group, int copies, std::vector<double> weights = {});
 
   // Elements whose AdamW moments this worker holds (n, or S when sharded).
   int64_t state_numel() const { return sharded_ ? shard_numel_ : total_numel_; }
@@ -142,6 +145,8 @@ class InnerOptimizer {
   FullShard* full_;
   collective::SiteGroup* norm_group_ = nullptr;  // set_norm_group
   int norm_copies_ = 1;
+  std::vector<double> norm_weights_;  // per parameter; empty: 1 each
+  at::Tensor norm_shard_weights_;     // ZeRO-2 with weights: per value of this worker's gradient shard
   void rebind_grads();  // every .grad back to its view of flat_grad_
   // Writes `values` into the flat parameter vector from `begin` (what lies past its n values,
   // the padding, is dropped), through the parameters: whole ones (ZeRO-3: inside a gather).

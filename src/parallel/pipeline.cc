@@ -14,9 +14,15 @@
 
 namespace nebula::parallel {
 
-std::vector<int> SiteGrid::stage_ranks(int stage) const {
+std::vector<int> SiteGrid::data_ranks(int stage, int t) const {
   std::vector<int> out;
-  for (int d = 0; d < data; ++d) out.push_back(rank(stage, d));
+  for (int d = 0; d < data; ++d) out.push_back(rank(stage, d, t));
+  return out;
+}
+
+std::vector<int> SiteGrid::tensor_ranks(int stage, int replica) const {
+  std::vector<int> out;
+  for (int t = 0; t < tensor; ++t) out.push_back(rank(stage, replica, t));
   return out;
 }
 

@@ -24,17 +24,21 @@
 
 namespace nebula::parallel {
 
-// A site's workers as a data × pipeline grid. rank = stage · data + replica: the stages
-// outermost (as Megatron orders them), so one stage's data replicas are consecutive ranks and
-// the gateway (rank 0) is the first stage's first replica.
+// A site's workers as a data × pipeline × tensor grid. rank = (stage · data + replica) · tensor +
+// t: the stages outermost (as Megatron orders them), then the data replicas, the tensor slices
+// innermost (the workers that talk most are consecutive ranks); the gateway (rank 0) is the
+// first stage's first replica's first slice.
 struct SiteGrid {
-  int data = 1, pipeline = 1;
-  int workers() const { return data * pipeline; }
-  int stage(int rank) const { return rank / data; }
-  int replica(int rank) const { return rank % data; }
-  int rank(int stage, int replica) const { return stage * data + replica; }
-  // The site ranks of stage s's replicas, ascending (its data-parallel group).
-  std::vector<int> stage_ranks(int stage) const;
+  int data = 1, pipeline = 1, tensor = 1;
+  int workers() const { return data * pipeline * tensor; }
+  int stage(int rank) const { return rank / (data * tensor); }
+  int replica(int rank) const { return rank / tensor % data; }
+  int tensor_rank(int rank) const { return rank % tensor; }
+  int rank(int stage, int replica, int t = 0) const { return (stage * data + replica) * tensor + t; }
+  // The site ranks of slice t of stage s on every replica, ascending (their data-parallel group).
+  std::vector<int> data_ranks(int stage, int t = 0) const;
+  // The site ranks of the slices of stage s of replica r (the tensor group).
+  std::vector<int> tensor_ranks(int stage, int replica) const;
 };
 
 // Stage s runs layers [cuts[s], cuts[s + 1]) (P + 1 values, 0 to the number of layers): the
@@ -121,7 +125,9 @@ class Pipeline {
   void backward(int micro);
   // A forward's outputs to the next stage: a header of their dtypes and shapes, then each.
   void send_activations(const std::vector<at::Tensor>& tensors, int dst, int tag);
-  int neighbour(int stage) const { return grid_.rank(stage, grid_.replica(group_.rank())); }
+  int neighbour(int stage) const {
+    return grid_.rank(stage, grid_.replica(group_.rank()), grid_.tensor_rank(group_.rank()));
+  }
 
   collective::SiteGroup& group_;
   SiteGrid grid_;

@@ -22,7 +22,7 @@ TEST(Pipeline, GridRanksStagesOutermost) {
   EXPECT_EQ(g.stage(4), 1);
   EXPECT_EQ(g.replica(4), 1);
   EXPECT_EQ(g.rank(1, 2), 5);
-  EXPECT_EQ(g.stage_ranks(1), (std::vector<int>{3, 4, 5}));
+  EXPECT_EQ(g.data_ranks(1), (std::vector<int>{3, 4, 5}));
 }
 
 TEST(Pipeline, BalanceStagesByParameterCount) {

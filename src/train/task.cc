@@ -69,8 +69,8 @@ uint64_t batch_seed(const Config& c, const WorkerIdentity& who) {
 }
 
 parallel::SiteGrid site_grid(const Config& c, const SiteConfig& site) {
-  const auto pipeline = static_cast<int>(c.pipeline_of(site));
-  return {static_cast<int>(site.workers) / pipeline, pipeline};
+  const auto pipeline = static_cast<int>(c.pipeline_of(site)), tensor = static_cast<int>(c.parallel.tensor);
+  return {static_cast<int>(site.workers) / (pipeline * tensor), pipeline, tensor};
 }
 
 WorkerIdentity data_replica(const Config& c, const WorkerIdentity& who) {

@@ -29,6 +29,7 @@
 #include "nebula/config.h"
 #include "parallel/checkpoint.h"
 #include "parallel/pipeline.h"
+#include "parallel/tensor_parallel.h"
 #include "train/site_data.h"
 #include "train/worker.h"
 #include "transport/link.h"
@@ -57,9 +58,9 @@ SiteText site_text(const TaskContext& ctx);
 // second site of a two-site job) see the same batches in the same order.
 uint64_t batch_seed(const Config& config, const WorkerIdentity& who);
 
-// A site's workers as a data × pipeline grid ([parallel] pipeline); and a worker's data replica:
-// the share of the site's data it trains on (every stage of one pipeline the same share, drawn
-// in the same order), its rank without pipeline stages.
+// A site's workers as a data × pipeline × tensor grid ([parallel] pipeline, tensor); and a
+// worker's data replica: the share of the site's data it trains on (every stage and slice of one
+// replica the same share, drawn in the same order), its rank without stages and slices.
 parallel::SiteGrid site_grid(const Config& config, const SiteConfig& site);
 WorkerIdentity data_replica(const Config& config, const WorkerIdentity& who);
 
@@ -97,6 +98,11 @@ class Task {
   // stage; trainable() is the stage's from then on. Once, before the strategy is made. Null:
   // this task's model cannot be cut (the config check refuses it first).
   virtual Stage* make_stage(parallel::Pipeline& pipeline) { return nullptr; }
+  // Tensor parallelism ([parallel] tensor > 1): splits every layer over `group` (this worker
+  // keeps its slices, parallel/tensor_parallel.h); trainable() is them from then on, while
+  // model_numel() and trainable_shapes() stay the whole model's. Once, before the strategy is
+  // made. Null: this task's model cannot be split (the config check refuses it first).
+  virtual parallel::TensorSplit* split_for_tensor(parallel::SiteTensorGroup& group) { return nullptr; }
   // The flat vector the sites exchange, whatever this worker holds: the shapes of the whole
   // model's trainable parameters in order (with stages: every stage's).
   virtual std::vector<std::vector<int64_t>> trainable_shapes() {

@@ -97,6 +97,10 @@ class StopRequest {
   explicit StopRequest(collective::SiteGroup& group) : group_(group) {
     struct sigaction sa {};
     sa.sa_handler = on_stop_signal;
+    // The stop is polled at the end of a step: a blocking call the signal lands in (a checkpoint's
+    // write, a socket read; the launcher SIGTERMs the others as soon as one worker stops) is
+    // restarted, not failed with EINTR.
+    sa.sa_flags = SA_RESTART;
     ::sigaction(SIGINT, &sa, nullptr);
     ::sigaction(SIGTERM, &sa, nullptr);
     const char* v = std::getenv("NEBULA_TEST_STOP_AT_STEP");
@@ -185,6 +189,11 @@ class Trainer {
   int stop(int signal);
   // [parallel] pipeline > 1: this worker's stage, its runner and its replicas' group.
   void connect_stage(Millis timeout);
+  // [parallel] tensor > 1: this worker's tensor group, its slices and their replicas' group.
+  void connect_tensor(Millis timeout);
+  // The group of the workers that hold the same part of the model as this one (`ranks`), and
+  // with one training site its own one-site hierarchy (the strategy runs over it).
+  void connect_replicas(const std::string& name, const std::vector<int>& ranks, Millis timeout);
   // Whether the sites hold the model in different layouts the strategy must know (a site of
   // pipeline stages in a job of several training sites: diloco and streaming exchange by
   // position), and every training site's layout, in mesh order.
@@ -201,14 +210,17 @@ class Trainer {
   std::pair<double, double> validate();
   // fn() with the whole model here (ZeRO-3 gathers it; `gateway`: only the gateway needs it).
   // Pipeline stages: the other stages lend the gateway their layers (fn runs on every worker).
+  // Tensor slices: gathered whole on every worker.
   void whole(const std::function<void()>& fn, bool gateway = false) {
     if (pipeline_) return task_->with_whole(*comm_.group, 1, fn, /*everywhere=*/true);
+    if (tensor_) return tensor_->with_whole(fn);
     parallel::with_whole_model(full_.get(), fn, gateway);
   }
-  // Bytes this worker sent to its site's other workers so far (both of its groups).
+  // Bytes this worker sent to its site's other workers so far (all of its groups).
   uint64_t site_bytes_sent() const {
     return comm_.group->bytes_sent() + (comm_.comm_group ? comm_.comm_group->bytes_sent() : 0) +
-           (full_ ? full_->prefetch_bytes_sent() : 0);
+           (full_ ? full_->prefetch_bytes_sent() : 0) + (tensor_group_ ? tensor_group_->bytes_sent() : 0) +
+           (data_group_ ? data_group_->bytes_sent() : 0);
   }
   // `wan`: the WAN counters before the totals' own exchange.
   nlohmann::json summary(int64_t steps, const std::vector<double>& totals, size_t by_worker_at,
@@ -222,13 +234,19 @@ class Trainer {
   PhasePeaks phases_{PhasePeaks::kInit};  // peak memory per phase, from here (the set-up) on
   site::SiteComm comm_;
   std::unique_ptr<Task> task_;
-  // [parallel] pipeline > 1: this worker's stage and its runner; the strategy and the optimizer
-  // work over the stage's data replicas (stage_group_, and a one-site hierarchy over it).
+  // [parallel] pipeline > 1: this worker's stage and its runner.
   std::unique_ptr<parallel::Pipeline> pipeline_;
   Task::Stage* stage_ = nullptr;
-  std::unique_ptr<collective::SiteGroup> stage_group_;
-  std::unique_ptr<collective::GatewayMesh> stage_mesh_;
-  std::unique_ptr<collective::Hierarchy> stage_comm_;
+  // [parallel] tensor > 1: the workers of this worker's replica (its tensor group) and its slices.
+  std::unique_ptr<collective::SiteGroup> tensor_group_;
+  std::unique_ptr<parallel::SiteTensorGroup> tensor_comm_;
+  parallel::TensorSplit* tensor_ = nullptr;  // the task's
+  // With stages or slices, the strategy and the optimizer work over the replicas of this
+  // worker's part (data_group_: a stage's, a slice's; with one training site a one-site
+  // hierarchy over it, data_comm_).
+  std::unique_ptr<collective::SiteGroup> data_group_;
+  std::unique_ptr<collective::GatewayMesh> data_mesh_;
+  std::unique_ptr<collective::Hierarchy> data_comm_;
   double pipeline_compute_s_ = 0, pipeline_wall_s_ = 0;  // Pipeline::Timing summed over the steps
   std::vector<at::Tensor> params_;                 // the trainable parameters (ZeRO-3: views of this worker's shard)
   int64_t trainable_values_ = 0, model_values_ = 0;  // before any sharding
@@ -268,16 +286,17 @@ Trainer::Trainer(const TaskContext& ctx, bool rejoin, Clock::time_point start)
   }
   const auto timeout = std::chrono::duration_cast<Millis>(c_.job.timeout);
   if (site_grid(c_, site_).pipeline > 1) connect_stage(timeout);
+  if (site_grid(c_, site_).tensor > 1) connect_tensor(timeout);
   params_ = task_->trainable();
   std::tie(model_values_, trainable_values_) = task_->model_numel();
-  // A one-site job's stages each run the strategy over their replicas (stage_comm_); sites of
+  // A one-site job's stages (tensor slices) each run the strategy over their replicas (data_comm_); sites of
   // different layouts run it over the site, each stage's replicas as its data parallel group.
-  strategy_ = strategy::make_strategy(c_.strategy, stage_comm_ ? *stage_comm_ : *comm_.comm, timeout,
+  strategy_ = strategy::make_strategy(c_.strategy, data_comm_ ? *data_comm_ : *comm_.comm, timeout,
                                       comm_.training_names.size(), comm_.training_index, c_.privacy);
   strategy_->set_buffers(task_->module().buffers());  // BatchNorm statistics ...: kept equal too
-  if (by_layouts()) strategy_->set_layouts({site_layouts(), task_->trainable_shapes(), stage_group_.get()});
-  // InnerOptimizer::sharded(): over the site's workers, or a pipeline stage's replicas.
-  if (c_.parallel.shard != "none" && (pipeline_ ? stage_group_->size() : workers_) > 1) strategy_->expect_sharding();
+  if (by_layouts()) strategy_->set_layouts({site_layouts(), task_->trainable_shapes(), data_group_.get()});
+  // InnerOptimizer::sharded(): over the site's workers, or a pipeline stage's (a slice's) replicas.
+  if (c_.parallel.shard != "none" && (data_group_ ? data_group_->size() : workers_) > 1) strategy_->expect_sharding();
   // ZeRO-3's units, on every site (one of one worker too: the others cut their exchanges by them).
   if (c_.parallel.shard == "full") strategy_->set_unit_bounds(parallel::FullShard::unit_bounds(params_, task_->layers()));
   // ZeRO-3: from here on this worker holds its shard of the parameters only; the model gathers
@@ -303,17 +322,24 @@ Trainer::Trainer(const TaskContext& ctx, bool rejoin, Clock::time_point start)
     strategy_->init(params_);
   }
   optimizer_ = std::make_unique<parallel::InnerOptimizer>(params_, c_.model.lr, c_.model.weight_decay,
-                                                          c_.parallel.shard, pipeline_ ? *stage_group_ : *comm_.group,
+                                                          c_.parallel.shard, data_group_ ? *data_group_ : *comm_.group,
                                                           full_.get(),
                                                           c_.parallel.bucket_bytes);
   parallel::InnerOptimizer& o = *optimizer_;
-  if (pipeline_) o.set_norm_group(comm_.group.get(), site_grid(c_, site_).data);  // clipping: the whole model's norm
+  if (pipeline_ || tensor_) {  // clipping: the whole model's norm, a whole parameter of the slices counted once
+    std::vector<double> weights;
+    for (const at::Tensor& p : params_)
+      weights.push_back(!tensor_ || tensor_->sliced(p) ? 1.0 : 1.0 / tensor_comm_->size());
+    o.set_norm_group(comm_.group.get(), site_grid(c_, site_).data, tensor_ ? std::move(weights) : std::vector<double>{});
+  }
   if (o.sharded())  // the strategy keeps its shard of the outer state (and ZeRO-2/3's gradients)
     strategy_->set_sharding({o.flat_params(), o.gradients_sharded() ? o.flat_grad() : at::Tensor(), o.params_gathered()});
-  if (o.sharded() && (pipeline_ ? stage_group_->rank() : who_.local_rank) == 0)
+  if (o.sharded() && (data_group_ ? data_group_->rank() : who_.local_rank) == 0)
     spdlog::info("inner optimizer: ZeRO-{} over {} {}, AdamW moments for {} of {} parameters per worker{}",
-                 full_ ? 3 : o.gradients_sharded() ? 2 : 1, pipeline_ ? stage_group_->size() : workers_,
-                 pipeline_ ? str_cat("replicas of pipeline stage ", pipeline_->stage()) : std::string("workers of the site"),
+                 full_ ? 3 : o.gradients_sharded() ? 2 : 1, data_group_ ? data_group_->size() : workers_,
+                 pipeline_  ? str_cat("replicas of pipeline stage ", pipeline_->stage())
+                 : tensor_ ? str_cat("replicas of tensor slice ", tensor_comm_->rank())
+                           : std::string("workers of the site"),
                  o.state_numel(), o.total_numel(), full_ ? "; the parameters sharded too, gathered layer by layer" : "");
   checkpoints_ = std::make_unique<WorkerCheckpoints>(c_, who_, *comm_.comm, *task_, o, *strategy_, full_.get());
   eval_start_.assign(task_->eval_size(), 0.0);
@@ -330,16 +356,30 @@ void Trainer::connect_stage(Millis timeout) {
   stage_ = task_->make_stage(*pipeline_);
   NEBULA_CHECK(stage_, "model.kind = \"", c_.model.kind, "\" cannot be cut into pipeline stages");
   const int stage = pipeline_->stage();
-  stage_group_ = comm_.group->subgroup(str_cat("stage", stage), grid.stage_ranks(stage));
+  connect_replicas(str_cat("stage", stage), grid.data_ranks(stage), timeout);
+}
+
+void Trainer::connect_tensor(Millis timeout) {
+  const parallel::SiteGrid grid = site_grid(c_, site_);
+  const int rank = comm_.group->rank(), replica = grid.replica(rank), slice = grid.tensor_rank(rank);
+  tensor_group_ = comm_.group->subgroup(str_cat("tensor", replica), grid.tensor_ranks(0, replica));
+  tensor_comm_ = std::make_unique<parallel::SiteTensorGroup>(*tensor_group_);
+  tensor_ = task_->split_for_tensor(*tensor_comm_);
+  NEBULA_CHECK(tensor_, "model.kind = \"", c_.model.kind, "\" cannot be split into tensor slices");
+  connect_replicas(str_cat("slice", slice), grid.data_ranks(0, slice), timeout);
+}
+
+void Trainer::connect_replicas(const std::string& name, const std::vector<int>& ranks, Millis timeout) {
+  data_group_ = comm_.group->subgroup(name, ranks);
   if (by_layouts()) return;  // the strategy runs over the site (set_layouts)
-  if (stage_group_->rank() == 0) {  // the stage's replicas' own one-site mesh: nothing crosses the WAN here
+  if (data_group_->rank() == 0) {  // the replicas' own one-site mesh: nothing crosses the WAN here
     collective::MeshOptions mesh;
     mesh.site_names = {site_.name};
     mesh.timeout = timeout;
     std::vector<std::unique_ptr<transport::Link>> none(1);
-    stage_mesh_ = std::make_unique<collective::GatewayMesh>(std::move(mesh), std::move(none));
+    data_mesh_ = std::make_unique<collective::GatewayMesh>(std::move(mesh), std::move(none));
   }
-  stage_comm_ = std::make_unique<collective::Hierarchy>(*stage_group_, stage_mesh_.get());
+  data_comm_ = std::make_unique<collective::Hierarchy>(*data_group_, data_mesh_.get());
 }
 
 bool Trainer::by_layouts() const {
@@ -414,6 +454,7 @@ int Trainer::train() {
       optimizer.before_backward(batch.weight);  // ZeRO-2/3: reduce-scattered as backward makes them
       batch.loss.backward();  // gradient buckets start crossing the WAN (sync) or the site (ZeRO-2/3) while this runs
       optimizer.end_backward();
+      if (tensor_ && tensor_comm_->rank() != 0) batch.tokens = 0;  // the first slice counts the replica's tokens
     }
     strategy.sync_gradients(params_, batch.weight);
     if (c_.model.clip_norm > 0) optimizer.clip_grad_norm(c_.model.clip_norm);
@@ -502,6 +543,8 @@ std::vector<double> Trainer::evaluate(int64_t steps_done) {
     full_->with_rest_to_root(run);  // run() on the gateway only
   else if (pipeline_)
     task_->with_whole(*comm_.group, 1, run);  // the other stages' layers lent to the gateway
+  else if (tensor_ && site_grid(c_, site_).replica(who_.local_rank) == 0)
+    tensor_->with_whole([&] { if (gateway) run(); });  // the first replica's slices gathered, the gateway evaluates
   else if (gateway)
     run();
   last_eval_step_ = steps_done;
@@ -518,6 +561,11 @@ std::pair<double, double> Trainer::validate() {
   auto run = [&] { out = task_->validate(c_.job.eval_batches); };
   if (pipeline_) {  // each replica's share, on the whole model lent to its first stage
     task_->with_whole(*comm_.group, site_grid(c_, site_).data, run);
+    return out;
+  }
+  if (tensor_) {  // every slice runs the forward; the first counts the replica's loss
+    run();
+    if (tensor_comm_->rank() != 0) out = {0.0, 0.0};
     return out;
   }
   if (!full_) {
@@ -656,6 +704,7 @@ nlohmann::json Trainer::summary(int64_t steps, const std::vector<double>& totals
                            {"compute_seconds_by_worker", compute},
                            {"wall_seconds_by_worker", wall}};
   }
+  if (tensor_) summary["tensor"] = {{"slices", tensor_comm_->size()}, {"data", site_grid(c_, site_).data}};
   nlohmann::json lost = nlohmann::json::array();
   for (const auto& [j, why] : comm_.mesh->lost()) lost.push_back({{"site", names[j]}, {"reason", why}});
   summary["sites_lost"] = lost;

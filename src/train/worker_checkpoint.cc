@@ -191,7 +191,7 @@ void WorkerCheckpoints::save(const WorkerProgress& progress) {
     parallel::Checkpoint k = capture(progress.step, task_, optimizer_, strategy_);
     k.state["worker"] = {{"tokens", progress.tokens}, {"eval_start", progress.eval_start}, {"site", site.name},
                          {"rank", who_.local_rank},   {"workers", site.workers},           {"shard", c_.parallel.shard},
-                         {"pipeline", site_grid(c_, site).pipeline}};
+                         {"pipeline", site_grid(c_, site).pipeline}, {"tensor", site_grid(c_, site).tensor}};
     parallel::save_checkpoint(dir_, k, fingerprint_, static_cast<int>(c_.checkpoint.keep));
   };
   // Sharded, each rank saves its shard of the trainable parameters: ZeRO-3 gathers nothing.
@@ -222,6 +222,15 @@ std::optional<WorkerProgress> WorkerCheckpoints::restore_newest() {
                               ": resuming onto another pipeline layout is not built yet; resume with ",
                               site.pipeline > 0 ? str_cat("sites[", who_.site, "].") : std::string(), "parallel.pipeline = ",
                               old_pipeline, " and the site's ", old_workers, " workers"));
+  // Tensor slices likewise: each worker's checkpoint holds its slices.
+  const int64_t tensor = site_grid(c_, site).tensor;
+  const int64_t old_tensor =
+      newest ? newest->state.value("worker", nlohmann::json::object()).value("tensor", int64_t{1}) : tensor;
+  if (old_tensor != tensor || (reshard && tensor > 1))
+    throw ConfigError(str_cat(dir_, ": the checkpoint was written by ", old_workers, " workers in ", old_tensor,
+                              " tensor slice(s) per replica; this run has ", workers, " in ", tensor,
+                              ": resuming onto another tensor layout is not built yet; resume with parallel.tensor = ",
+                              old_tensor, " and the site's ", old_workers, " workers"));
   // Resharding leaves the sharded state in the old files, to read by range; so does ZeRO-3 the
   // trainable parameters of a checkpoint that holds them whole (load_parameter_pieces).
   std::set<std::string> pieces_of;

@@ -156,6 +156,37 @@ void check_pipeline(const Config& c, const toml::table& root, const std::string&
     fail("pipeline stages do not run with [distill] yet: use pipeline = 1");
 }
 
+// [parallel] tensor: what the layers are split by and what runs with it so far.
+void check_tensor(const Config& c, const toml::table& root, const std::string& file) {
+  const int64_t t = c.parallel.tensor;
+  if (t == 1) return;
+  const std::string at = place(root, "parallel", "tensor", file);
+  auto fail = [&](const std::string& why) { throw ConfigError(str_cat(at, ": key 'parallel.tensor': ", why)); };
+  if (c.model.kind != "mlm_encoder")
+    fail(str_cat("tensor parallelism splits model.kind = \"mlm_encoder\" so far, not \"", c.model.kind,
+                 "\": use tensor = 1"));
+  if (c.model.heads % t != 0 || c.model.ffn % t != 0)
+    fail(str_cat("tensor = ", t, " must divide model.heads = ", c.model.heads, " and model.ffn = ", c.model.ffn,
+                 " (each worker computes heads / tensor heads and ffn / tensor MLP units)"));
+  for (size_t i = 0; i < c.sites.size(); ++i) {
+    const int64_t per_replica = c.pipeline_of(c.sites[i]) * t;
+    if (c.sites[i].workers % per_replica != 0)
+      fail(str_cat("site '", c.sites[i].name, "' has ", c.sites[i].workers, " workers, not a multiple of pipeline × tensor = ",
+                   per_replica, " (data × pipeline × tensor = the site's workers)"));
+  }
+  for (size_t i = 0; i < c.sites.size(); ++i)
+    if (c.pipeline_of(c.sites[i]) > 1)
+      fail("pipeline stages of tensor slices are not built yet: use pipeline = 1 or tensor = 1");
+  if (c.sites.size() > 1)
+    fail(str_cat("tensor slices in a job of several sites are not built yet (the WAN exchange by parameter range of "
+                 "slices): this job has ", c.sites.size(), " sites"));
+  if (c.parallel.shard == "full")
+    fail("ZeRO-3 (shard = \"full\") of tensor slices is not built yet: use shard = \"none\", \"optimizer\" or "
+         "\"gradients\" (each slice's replicas shard its state)");
+  if (c.peft.kind != "none") fail(str_cat("tensor parallelism of PEFT modules is not built: use peft.kind = \"none\""));
+  if (c.privacy.enabled()) fail("[privacy] with tensor slices is not built: remove [privacy] or set tensor = 1");
+}
+
 // [wan] mode = "every_worker": what it runs with, and each site's worker addresses.
 void check_wan_mode(const Config& c, const toml::table& root, const std::string& file) {
   for (size_t i = 0; i < c.sites.size(); ++i) {
@@ -530,6 +561,7 @@ Config build(const toml::table& root, const std::string& file) {
     if (c.parallel.bucket_bytes < 1024) s.fail(*t, "bucket", "must be at least 1KiB");
     s.integer("pipeline", c.parallel.pipeline, 1, 1024);
     s.integer("micro_batches", c.parallel.micro_batches, 1, 1 << 20);
+    s.integer("tensor", c.parallel.tensor, 1, 1024);
     s.finish();
   }
   if (auto* t = top.table("peft")) {
@@ -599,6 +631,7 @@ Config build(const toml::table& root, const std::string& file) {
   }
   top.finish();
   check_pipeline(c, root, file);
+  check_tensor(c, root, file);
   check_wan_mode(c, root, file);
   check_liveness(c, root, file);
   if (c.checkpoint.dir.empty()) c.checkpoint.dir = c.job.run_dir + "/checkpoints";
@@ -795,6 +828,7 @@ std::string to_toml(const Config& c) {
                                       {"prefetch", c.parallel.prefetch},
                                       {"pipeline", c.parallel.pipeline},
                                       {"micro_batches", c.parallel.micro_batches},
+                                      {"tensor", c.parallel.tensor},
                                       {"bucket", bytes(c.parallel.bucket_bytes)}});
   root.insert("security", toml::table{{"insecure", c.security.insecure},
                                       {"certs", c.security.certs},
