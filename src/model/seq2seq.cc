@@ -77,7 +77,23 @@ std::vector<torch::nn::Module*> Seq2SeqImpl::units() const {
 at::Tensor Seq2SeqImpl::encode(const at::Tensor& src) { return encoder_->encode(src); }
 
 at::Tensor Seq2SeqImpl::decode(const at::Tensor& memory, const at::Tensor& src, const at::Tensor& tgt_in) {
+  NEBULA_CHECK(!tensor_, "Seq2Seq::decode gives the whole vocabulary's logits: not while split for tensor "
+                         "parallelism (run it with the slices gathered: parallel::TensorSplit::with_whole)");
   return project(decode_hidden(memory, src, tgt_in));
+}
+
+std::vector<TensorSlice> Seq2SeqImpl::split_for_tensor(TensorGroup& group) {
+  NEBULA_CHECK(!gather_ && !tensor_, "split_for_tensor on a Seq2Seq ", gather_ ? "under ZeRO-3" : "split already");
+  std::vector<TensorSlice> out = encoder_->split_for_tensor(group);
+  for (DecoderLayer& layer : layers_) layer->split_for_tensor(group, out);
+  tensor_ = &group;
+  return out;
+}
+
+void Seq2SeqImpl::set_tensor_group(TensorGroup* group) {
+  tensor_ = group;
+  encoder_->set_tensor_group(group);
+  for (DecoderLayer& layer : layers_) layer->set_tensor_group(group);
 }
 
 at::Tensor Seq2SeqImpl::project(const at::Tensor& hidden) { return encoder_->project(hidden); }
@@ -121,6 +137,9 @@ at::Tensor Seq2SeqImpl::loss(const at::Tensor& src, const at::Tensor& tgt_in, co
   NEBULA_CHECK(label_smoothing >= 0 && label_smoothing < 1, "label_smoothing ", label_smoothing);
   const at::Tensor logits = target_logits(src, tgt_in, tgt_out);
   const at::Tensor flat = tgt_out.reshape({-1});
+  if (tensor_)
+    return vocab_parallel_cross_entropy(logits, flat.index_select(0, flat.ne(kIgnoreIndex).nonzero().squeeze(1)),
+                                        encoder_->vocab_rows().begin, *tensor_, label_smoothing, vocab_size_);
   return at::cross_entropy_loss(logits, flat.index_select(0, flat.ne(kIgnoreIndex).nonzero().squeeze(1)),
                                 /*weight=*/{}, at::Reduction::Mean, kIgnoreIndex, label_smoothing);
 }

@@ -32,6 +32,7 @@
 
 #include "model/mlm_batch.h"  // SpecialIds
 #include "model/mlm_encoder.h"
+#include "model/tensor_parallel.h"
 #include "model/transformer.h"
 #include "nebula/config.h"
 
@@ -107,6 +108,14 @@ class Seq2SeqImpl : public torch::nn::Module {
   int64_t vocab_size() const { return vocab_size_; }
   int64_t max_len() const { return config_.max_len; }
 
+  // Tensor parallelism (model/tensor_parallel.h): the encoder's slices (MlmEncoder::
+  // split_for_tensor: its layers and the vocabulary rows of the token embedding, tied three
+  // ways) and every decoder layer's; the decoder's positions and norms stay whole. From then on
+  // project() gives this worker's vocabulary rows' logits and loss() is vocabulary-parallel;
+  // decode(), forward() and the decoders need the whole model (TensorSplit::with_whole).
+  std::vector<TensorSlice> split_for_tensor(TensorGroup& group);
+  void set_tensor_group(TensorGroup* group);
+
   // ZeRO-3 (model/layer_gather.h): the encoder's and the decoder's layers run through `gather`
   // (null: directly). Not owned; it must outlive its use.
   void set_layer_gather(LayerGather* gather) {
@@ -119,6 +128,7 @@ class Seq2SeqImpl : public torch::nn::Module {
 
   ModelConfig config_;
   LayerGather* gather_ = nullptr;
+  TensorGroup* tensor_ = nullptr;  // not owned
   SpecialIds ids_;
   int64_t vocab_size_;
   MlmEncoder encoder_{nullptr};

@@ -61,9 +61,11 @@ at::Tensor reduce_from_tensor_group(const at::Tensor& x, TensorGroup& group) {
 }
 
 at::Tensor vocab_parallel_cross_entropy(const at::Tensor& logits, const at::Tensor& targets, int64_t begin,
-                                        TensorGroup& group) {
+                                        TensorGroup& group, double label_smoothing, int64_t vocab) {
   NEBULA_CHECK(logits.dim() == 2 && targets.dim() == 1 && logits.size(0) == targets.size(0) && logits.size(1) > 0,
                "vocabulary-parallel cross-entropy of logits ", logits.sizes(), " and targets ", targets.sizes());
+  NEBULA_CHECK(label_smoothing >= 0 && label_smoothing < 1 && (label_smoothing == 0 || vocab >= logits.size(1)),
+               "label_smoothing ", label_smoothing, " over a vocabulary of ", vocab);
   const int64_t n = logits.size(0), rows = logits.size(1);
   // The largest logit over the whole vocabulary (for a stable exp; no gradient: the value does
   // not depend on it): each worker's maxima in its own row of a [T, n] sum.
@@ -79,7 +81,11 @@ at::Tensor vocab_parallel_cross_entropy(const at::Tensor& logits, const at::Tens
   const at::Tensor mine = targets.ge(begin).logical_and(targets.lt(begin + rows));
   const at::Tensor local = (targets - begin).clamp(0, rows - 1).unsqueeze(1);
   const at::Tensor target = reduce_from_tensor_group(shifted.gather(1, local).squeeze(1) * mine.to(logits.scalar_type()), group);
-  return (sum_exp.log() - target).mean();
+  const at::Tensor nll = sum_exp.log() - target;  // log Σ_v exp(z_v − m) − (z_t − m) per row
+  if (label_smoothing == 0) return nll.mean();
+  // torch's smoothing: (1 − ε) nll + ε · (log Σ exp − mean_v z_v), the mean over every worker's rows.
+  const at::Tensor mean_logit = reduce_from_tensor_group(shifted.sum(1), group) / static_cast<double>(vocab);
+  return ((1 - label_smoothing) * nll + label_smoothing * (sum_exp.log() - mean_logit)).mean();
 }
 
 void slice_parameter(const at::Tensor& param, int64_t dim, const TensorGroup& group, std::vector<TensorSlice>& out) {

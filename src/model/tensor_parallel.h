@@ -55,8 +55,9 @@ at::Tensor reduce_from_tensor_group(const at::Tensor& x, TensorGroup& group);
 // Mean cross-entropy of targets [N] (no ignored entries) from each worker's logits [N, its
 // vocabulary rows] for vocabulary rows [begin, begin + logits.size(1)): the value (and
 // gradients) of at::cross_entropy on the whole vocabulary's logits, on every worker of the group.
+// label_smoothing in [0, 1), torch's definition over a vocabulary of `vocab` (needed then).
 at::Tensor vocab_parallel_cross_entropy(const at::Tensor& logits, const at::Tensor& targets, int64_t begin,
-                                        TensorGroup& group);
+                                        TensorGroup& group, double label_smoothing = 0, int64_t vocab = 0);
 
 // One parameter a model cut for tensor parallelism: the whole tensor's size along `dim`, and
 // which part of it this worker keeps (the parameter now holds only that slice).

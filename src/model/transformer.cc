@@ -6,6 +6,7 @@
 #include <torch/nn/init.h>
 
 #include <cmath>
+#include <initializer_list>
 #include <limits>
 #include <string>
 
@@ -43,6 +44,29 @@ void check_layer_shape(const char* what, int64_t dim, int64_t heads, int64_t ffn
   NEBULA_CHECK(dim > 0 && heads > 0 && dim % heads == 0 && ffn > 0, what, " dim ", dim, " heads ", heads, " ffn ",
                ffn, ": dim must be a positive multiple of heads");
   NEBULA_CHECK(dropout >= 0 && dropout < 1, "dropout ", dropout);
+}
+
+// Tensor parallelism of a layer's Linear maps (EncoderLayer, DecoderLayer; `what` names it):
+// `columns` keep their output rows' slice (weight and bias), `rows` their input columns' slice
+// (the weight; the bias stays whole, added after the partial sums). Checks the heads and the
+// MLP (linears[ffn_in]'s output) divide by the group, and that no PEFT module replaced a map.
+template <size_t N>
+void split_linears(const char* what, int64_t heads, const std::array<torch::nn::Linear, N>& linears,
+                   const std::array<torch::nn::AnyModule, N>& projections, bool adapters, size_t ffn_in,
+                   std::initializer_list<size_t> columns, std::initializer_list<size_t> rows, TensorGroup& group,
+                   std::vector<TensorSlice>& out) {
+  const int t = group.size();
+  const int64_t ffn = linears[ffn_in]->weight.size(0);
+  NEBULA_CHECK(heads % t == 0 && ffn % t == 0, what, " of ", heads, " heads and ffn ", ffn, " cannot be split over ", t,
+               " workers: both must be multiples of it");
+  for (size_t p = 0; p < N; ++p)
+    NEBULA_CHECK(projections[p].ptr() == linears[p].ptr() && !adapters,
+                 "tensor parallelism of a layer with PEFT modules is not built");
+  for (size_t p : columns) {
+    slice_parameter(linears[p]->weight, 0, group, out);
+    slice_parameter(linears[p]->bias, 0, group, out);
+  }
+  for (size_t p : rows) slice_parameter(linears[p]->weight, 1, group, out);
 }
 
 }  // namespace
@@ -125,18 +149,8 @@ void EncoderLayerImpl::set_projection(Projection p, torch::nn::AnyModule module)
 }
 
 void EncoderLayerImpl::split_for_tensor(TensorGroup& group, std::vector<TensorSlice>& out) {
-  const int t = group.size();
-  const int64_t ffn = linears_[kFfnIn]->weight.size(0);
-  NEBULA_CHECK(heads_ % t == 0 && ffn % t == 0, "an encoder layer of ", heads_, " heads and ffn ", ffn,
-               " cannot be split over ", t, " workers: both must be multiples of it");
-  for (size_t p = 0; p < kNumProjections; ++p)
-    NEBULA_CHECK(projections_[p].ptr() == linears_[p].ptr() && !has_adapters(),
-                 "tensor parallelism of a layer with PEFT modules is not built");
-  for (Projection p : {kQuery, kKey, kValue, kFfnIn}) {  // column-parallel: output rows
-    slice_parameter(linears_[p]->weight, 0, group, out);
-    slice_parameter(linears_[p]->bias, 0, group, out);
-  }
-  for (Projection p : {kOut, kFfnOut}) slice_parameter(linears_[p]->weight, 1, group, out);  // row-parallel
+  split_linears("an encoder layer", heads_, linears_, projections_, has_adapters(), kFfnIn,
+                {kQuery, kKey, kValue, kFfnIn}, {kOut, kFfnOut}, group, out);
   tensor_ = &group;
 }
 
@@ -174,14 +188,30 @@ at::Tensor DecoderLayerImpl::forward(const at::Tensor& x, const at::Tensor& memo
                    memory.size(0) == x.size(0),
                "decoder layer input of shape ", x.sizes(), " and memory ", memory.sizes(), ", dim ", dim_);
   const double attention_dropout = is_training() ? dropout_ : 0.0;
-  at::Tensor h = multi_head_attention(project(kSelfQuery, x), project(kSelfKey, x), project(kSelfValue, x), heads_,
+  const int64_t heads = tensor_ ? heads_ / tensor_->size() : heads_;  // this worker's
+  const at::Tensor in = column_input(x);
+  at::Tensor h = multi_head_attention(project(kSelfQuery, in), project(kSelfKey, in), project(kSelfValue, in), heads,
                                       tgt_padding_mask, /*causal=*/true, attention_dropout);
-  at::Tensor y = norms_[0](x + adapt(0, drop(project(kSelfOut, h))));
-  h = multi_head_attention(project(kCrossQuery, y), project(kCrossKey, memory), project(kCrossValue, memory), heads_,
+  at::Tensor y = norms_[0](x + adapt(0, drop(row_parallel(kSelfOut, h))));
+  const at::Tensor query = column_input(y), keys = column_input(memory);
+  h = multi_head_attention(project(kCrossQuery, query), project(kCrossKey, keys), project(kCrossValue, keys), heads,
                            memory_padding_mask, /*causal=*/false, attention_dropout);
-  y = norms_[1](y + adapt(1, drop(project(kCrossOut, h))));
-  h = drop(project(kFfnOut, drop(at::gelu(project(kFfnIn, y)))));
+  y = norms_[1](y + adapt(1, drop(row_parallel(kCrossOut, h))));
+  h = drop(row_parallel(kFfnOut, drop(at::gelu(project(kFfnIn, column_input(y))))));
   return norms_[2](y + adapt(2, h));
+}
+
+at::Tensor DecoderLayerImpl::row_parallel(Projection p, const at::Tensor& x) {
+  if (!tensor_) return project(p, x);
+  const torch::nn::Linear& l = linears_[p];
+  return reduce_from_tensor_group(at::linear(x, l->weight), *tensor_) + l->bias;
+}
+
+void DecoderLayerImpl::split_for_tensor(TensorGroup& group, std::vector<TensorSlice>& out) {
+  split_linears("a decoder layer", heads_, linears_, projections_, has_adapters(), kFfnIn,
+                {kSelfQuery, kSelfKey, kSelfValue, kCrossQuery, kCrossKey, kCrossValue, kFfnIn},
+                {kSelfOut, kCrossOut, kFfnOut}, group, out);
+  tensor_ = &group;
 }
 
 void DecoderLayerImpl::set_adapters(torch::nn::AnyModule after_self, torch::nn::AnyModule after_cross,

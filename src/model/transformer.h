@@ -136,6 +136,10 @@ class DecoderLayerImpl : public torch::nn::Module {
 
   // As EncoderLayerImpl::set_projection (a PEFT hook): replaces what computes projection `p`.
   void set_projection(Projection p, torch::nn::AnyModule module);
+  // As EncoderLayerImpl's: both attentions' q, k, v and linear1 by output rows, self_out,
+  // cross_out and linear2 by input columns.
+  void split_for_tensor(TensorGroup& group, std::vector<TensorSlice>& out);
+  void set_tensor_group(TensorGroup* group) { tensor_ = group; }
   // As EncoderLayerImpl::set_adapters, one slot per sub-block: on the self-attention output, the
   // cross-attention output and the FFN output, each before its residual sum. Once per layer.
   void set_adapters(torch::nn::AnyModule after_self, torch::nn::AnyModule after_cross, torch::nn::AnyModule after_ffn);
@@ -145,6 +149,8 @@ class DecoderLayerImpl : public torch::nn::Module {
   at::Tensor project(Projection p, const at::Tensor& x) { return projections_[p].forward(x); }
   at::Tensor drop(const at::Tensor& x) const;
   at::Tensor adapt(size_t slot, const at::Tensor& x) { return has_adapters() ? adapters_[slot].forward(x) : x; }
+  at::Tensor column_input(const at::Tensor& x) { return tensor_ ? copy_to_tensor_group(x, *tensor_) : x; }
+  at::Tensor row_parallel(Projection p, const at::Tensor& x);
 
   int64_t dim_, heads_;
   double dropout_;
@@ -153,6 +159,7 @@ class DecoderLayerImpl : public torch::nn::Module {
   std::array<torch::nn::AnyModule, kNumProjections> projections_;  // what forward calls: linears_ or wrappers
   std::array<torch::nn::LayerNorm, 3> norms_{nullptr, nullptr, nullptr};
   std::array<torch::nn::AnyModule, 3> adapters_;  // empty = identity
+  TensorGroup* tensor_ = nullptr;                  // not owned
 };
 TORCH_MODULE(DecoderLayer);
 

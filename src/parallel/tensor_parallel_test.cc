@@ -8,6 +8,7 @@
 #include "collective/testing.h"
 #include "model/mlm_encoder.h"
 #include "model/peft.h"
+#include "model/seq2seq.h"
 #include "model/testing.h"
 #include "parallel/pipeline.h"
 
@@ -125,6 +126,53 @@ void expect_tensor_parallel_equals_one_worker(int T, int64_t heads, int64_t ffn)
 
 TEST(TensorParallel, TwoSlicesEqualOneWorker) { expect_tensor_parallel_equals_one_worker(2, 2, 20); }
 TEST(TensorParallel, ThreeSlicesEqualOneWorker) { expect_tensor_parallel_equals_one_worker(3, 6, 24); }
+
+// The translation model likewise: encoder and decoder slices, the vocabulary tied three ways,
+// the loss with label smoothing; lent whole, it decodes as the whole model does.
+TEST(TensorParallel, TranslationModelSlicesEqualOneWorker) {
+  auto make = [] {
+    static std::mutex seed_lock;
+    std::lock_guard<std::mutex> lock(seed_lock);
+    at::manual_seed(9);
+    ModelConfig c = model::testing::tiny_model_config();
+    c.layers = 1;
+    c.dim = 12;
+    c.heads = 2;
+    c.ffn = 20;
+    c.dropout = 0;
+    return model::Seq2Seq(c, 2, 41, model::SpecialIds{});
+  };
+  const at::Tensor src = at::arange(4 * 7, at::kLong).mul(5).add(1).remainder(36).add(5).view({4, 7});
+  const at::Tensor tgt_in = at::cat({at::full({4, 1}, 2, at::kLong), src.narrow(1, 0, 5).flip(1)}, 1);  // BOS, then 5
+  at::Tensor tgt_out = at::cat({src.narrow(1, 0, 5).flip(1), at::full({4, 1}, 3, at::kLong)}, 1);       // 5, then EOS
+  tgt_out[3].narrow(0, 4, 2).fill_(model::kIgnoreIndex);  // a shorter target
+  const double smoothing = 0.1;
+  model::Seq2Seq reference = make();
+  const at::Tensor want_loss = reference->loss(src, tgt_in, tgt_out, smoothing);
+  want_loss.backward();
+  const auto want = reference->named_parameters();
+  const auto want_tokens = reference->beam_search(src, 2, 5);
+  collective::testing::run_site("tensor-s2s", 2, [&](collective::SiteGroup& site) {
+    SiteTensorGroup group(site);
+    model::Seq2Seq m = make();
+    std::vector<model::TensorSlice> slices = m->split_for_tensor(group);
+    const at::Tensor loss = m->loss(src, tgt_in, tgt_out, smoothing);
+    EXPECT_NEAR(loss.item<double>(), want_loss.item<double>(), 1e-6 * std::abs(want_loss.item<double>()));
+    loss.backward();
+    for (const auto& item : m->named_parameters()) {
+      at::Tensor w = want[item.key()].grad();
+      for (const model::TensorSlice& s : slices)
+        if (s.param.is_same(item.value())) w = w.narrow(s.dim, s.mine.begin, s.mine.size());
+      ASSERT_EQ(item.value().grad().sizes(), w.sizes()) << item.key();
+      const bool key_bias = item.key().size() > 6 && item.key().substr(item.key().size() - 6) == "k.bias";
+      const double err = key_bias ? (item.value().grad() - w).abs().max().item<double>() : relative(item.value().grad(), w);
+      EXPECT_LE(err, key_bias ? 1e-6 : 1e-5) << item.key() << " on worker " << group.rank();
+    }
+    EXPECT_THROW(m->forward(src, tgt_in), Error) << "the whole vocabulary's logits are not here";
+    TensorSplit split(slices, [&](model::TensorGroup* g) { m->set_tensor_group(g); }, group, {0, 0}, {});
+    split.with_whole([&] { EXPECT_EQ(m->beam_search(src, 2, 5), want_tokens); });
+  });
+}
 
 TEST(TensorParallel, HeadsOrMlpNotDividedIsAnError) {
   collective::testing::run_site("tensor-bad", 3, [&](collective::SiteGroup& site) {

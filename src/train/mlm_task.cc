@@ -112,25 +112,13 @@ class MlmTask : public Task {
     return stage_.get();
   }
   parallel::TensorSplit* split_for_tensor(parallel::SiteTensorGroup& group) override {
-    const std::pair<int64_t, int64_t> whole = model_numel();
-    std::vector<std::vector<int64_t>> shapes = trainable_shapes();
-    model::MlmEncoder m = model_;  // shares the module
-    split_ = std::make_unique<parallel::TensorSplit>(
-        model_->split_for_tensor(group), [m](model::TensorGroup* g) mutable { m->set_tensor_group(g); }, group, whole,
-        std::move(shapes));
-    spdlog::info("tensor slice {} of {}: {} of {} heads per layer, {} of {} MLP units, vocabulary rows [{}, {}), {} of {} "
-                 "trainable parameters here",
-                 group.rank(), group.size(), c_.model.heads / group.size(), c_.model.heads, c_.model.ffn / group.size(),
-                 c_.model.ffn, model_->vocab_rows().begin, model_->vocab_rows().end, model::numel(params_), whole.second);
-    return split_.get();
+    return split_built_in(model_, group, c_.model);
   }
   std::pair<int64_t, int64_t> model_numel() override {
-    if (split_) return split_->whole_numel();
     if (!stage_) return Task::model_numel();
     return {stage_->stage.staged().whole_numel(false), stage_->stage.staged().whole_numel(true)};
   }
   std::vector<std::vector<int64_t>> trainable_shapes() override {
-    if (split_) return split_->whole_shapes();
     return stage_ ? stage_->stage.staged().trainable_shapes() : Task::trainable_shapes();
   }
   std::vector<int64_t> stage_bounds(int stages) override {
@@ -243,7 +231,6 @@ class MlmTask : public Task {
   std::vector<at::Tensor> params_;
   std::unique_ptr<parallel::StageKeeper> keeper_;  // pipeline stages: what the model was built under
   std::unique_ptr<MlmStage> stage_;                // pipeline stages: this worker's
-  std::unique_ptr<parallel::TensorSplit> split_;   // tensor slices: this worker's
 };
 
 }  // namespace

@@ -50,6 +50,7 @@ std::map<std::string, std::string> text_model_metadata(const TaskContext& ctx, c
 }
 
 std::pair<int64_t, int64_t> Task::model_numel() {
+  if (tensor_split_) return tensor_split_->whole_numel();
   int64_t all = 0, trained = 0;
   for (const auto& p : module().parameters()) all += p.numel();
   for (const auto& p : trainable()) trained += p.numel();
@@ -66,6 +67,15 @@ uint64_t batch_seed(const Config& c, const WorkerIdentity& who) {
   const std::string& name = c.sites.at(who.site).name;
   const uint32_t site = wire::crc32(0, {reinterpret_cast<const uint8_t*>(name.data()), name.size()});
   return c.job.seed * 1000003 + uint64_t{site} * 1009 + static_cast<uint64_t>(data_replica(c, who).local_rank);
+}
+
+void Task::log_tensor_slice(const ModelConfig& m, const model::TensorGroup& group, const std::vector<at::Tensor>& held,
+                            int64_t whole_trainable) {
+  int64_t here = 0;
+  for (const at::Tensor& p : held) here += p.numel();
+  spdlog::info("tensor slice {} of {}: {} of {} heads per layer, {} of {} MLP units, {} of {} trainable parameters here",
+               group.rank(), group.size(), m.heads / group.size(), m.heads, m.ffn / group.size(), m.ffn, here,
+               whole_trainable);
 }
 
 parallel::SiteGrid site_grid(const Config& c, const SiteConfig& site) {

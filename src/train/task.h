@@ -104,8 +104,9 @@ class Task {
   // made. Null: this task's model cannot be split (the config check refuses it first).
   virtual parallel::TensorSplit* split_for_tensor(parallel::SiteTensorGroup& group) { return nullptr; }
   // The flat vector the sites exchange, whatever this worker holds: the shapes of the whole
-  // model's trainable parameters in order (with stages: every stage's).
+  // model's trainable parameters in order (with stages: every stage's; with slices: whole).
   virtual std::vector<std::vector<int64_t>> trainable_shapes() {
+    if (tensor_split_) return tensor_split_->whole_shapes();
     std::vector<std::vector<int64_t>> shapes;
     for (const at::Tensor& p : trainable()) shapes.push_back(p.sizes().vec());
     return shapes;
@@ -149,6 +150,25 @@ class Task {
   // Writes the trained model into run_dir (the first live site's gateway, at the end):
   // model.safetensors (module() and `metadata`); a task may add its own format next to it.
   virtual void save_model(const std::string& run_dir, const std::map<std::string, std::string>& metadata);
+
+ protected:
+  // split_for_tensor for a built-in model (an MlmEncoder or Seq2Seq holder): cuts it over
+  // `group`, the whole model's counts and shapes kept for model_numel() and trainable_shapes().
+  template <typename Holder>
+  parallel::TensorSplit* split_built_in(Holder model, parallel::SiteTensorGroup& group, const ModelConfig& config) {
+    const std::pair<int64_t, int64_t> whole = model_numel();
+    std::vector<std::vector<int64_t>> shapes = trainable_shapes();
+    tensor_split_ = std::make_unique<parallel::TensorSplit>(
+        model->split_for_tensor(group), [model](model::TensorGroup* g) mutable { model->set_tensor_group(g); }, group,
+        whole, std::move(shapes));
+    log_tensor_slice(config, group, trainable(), whole.second);
+    return tensor_split_.get();
+  }
+  std::unique_ptr<parallel::TensorSplit> tensor_split_;  // split_built_in's
+
+ private:
+  static void log_tensor_slice(const ModelConfig& config, const model::TensorGroup& group,
+                               const std::vector<at::Tensor>& here, int64_t whole_trainable);
 };
 
 // model.init: copies a trained model's model.safetensors in. A model of the job's own kind

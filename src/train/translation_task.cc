@@ -94,6 +94,10 @@ class TranslationTask : public Task {
   std::vector<at::Tensor> trainable() override { return params_; }
   std::vector<torch::nn::Module*> layers() override { return model_->units(); }
   void set_layer_gather(model::LayerGather* gather) override { model_->set_layer_gather(gather); }
+  parallel::TensorSplit* split_for_tensor(parallel::SiteTensorGroup& group) override {
+    NEBULA_CHECK(!client_, "tensor slices of a distilled student are not built");
+    return split_built_in(model_, group, c_.model);
+  }
 
   Step forward(int64_t) override {
     if (!client_) {

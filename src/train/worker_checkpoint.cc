@@ -211,26 +211,20 @@ std::optional<WorkerProgress> WorkerCheckpoints::restore_newest() {
   const WrittenLayout layout = written_layout(c_, who_, comm_.site(), newest, optimizer_);
   const int old_workers = layout.workers;
   const bool reshard = layout.reshard(workers);
-  // Pipeline stages: each worker's checkpoint holds its stage; resuming onto other stages (or
-  // onto stages from a checkpoint without them) would need their layers cut again: not built.
-  const int64_t pipeline = site_grid(c_, site).pipeline;
-  const int64_t old_pipeline =
-      newest ? newest->state.value("worker", nlohmann::json::object()).value("pipeline", int64_t{1}) : pipeline;
-  if (old_pipeline != pipeline || (reshard && pipeline > 1))
-    throw ConfigError(str_cat(dir_, ": the checkpoint was written by ", old_workers, " workers in ", old_pipeline,
-                              " pipeline stage(s); this run has ", workers, " in ", pipeline,
-                              ": resuming onto another pipeline layout is not built yet; resume with ",
-                              site.pipeline > 0 ? str_cat("sites[", who_.site, "].") : std::string(), "parallel.pipeline = ",
-                              old_pipeline, " and the site's ", old_workers, " workers"));
-  // Tensor slices likewise: each worker's checkpoint holds its slices.
-  const int64_t tensor = site_grid(c_, site).tensor;
-  const int64_t old_tensor =
-      newest ? newest->state.value("worker", nlohmann::json::object()).value("tensor", int64_t{1}) : tensor;
-  if (old_tensor != tensor || (reshard && tensor > 1))
-    throw ConfigError(str_cat(dir_, ": the checkpoint was written by ", old_workers, " workers in ", old_tensor,
-                              " tensor slice(s) per replica; this run has ", workers, " in ", tensor,
-                              ": resuming onto another tensor layout is not built yet; resume with parallel.tensor = ",
-                              old_tensor, " and the site's ", old_workers, " workers"));
+  // Pipeline stages and tensor slices: each worker's checkpoint holds its own part; resuming onto
+  // another cut (or onto a cut from a checkpoint without one) would need the layers cut again:
+  // not built.
+  auto same_cut = [&](const char* name, const char* parts, int64_t now, const std::string& key) {
+    const int64_t old = newest ? newest->state.value("worker", nlohmann::json::object()).value(name, int64_t{1}) : now;
+    if (old != now || (reshard && now > 1))
+      throw ConfigError(str_cat(dir_, ": the checkpoint was written by ", old_workers, " workers in ", old, " ", parts,
+                                "; this run has ", workers, " in ", now, ": resuming onto another ", name,
+                                " layout is not built yet; resume with ", key, " = ", old, " and the site's ",
+                                old_workers, " workers"));
+  };
+  same_cut("pipeline", "pipeline stage(s)", site_grid(c_, site).pipeline,
+           str_cat(site.pipeline > 0 ? str_cat("sites[", who_.site, "].") : std::string(), "parallel.pipeline"));
+  same_cut("tensor", "tensor slice(s) per replica", site_grid(c_, site).tensor, "parallel.tensor");
   // Resharding leaves the sharded state in the old files, to read by range; so does ZeRO-3 the
   // trainable parameters of a checkpoint that holds them whole (load_parameter_pieces).
   std::set<std::string> pieces_of;

@@ -162,9 +162,9 @@ void check_tensor(const Config& c, const toml::table& root, const std::string& f
   if (t == 1) return;
   const std::string at = place(root, "parallel", "tensor", file);
   auto fail = [&](const std::string& why) { throw ConfigError(str_cat(at, ": key 'parallel.tensor': ", why)); };
-  if (c.model.kind != "mlm_encoder")
-    fail(str_cat("tensor parallelism splits model.kind = \"mlm_encoder\" so far, not \"", c.model.kind,
-                 "\": use tensor = 1"));
+  if (c.model.kind != "mlm_encoder" && c.model.kind != "seq2seq")
+    fail(str_cat("tensor parallelism splits model.kind = \"mlm_encoder\" and \"seq2seq\" so far, not \"",
+                 c.model.kind, "\": use tensor = 1"));
   if (c.model.heads % t != 0 || c.model.ffn % t != 0)
     fail(str_cat("tensor = ", t, " must divide model.heads = ", c.model.heads, " and model.ffn = ", c.model.ffn,
                  " (each worker computes heads / tensor heads and ffn / tensor MLP units)"));
