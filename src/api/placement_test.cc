@@ -5,6 +5,7 @@
 #include <map>
 
 #include "nebula/error.h"
+#include "nebula/session.h"
 #include "util/config_testing.h"
 
 namespace nebula {
@@ -111,6 +112,23 @@ TEST(Placement, MissingOrInconsistentVariablesAreNamed) {
                {"$MASTER_PORT = 70000"});
   expect_error({{"WORLD_SIZE", "3"}}, {"$WORLD_SIZE = 3", "workers = 2"}, "beta", "1");
   expect_error({}, {"--rank = 5", "ranks 0..1"}, "beta", "5");
+}
+
+// A session trains the caller's own model: [parallel] pipeline / tensor, which cut nebula's
+// built-in models, are refused naming the keys (before anything connects), not ignored.
+TEST(Session, PipelineOrTensorLayoutsAreRefused) {
+  for (const char* layout : {"pipeline = 2", "tensor = 2"}) {
+    const Config c = parse_config(std::string("[job]\nname = \"t\"\n[[sites]]\nname = \"alpha\"\nworkers = 4\n"
+                                              "[security]\ninsecure = true\n[parallel]\n") + layout + "\n",
+                                  "job.toml");
+    try {
+      Session s(c, "alpha", 0);
+      ADD_FAILURE() << layout << ": a session was made";
+    } catch (const ConfigError& e) {
+      EXPECT_NE(std::string(e.what()).find("parallel.tensor"), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find("set both to 1"), std::string::npos) << e.what();
+    }
+  }
 }
 
 }  // namespace

@@ -47,6 +47,14 @@ Session::Session(const Config& config, const Placement& p) : impl_(std::make_uni
   if (p.rank < 0 || p.rank >= site.workers)
     throw ConfigError(str_cat(config.source_path, ": site '", site.name, "' has workers = ", site.workers, "; rank ",
                               p.rank, " does not exist (ranks are 0 to ", site.workers - 1, ")"));
+  // [parallel] pipeline and tensor cut nebula's built-in models (`nebula run`); a session trains
+  // the caller's own model, which nebula does not cut: refused, not ignored.
+  if (config.pipeline_of(site) > 1 || config.parallel.tensor > 1)
+    throw ConfigError(str_cat(config.source_path, ": parallel.pipeline = ", config.pipeline_of(site),
+                              " and parallel.tensor = ", config.parallel.tensor, " (site '", site.name,
+                              "') cut nebula's built-in models, which `nebula run` trains; a library session (the "
+                              "\"nebula\" process group, nebula.DiLoCo) trains your own model and does not cut it: "
+                              "set both to 1"));
   // As in the nebula binary: large buffers reused, not mapped afresh per step (a Python job's
   // all-reduce spent ~4 % of its time in page faults without it).
   tune_allocator();
