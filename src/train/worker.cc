@@ -90,8 +90,8 @@ std::atomic<int> g_stop_signal{0};
 extern "C" void on_stop_signal(int sig) { g_stop_signal = sig; }
 
 // A stop that every worker of the site agrees on, at the end of a step: SIGINT/SIGTERM, or in
-// tests NEBULA_TEST_STOP_AT_STEP=N (as if SIGTERM had come after step N: a deterministic moment
-// for resume tests).
+// tests NEBULA_TEST_STOP_AT_STEP=N (as if SIGTERM had come after step N on every site: a
+// deterministic moment for resume tests; a signal before N is held until N).
 class StopRequest {
  public:
   explicit StopRequest(collective::SiteGroup& group) : group_(group) {
@@ -111,6 +111,10 @@ class StopRequest {
   // is seen it stays.
   int poll(int64_t steps_done) {
     float stop = g_stop_signal.load() != 0 ? static_cast<float>(g_stop_signal.load()) : 0.0f;
+    // NEBULA_TEST_STOP_AT_STEP: every worker of every site stops after step N, whichever site
+    // gets there first (its exit makes the launcher signal the others, which would otherwise
+    // stop wherever they are): a signal before N waits for N.
+    if (stop_at_ >= 0 && steps_done < stop_at_) stop = 0;
     if (steps_done == stop_at_) stop = SIGTERM;
     if (group_.size() > 1) {
       at::Tensor flag = at::full({1}, stop, at::kFloat);
