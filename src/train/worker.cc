@@ -332,9 +332,9 @@ Trainer::Trainer(const TaskContext& ctx, bool rejoin, Clock::time_point start)
   parallel::InnerOptimizer& o = *optimizer_;
   if (pipeline_ || tensor_) {  // clipping: the whole model's norm, a whole parameter of the slices counted once
     std::vector<double> weights;
-    for (const at::Tensor& p : params_)
-      weights.push_back(!tensor_ || tensor_->sliced(p) ? 1.0 : 1.0 / tensor_comm_->size());
-    o.set_norm_group(comm_.group.get(), site_grid(c_, site_).data, tensor_ ? std::move(weights) : std::vector<double>{});
+    if (tensor_)
+      for (const at::Tensor& p : params_) weights.push_back(tensor_->sliced(p) ? 1.0 : 1.0 / tensor_comm_->size());
+    o.set_norm_group(comm_.group.get(), site_grid(c_, site_).data, std::move(weights));
   }
   if (o.sharded())  // the strategy keeps its shard of the outer state (and ZeRO-2/3's gradients)
     strategy_->set_sharding({o.flat_params(), o.gradients_sharded() ? o.flat_grad() : at::Tensor(), o.params_gathered()});
