@@ -476,7 +476,9 @@ TEST(EndToEnd, PipelineStagesTrainAsTheWholeModel) {
       {"pipe4", "--set parallel.pipeline=4 --set parallel.micro_batches=3"},
       {"pipe2x2-zero1", "--set parallel.shard=optimizer"},
       {"pipe2x2-diloco", "--set strategy.kind=diloco --set strategy.inner_steps=5"},
-      {"pipe2x2-diloco-zero2", "--set strategy.kind=diloco --set strategy.inner_steps=5 --set parallel.shard=gradients"}};
+      {"pipe2x2-diloco-zero2", "--set strategy.kind=diloco --set strategy.inner_steps=5 --set parallel.shard=gradients"},
+      {"pipe2x2-dropout", "--set model.dropout=0.1"},
+      {"pipe2x2-dropout-recompute", "--set model.dropout=0.1 --set parallel.recompute=true"}};
   for (const auto& [name, args] : runs) {
     Result r = run(nebula::str_cat("run examples/pipeline.toml --set job.steps=20 ", args, " --set job.run_dir=\\\"",
                                    dir, "/", name, "\\\""));
@@ -516,6 +518,12 @@ TEST(EndToEnd, PipelineStagesTrainAsTheWholeModel) {
   EXPECT_LE(zero2, 1e-6);
   EXPECT_NE(read_file(dir + "/pipe2x2-diloco-zero2/logs/alpha-2.log").find("ZeRO-2 over 2 replicas of pipeline stage 1"),
             std::string::npos);
+  // recompute: the first stage runs each forward again in backward, its generator set back so
+  // dropout draws the same masks: the same weights bit for bit.
+  const auto dropped = tensor_bytes(dir + "/pipe2x2-dropout/model.safetensors");
+  ASSERT_FALSE(dropped.empty());
+  EXPECT_NE(dropped, tensor_bytes(dir + "/pipe2x2/model.safetensors")) << "dropout changed nothing";
+  EXPECT_EQ(dropped, tensor_bytes(dir + "/pipe2x2-dropout-recompute/model.safetensors"));
   // Stopped and resumed (each worker's checkpoint holds its stage): the uninterrupted run's weights
   // bit for bit. Onto another layout: refused, saying which to resume with.
   const std::string piped = nebula::str_cat("run examples/pipeline.toml --set job.steps=20 --set job.run_dir=\\\"", dir,

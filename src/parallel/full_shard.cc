@@ -2,7 +2,6 @@
 #include "parallel/shard_layout.h"
 
 #include <ATen/ATen.h>
-#include <ATen/CPUGeneratorImpl.h>
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/custom_function.h>
 
@@ -10,26 +9,10 @@
 #include <mutex>
 
 #include "nebula/error.h"
+#include "parallel/generator_state.h"
 
 namespace nebula::parallel {
 namespace {
-
-// The generator dropout draws from on `device` (the CPU's, or the GPU's).
-at::Generator generator_of(const at::Device& device) {
-  return device.is_cpu() ? at::detail::getDefaultCPUGenerator() : at::globalContext().defaultGenerator(device);
-}
-
-at::Tensor generator_state(const at::Device& device) {
-  at::Generator g = generator_of(device);
-  std::lock_guard<std::mutex> lock(g.mutex());
-  return g.get_state();
-}
-
-void set_generator_state(const at::Device& device, const at::Tensor& state) {
-  at::Generator g = generator_of(device);
-  std::lock_guard<std::mutex> lock(g.mutex());
-  g.set_state(state);
-}
 
 at::TensorOptions floats_on(const at::Device& device) { return at::TensorOptions().dtype(at::kFloat).device(device); }
 at::Tensor no_values(const at::Device& device) { return at::empty({0}, floats_on(device)); }

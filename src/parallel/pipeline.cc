@@ -11,6 +11,7 @@
 #include <string>
 
 #include "nebula/error.h"
+#include "parallel/generator_state.h"
 
 namespace nebula::parallel {
 
@@ -135,8 +136,13 @@ constexpr int kTieTag = 1 << 28;
 int tag_of(int micro, int direction, int k) { return (micro * 2 + direction) * 16 + k; }
 }  // namespace
 
-Pipeline::Pipeline(collective::SiteGroup& group, SiteGrid grid, int micro_batches)
-    : group_(group), grid_(grid), micro_(micro_batches), stage_(grid.stage(group.rank())) {
+Pipeline::Pipeline(collective::SiteGroup& group, SiteGrid grid, int micro_batches, bool recompute, at::Device device)
+    : group_(group),
+      grid_(grid),
+      micro_(micro_batches),
+      stage_(grid.stage(group.rank())),
+      recompute_(recompute),
+      device_(device) {
   NEBULA_CHECK(grid.data >= 1 && grid.pipeline >= 1 && grid.workers() == group.size(), "site ", group.site(), ": a ",
                grid.data, " × ", grid.pipeline, " data × pipeline grid over ", group.size(), " workers");
   NEBULA_CHECK(micro_batches >= 1 && micro_batches < (kTieTag >> 5), "site ", group.site(), ": ", micro_batches,
@@ -186,7 +192,13 @@ void Pipeline::forward(StageModel& model, int micro, double& loss) {
     }
   }
   const auto start = std::chrono::steady_clock::now();
-  m.outputs = model.forward(micro, m.inputs);
+  if (recomputes()) {  // no graph: backward() runs it again from the inputs and this state
+    m.generator = generator_state(device_);
+    at::NoGradGuard no_grad;
+    m.outputs = model.forward(micro, m.inputs);
+  } else {
+    m.outputs = model.forward(micro, m.inputs);
+  }
   timing_.compute_s += Seconds(std::chrono::steady_clock::now() - start).count();
   if (last()) {
     NEBULA_CHECK(m.outputs.size() == 1 && m.outputs[0].numel() == 1, "the last pipeline stage's forward returns ",
@@ -198,11 +210,24 @@ void Pipeline::forward(StageModel& model, int micro, double& loss) {
   live_[micro] = std::move(m);
 }
 
-void Pipeline::backward(int micro) {
+void Pipeline::backward(StageModel& model, int micro) {
   auto it = live_.find(micro);
   NEBULA_CHECK(it != live_.end(), "pipeline backward of micro-batch ", micro, " before its forward");
   Micro m = std::move(it->second);
   live_.erase(it);
+  if (recomputes()) {  // the forward again, with autograd and the first run's dropout draws
+    const auto start = std::chrono::steady_clock::now();
+    const at::Tensor now = generator_state(device_);
+    set_generator_state(device_, m.generator);
+    try {
+      m.outputs = model.forward(micro, m.inputs);
+    } catch (...) {
+      set_generator_state(device_, now);
+      throw;
+    }
+    set_generator_state(device_, now);
+    timing_.compute_s += Seconds(std::chrono::steady_clock::now() - start).count();
+  }
   std::vector<at::Tensor> outputs, grads;
   if (last()) {
     outputs = m.outputs;
@@ -249,7 +274,7 @@ double Pipeline::run(StageModel& model) {
     if (op.kind == PipeOp::kForward)
       forward(model, op.micro, loss);
     else
-      backward(op.micro);
+      backward(model, op.micro);
   }
   // The loss, known on the last stage, for every stage's metrics.
   constexpr int kLossTag = kTieTag - 1;

@@ -90,13 +90,22 @@ class Pipeline {
  public:
   // `group`: the site's group, ranked as `grid` says; this worker's stage and replica are its
   // rank's. Each replica's P workers form one pipeline; stages talk only within their replica.
-  Pipeline(collective::SiteGroup& group, SiteGrid grid, int micro_batches);
+  // `recompute` ([parallel] recompute): a stage other than the last keeps only each in-flight
+  // micro-batch's inputs (and `device`'s generator state), not its activations, and runs its
+  // forward again, with autograd and the same dropout draws, just before the backward:
+  // activation checkpointing at the stage boundary, one more forward per micro-batch for the
+  // memory of min(P − s, M) micro-batches' activations (parallel/generator_state.h).
+  Pipeline(collective::SiteGroup& group, SiteGrid grid, int micro_batches, bool recompute = false,
+           at::Device device = at::kCPU);
 
   int stage() const { return stage_; }
   int stages() const { return grid_.pipeline; }
   bool first() const { return stage_ == 0; }
   bool last() const { return stage_ + 1 == grid_.pipeline; }
   int micro_batches() const { return micro_; }
+  // Whether this stage recomputes its forward in backward (`recompute`, not on the last stage:
+  // its backward follows its forward at once, nothing waits in between).
+  bool recomputes() const { return recompute_ && !last(); }
 
   // A parameter two stages use (the token embedding: the first stage embeds with it, the last
   // projects onto the vocabulary with it). `owner` trains it; `user` holds a copy, given the
@@ -119,10 +128,11 @@ class Pipeline {
 
  private:
   struct Micro {  // one micro-batch in flight on this stage
-    std::vector<at::Tensor> inputs, outputs;  // outputs: the loss alone on the last stage
+    std::vector<at::Tensor> inputs, outputs;  // outputs: the loss alone on the last stage; no graph when recomputed
+    at::Tensor generator;                     // recomputes(): the device's generator before the forward
   };
   void forward(StageModel& model, int micro, double& loss);
-  void backward(int micro);
+  void backward(StageModel& model, int micro);
   // A forward's outputs to the next stage: a header of their dtypes and shapes, then each.
   void send_activations(const std::vector<at::Tensor>& tensors, int dst, int tag);
   int neighbour(int stage) const {
@@ -132,6 +142,8 @@ class Pipeline {
   collective::SiteGroup& group_;
   SiteGrid grid_;
   int micro_, stage_;
+  bool recompute_;
+  at::Device device_;
   struct Tie {
     at::Tensor param;
     int owner, user;

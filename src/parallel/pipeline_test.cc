@@ -12,6 +12,7 @@
 #include "model/peft.h"
 #include "model/testing.h"
 #include "parallel/encoder_stage.h"
+#include "parallel/generator_state.h"
 
 namespace nebula::parallel {
 namespace {
@@ -109,8 +110,9 @@ std::map<std::string, at::Tensor> reference_grads(int replica) {
 }
 
 // P stages × D replicas with M micro-batches: each trainable parameter's gradient on the stage
-// that trains it equals the whole model's on the replica's batch, and the loss the batch's.
-void expect_pipeline_equals_one_worker(int P, int D, int M) {
+// that trains it equals the whole model's on the replica's batch, and the loss the batch's;
+// with `recompute` too (the stages but the last keep no activations between forward and backward).
+void expect_pipeline_equals_one_worker(int P, int D, int M, bool recompute = false) {
   std::vector<std::map<std::string, at::Tensor>> want;
   std::vector<double> want_loss;
   for (int d = 0; d < D; ++d) {
@@ -124,7 +126,8 @@ void expect_pipeline_equals_one_worker(int P, int D, int M) {
   collective::testing::run_site("pipe", P * D, [&](collective::SiteGroup& group) {
     const SiteGrid grid{D, P};
     model::MlmEncoder m = make_encoder();
-    Pipeline pipeline(group, grid, M);
+    Pipeline pipeline(group, grid, M, recompute);
+    EXPECT_EQ(pipeline.recomputes(), recompute && !pipeline.last());
     EncoderStage stage(*m, pipeline);
     const std::vector<at::Tensor> mine = stage.trainable();
     auto [ids, labels] = batch_of(grid.replica(group.rank()));
@@ -160,6 +163,57 @@ TEST(Pipeline, ThreeStagesEqualOneWorker) { expect_pipeline_equals_one_worker(3,
 TEST(Pipeline, FourStagesEqualOneWorker) { expect_pipeline_equals_one_worker(4, 1, 6); }
 TEST(Pipeline, MoreStagesThanMicroBatches) { expect_pipeline_equals_one_worker(4, 1, 2); }
 TEST(Pipeline, TwoStagesTimesTwoReplicas) { expect_pipeline_equals_one_worker(2, 2, 3); }
+TEST(Pipeline, RecomputedStagesEqualOneWorker) {
+  expect_pipeline_equals_one_worker(3, 1, 4, true);
+  expect_pipeline_equals_one_worker(2, 2, 3, true);
+}
+
+// Two stages of one weight each; the first drops half its outputs (dropout in training), the
+// last draws nothing (the threads of run_site share the process's generator).
+class DropoutStages : public StageModel {
+ public:
+  explicit DropoutStages(bool first) : w_(at::linspace(0.5, 1.5, 8).view({2, 4}).requires_grad_(true)), first_(first) {}
+  std::vector<at::Tensor> forward(int micro, const std::vector<at::Tensor>& inputs) override {
+    ++forwards;
+    if (first_) {
+      const at::Tensor x = at::arange(12, at::kFloat).view({3, 4}).add(micro);
+      return {at::dropout(x.matmul(w_.t()), 0.5, /*train=*/true)};
+    }
+    return {inputs.at(0).matmul(w_).pow(2).sum()};
+  }
+  at::Tensor w_;
+  bool first_;
+  int forwards = 0;
+};
+
+// With recompute the first stage runs each forward twice, the second time with the first run's
+// dropout masks: the same gradients as without, and the generator where it would be.
+TEST(Pipeline, RecomputeDrawsTheSameDropoutMasks) {
+  struct Run {
+    at::Tensor grad, generator_after;
+    double loss = 0;
+    int forwards = 0;
+  };
+  auto run = [](bool recompute) {
+    Run out;
+    collective::testing::run_site(recompute ? "recompute" : "keep", 2, [&](collective::SiteGroup& group) {
+      Pipeline pipeline(group, SiteGrid{1, 2}, 3, recompute);
+      DropoutStages stage(pipeline.first());
+      if (pipeline.first()) at::manual_seed(7);
+      const double loss = pipeline.run(stage);
+      if (!pipeline.first()) return;
+      out = {stage.w_.grad().clone(), generator_state(at::kCPU), loss, stage.forwards};
+    });
+    return out;
+  };
+  const Run kept = run(false), recomputed = run(true);
+  EXPECT_EQ(kept.forwards, 3);
+  EXPECT_EQ(recomputed.forwards, 6);
+  EXPECT_GT(kept.grad.abs().sum().item<double>(), 0);
+  EXPECT_TRUE(at::equal(kept.grad, recomputed.grad)) << kept.grad << recomputed.grad;
+  EXPECT_DOUBLE_EQ(kept.loss, recomputed.loss);
+  EXPECT_TRUE(at::equal(kept.generator_after, recomputed.generator_after));
+}
 
 // Built under encoder_keeper, a worker never holds another stage's layer, and trains as a model
 // built whole and cut afterwards: the same gradients, the same whole-model sizes.

@@ -179,12 +179,36 @@ Topology build(const toml::table& root, const std::string& file) {
     s.integers("delay", t.delays, 0, 1 << 20);
     s.strings("shard", t.shards, shard_modes());
     s.strings("wan_modes", t.wan_modes, {"gateway", "every_worker"});
+    s.integers("pipeline", t.pipelines, 1, 1 << 20);
+    s.integers("tensor", t.tensors, 1, 1 << 20);
+    if (const toml::node* n = s.find("recompute")) {
+      const toml::array* a = n->as_array();
+      if (!a || a->empty()) s.fail(*n, "recompute", "expected a non-empty array of booleans, e.g. recompute = [false, true]");
+      t.recomputes.clear();
+      for (const toml::node& v : *a) {
+        if (!v.is_boolean()) s.fail(v, "recompute", "expected true or false, e.g. recompute = [false, true]");
+        t.recomputes.push_back(*v.value<bool>());
+      }
+    }
     s.integer("codec_block", t.codec.block, 2, 1 << 24);
     s.number("codec_density", t.codec.density, 1e-6, 1.0);
     s.number("powersgd_ratio", t.codec.powersgd_ratio, 1.0, 1e9);
     s.number("sparseloco_density", t.codec.sparseloco_density, 1e-6, 1.0);
     s.integer("sparseloco_chunk", t.codec.sparseloco_chunk, 2, 1 << 24);
     s.finish();
+    // Stages cut the layers, slices the heads; both are costed from the model's shape.
+    const bool layouts = std::any_of(t.pipelines.begin(), t.pipelines.end(), [](int64_t p) { return p > 1; }) ||
+                         std::any_of(t.tensors.begin(), t.tensors.end(), [](int64_t v) { return v > 1; });
+    if (layouts && !t.has_shape())
+      s.fail(*cand, "pipeline",
+             "pipeline stages and tensor slices are costed from the model's shape: give [model] layers, hidden, heads "
+             "and sequence, or leave pipeline = [1] and tensor = [1]");
+    for (int64_t p : t.pipelines)
+      if (t.has_shape() && p > t.layers)
+        s.fail(*s.find("pipeline"), "pipeline", str_cat(p, " stages for a model of ", t.layers, " layers ([model] layers): each stage runs at least one layer"));
+    for (int64_t v : t.tensors)
+      if (t.has_shape() && t.heads % v != 0)
+        s.fail(*s.find("tensor"), "tensor", str_cat(v, " slices do not divide [model] heads = ", t.heads, " (each slice computes whole heads)"));
   }
 
   if (const toml::table* planner = top.table("planner")) {
@@ -207,6 +231,7 @@ double transfer_s(double bytes, double bits_per_s) { return bytes * 8 / bits_per
 
 struct SiteCost {
   double compute = 0, allreduce = 0, broadcast = 0, gather = 0;  // gather: ZeRO-1/2's all-gather (t_ag)
+  double useful = 0;  // t_c: the step's compute without recomputation, bubble or tensor all-reduces
 };
 
 // Ring all-reduce of `bytes` among `w` workers and the broadcast half of it.
@@ -274,8 +299,10 @@ std::string count(double v) {
 }
 
 std::string label(const Candidate& c) {
+  const std::string layout = layout_label(c);
   const std::string shard = str_cat(c.shard == "none" ? "" : str_cat(" shard=", c.shard),
-                                    c.wan_mode == "gateway" ? "" : str_cat(" ", c.wan_mode));
+                                    c.wan_mode == "gateway" ? "" : str_cat(" ", c.wan_mode),
+                                    layout.empty() ? "" : str_cat(" ", layout));
   if (c.strategy == "sync") return str_cat("sync/", c.codec, shard);
   if (c.strategy == "diloco") return str_cat("diloco/", c.codec, " H=", c.inner_steps, shard);
   return str_cat("streaming/", c.codec, " H=", c.inner_steps, " F=", c.fragments, " delay=", c.delay, shard);
@@ -384,10 +411,56 @@ const std::vector<std::string>& shard_modes() {
   return modes;
 }
 
-bool runnable(const Candidate& c) {
+std::string layout_label(const Candidate& c) {
+  std::string out;
+  if (c.pipeline > 1) out = str_cat("p", c.pipeline, " m", c.micro_batches);
+  if (c.tensor > 1) out += str_cat(out.empty() ? "" : " ", "t", c.tensor);
+  if (c.recompute) out += str_cat(out.empty() ? "" : " ", "recompute");
+  return out;
+}
+
+bool runnable(const Candidate& c, size_t sites) {
   if (c.wan_mode == "every_worker" && (c.strategy == "sync" || c.codec == "powersgd")) return false;
+  if (c.pipeline > 1 && (c.shard == "full" || (sites > 1 && c.strategy == "sync"))) return false;
+  if (c.tensor > 1 && (sites > 1 || c.pipeline > 1 || c.shard == "full")) return false;
   return c.shard == "none" || c.shard == "optimizer" || c.strategy != "sync";
 }
+
+namespace {
+
+// A site's workers as the candidate's grid, and what its largest stage holds and computes.
+struct Grid {
+  double P = 1, T = 1, D = 1;  // stages, slices, data replicas (D = workers / (P · T))
+  double share = 1;            // the largest stage's share of the layers: ⌈L/P⌉ / L (1 without stages)
+  double M = 1;                // micro-batches per step
+  double replica_tokens = 0;   // tokens a replica (P · T workers) computes per step
+  double micro_tokens = 0;     // tokens per micro-batch
+  double bubble = 0;           // (P − 1) / (M + P − 1)
+};
+
+Grid grid_of(const Topology& t, const SitePlan& site, const Candidate& c) {
+  Grid g;
+  g.P = static_cast<double>(c.pipeline);
+  g.T = static_cast<double>(c.tensor);
+  g.D = static_cast<double>(site.workers) / (g.P * g.T);
+  if (c.pipeline > 1)
+    g.share = std::ceil(static_cast<double>(t.layers) / g.P) / static_cast<double>(t.layers);
+  g.M = static_cast<double>(c.micro_batches);
+  g.replica_tokens = t.tokens_per_step_per_worker * g.P * g.T;
+  g.micro_tokens = g.replica_tokens / g.M;
+  g.bubble = (g.P - 1) / (g.M + g.P - 1);
+  return g;
+}
+
+// Float32 activation bytes one worker keeps per token for one layer (Korthikanti et al. 2022,
+// eq. 2, with tensor parallelism t: s·b·h·(10 + 24/t + 5·a·s/(h·t)) in 16 bits → float32:
+// 18·h + (48·h + 9·a·s) / t).
+double layer_bytes_per_token(const Topology& t, double slices) {
+  const double h = static_cast<double>(t.hidden), a = static_cast<double>(t.heads), seq = static_cast<double>(t.sequence);
+  return 18 * h + (48 * h + 9 * a * seq) / slices;
+}
+
+}  // namespace
 
 Memory gateway_memory(const Topology& t, size_t site, const Candidate& c) {
   NEBULA_CHECK(site < t.sites.size(), "site ", site, " of ", t.sites.size());
@@ -398,13 +471,18 @@ Memory gateway_memory(const Topology& t, size_t site, const Candidate& c) {
   const size_t level = static_cast<size_t>(mode - shard_modes().begin());
   const double N = static_cast<double>(t.sites[site].workers);
   const double S = static_cast<double>(t.sites.size());
+  const Grid g = grid_of(t, t.sites[site], c);
   // "gradients" (ZeRO-2) reduce-scatters the gradients bucket by bucket while backward runs
   // and keeps its shard (a few buckets in flight, small next to the rest); "full" (ZeRO-3)
-  // shards the parameters too (a layer's are gathered while it runs).
-  const double d_opt = level >= 1 ? N : 1, d_grad = level >= 2 ? N : 1, d_param = level >= 3 ? N : 1;
-  const double n = t.parameters, tr = t.trainable;
+  // shards the parameters too (a layer's are gathered while it runs). Along the data
+  // dimension: over the D replicas of a stage's slice.
+  const double d_opt = level >= 1 ? g.D : 1, d_grad = level >= 2 ? g.D : 1, d_param = level >= 3 ? g.D : 1;
+  // What one worker holds of the model: its stage's share, its slice of it.
+  const double part = g.share / g.T;
+  const double n = t.parameters * part, tr = t.trainable * part;
   const double F = streaming ? static_cast<double>(c.fragments) : 1;
-  const double m = tr / F;  // values per exchange
+  const double whole = t.trainable;
+  const double m = tr / F;  // values per exchange this worker holds
   // Streaming sends a fragment every H/F steps and merges it τ steps later.
   const double in_flight =
       streaming ? std::min(F, std::floor(static_cast<double>(c.delay) * F / static_cast<double>(c.inner_steps)) + 1) : 1;
@@ -415,41 +493,95 @@ Memory gateway_memory(const Topology& t, size_t site, const Candidate& c) {
   mem.optimizer = 8 * tr / d_opt;
   if (t.has_shape()) {
     const double L = static_cast<double>(t.layers), h = static_cast<double>(t.hidden);
-    const double a = static_cast<double>(t.heads), seq = static_cast<double>(t.sequence);
-    mem.activations = L * t.tokens_per_step_per_worker * (66 * h + 9 * a * seq);
+    const double layer = layer_bytes_per_token(t, g.T);
+    if (c.pipeline > 1) {
+      // Stage s keeps min(P − s, M) micro-batches between forward and backward (1F1B), each
+      // through its ⌈L/P⌉ layers; with recompute only their inputs (4·h per token; none on
+      // stage 0, whose inputs are token ids), and one micro-batch's activations at a time, as
+      // the last stage (which does not recompute) always holds. The worst stage: 0 without
+      // recompute, 1 with it.
+      const double layers = g.share * L;
+      mem.activations = c.recompute ? std::min(g.P - 1, g.M) * g.micro_tokens * 4 * h + layers * g.micro_tokens * layer
+                                    : std::min(g.P, g.M) * layers * g.micro_tokens * layer;
+    } else if (c.recompute) {
+      // ZeRO-3 with recompute: every layer's input is kept, one layer's activations at a time.
+      mem.activations = L * g.replica_tokens * 4 * h + g.replica_tokens * layer;
+    } else {
+      mem.activations = L * g.replica_tokens * layer;
+    }
   }
-  // The site's all-reduce stages the gradients in one flat buffer; ZeRO-2 reduces them bucket by bucket.
+  // The data-parallel all-reduce stages the gradients in one flat buffer; ZeRO-2 reduces them bucket by bucket.
   // (ZeRO-3's whole-model gather on the gateway for evaluation and the model file is not a training step's: not counted.)
-  if (sync || (N > 1 && c.shard != "gradients")) mem.buffers = 4 * tr / d_grad;
+  if (sync || (g.D > 1 && c.shard != "gradients")) mem.buffers = 4 * tr / d_grad;
   // The outer state (θ_global, outer momentum, θ_local at a send) shards with the optimizer:
   // each worker keeps its part of every fragment.
   if (!sync) mem.outer = 8 * tr / d_opt + in_flight * 4 * m / d_opt;
-  if (S > 1) {  // with every_worker each worker encodes and exchanges its own cut
+  if (S > 1) {  // the gateway encodes the whole site's update; with every_worker each worker its own cut
     const double d_wan = c.wan_mode == "every_worker" ? N : 1;
-    if (keeps_residual(c.codec)) mem.codec_state = 4 * tr / d_wan;
-    mem.exchange = in_flight * ((sync ? 0 : 4 * m) + S * payload_bytes(c.codec, m, t.codec) + 4 * m) / d_wan;
+    const double values = whole / F;
+    if (keeps_residual(c.codec)) mem.codec_state = 4 * whole / d_wan;
+    mem.exchange = in_flight * ((sync ? 0 : 4 * values) + S * payload_bytes(c.codec, values, t.codec) + 4 * values) / d_wan;
   }
   return mem;
 }
 
+namespace {
+
+// The layouts of [candidates] pipeline × tensor × recompute that every site's workers divide
+// into, each with its micro-batches: one sequence each, a replica's sequences per step (at least 1).
+std::vector<Candidate> layouts(const Topology& t, const std::string& shard) {
+  std::vector<Candidate> out;
+  for (int64_t p : t.pipelines)
+    for (int64_t v : t.tensors)
+      for (bool recompute : t.recomputes) {
+        if (recompute && p == 1 && shard != "full") continue;  // nothing to recompute
+        if (std::any_of(t.sites.begin(), t.sites.end(), [&](const SitePlan& s) { return s.workers % (p * v) != 0; }))
+          continue;
+        Candidate c;
+        c.pipeline = p;
+        c.tensor = v;
+        c.recompute = recompute;
+        if (p > 1)
+          c.micro_batches = std::max<int64_t>(
+              1, static_cast<int64_t>(std::floor(t.tokens_per_step_per_worker * static_cast<double>(p * v) /
+                                                 static_cast<double>(t.sequence))));
+        out.push_back(c);
+      }
+  return out;
+}
+
+}  // namespace
+
 std::vector<Candidate> enumerate_candidates(const Topology& t) {
   std::vector<Candidate> out;
   for (const auto& mode : t.wan_modes)
-  for (const auto& shard : t.shards) {
+  for (const auto& shard : t.shards)
+  for (const Candidate& layout : layouts(t, shard)) {
+    const auto add = [&](const std::string& strategy, const std::string& codec, int64_t h, int64_t f, int64_t d) {
+      Candidate c = layout;
+      c.strategy = strategy;
+      c.codec = codec;
+      c.inner_steps = h;
+      c.fragments = f;
+      c.delay = d;
+      c.shard = shard;
+      c.wan_mode = mode;
+      out.push_back(c);
+    };
     for (const auto& strategy : t.strategies) {
       for (const auto& codec : t.codecs) {
         if (strategy == "sync") {
-          if (codec != "sparseloco") out.push_back({strategy, codec, 1, 1, 0, shard, mode});
+          if (codec != "sparseloco") add(strategy, codec, 1, 1, 0);
           continue;
         }
         for (int64_t h : t.inner_steps) {
           if (strategy == "diloco") {
-            out.push_back({strategy, codec, h, 1, 0, shard, mode});
+            add(strategy, codec, h, 1, 0);
             continue;
           }
           for (int64_t f : t.fragments)
             for (int64_t d : t.delays)
-              if (f <= h && d < h) out.push_back({strategy, codec, h, f, d, shard, mode});
+              if (f <= h && d < h) add(strategy, codec, h, f, d);
         }
       }
     }
@@ -468,22 +600,44 @@ Prediction predict(const Topology& t, const Candidate& c) {
   const double F = static_cast<double>(c.fragments);
 
   std::vector<SiteCost> site(t.sites.size());
-  double workers = 0, tc = 0, tar = 0, tbc = 0, tag = 0;
+  double workers = 0, tc = 0, tar = 0, tbc = 0, tag = 0, bubble = 0;
   for (size_t s = 0; s < t.sites.size(); ++s) {
-    site[s].compute = site_compute_s(t, t.sites[s]);
-    std::tie(site[s].allreduce, site[s].broadcast) = lan_costs(t.sites[s], grad_bytes);
+    const SitePlan& sp = t.sites[s];
+    const Grid g = grid_of(t, sp, c);
+    bubble = std::max(bubble, g.bubble);
+    site[s].useful = site_compute_s(t, sp);
+    // The data-parallel collectives run among the D replicas of this worker's slice of its stage.
+    SitePlan replicas = sp;
+    replicas.workers = static_cast<int64_t>(g.D);
+    std::tie(site[s].allreduce, site[s].broadcast) = lan_costs(replicas, grad_bytes * g.share / g.T);
     if (c.shard == "optimizer") site[s].gather = site[s].broadcast;
     if (c.shard == "gradients") {  // a reduce-scatter (a ring all-reduce's first half), then the all-gather
       site[s].allreduce /= 2;
       site[s].gather = site[s].broadcast;
     }
-    if (c.shard == "full" && t.sites[s].workers > 1) {
-      // ZeRO-3: the layers' reduce-scatter, and their all-gather twice (forward, and again for
-      // the recomputation in backward), which costs one more forward: a third more compute.
+    if (c.shard == "full" && replicas.workers > 1) {
+      // ZeRO-3: the layers' reduce-scatter, and their all-gather twice (forward, and again in backward).
       site[s].allreduce /= 2;
       site[s].gather = 2 * site[s].broadcast;
-      site[s].compute *= 4.0 / 3.0;
     }
+    // recompute: one more forward (a third more compute).
+    double compute = site[s].useful * (c.recompute ? 4.0 / 3.0 : 1.0);
+    const double h = static_cast<double>(t.hidden);
+    if (c.pipeline > 1) {
+      // 1F1B's idle (P − 1)/(M + P − 1), and the first micro-batch's activations (forward) and
+      // the last's gradients (backward) crossing the P − 1 stage boundaries, not overlapped.
+      const double hop = transfer_s(g.micro_tokens * 4 * h, sp.lan_bandwidth_bits) + sp.lan_latency_s;
+      compute = compute * (g.M + g.P - 1) / g.M + 2 * (g.P - 1) * hop;
+    }
+    if (c.tensor > 1) {
+      // Megatron's two all-reduces of a micro-batch's hidden states per layer forward and two
+      // in backward (two more with recompute), among the T slices, not overlapped.
+      SitePlan slices = sp;
+      slices.workers = c.tensor;
+      const double per_layer = (c.recompute ? 6 : 4) * lan_costs(slices, g.micro_tokens * 4 * h).first;
+      compute += g.share * static_cast<double>(t.layers) * g.M * per_layer;
+    }
+    site[s].compute = compute;
     tag = std::max(tag, site[s].gather);
     workers += static_cast<double>(t.sites[s].workers);
     tc = std::max(tc, site[s].compute);
@@ -495,6 +649,7 @@ Prediction predict(const Topology& t, const Candidate& c) {
   p.candidate = c;
   p.compute_s = tc;
   p.lan_s = tar;
+  p.bubble = bubble;
   const double payload = payload_bytes(c.codec, n, t.codec);
   p.compression = grad_bytes / payload;
 
@@ -533,14 +688,14 @@ Prediction predict(const Topology& t, const Candidate& c) {
   double busy = 0, tokens = 0;
   for (size_t s = 0; s < site.size(); ++s) {
     const double w = static_cast<double>(t.sites[s].workers);
-    busy += w * steps_per_step[s] * site[s].compute;
+    busy += w * steps_per_step[s] * site[s].useful;
     tokens += w * steps_per_step[s] * t.tokens_per_step_per_worker;
   }
   p.utilization = busy / (workers * p.step_s);
   p.tokens_per_s = tokens / p.step_s;
   Need nd = need(t, c);
   p.memory = nd.memory;
-  p.runnable = runnable(c);
+  p.runnable = runnable(c, t.sites.size());
   p.fits = nd.misfit.empty();
   p.misfit = std::move(nd.misfit);
   return p;
@@ -571,7 +726,8 @@ Plan make_plan(const Topology& t) {
       if (!p.runnable && p.fits && !sharded) sharded = &p;  // the best utilization among them
     }
     if (smallest)
-      plan.reason = str_cat("nothing nebula can run today (shard = \"none\", \"optimizer\", or \"gradients\" or \"full\" without sync) fits: the smallest, ",
+      plan.reason = str_cat("nothing nebula can run today (shard = \"none\", \"optimizer\", or \"gradients\" or \"full\" without sync; "
+                            "pipeline stages without \"full\"; tensor slices on one site) fits: the smallest, ",
                             label(smallest->candidate),
                             ", ", smallest->misfit);
     else
@@ -580,12 +736,14 @@ Plan make_plan(const Topology& t) {
     double least_device = kUnlimited;
     for (const auto& s : t.sites)
       if (s.worker_memory > 0) least_device = std::min(least_device, s.worker_memory);
-    const double activations = plan.predictions.front().memory.activations;  // the same for every candidate
+    double activations = kUnlimited;  // the least any candidate keeps
+    for (const auto& p : plan.predictions) activations = std::min(activations, p.memory.activations);
     if (activations > least_device)
-      plan.reason += str_cat(". The activations alone (", format_bytes(activations),
-                             " per worker-step without checkpointing) exceed ", format_bytes(least_device),
-                             ": sharding does not shrink them; fewer tokens_per_step_per_worker or activation "
-                             "checkpointing (not in nebula) would");
+      plan.reason += str_cat(". The activations alone (at least ", format_bytes(activations),
+                             " per worker-step) exceed ", format_bytes(least_device),
+                             ": sharding does not shrink them; fewer tokens_per_step_per_worker, pipeline stages "
+                             "with recompute ([candidates] pipeline = [1, 8, 16], recompute = [false, true]) "
+                             "or tensor slices would");
     if (sharded)
       plan.reason += str_cat(". With shard = \"", sharded->candidate.shard, "\" (", zero_name(sharded->candidate.shard),
                              ", not runnable) ", label(sharded->candidate), " would fit");
@@ -646,11 +804,19 @@ std::vector<std::pair<Candidate, Need>> memory_rows(const Topology& t) {
     Topology one = t;
     one.strategies = {strategy};
     one.shards = {"none"};
+    // The least hungry layout nebula runs (with some shard mode), else the least hungry of all.
+    bool least_runs = false;
     for (const auto& c : enumerate_candidates(one)) {
       const Memory m = need(t, c).memory;
-      if (!least || m.device() + m.host() < least_bytes) {
+      const bool runs = std::any_of(shard_modes().begin(), shard_modes().end(), [&](const std::string& shard) {
+        Candidate sharded = c;
+        sharded.shard = shard;
+        return runnable(sharded, t.sites.size());
+      });
+      if (!least || (runs && !least_runs) || (runs == least_runs && m.device() + m.host() < least_bytes)) {
         least = c;
         least_bytes = m.device() + m.host();
+        least_runs = runs;
       }
     }
     if (!least) continue;
@@ -675,12 +841,17 @@ std::string format_table(const Topology& t, const Plan& plan, size_t top) {
   std::ostringstream out;
   double workers = 0;
   for (const auto& s : t.sites) workers += static_cast<double>(s.workers);
-  const Prediction& any = plan.predictions.front();
+  // The step's compute and the whole model's all-reduce at the slowest site, whatever the layout.
+  double compute = 0, allreduce = 0;
+  for (const auto& s : t.sites) {
+    compute = std::max(compute, site_compute_s(t, s));
+    allreduce = std::max(allreduce, lan_costs(s, 4 * t.trainable).first);
+  }
   auto rate = [](double bits) { return std::isinf(bits) ? std::string("unlimited") : format_rate_bits(bits); };
   out << t.source << ": " << t.sites.size() << " sites, " << fmt("%.0f", workers) << " workers, "
       << count(t.parameters) << " parameters (" << count(t.trainable) << " trainable), "
       << count(t.tokens_per_step_per_worker) << " tokens per worker-step\n";
-  out << "  compute " << seconds(any.compute_s) << " per step (slowest site), LAN all-reduce " << seconds(any.lan_s)
+  out << "  compute " << seconds(compute) << " per step (slowest site), LAN all-reduce " << seconds(allreduce)
       << "; WAN " << rate(t.wan.bandwidth_bits) << ", RTT " << seconds(t.wan.rtt_s)
       << (t.pairs.empty() ? "" : str_cat(" (", t.pairs.size(), " pair override(s))"))
       << (t.sites.size() > 2 ? (t.shared_uplink ? ", shared gateway uplink" : ", independent pairs") : "")
@@ -699,7 +870,7 @@ std::string format_table(const Topology& t, const Plan& plan, size_t top) {
       << (device.empty() ? "worker_memory not given (device fit not checked)" : str_cat(sizes(device), " device"))
       << (host.empty() ? "" : str_cat(", ", sizes(host), " host (gateway)"))
       << (t.has_shape() ? str_cat("; activations for ", t.layers, " layers x ", t.hidden, " wide, ", t.heads,
-                                  " heads, sequence ", t.sequence, ", no checkpointing")
+                                  " heads, sequence ", t.sequence)
                         : "; activations not estimated (give [model] layers, hidden, heads, sequence)")
       << "\n\n";
   const bool sharded = t.shards.size() != 1 || t.shards[0] != "none";
@@ -709,8 +880,13 @@ std::string format_table(const Topology& t, const Plan& plan, size_t top) {
   // The WAN mode column only when every_worker is a candidate.
   const bool modes = t.wan_modes.size() != 1 || t.wan_modes[0] != "gateway";
   auto mode_col = [&](const std::string& v) { return modes ? pad(v, 13) + " " : std::string(); };
-  std::snprintf(line, sizeof line, "  %-10s %-10s %5s %4s %5s %s%s%11s %12s %14s %7s %6s %11s %11s %4s\n", "strategy",
-                "codec", "H", "F", "delay", shard_col("shard").c_str(), mode_col("wan mode").c_str(), "step", "WAN/step",
+  // The layout column (stages, slices, recompute) and the bubble only when layouts are candidates.
+  const bool laid = t.pipelines.size() != 1 || t.pipelines[0] != 1 || t.tensors.size() != 1 || t.tensors[0] != 1 ||
+                    std::find(t.recomputes.begin(), t.recomputes.end(), true) != t.recomputes.end();
+  auto layout_col = [&](const std::string& v) { return laid ? pad(v, 22) + " " : std::string(); };
+  std::snprintf(line, sizeof line, "  %-10s %-10s %5s %4s %5s %s%s%s%11s %12s %14s %7s %6s %11s %11s %4s\n", "strategy",
+                "codec", "H", "F", "delay", shard_col("shard").c_str(), mode_col("wan mode").c_str(),
+                layout_col("layout (bubble)").c_str(), "step", "WAN/step",
                 "WAN/1000 steps", "util", "ratio", "device/wkr", "host/gw", "fits");
   out << line;
   auto row = [&](size_t i) {
@@ -718,12 +894,17 @@ std::string format_table(const Topology& t, const Plan& plan, size_t top) {
     const Candidate& c = p.candidate;
     const bool streaming = c.strategy == "streaming";
     const std::string shard = p.runnable ? c.shard : c.shard + "*";
-    std::snprintf(line, sizeof line, "%s %-10s %-10s %5s %4s %5s %s%s%11s %12s %14s %7s %5.1fx %11s %11s %4s\n",
+    const std::string layout = layout_label(c).empty() ? "data only" : layout_label(c);
+    const std::string layout_text =
+        str_cat(!p.runnable && (c.pipeline > 1 || c.tensor > 1) ? layout + "*" : layout,
+                c.pipeline > 1 ? str_cat(" (", percent(p.bubble), ")") : "");
+    std::snprintf(line, sizeof line, "%s %-10s %-10s %5s %4s %5s %s%s%s%11s %12s %14s %7s %5.1fx %11s %11s %4s\n",
                   plan.recommended == i ? "*" : " ", c.strategy.c_str(), c.codec.c_str(),
                   c.strategy == "sync" ? "-" : std::to_string(c.inner_steps).c_str(),
                   streaming ? std::to_string(c.fragments).c_str() : "-",
                   streaming ? std::to_string(c.delay).c_str() : "-", shard_col(shard).c_str(),
-                  mode_col(p.runnable ? c.wan_mode : c.wan_mode + "*").c_str(), seconds(p.step_s).c_str(),
+                  mode_col(p.runnable ? c.wan_mode : c.wan_mode + "*").c_str(), layout_col(layout_text).c_str(),
+                  seconds(p.step_s).c_str(),
                   format_bytes(p.wan_bytes_per_step).c_str(), format_bytes(1000 * p.wan_bytes_per_step).c_str(),
                   percent(p.utilization).c_str(), p.compression, format_bytes(p.memory.device()).c_str(),
                   format_bytes(p.memory.host()).c_str(), fits_word(t, p.misfit).c_str());
@@ -740,11 +921,15 @@ std::string format_table(const Topology& t, const Plan& plan, size_t top) {
   }
   if (sharded)
     out << "  * not runnable: \"gradients\" (ZeRO-2) and \"full\" (ZeRO-3) do not run with sync\n";
+  if (laid)
+    out << "  layout: pN = N pipeline stages, mM = M micro-batches (1F1B; its idle fraction in brackets), tN = N tensor "
+           "slices, recompute = activations recomputed in backward; * = not runnable (stages with \"full\" or with sync "
+           "across sites; slices on several sites, with stages or with \"full\")\n";
 
   // Memory by strategy and shard mode: where the bytes go.
   out << "\nmemory per worker, the gateway (it holds the most) of the site that needs the most; the least hungry "
          "candidate of each strategy\n";
-  std::snprintf(line, sizeof line, "  %-40s %-10s %10s %10s %10s %10s %10s | %10s %10s %10s %10s %10s %4s\n", "candidate",
+  std::snprintf(line, sizeof line, "  %-58s %-10s %10s %10s %10s %10s %10s | %10s %10s %10s %10s %10s %4s\n", "candidate",
                 "shard", "params", "grads", "AdamW", "activ.", "device", "buffers", "outer", "codec EF", "exchange",
                 "host", "fits");
   out << line;
@@ -752,8 +937,8 @@ std::string format_table(const Topology& t, const Plan& plan, size_t top) {
     const Memory& m = nd.memory;
     Candidate plain = c;
     plain.shard = "none";
-    const std::string shard = runnable(c) ? c.shard : str_cat(c.shard, "*");
-    std::snprintf(line, sizeof line, "  %-40s %-10s %10s %10s %10s %10s %10s | %10s %10s %10s %10s %10s %4s\n",
+    const std::string shard = runnable(c, t.sites.size()) ? c.shard : str_cat(c.shard, "*");
+    std::snprintf(line, sizeof line, "  %-58s %-10s %10s %10s %10s %10s %10s | %10s %10s %10s %10s %10s %4s\n",
                   label(plain).c_str(), shard.c_str(), format_bytes(m.parameters).c_str(),
                   format_bytes(m.gradients).c_str(), format_bytes(m.optimizer).c_str(),
                   format_bytes(m.activations).c_str(), format_bytes(m.device()).c_str(), format_bytes(m.buffers).c_str(),
@@ -761,8 +946,8 @@ std::string format_table(const Topology& t, const Plan& plan, size_t top) {
                   format_bytes(m.host()).c_str(), fits_word(t, nd.misfit).c_str());
     out << line;
   }
-  out << "  ZeRO-1/2/3 inside a site (optimizer / +gradients / +parameters); * = not runnable (ZeRO-2/3 with sync). Device: GPU; "
-         "host: nebula keeps communication and outer state there\n";
+  out << "  ZeRO-1/2/3 inside a site (optimizer / +gradients / +parameters) along the data dimension; * = not runnable "
+         "(ZeRO-2/3 with sync; layouts as above). Device: GPU; host: nebula keeps communication and outer state there\n";
 
   if (plan.recommended) {
     const Prediction& r = plan.predictions[*plan.recommended];
@@ -793,6 +978,11 @@ std::string format_json(const Topology& t, const Plan& plan) {
                           {"delay", p.candidate.delay},
                           {"shard", p.candidate.shard},
                           {"wan_mode", p.candidate.wan_mode},
+                          {"pipeline", p.candidate.pipeline},
+                          {"tensor", p.candidate.tensor},
+                          {"micro_batches", p.candidate.micro_batches},
+                          {"recompute", p.candidate.recompute},
+                          {"bubble", p.bubble},
                           {"step_seconds", p.step_s},
                           {"compute_seconds", p.compute_s},
                           {"lan_allreduce_seconds", p.lan_s},
@@ -832,7 +1022,11 @@ std::string format_json(const Topology& t, const Plan& plan) {
                            {"fragments", c.fragments},
                            {"delay", c.delay},
                            {"shard", c.shard},
-                           {"runnable", runnable(c)},
+                           {"pipeline", c.pipeline},
+                           {"tensor", c.tensor},
+                           {"micro_batches", c.micro_batches},
+                           {"recompute", c.recompute},
+                           {"runnable", runnable(c, t.sites.size())},
                            {"fits", nd.misfit.empty()},
                            {"memory_bytes_per_worker", memory(nd.memory)}});
   nlohmann::ordered_json j = {{"topology",

@@ -37,8 +37,9 @@
 //            so a model that fits one bucket should use overlap = 0.
 //  ZeRO-1    shard = "optimizer" adds, every step after the optimizer's, an all-gather of
 //            the parameters inside the site, as long as the broadcast half and not
-//            overlapped: t_ag(s) = t_bc(s) (0 otherwise; the planned "gradients" and "full" are
-//            costed as "none": their all-gathers and reduce-scatters are not modelled).
+//            overlapped: t_ag(s) = t_bc(s). ZeRO-2 ("gradients") halves t_ar (a reduce-scatter)
+//            and adds the same all-gather; ZeRO-3 ("full") halves t_ar and gathers twice
+//            (forward and backward), t_ag = 2·t_bc.
 //  Sites pace each other: t_c = max_s t_c(s), t_ar = max_s t_ar(s), t_bc = max_s t_bc(s).
 //
 //  sync       step = t_c + max(0, t_ar + t_x(P(n)) - o·t_c) + t_ag
@@ -89,7 +90,7 @@
 //              pseudo-gradient 4m (diloco/streaming), every site's payload S·P(m) (the
 //              all-gather holds them all) and one decoded part 4m.
 //            The gateway holds the most, so it is what must fit.
-//  activations  with activation checkpointing off, per worker-step of T =
+//  activations  data parallelism alone, no recompute, per worker-step of T =
 //            tokens_per_step_per_worker tokens, L layers of width h, a heads, sequence s:
 //              L · T · (66·h + 9·a·s) bytes
 //            Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer
@@ -99,10 +100,38 @@
 //            Embeddings, logits (T · vocab · 4) and allocator slack are left out, so it is a
 //            lower bound. Without [model] layers/hidden/heads/sequence activations are not
 //            estimated (0, and the output says so).
+//  layouts  ([candidates] pipeline, tensor, recompute; the same at every site whose workers
+//            P · T divides): each site's N workers as D = N / (P · T) data replicas of P stages
+//            of T slices. tokens_per_step_per_worker stays the site's batch over its workers,
+//            so a replica computes T_r = tokens_per_step_per_worker · P · T tokens a step, in M =
+//            ⌊T_r / sequence⌋ micro-batches of one sequence (M = 1 without stages). A worker
+//            holds its stage's share of the model, σ = ⌈L/P⌉ / L (the largest stage; parameters
+//            spread evenly over the layers), and 1/T of that: n, t above become n·σ/T, t·σ/T for
+//            parameters, gradients, AdamW and the outer state, and the shard modes divide by D
+//            (ZeRO along the data dimension), not N. The gateway's codec state and exchange
+//            stay the whole site's (with every_worker: 1/N each).
+//            activations per worker, with a(T) = 18·h + (48·h + 9·a·s)/T bytes a token and
+//            layer (Korthikanti et al. with tensor parallelism: the norms' and the blocks'
+//            inputs and the dropout masks stay whole), T_m = T_r / M:
+//              data only                 L · T_r · a(T)
+//              ZeRO-3 with recompute     L · T_r · 4h + T_r · a(T)   (every layer's input, one layer's activations)
+//              P stages                  min(P, M) · ⌈L/P⌉ · T_m · a(T)   (1F1B: stage 0 keeps min(P, M) micro-batches)
+//              P stages with recompute   min(P − 1, M) · T_m · 4h + ⌈L/P⌉ · T_m · a(T)   (stage 1: its
+//                                        inputs, one micro-batch recomputed at a time; the last stage
+//                                        does not recompute and holds one micro-batch)
+//            time: recompute multiplies t_c by 4/3 (one more forward); stages by (M + P − 1)/M
+//            (1F1B's bubble (P − 1)/(M + P − 1)) and add 2(P − 1) hops of a micro-batch's hidden
+//            states (T_m · 4h bytes at lan_bandwidth, plus lan_latency); slices add, per layer
+//            held, 4 ring all-reduces (6 with recompute) of T_m · 4h bytes among T workers per
+//            micro-batch. The data-parallel all-reduce, ZeRO's gathers and the outer broadcast's
+//            all-reduce part run among the D replicas on 4t·σ/T bytes. None of these overlap.
+//            U counts only t_c as busy: bubble, recompute and the slices' all-reduces are idle.
+//            Runnable: stages not with "full" nor with sync across sites; slices on one site
+//            only, without stages or "full" (runnable()).
 //  A candidate fits when, at every site, the device need is at most [[sites]] worker_memory
 //  and the gateway's host need at most host_memory (each checked where given). nebula runs
-//  [parallel] shard = "none", "optimizer" (ZeRO-1) and "gradients" (ZeRO-2, not with sync)
-//  today: "full" is what ZeRO-3 would give, shown but never recommended.
+//  [parallel] shard = "none", "optimizer" (ZeRO-1), "gradients" (ZeRO-2) and "full" (ZeRO-3),
+//  the last two not with sync; what it does not run is shown (marked *) but never recommended.
 //
 //  Not modelled: encode/decode compute, stragglers, jitter, packet loss, TCP slow start, the
 //  loss penalty of compression or staleness (the recommendation only orders candidates by
@@ -182,6 +211,11 @@ struct Topology {
   std::vector<int64_t> delays = {5};
   std::vector<std::string> shards = {"none"};  // none | optimizer | gradients | full
   std::vector<std::string> wan_modes = {"gateway"};  // gateway | every_worker
+  // Layouts inside a site (the same at every site): pipeline stages P, tensor slices T, and
+  // whether activations are recomputed in backward ([parallel] pipeline, tensor, recompute).
+  std::vector<int64_t> pipelines = {1};
+  std::vector<int64_t> tensors = {1};
+  std::vector<bool> recomputes = {false};
   CodecParams codec;
   // [planner]
   double overlap = 2.0 / 3.0;               // share of compute that can hide background comm
@@ -223,13 +257,22 @@ struct Candidate {
   int64_t delay = 0;        // τ (streaming)
   std::string shard = "none";  // none | optimizer (what nebula runs) | gradients | full (ZeRO-1/2/3)
   std::string wan_mode = "gateway";  // gateway | every_worker ([wan] mode)
+  // The layout inside every site: data × pipeline × tensor = the site's workers.
+  int64_t pipeline = 1;        // P stages ([parallel] pipeline)
+  int64_t tensor = 1;          // T slices ([parallel] tensor)
+  int64_t micro_batches = 1;   // M: one sequence each, a replica's sequences per step (pipeline only)
+  bool recompute = false;      // [parallel] recompute: ZeRO-3's layers or the stages run forward again in backward
 };
+// "p16 m64 recompute", "t8", "" for data parallelism alone: the layout part of a label.
+std::string layout_label(const Candidate& c);
 
 // Sharding modes, least sharded first: "none", "optimizer", "gradients", "full".
 const std::vector<std::string>& shard_modes();
-// Whether nebula can run the candidate today: sync only unsharded or with "optimizer" (ZeRO-1),
-// and not with wan_mode "every_worker" (nor is powersgd with it).
-bool runnable(const Candidate& c);
+// Whether nebula can run the candidate today on `sites` sites: sync only unsharded or with
+// "optimizer" (ZeRO-1), and not with wan_mode "every_worker" (nor is powersgd with it);
+// pipeline stages not with "full", nor with sync across sites; tensor slices on one site only,
+// not with stages nor "full".
+bool runnable(const Candidate& c, size_t sites = 1);
 
 // Bytes one worker of a site holds (the formulas above). Device and host are apart: nebula
 // keeps communication and outer state on the host even for GPU workers.
@@ -251,6 +294,7 @@ struct Prediction {
   Candidate candidate;
   double compute_s = 0;            // t_c: compute of the slowest site per step
   double lan_s = 0;                // t_ar: intra-site all-reduce of the slowest site
+  double bubble = 0;               // the pipeline's idle fraction (P − 1) / (M + P − 1)
   double wan_exchange_s = 0;       // t_x of one exchange (one fragment for streaming)
   double step_s = 0;               // predicted wall time per step
   double wan_bytes_per_step = 0;   // all gateways together

@@ -5,6 +5,7 @@
 #include <chrono>
 #include <cmath>
 #include <nlohmann/json.hpp>
+#include <set>
 
 #include "nebula/error.h"
 #include "nebula/units.h"
@@ -421,7 +422,7 @@ TEST(PlanMemory, RecommendsOnlyWhatRunsAndFits) {
                         "sites.0.worker_memory=\"6MB\"", "sites.1.worker_memory=\"6MB\""});
   Plan none = make_plan(tight);
   EXPECT_FALSE(none.recommended);
-  EXPECT_NE(none.reason.find("nothing nebula can run today (shard = \"none\", \"optimizer\", or \"gradients\" or \"full\" without sync) fits"),
+  EXPECT_NE(none.reason.find("nothing nebula can run today (shard = \"none\", \"optimizer\", or \"gradients\" or \"full\" without sync; pipeline stages without \"full\"; tensor slices on one site) fits"),
             std::string::npos)
       << none.reason;
   EXPECT_NE(none.reason.find("needs 6.68 MiB of device memory per worker at site a, has 5.72 MiB"), std::string::npos)
@@ -455,9 +456,125 @@ TEST(PlanMemory, RecommendsOnlyWhatRunsAndFits) {
   EXPECT_NE(host.predictions[*host.recommended].candidate.strategy, "diloco");
 }
 
-TEST(PlanMemory, Big70BDoesNotFitUnsharded) {
+// Layouts: one site of 8 workers, a model of 8 layers 64 wide with 4 heads over sequences of
+// 32 tokens, 64 tokens per worker-step (2 sequences).
+Topology laid(const std::vector<std::string>& more = {}) {
+  std::vector<std::string> o = {"model.layers=8", "model.hidden=64", "model.heads=4", "model.sequence=32",
+                                "model.tokens_per_step_per_worker=64", "sites.0.workers=8"};
+  o.insert(o.end(), more.begin(), more.end());
+  return parse_topology(kOne, "one.toml", o);
+}
+
+Candidate layout(int64_t p, int64_t t, bool recompute, const std::string& shard = "none") {
+  Candidate c{"diloco", "none", 10, 1, 0, shard};
+  c.pipeline = p;
+  c.tensor = t;
+  c.recompute = recompute;
+  c.micro_batches = p > 1 ? 64 * p * t / 32 : 1;  // one sequence each
+  return c;
+}
+
+TEST(PlanMemory, PipelineAndTensorLayouts) {
+  const Topology t = laid();
+  const double h = 64, a = 4, s = 32, L = 8;
+  const double layer = 66 * h + 9 * a * s;  // float32 activation bytes per token and layer, unsliced
+  // Data only: 1e6 parameters whole on every worker, 8 layers of 64 tokens.
+  const Memory data = gateway_memory(t, 0, layout(1, 1, false));
+  EXPECT_EQ(data.parameters, 4e6);
+  EXPECT_EQ(data.activations, L * 64 * layer);
+  // 4 stages × 2 replicas: a stage holds 2 of the 8 layers, a quarter of the model; a replica
+  // computes 4 × 64 tokens in M = 8 micro-batches of 32; stage 0 keeps min(P, M) = 4 of them.
+  const Memory pipe = gateway_memory(t, 0, layout(4, 1, false));
+  EXPECT_EQ(pipe.parameters, 1e6);
+  EXPECT_EQ(pipe.optimizer, 2e6);
+  EXPECT_EQ(pipe.activations, 4 * 2 * 32 * layer);
+  // With recompute: the inputs of min(P − 1, M) = 3 micro-batches (4·h bytes a token) and one
+  // micro-batch's activations through the stage's 2 layers.
+  const Memory rc = gateway_memory(t, 0, layout(4, 1, true));
+  EXPECT_EQ(rc.activations, 3 * 32 * 4 * h + 2 * 32 * layer);
+  // Uneven stages: 3 stages of 8 layers are cut 3/3/2; the largest holds 3/8 of the model.
+  // (8 workers are no multiple of 3: an 8-layer model on 3 workers of a 3-worker site.)
+  const Topology three = laid({"sites.0.workers=3"});
+  EXPECT_DOUBLE_EQ(gateway_memory(three, 0, layout(3, 1, false)).parameters, 4e6 * 3 / 8);
+  // ZeRO-2 along the data dimension: over the stage's 2 replicas.
+  EXPECT_EQ(gateway_memory(t, 0, layout(4, 1, false, "gradients")).optimizer, 1e6);
+  // 2 tensor slices: half of every weight; of the 66·h bytes 18·h stay whole (norms' and blocks'
+  // inputs, dropout masks), the rest and the attention scores halve. A replica (2 workers)
+  // computes 128 tokens.
+  const Memory slices = gateway_memory(t, 0, layout(1, 2, false));
+  EXPECT_EQ(slices.parameters, 2e6);
+  EXPECT_EQ(slices.activations, L * 128 * (18 * h + (48 * h + 9 * a * s) / 2));
+  // ZeRO-3 with recompute: every layer's input, one layer's activations.
+  EXPECT_EQ(gateway_memory(t, 0, layout(1, 1, true, "full")).activations, L * 64 * 4 * h + 64 * layer);
+  EXPECT_EQ(gateway_memory(t, 0, layout(1, 1, false, "full")).activations, data.activations);
+}
+
+TEST(Plan, PipelineBubbleAndRecomputeCostTime) {
+  // Free LAN: a step of P stages and M micro-batches takes (M + P − 1)/M of the compute; the
+  // useful share is M/(M + P − 1); recompute adds a third.
+  Topology t = laid({"sites.0.lan_bandwidth=\"0\"", "sites.0.lan_latency=\"0s\""});
+  const Prediction one = predict(t, layout(1, 1, false));
+  EXPECT_DOUBLE_EQ(one.step_s, 64.0 / 1000);
+  const Prediction pipe = predict(t, layout(4, 1, false));
+  EXPECT_DOUBLE_EQ(pipe.bubble, 3.0 / 11);
+  EXPECT_DOUBLE_EQ(pipe.step_s, 0.064 * 11 / 8);
+  EXPECT_DOUBLE_EQ(pipe.utilization, 8.0 / 11);
+  const Prediction rc = predict(t, layout(4, 1, true));
+  EXPECT_DOUBLE_EQ(rc.step_s, 0.064 * 4 / 3 * 11 / 8);
+  EXPECT_DOUBLE_EQ(rc.utilization, 8.0 / 11 * 3 / 4);
+  // ZeRO-3 costs a third more compute only with recompute.
+  EXPECT_DOUBLE_EQ(predict(t, layout(1, 1, false, "full")).step_s, 0.064);
+  EXPECT_DOUBLE_EQ(predict(t, layout(1, 1, true, "full")).step_s, 0.064 * 4 / 3);
+  // A slow LAN: tensor slices all-reduce a micro-batch's hidden states 4 times per layer.
+  Topology slow = laid({"sites.0.lan_bandwidth=\"8Mbit\"", "sites.0.lan_latency=\"0s\""});
+  const Prediction sliced = predict(slow, layout(1, 2, false));
+  const double ring = 2 * 0.5 * 128 * 4 * 64 / 1e6;  // 2(T−1)/T of 32 KiB at 1 MB/s
+  EXPECT_NEAR(sliced.compute_s, 0.064 + 8 * 4 * ring, 1e-12);
+}
+
+TEST(Plan, LayoutsRunnableAndBadInput) {
+  EXPECT_TRUE(runnable(layout(4, 1, true, "gradients"), 2));
+  EXPECT_FALSE(runnable(layout(4, 1, false, "full"), 1));  // ZeRO-3 of stages: not built
+  Candidate sync = layout(2, 1, false);
+  sync.strategy = "sync";
+  EXPECT_TRUE(runnable(sync, 1));
+  EXPECT_FALSE(runnable(sync, 2));                      // stages across sites: diloco or streaming
+  EXPECT_TRUE(runnable(layout(1, 2, false), 1));
+  EXPECT_FALSE(runnable(layout(1, 2, false), 2));       // slices on several sites: not built
+  EXPECT_FALSE(runnable(layout(2, 2, false), 1));       // stages × slices: not built
+  EXPECT_FALSE(runnable(layout(1, 2, false, "full"), 1));
+  // Candidates: only layouts the workers divide into; recompute only where something reruns.
+  Topology t = laid({"candidates.pipeline=[1, 2, 3, 4]", "candidates.tensor=[1, 2]", "candidates.recompute=[false, true]",
+                     "candidates.strategies=[\"diloco\"]", "candidates.codecs=[\"none\"]", "candidates.inner_steps=[10]"});
+  std::set<std::string> seen;
+  for (const Candidate& c : enumerate_candidates(t)) seen.insert(layout_label(c));
+  EXPECT_EQ(seen, (std::set<std::string>{"", "t2", "p2 m4", "p2 m4 recompute", "p2 m8 t2", "p2 m8 t2 recompute",
+                                         "p4 m8", "p4 m8 recompute", "p4 m16 t2", "p4 m16 t2 recompute"}));
+  expect_error(kOne, {"candidates.pipeline", "layers, hidden, heads"}, {"candidates.pipeline=[1, 2]"});
+  expect_error(kOne, {"candidates.pipeline", "9 stages for a model of 8 layers"},
+               {"model.layers=8", "model.hidden=64", "model.heads=4", "model.sequence=32", "candidates.pipeline=[9]"});
+  expect_error(kOne, {"candidates.tensor", "3 slices do not divide [model] heads = 4"},
+               {"model.layers=8", "model.hidden=64", "model.heads=4", "model.sequence=32", "candidates.tensor=[3]"});
+  expect_error(kOne, {"candidates.recompute", "true or false"}, {"candidates.recompute=[1]"});
+}
+
+TEST(PlanMemory, Big70BFitsWithStagesAndRecompute) {
   Topology t = load_topology(std::string(NEBULA_SOURCE_DIR) + "/examples/plan_8x512_70b.toml");
   ASSERT_EQ(t.sites[0].worker_memory, 80.0 * (1 << 30));
+  Plan laid_out = make_plan(t);
+  expect_sound(laid_out, t.tolerance);
+  ASSERT_TRUE(laid_out.recommended) << laid_out.reason;
+  const Prediction& r = laid_out.predictions[*laid_out.recommended];
+  EXPECT_GT(r.candidate.pipeline, 1) << format_table(t, laid_out, 5);
+  EXPECT_TRUE(r.candidate.recompute);
+  EXPECT_EQ(r.candidate.tensor, 1);  // slices across sites do not run yet
+  EXPECT_LE(r.memory.device(), t.sites[0].worker_memory);
+  EXPECT_LE(r.memory.host(), t.sites[0].host_memory);
+  EXPECT_NE(format_table(t, laid_out, 5).find("recommended: "), std::string::npos);
+  // Data parallelism alone (what the plan offered before stages): nothing fits.
+  t = load_topology(std::string(NEBULA_SOURCE_DIR) + "/examples/plan_8x512_70b.toml",
+                    {"candidates.pipeline=[1]", "candidates.tensor=[1]", "candidates.recompute=[false]",
+                     "candidates.shard=[\"none\"]"});
   Plan plan = make_plan(t);
   for (const auto& p : plan.predictions) {
     EXPECT_FALSE(p.fits);
@@ -468,9 +585,9 @@ TEST(PlanMemory, Big70BDoesNotFitUnsharded) {
   EXPECT_FALSE(plan.recommended);
   EXPECT_NE(format_table(t, plan).find("recommended: nothing\n  why: nothing nebula can run today"), std::string::npos)
       << format_table(t, plan);
-  // With the shard modes as candidates, still nothing is recommended.
+  // With the shard modes as candidates, still nothing is recommended: the activations.
   Plan sharded = make_plan(load_topology(std::string(NEBULA_SOURCE_DIR) + "/examples/plan_8x512_70b.toml",
-                                         {"candidates.shard=[\"none\", \"optimizer\", \"gradients\", \"full\"]"}));
+                                         {"candidates.pipeline=[1]", "candidates.tensor=[1]", "candidates.recompute=[false]"}));
   expect_sound(sharded, t.tolerance);
   EXPECT_FALSE(sharded.recommended);
   // The demo topology fits in its 4 GiB and gets a recommendation.

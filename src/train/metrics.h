@@ -53,6 +53,9 @@ class PhasePeaks {
   void end();  // of the phase begun last
   int64_t peak(Phase p) const { return peaks_[p]; }
   int64_t overall() const;  // the process's peak so far, over every phase
+  // The peak before the first phase began: the process with LibTorch loaded, before the set-up
+  // builds anything (what a worker holds that no training state explains).
+  int64_t start() const { return before_; }
   bool exact() const { return resettable_; }
 
  private:

@@ -192,7 +192,7 @@ class Trainer {
  private:
   int stop(int signal);
   // [parallel] pipeline > 1: this worker's stage, its runner and its replicas' group.
-  void connect_stage(Millis timeout);
+  void connect_stage(Millis timeout, at::Device device);
   // [parallel] tensor > 1: this worker's tensor group, its slices and their replicas' group.
   void connect_tensor(Millis timeout);
   // The group of the workers that hold the same part of the model as this one (`ranks`), and
@@ -289,7 +289,7 @@ Trainer::Trainer(const TaskContext& ctx, bool rejoin, Clock::time_point start)
     task_ = make_task(ctx, comm_.teacher.get());
   }
   const auto timeout = std::chrono::duration_cast<Millis>(c_.job.timeout);
-  if (site_grid(c_, site_).pipeline > 1) connect_stage(timeout);
+  if (site_grid(c_, site_).pipeline > 1) connect_stage(timeout, ctx.device);
   if (site_grid(c_, site_).tensor > 1) connect_tensor(timeout);
   params_ = task_->trainable();
   std::tie(model_values_, trainable_values_) = task_->model_numel();
@@ -354,9 +354,10 @@ Trainer::Trainer(const TaskContext& ctx, bool rejoin, Clock::time_point start)
   phases_.end();
 }
 
-void Trainer::connect_stage(Millis timeout) {
+void Trainer::connect_stage(Millis timeout, at::Device device) {
   const parallel::SiteGrid grid = site_grid(c_, site_);
-  pipeline_ = std::make_unique<parallel::Pipeline>(*comm_.group, grid, static_cast<int>(c_.parallel.micro_batches));
+  pipeline_ = std::make_unique<parallel::Pipeline>(*comm_.group, grid, static_cast<int>(c_.parallel.micro_batches),
+                                                   c_.parallel.recompute, device);
   stage_ = task_->make_stage(*pipeline_);
   NEBULA_CHECK(stage_, "model.kind = \"", c_.model.kind, "\" cannot be cut into pipeline stages");
   const int stage = pipeline_->stage();
@@ -621,9 +622,10 @@ void Trainer::finish() {
       counters[by_worker_at + (2 + static_cast<size_t>(p)) * workers + me] =
           static_cast<double>(phases_.peak(static_cast<PhasePeaks::Phase>(p)));
     // And its pipeline stage's seconds computing and in all (Pipeline::Timing).
-    counters.resize(by_worker_at + (4 + PhasePeaks::kPhases) * workers, 0.0);
+    counters.resize(by_worker_at + (5 + PhasePeaks::kPhases) * workers, 0.0);
     counters[by_worker_at + (2 + PhasePeaks::kPhases) * workers + me] = pipeline_compute_s_;
     counters[by_worker_at + (3 + PhasePeaks::kPhases) * workers + me] = pipeline_wall_s_;
+    counters[by_worker_at + (4 + PhasePeaks::kPhases) * workers + me] = static_cast<double>(phases_.start());
     const std::vector<double> totals = collective::sum_counters(*comm_.comm, counters);
     // The first site still in the job (elastic: site 0 may be lost) writes the summary and model.
     const collective::GatewayMesh* mesh = comm_.mesh.get();
@@ -694,6 +696,7 @@ nlohmann::json Trainer::summary(int64_t steps, const std::vector<double>& totals
   summary["strategy_metrics"] = strategy_->metrics();  // rejected updates; privacy spent
   nlohmann::json peaks = {{"exact", phases_.exact()}};  // exact: each phase's own peak (PhasePeaks)
   for (int p = 0; p < PhasePeaks::kPhases; ++p) peaks[PhasePeaks::name(static_cast<PhasePeaks::Phase>(p))] = by_worker(2 + p);
+  peaks["start"] = by_worker(4 + PhasePeaks::kPhases);  // before the set-up: LibTorch loaded, nothing built
   summary["peak_rss_bytes_by_phase"] = peaks;
   summary["allocator"] = allocator_name();  // which malloc the peaks were measured under
   if (pipeline_) {  // the measured bubble: the stages' time not computing, against 1F1B's formula

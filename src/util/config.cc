@@ -548,10 +548,6 @@ Config build(const toml::table& root, const std::string& file) {
              "\"full\" (ZeRO-3) gathers the parameters layer by layer, which only the built-in models "
              "(mlm_encoder, seq2seq) can do; a TorchScript module runs shard = \"optimizer\" or \"gradients\"");
     s.boolean("recompute", c.parallel.recompute);
-    if (c.parallel.recompute && c.parallel.shard != "full")
-      s.fail(t->get("recompute") ? *t->get("recompute") : static_cast<const toml::node&>(*t), "recompute",
-             str_cat("recompute = true recomputes ZeRO-3's gathered layers in backward; with shard = \"",
-                     c.parallel.shard, "\" there is nothing to recompute: set shard = \"full\" or drop recompute"));
     s.boolean("prefetch", c.parallel.prefetch);
     if (c.parallel.prefetch && c.parallel.shard != "full")
       s.fail(t->get("prefetch") ? *t->get("prefetch") : static_cast<const toml::node&>(*t), "prefetch",
@@ -631,6 +627,13 @@ Config build(const toml::table& root, const std::string& file) {
   }
   top.finish();
   check_pipeline(c, root, file);
+  // recompute reruns ZeRO-3's gathered layers, or a pipeline stage's forward, in backward.
+  if (c.parallel.recompute && c.parallel.shard != "full" &&
+      std::none_of(c.sites.begin(), c.sites.end(), [&](const SiteConfig& s) { return c.pipeline_of(s) > 1; }))
+    throw ConfigError(str_cat(place(root, "parallel", "recompute", file), ": key 'parallel.recompute': recompute = true "
+                              "runs ZeRO-3's gathered layers or a pipeline stage's forward again in backward; with shard = \"",
+                              c.parallel.shard, "\" and no pipeline stages there is nothing to recompute: set shard = "
+                              "\"full\" or pipeline > 1, or drop recompute"));
   check_tensor(c, root, file);
   check_wan_mode(c, root, file);
   check_liveness(c, root, file);

@@ -129,7 +129,7 @@ TEST(Config, ParallelShard) {
   EXPECT_TRUE(parse_config(to_toml(r), "again").parallel.recompute);
   EXPECT_FALSE(parse_config(kValid, "job.toml").parallel.recompute);
   expect_error(std::string(kValid) + "\n[parallel]\nshard = \"gradients\"\nrecompute = true\n",
-               {"job.toml", "parallel.recompute", "shard = \"full\""}, {"strategy.kind=\"diloco\""});
+               {"job.toml", "parallel.recompute", "shard = \"full\" or pipeline > 1"}, {"strategy.kind=\"diloco\""});
   const Config f = parse_config(kValid, "job.toml", {"parallel.shard=\"full\"", "parallel.prefetch=true", "strategy.kind=\"diloco\""});
   EXPECT_TRUE(parse_config(to_toml(f), "again").parallel.prefetch);
   expect_error(std::string(kValid) + "\n[parallel]\nshard = \"optimizer\"\nprefetch = true\n",
@@ -167,6 +167,10 @@ TEST(Config, ParallelPipeline) {
   expect_error(piped, {"parallel.micro_batches", "data.batch_size"}, {"data.batch_size=3"});
   expect_error(piped, {"job.toml:", "parallel.pipeline", "mlm_encoder", "seq2seq"}, {"model.kind=\"seq2seq\""});
   EXPECT_EQ(parse_config(piped, "job.toml", {"parallel.shard=\"optimizer\""}).parallel.shard, "optimizer");
+  // recompute: a stage's forward runs again in backward, with any shard mode the stages run.
+  EXPECT_TRUE(parse_config(piped, "job.toml", {"parallel.recompute=true", "parallel.shard=\"gradients\"",
+                                               "strategy.kind=\"diloco\""}).parallel.recompute);
+  expect_error(one + "\n[parallel]\nrecompute = true\n", {"job.toml:", "parallel.recompute", "pipeline > 1"});
   expect_error(piped, {"job.toml:", "parallel.pipeline", "ZeRO-3"}, {"parallel.shard=\"full\"", "strategy.kind=\"diloco\""});
   expect_error(piped, {"parallel.pipeline", "contrastive_weight"}, {"data.contrastive_weight=0.5"});
   expect_error(piped, {"parallel.pipeline", "[privacy]"}, {"strategy.kind=\"diloco\"", "privacy.clip=1"});
