@@ -469,7 +469,6 @@ Memory gateway_memory(const Topology& t, size_t site, const Candidate& c) {
   const bool sync = c.strategy == "sync", streaming = c.strategy == "streaming";
   if (!sync && !streaming && c.strategy != "diloco") throw Error(str_cat("plan: unknown strategy '", c.strategy, "'"));
   const size_t level = static_cast<size_t>(mode - shard_modes().begin());
-  const double N = static_cast<double>(t.sites[site].workers);
   const double S = static_cast<double>(t.sites.size());
   const Grid g = grid_of(t, t.sites[site], c);
   // "gradients" (ZeRO-2) reduce-scatters the gradients bucket by bucket while backward runs
@@ -482,7 +481,6 @@ Memory gateway_memory(const Topology& t, size_t site, const Candidate& c) {
   const double n = t.parameters * part, tr = t.trainable * part;
   const double F = streaming ? static_cast<double>(c.fragments) : 1;
   const double whole = t.trainable;
-  const double m = tr / F;  // values per exchange this worker holds
   // Streaming sends a fragment every H/F steps and merges it τ steps later.
   const double in_flight =
       streaming ? std::min(F, std::floor(static_cast<double>(c.delay) * F / static_cast<double>(c.inner_steps)) + 1) : 1;
@@ -513,14 +511,27 @@ Memory gateway_memory(const Topology& t, size_t site, const Candidate& c) {
   // The data-parallel all-reduce stages the gradients in one flat buffer; ZeRO-2 reduces them bucket by bucket.
   // (ZeRO-3's whole-model gather on the gateway for evaluation and the model file is not a training step's: not counted.)
   if (sync || (g.D > 1 && c.shard != "gradients")) mem.buffers = 4 * tr / d_grad;
+  // Fragments are cut by position in the whole model's flat vector, so with stages a fragment
+  // lies within one stage or across two: the worst worker holds min(whole/F, its stage's part)
+  // of one, over its stage slice's D replicas (without stages: 1/N of every fragment).
+  const double fragment_part = std::min(whole / F, whole * g.share) / g.T;
   // The outer state (θ_global, outer momentum, θ_local at a send) shards with the optimizer:
   // each worker keeps its part of every fragment.
-  if (!sync) mem.outer = 8 * tr / d_opt + in_flight * 4 * m / d_opt;
+  if (!sync) mem.outer = 8 * tr / d_opt + in_flight * 4 * fragment_part / d_opt;
   if (S > 1) {  // the gateway encodes the whole site's update; with every_worker each worker its own cut
-    const double d_wan = c.wan_mode == "every_worker" ? N : 1;
-    const double values = whole / F;
-    if (keeps_residual(c.codec)) mem.codec_state = 4 * whole / d_wan;
-    mem.exchange = in_flight * ((sync ? 0 : 4 * values) + S * payload_bytes(c.codec, values, t.codec) + 4 * values) / d_wan;
+    if (c.wan_mode == "every_worker") {
+      // Hierarchy::run_exchange_parts, per worker: the pseudo-gradient, the codec's encode
+      // temporary (coded), its payload and a copy for each other site, the other sites'
+      // payloads, every site's decoded contribution and one decode temporary (coded).
+      const double values = fragment_part / g.D, payload = payload_bytes(c.codec, values, t.codec);
+      const double coded = c.codec == "none" ? 0 : 1;
+      if (keeps_residual(c.codec)) mem.codec_state = 4 * whole * g.share / (g.T * g.D);
+      mem.exchange = in_flight * (4 * values * (S + 1 + 2 * coded) + (2 * S - 1) * payload);
+    } else {
+      const double values = whole / F, payload = payload_bytes(c.codec, values, t.codec);
+      if (keeps_residual(c.codec)) mem.codec_state = 4 * whole;
+      mem.exchange = in_flight * ((sync ? 0 : 4 * values) + S * payload + 4 * values);
+    }
   }
   return mem;
 }

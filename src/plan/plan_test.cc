@@ -509,6 +509,28 @@ TEST(PlanMemory, PipelineAndTensorLayouts) {
   EXPECT_EQ(gateway_memory(t, 0, layout(1, 1, false, "full")).activations, data.activations);
 }
 
+// With stages a fragment (cut by position in the whole model's flat vector) lies within a stage:
+// every_worker exchanges it among the stage's replicas, and each worker holds what
+// Hierarchy::run_exchange_parts does.
+TEST(PlanMemory, EveryWorkerExchangeOfStagedSites) {
+  const Topology t = two({"model.layers=8", "model.hidden=64", "model.heads=4", "model.sequence=32",
+                          "model.tokens_per_step_per_worker=64", "sites.0.workers=4", "sites.1.workers=4"});
+  Candidate c{"streaming", "int8", 10, 4, 0, "none", "every_worker"};
+  c.pipeline = 2;  // 2 replicas of 2 stages of 4 layers: half the model each
+  c.micro_batches = 4;
+  const Memory m = gateway_memory(t, 0, c);
+  const double fragment = 1e6 / 4, values = fragment / 2;  // within a stage, over its 2 replicas
+  const double payload = values + 8 * std::ceil(values / 256);
+  EXPECT_EQ(m.exchange, 4 * values * (2 + 1 + 2) + 3 * payload);
+  EXPECT_EQ(m.codec_state, 4 * 1e6 / 2 / 2);
+  EXPECT_EQ(m.outer, 8 * 5e5 + 4 * fragment);
+  // Through the gateway: the whole fragment, the pseudo-gradient, both sites' payloads, one decoded.
+  c.wan_mode = "gateway";
+  const Memory g = gateway_memory(t, 0, c);
+  EXPECT_EQ(g.exchange, 4 * fragment + 2 * (fragment + 8 * std::ceil(fragment / 256)) + 4 * fragment);
+  EXPECT_EQ(g.codec_state, 4e6);
+}
+
 TEST(Plan, PipelineBubbleAndRecomputeCostTime) {
   // Free LAN: a step of P stages and M micro-batches takes (M + P − 1)/M of the compute; the
   // useful share is M/(M + P − 1); recompute adds a third.
