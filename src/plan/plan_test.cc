@@ -593,6 +593,18 @@ TEST(PlanMemory, Big70BFitsWithStagesAndRecompute) {
   EXPECT_LE(r.memory.device(), t.sites[0].worker_memory);
   EXPECT_LE(r.memory.host(), t.sites[0].host_memory);
   EXPECT_NE(format_table(t, laid_out, 5).find("recommended: "), std::string::npos);
+  // 7B on 2 × 64: 4 stages with recompute; data parallelism alone: ZeRO-3 with its recompute.
+  const std::string seven = std::string(NEBULA_SOURCE_DIR) + "/examples/plan_2x64_7b.toml";
+  const Plan staged7 = make_plan(load_topology(seven));
+  ASSERT_TRUE(staged7.recommended) << staged7.reason;
+  EXPECT_EQ(staged7.predictions[*staged7.recommended].candidate.pipeline, 4) << staged7.reason;
+  EXPECT_TRUE(staged7.predictions[*staged7.recommended].candidate.recompute);
+  const Plan data7 = make_plan(load_topology(seven, {"candidates.pipeline=[1]", "candidates.tensor=[1]"}));
+  ASSERT_TRUE(data7.recommended) << data7.reason;
+  const Candidate& z3 = data7.predictions[*data7.recommended].candidate;
+  EXPECT_EQ(z3.shard, "full");
+  EXPECT_TRUE(z3.recompute);
+  EXPECT_LT(data7.predictions[*data7.recommended].utilization, staged7.predictions[*staged7.recommended].utilization);
   // Data parallelism alone (what the plan offered before stages): nothing fits.
   t = load_topology(std::string(NEBULA_SOURCE_DIR) + "/examples/plan_8x512_70b.toml",
                     {"candidates.pipeline=[1]", "candidates.tensor=[1]", "candidates.recompute=[false]",
