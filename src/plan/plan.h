@@ -84,11 +84,15 @@
 //              diloco/streaming outer state: θ_global + outer momentum 8t/d_O (summed over
 //              fragments) + θ_local at send, k·4m/d_O (each worker keeps its shard's part).
 //            host, the gateway only (S > 1), not sharded (one gateway encodes the whole site's
-//              update; with wan_mode "every_worker" each worker holds 1/N of these): codec
-//              error-feedback residual 4t (int8, int4, topk, powersgd,
+//              update): codec error-feedback residual 4t (int8, int4, topk, powersgd,
 //              sparseloco; none/fp16/bf16 keep none); per exchange in flight, the
 //              pseudo-gradient 4m (diloco/streaming), every site's payload S·P(m) (the
 //              all-gather holds them all) and one decoded part 4m.
+//            with wan_mode "every_worker", every worker: the residual of its cut, 4t/N, and
+//              per exchange in flight what Hierarchy::run_exchange_parts holds for its cut of
+//              m' = m/N values: 4m'·(S + 1 + 2c) + (2S − 1)·P(m') (c = 1 for a lossy codec:
+//              the pseudo-gradient, the encode and decode temporaries, every site's decoded
+//              contribution; its payload, a copy for each other site, the other sites').
 //            The gateway holds the most, so it is what must fit.
 //  activations  data parallelism alone, no recompute, per worker-step of T =
 //            tokens_per_step_per_worker tokens, L layers of width h, a heads, sequence s:
@@ -109,7 +113,10 @@
 //            spread evenly over the layers), and 1/T of that: n, t above become n·σ/T, t·σ/T for
 //            parameters, gradients, AdamW and the outer state, and the shard modes divide by D
 //            (ZeRO along the data dimension), not N. The gateway's codec state and exchange
-//            stay the whole site's (with every_worker: 1/N each).
+//            stay the whole site's. With every_worker, fragments being cut by position in the
+//            whole model's flat vector, a stage holds whole fragments: a worker's cut of one
+//            is min(t/F, t·σ)/T over its D replicas (without stages: t/F/N), and its residual
+//            4t·σ/(T·D).
 //            activations per worker, with a(T) = 18·h + (48·h + 9·a·s)/T bytes a token and
 //            layer (Korthikanti et al. with tensor parallelism: the norms' and the blocks'
 //            inputs and the dropout masks stay whole), T_m = T_r / M:
