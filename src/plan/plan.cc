@@ -419,6 +419,26 @@ std::string layout_label(const Candidate& c) {
   return out;
 }
 
+std::vector<std::string> job_settings(const Topology& t, const Candidate& c) {
+  auto quoted = [](const std::string& v) { return str_cat("\"", v, "\""); };
+  std::vector<std::string> out = {str_cat("strategy.kind=", quoted(c.strategy)), str_cat("strategy.codec=", quoted(c.codec))};
+  if (c.strategy != "sync") out.push_back(str_cat("strategy.inner_steps=", c.inner_steps));
+  if (c.strategy == "streaming") {
+    out.push_back(str_cat("strategy.fragments=", c.fragments));
+    out.push_back(str_cat("strategy.delay=", c.delay));
+  }
+  out.push_back(str_cat("parallel.shard=", quoted(c.shard)));
+  if (c.pipeline > 1) {  // one sequence per micro-batch: a replica's batch is M sequences
+    out.push_back(str_cat("parallel.pipeline=", c.pipeline));
+    out.push_back(str_cat("parallel.micro_batches=", c.micro_batches));
+    out.push_back(str_cat("data.batch_size=", c.micro_batches));
+  }
+  if (c.tensor > 1) out.push_back(str_cat("parallel.tensor=", c.tensor));
+  if (c.recompute) out.push_back("parallel.recompute=true");
+  if (t.sites.size() > 1) out.push_back(str_cat("wan.mode=", quoted(c.wan_mode)));
+  return out;
+}
+
 bool runnable(const Candidate& c, size_t sites) {
   if (c.wan_mode == "every_worker" && (c.strategy == "sync" || c.codec == "powersgd")) return false;
   if (c.pipeline > 1 && (c.shard == "full" || (sites > 1 && c.strategy == "sync"))) return false;
@@ -965,7 +985,9 @@ std::string format_table(const Topology& t, const Plan& plan, size_t top) {
     out << "\nrecommended: " << label(r.candidate) << " (" << seconds(r.step_s) << " per step, "
         << format_bytes(r.wan_bytes_per_step) << " WAN per step, " << count(r.tokens_per_s) << " tokens/s of "
         << count(plan.ideal_tokens_per_s) << " ideal; " << format_bytes(r.memory.device()) << " device, "
-        << format_bytes(r.memory.host()) << " host per worker)\n  why: " << plan.reason << "\n";
+        << format_bytes(r.memory.host()) << " host per worker)\n  why: " << plan.reason << "\n  as a job: nebula run JOB.toml";
+    for (const auto& setting : job_settings(t, r.candidate)) out << " --set '" << setting << "'";
+    out << "\n";
   } else {
     out << "\nrecommended: nothing\n  why: " << plan.reason << "\n";
   }
@@ -1024,6 +1046,7 @@ std::string format_json(const Topology& t, const Plan& plan) {
   if (plan.recommended) {
     rec = one(plan.predictions[*plan.recommended], true);
     rec["reason"] = plan.reason;
+    rec["job_settings"] = job_settings(t, plan.predictions[*plan.recommended].candidate);
   }
   nlohmann::ordered_json by_strategy = nlohmann::ordered_json::array();
   for (const auto& [c, nd] : memory_rows(t))

@@ -272,6 +272,10 @@ struct Candidate {
 };
 // "p16 m64 recompute", "t8", "" for data parallelism alone: the layout part of a label.
 std::string layout_label(const Candidate& c);
+// The candidate as a job's settings, `nebula run --set` arguments ("strategy.kind=\"diloco\"",
+// "parallel.pipeline=32", ...): the strategy, codec, H, F, delay, shard, WAN mode and layout;
+// with stages also data.batch_size = M (one sequence per micro-batch).
+std::vector<std::string> job_settings(const Topology& t, const Candidate& c);
 
 // Sharding modes, least sharded first: "none", "optimizer", "gradients", "full".
 const std::vector<std::string>& shard_modes();

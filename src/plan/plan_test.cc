@@ -2,6 +2,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <nlohmann/json.hpp>
@@ -593,6 +594,15 @@ TEST(PlanMemory, Big70BFitsWithStagesAndRecompute) {
   EXPECT_LE(r.memory.device(), t.sites[0].worker_memory);
   EXPECT_LE(r.memory.host(), t.sites[0].host_memory);
   EXPECT_NE(format_table(t, laid_out, 5).find("recommended: "), std::string::npos);
+  // How to run it: the settings a job takes, the layout's included.
+  const std::vector<std::string> settings = job_settings(t, r.candidate);
+  for (const std::string& want : {str_cat("parallel.pipeline=", r.candidate.pipeline), std::string("parallel.recompute=true"),
+                                  str_cat("parallel.micro_batches=", r.candidate.micro_batches),
+                                  str_cat("data.batch_size=", r.candidate.micro_batches),
+                                  str_cat("wan.mode=\"", r.candidate.wan_mode, "\"")})
+    EXPECT_NE(std::find(settings.begin(), settings.end(), want), settings.end()) << want;
+  EXPECT_NE(format_table(t, laid_out, 5).find("as a job: nebula run JOB.toml --set 'strategy.kind="), std::string::npos);
+  EXPECT_NE(format_json(t, laid_out).find("\"job_settings\""), std::string::npos);
   // 7B on 2 × 64: 4 stages with recompute; data parallelism alone: ZeRO-3 with its recompute.
   const std::string seven = std::string(NEBULA_SOURCE_DIR) + "/examples/plan_2x64_7b.toml";
   const Plan staged7 = make_plan(load_topology(seven));
