@@ -2,7 +2,7 @@
 // throughput, model size, LAN and WAN bandwidth/latency), the step time, WAN bytes and compute
 // utilization of every candidate strategy × codec × H, and recommends one. It is closed form,
 // so topologies far beyond this machine (8 sites × 512 GPUs, 70B parameters) take
-// microseconds. No torch here: this layer uses only nebula_util (and nlohmann_json, header
+// microseconds a candidate. No torch here: this layer uses only nebula_util (and nlohmann_json, header
 // only, for --json).
 //
 // ─── The model (all times in seconds, sizes in bytes, rates in bits/s) ──────────────────────

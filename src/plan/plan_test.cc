@@ -3,7 +3,6 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
-#include <chrono>
 #include <cmath>
 #include <nlohmann/json.hpp>
 #include <set>
@@ -242,13 +241,12 @@ TEST(Plan, CandidatesFollowTheJobConfigRules) {
   }
 }
 
-TEST(Plan, Big8x512x70BIsFastAndFinite) {
-  const auto start = std::chrono::steady_clock::now();
+// (How long it takes is not asserted: tests do not depend on timing. ~0.2 s for its ~8,800
+// candidates on this machine.)
+TEST(Plan, Big8x512x70BIsFinite) {
   Topology t = load_topology(std::string(NEBULA_SOURCE_DIR) + "/examples/plan_8x512_70b.toml");
   Plan plan = make_plan(t);
   std::string table = format_table(t, plan);
-  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  EXPECT_LT(seconds, 1.0);
   ASSERT_EQ(t.sites.size(), 8u);
   EXPECT_EQ(t.sites[0].workers, 512);
   EXPECT_EQ(t.parameters, 70e9);
