@@ -18,6 +18,8 @@
 #        syncs (summary.json peak_rss_bytes_by_phase) less its peak before the set-up ("start":
 #        LibTorch loaded, nothing built), against the plan's device + host need (on CPU both are
 #        the same RAM).
+#   heterogeneous = false: sites whose speeds differ would run different inner steps, and the
+#   window compares every worker at the same steps.
 #   The bar: within 20 %. What the planner leaves out shows up here: the data and the
 #   tokenizer, the allocator's slack, the embedding's rows on the first stage and the tied
 #   copy on the last (the planner spreads parameters evenly over the layers).
@@ -65,6 +67,7 @@ heads=$(( dim >= 128 ? dim / 64 : 2 ))
   --set metrics.progress='"off"' --set job.timeout='"600s"' --set job.run_dir="\"$out/run\"" \
   --set sites.0.workers=2 --set sites.1.workers=2 --set parallel.pipeline=2 \
   --set parallel.recompute="$recompute" --set parallel.shard="\"$shard\"" --set wan.mode="\"$mode\"" \
+  --set strategy.heterogeneous=false \
   "${strategy_sets[@]}" --set model.dim="$dim" --set model.heads="$heads" --set model.ffn=$((4 * dim)) \
   --set model.max_len=16 --set data.vocab_size="${VOCAB:-1000}" --set data.max_pairs_per_language=3000 \
   "${tiny[@]}" --set model.layers="$layers" --set data.batch_size="$batch" --set parallel.micro_batches="$batch" \
