@@ -7,6 +7,7 @@
 #include <netinet/tcp.h>
 #include <poll.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <spdlog/spdlog.h>
@@ -17,6 +18,8 @@
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
+#include <cstdlib>
+#include <chrono>
 #include <random>
 #include <thread>
 
@@ -567,6 +570,45 @@ std::unique_ptr<TcpLink> TcpListener::accept(Deadline deadline, std::string peer
   }
 }
 
+namespace {
+
+// Ports handed out by pick_free_port on this machine, shared by every process of this user: one
+// empty file per port in a private directory, created with O_EXCL. A claim younger than
+// kClaimLife stands, so two picks (in one launcher, or in two jobs started side by side) never
+// return the same port in the seconds before its worker binds it; an older one is stale (the job
+// bound it long ago, and a bound port fails the probe anyway) and is taken over.
+constexpr auto kClaimLife = std::chrono::minutes(10);
+
+std::string claim_directory() {
+  const char* tmp = std::getenv("TMPDIR");
+  std::string dir = str_cat(tmp && *tmp ? tmp : "/tmp", "/nebula-ports-", std::to_string(::getuid()));
+  if (::mkdir(dir.c_str(), 0700) != 0 && errno != EEXIST) return {};
+  struct stat st {};
+  if (::stat(dir.c_str(), &st) != 0 || !S_ISDIR(st.st_mode) || st.st_uid != ::getuid()) return {};
+  return dir;
+}
+
+// True when this call holds the claim on `port` now.
+bool claim_port(const std::string& dir, uint16_t port) {
+  if (dir.empty()) return true;  // no shared directory: the probe alone decides
+  const std::string path = str_cat(dir, "/", std::to_string(port));
+  int fd = ::open(path.c_str(), O_CREAT | O_EXCL | O_WRONLY | O_CLOEXEC, 0600);
+  if (fd >= 0) {
+    ::close(fd);
+    return true;
+  }
+  if (errno != EEXIST) return true;
+  struct stat st {};
+  if (::stat(path.c_str(), &st) != 0) return false;
+  const auto age = std::chrono::system_clock::now() - std::chrono::system_clock::from_time_t(st.st_mtime);
+  if (age < kClaimLife) return false;
+  // Stale: take it over by renewing its time. Two processes taking over the same stale claim at
+  // once is possible but needs both to draw this one port out of ~20,000 in the same instant.
+  return ::utimensat(AT_FDCWD, path.c_str(), nullptr, 0) == 0;
+}
+
+}  // namespace
+
 uint16_t pick_free_port(const std::string& host) {
   int ephemeral_low = 32768;  // Linux's default, when /proc does not say
   if (FILE* f = std::fopen("/proc/sys/net/ipv4/ip_local_port_range", "r")) {
@@ -575,16 +617,18 @@ uint16_t pick_free_port(const std::string& host) {
   }
   constexpr int kLowest = 10000;  // above the well-known and common service ports
   if (ephemeral_low - kLowest >= 1000) {
+    const std::string claims = claim_directory();
     std::random_device seed;
     std::mt19937 rng(seed());
     std::uniform_int_distribution<int> draw(kLowest, ephemeral_low - 1);
-    for (int attempt = 0; attempt < 64; ++attempt) {
+    for (int attempt = 0; attempt < 256; ++attempt) {
+      const auto port = static_cast<uint16_t>(draw(rng));
       try {
-        TcpListener probe(host, static_cast<uint16_t>(draw(rng)));
-        return probe.port();
+        TcpListener probe(host, port);
       } catch (const Error&) {
-        // taken: draw again
+        continue;  // taken: draw again
       }
+      if (claim_port(claims, port)) return port;
     }
   }
   TcpListener probe(host, 0);

@@ -42,9 +42,10 @@ std::string format_host_port(const std::string& host, uint16_t port);
 // A port on `host` that is free right now (bound and released at once). For local mode and
 // tests, which must never use fixed ports. It is drawn at random below the kernel's ephemeral
 // range (net.ipv4.ip_local_port_range), where no outgoing connection and no bind to port 0 of
-// any process can take it before the caller binds it; only another explicit pick of the same
-// port could (then TcpListener's clear bind error). Port 0's pick, in the ephemeral range, if
-// no such port is free.
+// any process can take it before the caller binds it. Picks do not repeat one another: each
+// claims its port for ten minutes in $TMPDIR/nebula-ports-<uid> (shared by this user's
+// processes), so two picks in one launcher, or in two jobs started side by side, differ. Port 0's
+// pick, in the ephemeral range, if no such port is free.
 uint16_t pick_free_port(const std::string& host);
 
 class TcpLink : public Link {
