@@ -24,10 +24,35 @@ std::string guard_verdict(int64_t nans, int64_t infs, double norm, double max_no
   return {};
 }
 
+// What the update guard reads of a contribution: its NaN and infinity counts and the sum of its
+// squares (in double, over the finite values), in one pass over the floats with no temporary
+// tensor. (An exchange's guard ran isnan, isinf and a float64 copy squared: for a 12.5 MiB
+// fragment, 56 MiB of temporaries on top of the exchange's buffers.)
+struct GuardStats {
+  int64_t nans = 0, infs = 0;
+  double squares = 0;
+  void add(const float* x, int64_t n) {
+    for (int64_t i = 0; i < n; ++i) {
+      const float v = x[i];
+      if (std::isnan(v))
+        ++nans;
+      else if (std::isinf(v))
+        ++infs;
+      else
+        squares += static_cast<double>(v) * v;
+    }
+  }
+  void add(const at::Tensor& x) {
+    const at::Tensor c = x.to(at::kCPU).contiguous();
+    add(c.data_ptr<float>(), c.numel());
+  }
+  std::string verdict(double max_norm) const { return guard_verdict(nans, infs, std::sqrt(squares), max_norm); }
+};
+
 std::string guard_verdict(const at::Tensor& x, double max_norm) {
-  const int64_t nans = at::isnan(x).sum().item<int64_t>(), infs = at::isinf(x).sum().item<int64_t>();
-  const double norm = nans + infs == 0 && max_norm > 0 ? x.norm().item<double>() : 0.0;
-  return guard_verdict(nans, infs, norm, max_norm);
+  GuardStats g;
+  g.add(x);
+  return g.verdict(max_norm);
 }
 
 // The largest weight a site may send with its contribution (a sum of its workers' weights, e.g.
@@ -162,10 +187,11 @@ void combine_parts(at::Tensor part, std::vector<at::Tensor> contribution, const 
   // holds the same totals; the norm's to the rounding of a sum taken in another order).
   at::Tensor totals = at::zeros({static_cast<int64_t>(3 * weight.size())}, at::kDouble);
   for (size_t t = 0; t < weight.size(); ++t) {
-    const at::Tensor& x = contribution[t];
-    totals[static_cast<int64_t>(3 * t)] = static_cast<double>(at::isnan(x).sum().item<int64_t>());
-    totals[static_cast<int64_t>(3 * t + 1)] = static_cast<double>(at::isinf(x).sum().item<int64_t>());
-    totals[static_cast<int64_t>(3 * t + 2)] = x.to(at::kDouble).square().sum().item<double>();
+    GuardStats g;
+    g.add(contribution[t]);
+    totals[static_cast<int64_t>(3 * t)] = static_cast<double>(g.nans);
+    totals[static_cast<int64_t>(3 * t + 1)] = static_cast<double>(g.infs);
+    totals[static_cast<int64_t>(3 * t + 2)] = g.squares;
   }
   comm_group.allreduce_sum(totals);
   const double* tot = totals.data_ptr<double>();
@@ -329,14 +355,9 @@ void add_raw_floats(at::Tensor target, std::span<const uint8_t> bytes, double sc
 
 // guard_verdict of the float32 values in `bytes`, read slice by slice.
 std::string raw_guard_verdict(std::span<const uint8_t> bytes, double max_norm) {
-  int64_t nans = 0, infs = 0;
-  double squares = 0;
-  for_raw_slices(bytes, [&](int64_t, const at::Tensor& slice) {
-    nans += at::isnan(slice).sum().item<int64_t>();
-    infs += at::isinf(slice).sum().item<int64_t>();
-    if (max_norm > 0) squares += std::pow(slice.norm().item<double>(), 2);
-  });
-  return guard_verdict(nans, infs, nans + infs == 0 ? std::sqrt(squares) : 0.0, max_norm);
+  GuardStats g;
+  for_raw_slices(bytes, [&](int64_t, const at::Tensor& slice) { g.add(slice.data_ptr<float>(), slice.numel()); });
+  return g.verdict(max_norm);
 }
 
 }  // namespace
