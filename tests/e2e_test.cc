@@ -559,9 +559,10 @@ TEST(EndToEnd, PipelineStagesTrainAsTheWholeModel) {
 // check. Every worker sends bytes (in gateway mode only the gateways), and they add up to the
 // job's total. Bad configs are refused naming the key.
 // Sites of different layouts ([[sites]] parallel, examples/mixed_layouts.toml): site alpha in 2
-// pipeline stages (× 2 data replicas, with ZeRO-1 over each stage's pair) beside site beta of
-// plain data parallelism train as the same job with alpha unstaged, to rounding (the stages sum
-// each micro-batch's loss apart): diloco in both WAN modes and streaming, every outer step's
+// pipeline stages (× 2 data replicas, with ZeRO-1 over each stage's pair), or in 2 tensor slices
+// (× 2 data replicas), beside site beta of plain data parallelism train as the same job with
+// alpha unstaged, to rounding (the stages sum each micro-batch's loss apart; the slices' sums
+// run in another order): diloco in both WAN modes and streaming, every outer step's
 // global weights agreeing on every site (hash_checks), the same bytes on the WAN in gateway mode.
 TEST(EndToEnd, SitesOfDifferentLayoutsTrainOneModel) {
   const std::string dir = temp_run_dir("mixed_layouts");
@@ -570,6 +571,7 @@ TEST(EndToEnd, SitesOfDifferentLayoutsTrainOneModel) {
   const std::string equal = "--set sites.0.parallel.pipeline=1 ";
   const std::string every = "--set wan.mode=every_worker ";
   const std::string stream = "--set strategy.kind=streaming --set strategy.fragments=2 --set strategy.delay=1 ";
+  const std::string tensor = "--set sites.0.parallel.pipeline=1 --set sites.0.parallel.tensor=2 ";
   const std::vector<std::pair<std::string, std::string>> runs = {
       {"equal", equal + "--set sites.0.workers=1"},
       {"mixed", "--set sites.0.workers=2"},
@@ -577,7 +579,11 @@ TEST(EndToEnd, SitesOfDifferentLayoutsTrainOneModel) {
       {"equal-stream", stream + every + equal + "--set sites.0.workers=1"},
       {"mixed-stream", stream + every + "--set sites.0.workers=2"},
       {"equal-data2", equal + "--set sites.0.workers=2"},
-      {"mixed-2x2-zero1", every + "--set sites.0.workers=4 --set parallel.shard=optimizer"}};
+      {"mixed-2x2-zero1", every + "--set sites.0.workers=4 --set parallel.shard=optimizer"},
+      {"tensor", tensor + "--set sites.0.workers=2"},
+      {"tensor-every", tensor + every + "--set sites.0.workers=2"},
+      {"tensor-stream", tensor + stream + every + "--set sites.0.workers=2"},
+      {"tensor-2x2", tensor + every + "--set sites.0.workers=4"}};
   std::map<std::string, nlohmann::json> summaries;
   for (const auto& [name, sets] : runs) {
     Result r = run(base + sets + " --set job.run_dir=\\\"" + dir + "/" + name + "\\\"");
@@ -588,7 +594,8 @@ TEST(EndToEnd, SitesOfDifferentLayoutsTrainOneModel) {
   auto weights = [&](const std::string& name) { return tensor_bytes(dir + "/" + name + "/model.safetensors"); };
   // The key biases amplify rounding (split_key_biases, as with the stages of one site): apart.
   for (const auto& [plain, mixed] : {std::pair{"equal", "mixed"}, std::pair{"equal-stream", "mixed-stream"},
-                                     std::pair{"equal-data2", "mixed-2x2-zero1"}}) {
+                                     std::pair{"equal-data2", "mixed-2x2-zero1"}, std::pair{"equal", "tensor"},
+                                     std::pair{"equal-stream", "tensor-stream"}, std::pair{"equal-data2", "tensor-2x2"}}) {
     const auto [a, a_bias] = split_key_biases(weights(plain));
     const auto [b, b_bias] = split_key_biases(weights(mixed));
     ASSERT_FALSE(a.empty());
@@ -603,6 +610,7 @@ TEST(EndToEnd, SitesOfDifferentLayoutsTrainOneModel) {
   }
   // Each worker's own piece over its own links: the same arithmetic as the gateway's, bit for bit.
   EXPECT_EQ(weights("mixed-every"), weights("mixed"));
+  EXPECT_EQ(weights("tensor-every"), weights("tensor"));
   // Gateway mode: alpha's gateway assembles each fragment from the stages, so the WAN carries
   // what it carries between unstaged sites (framing and liveness aside).
   const double equal_bytes = summaries["equal"]["wan_bytes"].get<double>();
@@ -613,6 +621,12 @@ TEST(EndToEnd, SitesOfDifferentLayoutsTrainOneModel) {
   const auto by_worker = summaries["mixed-every"]["wan_bytes_sent_by_worker"].get<std::vector<double>>();
   ASSERT_EQ(by_worker.size(), 3u);
   for (double b : by_worker) EXPECT_GT(b, 0);
+  // Alpha's tensor slices too: each carries its own values (slice 0 also the whole parameters),
+  // and the WAN the bytes of unsliced sites.
+  const auto by_slice = summaries["tensor-every"]["wan_bytes_sent_by_worker"].get<std::vector<double>>();
+  ASSERT_EQ(by_slice.size(), 3u);
+  for (double b : by_slice) EXPECT_GT(b, 0);
+  EXPECT_NEAR(summaries["tensor"]["wan_bytes"].get<double>() / equal_bytes, 1.0, 0.02);
   // Stopped mid-round and resumed (each worker's checkpoint holds its stage and its piece of the
   // outer state): the uninterrupted run's weights, bit for bit. Onto another layout: refused.
   const std::string stop = base + "--set sites.0.workers=2 --set job.run_dir=\\\"" + dir + "/mixed-stopped\\\"";
@@ -624,6 +638,14 @@ TEST(EndToEnd, SitesOfDifferentLayoutsTrainOneModel) {
   Result resumed = run(stop + " --resume");
   ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
   EXPECT_EQ(weights("mixed-stopped"), weights("mixed"));
+  // The same with alpha's slices (each worker's checkpoint holds its slice and its piece).
+  const std::string stop_sliced =
+      base + tensor + "--set sites.0.workers=2 --set job.run_dir=\\\"" + dir + "/tensor-stopped\\\"";
+  Result sliced_stop = run(stop_sliced, 600, "NEBULA_TEST_STOP_AT_STEP=7");
+  ASSERT_EQ(sliced_stop.exit_code, 128 + 15) << sliced_stop.output;
+  Result sliced_resume = run(stop_sliced + " --resume");
+  ASSERT_EQ(sliced_resume.exit_code, 0) << sliced_resume.output;
+  EXPECT_EQ(weights("tensor-stopped"), weights("tensor"));
   // Refused by key: sync between a staged site and another.
   Result r = run("run examples/mixed_layouts.toml --set strategy.kind=sync", 60);
   EXPECT_EQ(r.exit_code, 2) << r.output;

@@ -145,6 +145,9 @@ struct SiteConfig {
   // pipeline (0: the job's). Sites of different layouts train one model together (diloco and
   // streaming exchange by position in the flat parameter vector, not by rank).
   int64_t pipeline = 0;
+  // [[sites]] parallel = { tensor = T }: this site's tensor slices per replica, overriding
+  // [parallel] tensor (0: the job's).
+  int64_t tensor = 0;
 };
 
 // [distill]: cross-site knowledge distillation for seq2seq. The teacher serves on
@@ -349,6 +352,8 @@ struct Config {
   size_t site_index(const std::string& name) const;
   // A site's pipeline stages: its own ([[sites]] parallel), else the job's ([parallel]).
   int64_t pipeline_of(const SiteConfig& site) const { return site.pipeline > 0 ? site.pipeline : parallel.pipeline; }
+  // A site's tensor slices per replica: its own ([[sites]] parallel), else the job's.
+  int64_t tensor_of(const SiteConfig& site) const { return site.tensor > 0 ? site.tensor : parallel.tensor; }
 };
 
 // Parses and validates `path`, after applying `overrides` ("section.key=value", the value in

@@ -49,9 +49,9 @@ Session::Session(const Config& config, const Placement& p) : impl_(std::make_uni
                               p.rank, " does not exist (ranks are 0 to ", site.workers - 1, ")"));
   // [parallel] pipeline and tensor cut nebula's built-in models (`nebula run`); a session trains
   // the caller's own model, which nebula does not cut: refused, not ignored.
-  if (config.pipeline_of(site) > 1 || config.parallel.tensor > 1)
+  if (config.pipeline_of(site) > 1 || config.tensor_of(site) > 1)
     throw ConfigError(str_cat(config.source_path, ": parallel.pipeline = ", config.pipeline_of(site),
-                              " and parallel.tensor = ", config.parallel.tensor, " (site '", site.name,
+                              " and parallel.tensor = ", config.tensor_of(site), " (site '", site.name,
                               "') cut nebula's built-in models, which `nebula run` trains; a library session (the "
                               "\"nebula\" process group, nebula.DiLoCo) trains your own model and does not cut it: "
                               "set both to 1"));

@@ -94,7 +94,7 @@ void slice_parameter(const at::Tensor& param, int64_t dim, const TensorGroup& gr
   const SliceRange mine = slice_of(whole, group.size(), group.rank());
   NEBULA_CHECK(mine.size() > 0, "a parameter of shape ", param.sizes(), " cut along dimension ", dim, " into ",
                group.size(), " slices leaves worker ", group.rank(), " of the tensor group none of it");
-  {
+  if (group.size() > 1) {  // one worker keeps it whole: nothing to cut
     at::NoGradGuard no_grad;
     at::Tensor p = param;  // the same tensor: set_data keeps it (and what holds it) the parameter
     p.set_data(param.detach().narrow(dim, mine.begin, mine.size()).contiguous().clone());

@@ -68,7 +68,7 @@ struct TensorSlice {
   SliceRange mine;
 };
 // Cuts `param` in place (set_data to a copy of its slice) along `dim` into group.size() parts,
-// keeping group.rank()'s, and records it.
+// keeping group.rank()'s, and records it (a group of one: records it, the parameter untouched).
 void slice_parameter(const at::Tensor& param, int64_t dim, const TensorGroup& group, std::vector<TensorSlice>& out);
 
 }  // namespace nebula::model

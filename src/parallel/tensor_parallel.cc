@@ -4,6 +4,8 @@
 #include <ATen/core/grad_mode.h>
 
 #include <algorithm>
+#include <stdexcept>
+#include <string>
 
 #include "nebula/error.h"
 
@@ -17,6 +19,17 @@ TensorSplit::TensorSplit(std::vector<model::TensorSlice> slices, std::function<v
       group_(group),
       whole_numel_(whole_numel),
       whole_shapes_(std::move(whole_shapes)) {}
+
+std::vector<int> slice_dims(const std::vector<model::TensorSlice>& slices, const std::vector<at::Tensor>& params) {
+  std::vector<int> out;
+  for (const at::Tensor& p : params) {
+    int dim = -1;
+    for (const model::TensorSlice& s : slices)
+      if (s.param.is_same(p)) dim = static_cast<int>(s.dim);
+    out.push_back(dim);
+  }
+  return out;
+}
 
 bool TensorSplit::sliced(const at::Tensor& param) const {
   return std::any_of(slices_.begin(), slices_.end(), [&](const model::TensorSlice& s) { return s.param.is_same(param); });
@@ -56,6 +69,121 @@ void TensorSplit::with_whole(const std::function<void()>& fn) {
     }
   } restore{*this, kept};
   fn();
+}
+
+SliceLayout::SliceLayout(std::vector<std::vector<int64_t>> shapes, std::vector<int> dims, int64_t slices, int64_t data)
+    : slices_(slices), data_(data) {
+  if (slices < 1 || data < 1)
+    throw std::invalid_argument("SliceLayout: " + std::to_string(slices) + " slices × " + std::to_string(data) +
+                                " replicas");
+  if (dims.size() != shapes.size())
+    throw std::invalid_argument("SliceLayout: " + std::to_string(dims.size()) + " dims for " +
+                                std::to_string(shapes.size()) + " parameters");
+  offsets_.push_back(0);
+  for (size_t i = 0; i < shapes.size(); ++i) {
+    Param p;
+    p.dim = dims[i];
+    int64_t n = 1;
+    for (int64_t d : shapes[i]) n *= d;
+    if (p.dim < -1 || p.dim > 1 || (p.dim == 1 && shapes[i].size() != 2) || (p.dim == 0 && shapes[i].empty()))
+      throw std::invalid_argument("SliceLayout: parameter #" + std::to_string(i) + " of " +
+                                  std::to_string(shapes[i].size()) + " dimensions cut along " + std::to_string(p.dim));
+    p.rows = shapes[i].empty() ? 1 : shapes[i][0];
+    p.cols = p.rows > 0 ? n / p.rows : 0;
+    params_.push_back(p);
+    offsets_.push_back(offsets_.back() + n);
+  }
+}
+
+namespace {
+// Columns (dim 1) or rows (else) of a parameter that slice t keeps.
+model::SliceRange kept(int64_t whole, int64_t slices, int64_t t) {
+  return model::slice_of(whole, static_cast<int>(slices), static_cast<int>(t));
+}
+}  // namespace
+
+int64_t SliceLayout::held(int64_t slice) const {
+  int64_t n = 0;
+  for (const Param& p : params_)
+    n += p.dim == -1 ? p.rows * p.cols
+         : p.dim == 0 ? kept(p.rows, slices_, slice).size() * p.cols
+                      : p.rows * kept(p.cols, slices_, slice).size();
+  return n;
+}
+
+int64_t SliceLayout::owned(int64_t slice) const {
+  int64_t n = held(slice);
+  if (slice != 0)
+    for (const Param& p : params_)
+      if (p.dim == -1) n -= p.rows * p.cols;
+  return n;
+}
+
+template <typename Keep>
+std::vector<ShardRun> SliceLayout::collect(int64_t slice, int64_t lo, int64_t hi, int64_t own_lo, int64_t own_hi,
+                                           Keep keep) const {
+  std::vector<ShardRun> out;
+  int64_t local = 0, own = 0;  // slice's local and owned positions at the start of parameter i
+  auto add = [&](int64_t flat, int64_t at_local, int64_t at_own, int64_t len, bool owned) {
+    // [flat, flat + len) clipped to [lo, hi) and, owned, to owned positions [own_lo, own_hi).
+    int64_t a = std::max(flat, lo), b = std::min(flat + len, hi);
+    if (owned) {
+      a = std::max(a, flat + (own_lo - at_own));
+      b = std::min(b, flat + (own_hi - at_own));
+    }
+    if (a >= b) return;
+    if (!out.empty() && out.back().flat + out.back().len == a && out.back().local + out.back().len == at_local + (a - flat))
+      out.back().len += b - a;
+    else
+      out.push_back({a, at_local + (a - flat), b - a});
+  };
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const Param& p = params_[i];
+    const int64_t flat = offsets_[i];
+    const bool owned = p.dim != -1 || slice == 0;
+    const bool take = keep(p, owned) && flat < hi && offsets_[i + 1] > lo;
+    if (p.dim == -1) {
+      if (take) add(flat, local, own, p.rows * p.cols, owned);
+      local += p.rows * p.cols;
+    } else if (p.dim == 0) {
+      const model::SliceRange r = kept(p.rows, slices_, slice);
+      if (take) add(flat + r.begin * p.cols, local, own, r.size() * p.cols, owned);
+      local += r.size() * p.cols;
+    } else {
+      const model::SliceRange c = kept(p.cols, slices_, slice);
+      const int64_t w = c.size();
+      if (take && w > 0) {  // one run per row; only the rows that meet [lo, hi)
+        const int64_t first = std::max<int64_t>(0, (lo - flat) / p.cols);
+        const int64_t last = std::min<int64_t>(p.rows, (hi - flat + p.cols - 1) / p.cols);
+        for (int64_t row = first; row < last; ++row)
+          add(flat + row * p.cols + c.begin, local + row * w, own + row * w, w, owned);
+      }
+      local += p.rows * w;
+    }
+    if (owned) {
+      own += p.dim == -1 ? p.rows * p.cols
+             : p.dim == 0 ? kept(p.rows, slices_, slice).size() * p.cols
+                          : p.rows * kept(p.cols, slices_, slice).size();
+    }
+  }
+  return out;
+}
+
+std::vector<ShardRun> SliceLayout::owned_runs(int64_t slice, int64_t offset, int64_t numel) const {
+  return collect(slice, offset, offset + numel, 0, INT64_MAX / 2, [](const Param&, bool owned) { return owned; });
+}
+
+std::vector<ShardRun> SliceLayout::whole_runs(int64_t slice, int64_t offset, int64_t numel) const {
+  return collect(slice, offset, offset + numel, 0, INT64_MAX / 2, [](const Param& p, bool) { return p.dim == -1; });
+}
+
+std::vector<ShardRun> SliceLayout::runs(int64_t rank, int64_t offset, int64_t numel) const {
+  if (rank < 0 || rank >= workers()) return {};
+  const int64_t t = slice_of_rank(rank), q = replica_of(rank);
+  const int64_t n = owned(t), piece = shard_numel(n, data_);
+  const int64_t own_lo = std::min(q * piece, n), own_hi = std::min((q + 1) * piece, n);
+  if (own_lo >= own_hi) return {};
+  return collect(t, offset, offset + numel, own_lo, own_hi, [](const Param&, bool owned) { return owned; });
 }
 
 }  // namespace nebula::parallel

@@ -43,6 +43,70 @@ TEST(TensorParallel, SlicesCoverTheWholeInOrder) {
     }
 }
 
+// A site of slices holds the whole flat vector as SliceLayout says: each worker's runs read, at
+// their local positions, the values its slice's parameters hold (cut as slice_parameter cuts
+// them); the owned runs of all slices cover the vector once; each slice's replicas split what it
+// owns; the whole parameters are every slice's, at its own local positions.
+TEST(TensorParallel, SliceLayoutHoldsEveryValueOnceWhereTheSlicesKeepIt) {
+  const std::vector<std::vector<int64_t>> shapes{{41, 12}, {12}, {24, 12}, {24}, {12, 24}, {12}, {3, 5}};
+  const std::vector<int> dims{0, -1, 0, 0, 1, -1, 1};
+  int64_t total = 0;
+  for (const auto& s : shapes) total += s[0] * (s.size() > 1 ? s[1] : 1);
+  const at::Tensor whole = at::arange(total, at::kFloat);
+  for (int64_t slices : {1, 2, 3})
+    for (int64_t data : {1, 2}) {
+      const SliceLayout layout(shapes, dims, slices, data);
+      ASSERT_EQ(layout.total(), total);
+      std::vector<at::Tensor> local(static_cast<size_t>(slices));  // each slice's own flat vector
+      for (int64_t t = 0; t < slices; ++t) {
+        std::vector<at::Tensor> parts;
+        int64_t at = 0;
+        for (size_t i = 0; i < shapes.size(); ++i) {
+          const int64_t n = shapes[i][0] * (shapes[i].size() > 1 ? shapes[i][1] : 1);
+          at::Tensor p = whole.narrow(0, at, n).view(shapes[i]);
+          if (dims[i] >= 0) {
+            const model::SliceRange r = model::slice_of(p.size(dims[i]), static_cast<int>(slices), static_cast<int>(t));
+            p = p.narrow(dims[i], r.begin, r.size());
+          }
+          parts.push_back(p.contiguous().view({-1}));
+          at += n;
+        }
+        local[static_cast<size_t>(t)] = at::cat(parts);
+        EXPECT_EQ(layout.held(t), local[static_cast<size_t>(t)].numel());
+      }
+      for (const auto [offset, numel] : {std::pair<int64_t, int64_t>{0, total}, {500, 333}, {777, 1}}) {
+        std::vector<int> owners(static_cast<size_t>(numel), 0);
+        for (int64_t rank = 0; rank < layout.workers(); ++rank) {
+          const int64_t t = layout.slice_of_rank(rank);
+          int64_t last = -1;
+          for (const ShardRun& r : layout.runs(rank, offset, numel)) {
+            EXPECT_GE(r.flat, offset);
+            EXPECT_LE(r.flat + r.len, offset + numel);
+            EXPECT_GT(r.flat, last) << "runs in flat order";
+            last = r.flat;
+            EXPECT_TRUE(at::equal(whole.narrow(0, r.flat, r.len), local[static_cast<size_t>(t)].narrow(0, r.local, r.len)))
+                << slices << " slices, rank " << rank << ", run at " << r.flat;
+            for (int64_t k = 0; k < r.len; ++k) ++owners[static_cast<size_t>(r.flat - offset + k)];
+          }
+        }
+        for (int64_t k = 0; k < numel; ++k) ASSERT_EQ(owners[static_cast<size_t>(k)], 1) << "value " << offset + k;
+        for (int64_t t = 0; t < slices; ++t) {  // the whole parameters: the same values at each slice's positions
+          int64_t n = 0;
+          for (const ShardRun& r : layout.whole_runs(t, offset, numel)) {
+            EXPECT_TRUE(at::equal(whole.narrow(0, r.flat, r.len), local[static_cast<size_t>(t)].narrow(0, r.local, r.len)));
+            n += r.len;
+          }
+          int64_t expected = 0;
+          for (const ShardRun& r : layout.whole_runs(0, offset, numel)) expected += r.len;
+          EXPECT_EQ(n, expected);
+        }
+      }
+    }
+  EXPECT_THROW(SliceLayout({{4}}, {1}, 2, 1), std::invalid_argument);  // columns of a 1-D parameter
+  EXPECT_THROW(SliceLayout({{4}}, {0, 0}, 2, 1), std::invalid_argument);
+  EXPECT_THROW(SliceLayout({{4}}, {0}, 0, 1), std::invalid_argument);
+}
+
 // The encoder of the equivalence tests: 2 layers, no dropout, one seed; `heads` heads and an
 // MLP of `ffn`, over a vocabulary of 41 (not a multiple of 2 or 3: uneven vocabulary slices).
 model::MlmEncoder make_encoder(int64_t heads, int64_t ffn) {

@@ -6,6 +6,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <functional>
+#include <numeric>
 #include <variant>
 
 #include "nebula/error.h"
@@ -137,7 +139,7 @@ parallel::ShardLayout DilocoStrategy::site_layout(int64_t workers) const {
 }
 
 SiteLayout DilocoStrategy::layout_of(size_t site) const {
-  if (!layouts_.empty() && std::holds_alternative<parallel::StageLayout>(layouts_.at(site))) return layouts_[site];
+  if (!layouts_.empty() && !std::holds_alternative<parallel::ShardLayout>(layouts_.at(site))) return layouts_[site];
   return site_layout(site == options_.site_index ? comm_.site().size() : comm_.workers_per_site().at(site));
 }
 
@@ -185,6 +187,27 @@ void DilocoStrategy::scatter_from_gateway(const Fragment& fr, const at::Tensor& 
 }
 
 void DilocoStrategy::spread_part(const Fragment& fr) {
+  if (const parallel::SliceLayout* sl = slices()) {
+    const int64_t t = sl->slice_of_rank(comm_.site().rank());
+    auto refresh = [&](const std::vector<parallel::ShardRun>& runs, const std::function<void(at::Tensor&)>& collective) {
+      std::vector<at::Tensor> views;
+      for (const parallel::ShardRun& r : runs)
+        for (at::Tensor& v : stage_views(r.local, r.len)) views.push_back(std::move(v));
+      at::Tensor values = flatten(views);
+      collective(values);
+      unflatten_into(values, views);
+    };
+    // The slice's replicas all-gather their pieces of what it owns of fr ...
+    std::vector<int64_t> counts;
+    for (int64_t q = 0; q < sl->data(); ++q)
+      counts.push_back(counts_of({sl->runs(q * sl->slices() + t, fr.offset, fr.numel)})[0]);
+    if (sl->data() > 1 && std::accumulate(counts.begin(), counts.end(), int64_t{0}) > 0)
+      refresh(sl->owned_runs(t, fr.offset, fr.numel), [&](at::Tensor& v) { stage_group_->all_gather_parts(v, counts); });
+    // ... then slice 0 gives the others the whole parameters (the same positions on every slice).
+    const auto whole = sl->whole_runs(t, fr.offset, fr.numel);
+    if (sl->slices() > 1 && !whole.empty()) refresh(whole, [&](at::Tensor& v) { tensor_group_->broadcast_from_root(v); });
+    return;
+  }
   if (staged()) {  // the stage's replicas all-gather their pieces of the stage's values of fr
     const auto [lo, hi] = stage_span(fr);
     const int64_t d = stage_group_->size(), first = comm_.site().rank() / d * d;
@@ -259,9 +282,10 @@ void DilocoStrategy::init(const std::vector<at::Tensor>& params) {
     params_ = params;
     const SiteLayout& mine = layouts_.at(options_.site_index);
     const int64_t whole = std::visit([](const auto& l) { return l.total(); }, mine);
-    const int64_t want = staged() ? std::get<parallel::StageLayout>(mine).stage_numel(
-                                        std::get<parallel::StageLayout>(mine).stage_of(comm_.site().rank()))
-                                  : whole;
+    const int64_t rank = comm_.site().rank();
+    int64_t want = whole;
+    if (const auto* stages = std::get_if<parallel::StageLayout>(&mine)) want = stages->stage_numel(stages->stage_of(rank));
+    if (const auto* sl = std::get_if<parallel::SliceLayout>(&mine)) want = sl->held(sl->slice_of_rank(rank));
     NEBULA_CHECK(held_numel() == want, "init: ", held_numel(), " parameter values on this worker, its site's layout "
                  "gives it ", want, " (of the model's ", whole, ")");
     init_fragments(layout_shapes_, [&](const Fragment& fr, const parallel::ShardRun& r) {
@@ -330,6 +354,16 @@ void DilocoStrategy::set_layouts(Layouts layouts) {
     NEBULA_CHECK(buffers_.empty(), "a pipeline stage's model buffers in a job of several sites are not kept equal yet "
                  "(each stage holds its own): use a model without buffers or pipeline = 1");
     stage_group_ = layouts.stage;
+  }
+  if (const auto* sl = std::get_if<parallel::SliceLayout>(&mine)) {
+    NEBULA_CHECK(layouts.stage && layouts.stage->size() == sl->data(), "set_layouts: a sliced site's worker needs "
+                 "the group of its slice's ", sl->data(), " replicas");
+    NEBULA_CHECK(layouts.tensor && layouts.tensor->size() == sl->slices(), "set_layouts: a sliced site's worker "
+                 "needs the group of its replica's ", sl->slices(), " slices");
+    NEBULA_CHECK(buffers_.empty(), "a tensor slice's model buffers in a job of several sites are not kept equal yet: "
+                 "use a model without buffers or tensor = 1");
+    stage_group_ = layouts.stage;
+    tensor_group_ = layouts.tensor;
   }
   layouts_ = std::move(layouts.sites);
   layout_shapes_ = std::move(layouts.shapes);

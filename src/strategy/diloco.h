@@ -196,9 +196,14 @@ class DilocoStrategy : public Strategy {
   SiteLayout layout_of(size_t site) const;
   // Every rank of this site's part of fr (runs in flat order), by the site's layout.
   std::vector<std::vector<parallel::ShardRun>> site_parts(const Fragment& fr) const;
-  // Whether this worker holds a pipeline stage's parameters only (set_layouts), and whether its
-  // outer state is its part of each fragment (a stage's piece, or ZeRO's shard) rather than all.
+  // Whether this worker holds a pipeline stage's or a tensor slice's parameters only
+  // (set_layouts), and whether its outer state is its part of each fragment (a stage's or a
+  // slice's piece, or ZeRO's shard) rather than all.
   bool staged() const { return stage_group_ != nullptr; }
+  // This site's tensor slices (set_layouts), or null.
+  const parallel::SliceLayout* slices() const {
+    return layouts_.empty() ? nullptr : std::get_if<parallel::SliceLayout>(&layouts_.at(options_.site_index));
+  }
   bool parted() const { return parted_; }
   // The values params_ hold: the whole model's, or this worker's stage's (ZeRO-3's hold none).
   int64_t held_numel() const {
@@ -267,6 +272,7 @@ class DilocoStrategy : public Strategy {
   std::vector<SiteLayout> layouts_;   // set_layouts: every site's; empty: every site by site_layout
   std::vector<std::vector<int64_t>> layout_shapes_;  // set_layouts: the whole model's trainable shapes
   collective::SiteGroup* stage_group_ = nullptr;     // set_layouts on a staged site: its stage's replicas
+  collective::SiteGroup* tensor_group_ = nullptr;    // set_layouts on a sliced site: its replica's slices
   int64_t shard_numel_ = 0;  // S; 0 = the outer state is whole
   bool expect_sharding_ = false;  // init() cuts the parts already (set_sharding follows)
   bool parted_ = false;           // each fragment's outer state is this worker's part (staged, or ZeRO)

@@ -54,12 +54,13 @@ void DilocoStrategy::save_state(StrategyState& out) const {
   auto& n = out.numbers;
   n["fragments"] = static_cast<double>(fragments_.size());
   n["parts"] = parted() ? static_cast<double>(comm_.site().size()) : 1.0;  // each worker's part, or whole
-  if (staged()) {  // the stages the parts are cut by (a resume onto another layout is refused)
-    const auto& stages = std::get<parallel::StageLayout>(layouts_.at(options_.site_index));
+  if (const auto* stages = staged() ? std::get_if<parallel::StageLayout>(&layouts_.at(options_.site_index)) : nullptr) {
+    // the stages the parts are cut by (a resume onto another layout is refused)
     std::string bounds;
-    for (int64_t b : stages.bounds()) bounds += (bounds.empty() ? "" : ",") + std::to_string(b);
-    out.strings["stages"] = str_cat(bounds, "x", stages.data());
+    for (int64_t b : stages->bounds()) bounds += (bounds.empty() ? "" : ",") + std::to_string(b);
+    out.strings["stages"] = str_cat(bounds, "x", stages->data());
   }
+  if (const parallel::SliceLayout* sl = slices()) out.strings["slices"] = str_cat(sl->slices(), "x", sl->data());
   if (shard_numel_ > 0 && !unit_bounds_.empty()) {  // the units the parts are cut by (load_resharded)
     std::string units;
     for (int64_t b : unit_bounds_) units += (units.empty() ? "" : ",") + std::to_string(b);
@@ -127,9 +128,10 @@ void DilocoStrategy::load_resharded(const std::vector<StrategyState>& ranks) {
   const auto parts = static_cast<size_t>(parts_it == ranks[0].numbers.end() ? 1.0 : parts_it->second);
   if (static_cast<size_t>(state_number(ranks[0], "fragments")) != fragments_.size())
     return load_state(ranks[0]);  // refused, naming the setting that changed
-  if (staged() || ranks[0].strings.count("stages"))
-    throw DataError("a resume that changes the layout of a site of pipeline stages ([parallel] pipeline, shard or "
-                    "the site's workers) is not built yet: resume with the layout the checkpoint was saved with");
+  if (staged() || ranks[0].strings.count("stages") || ranks[0].strings.count("slices"))
+    throw DataError("a resume that changes the layout of a site of pipeline stages or tensor slices ([parallel] "
+                    "pipeline, tensor, shard or the site's workers) is not built yet: resume with the layout the "
+                    "checkpoint was saved with");
   if (parts > 1 && parts != ranks.size())
     throw DataError(str_cat("the checkpoint's strategy state is cut into ", parts, " parts, but ", ranks.size(),
                             " workers' checkpoints were found"));

@@ -12,6 +12,7 @@
 
 #include "collective/hierarchical.h"
 #include "parallel/shard_layout.h"
+#include "parallel/tensor_parallel.h"
 
 namespace nebula::strategy {
 
@@ -20,8 +21,9 @@ struct FragmentRange {
   int64_t offset = 0, numel = 0;
 };
 
-// How one site holds the flat vector: ZeRO's cut of its workers, or its pipeline stages'.
-using SiteLayout = std::variant<parallel::ShardLayout, parallel::StageLayout>;
+// How one site holds the flat vector: ZeRO's cut of its workers, its pipeline stages', or its
+// tensor slices'.
+using SiteLayout = std::variant<parallel::ShardLayout, parallel::StageLayout, parallel::SliceLayout>;
 int64_t workers_of(const SiteLayout& layout);
 
 // Every rank's runs of the fragment under `layout` (flat and shard-local indices absolute), in

@@ -103,10 +103,11 @@ class Strategy {
   struct Layouts {
     std::vector<SiteLayout> sites;
     std::vector<std::vector<int64_t>> shapes;
-    collective::SiteGroup* stage = nullptr;
+    collective::SiteGroup* stage = nullptr;   // a staged (sliced) site's worker: its stage's (slice's) replicas
+    collective::SiteGroup* tensor = nullptr;  // a sliced site's worker: its replica's slices
   };
   virtual void set_layouts(Layouts /*layouts*/) {
-    throw ConfigError(str_cat("strategy.kind = \"", name(), "\" does not run sites of pipeline stages in a job of "
+    throw ConfigError(str_cat("strategy.kind = \"", name(), "\" does not run sites of pipeline stages or tensor slices in a job of "
                               "several sites (its whole gradients cross the WAN every step): use diloco or streaming"));
   }
   virtual void set_sharding(const Sharding& shards) {

@@ -114,6 +114,7 @@ class MlmTask : public Task {
   parallel::TensorSplit* split_for_tensor(parallel::SiteTensorGroup& group) override {
     return split_built_in(model_, group, c_.model);
   }
+  std::vector<int> tensor_dims() override { return tensor_dims_built_in(model_); }
   std::pair<int64_t, int64_t> model_numel() override {
     if (!stage_) return Task::model_numel();
     return {stage_->stage.staged().whole_numel(false), stage_->stage.staged().whole_numel(true)};

@@ -79,7 +79,7 @@ void Task::log_tensor_slice(const ModelConfig& m, const model::TensorGroup& grou
 }
 
 parallel::SiteGrid site_grid(const Config& c, const SiteConfig& site) {
-  const auto pipeline = static_cast<int>(c.pipeline_of(site)), tensor = static_cast<int>(c.parallel.tensor);
+  const auto pipeline = static_cast<int>(c.pipeline_of(site)), tensor = static_cast<int>(c.tensor_of(site));
   return {static_cast<int>(site.workers) / (pipeline * tensor), pipeline, tensor};
 }
 

@@ -103,6 +103,10 @@ class Task {
   // model_numel() and trainable_shapes() stay the whole model's. Once, before the strategy is
   // made. Null: this task's model cannot be split (the config check refuses it first).
   virtual parallel::TensorSplit* split_for_tensor(parallel::SiteTensorGroup& group) { return nullptr; }
+  // Each trainable parameter's dimension a tensor split cuts (0 rows, 1 columns, -1 whole), in
+  // trainable_shapes()' order, whether or not this worker's model is split: every site can tell
+  // a site of slices' SliceLayout. Empty: this task's model cannot be split.
+  virtual std::vector<int> tensor_dims() { return {}; }
   // The flat vector the sites exchange, whatever this worker holds: the shapes of the whole
   // model's trainable parameters in order (with stages: every stage's; with slices: whole).
   virtual std::vector<std::vector<int64_t>> trainable_shapes() {
@@ -163,6 +167,16 @@ class Task {
         whole, std::move(shapes));
     log_tensor_slice(config, group, trainable(), whole.second);
     return tensor_split_.get();
+  }
+  // tensor_dims for a built-in model: the split's, or, not split, those of a split over one
+  // worker (which cuts nothing) undone at once.
+  template <typename Holder>
+  std::vector<int> tensor_dims_built_in(Holder model) {
+    if (tensor_split_) return tensor_split_->dims(trainable());
+    parallel::OneWorkerTensorGroup one;
+    const std::vector<model::TensorSlice> slices = model->split_for_tensor(one);
+    model->set_tensor_group(nullptr);
+    return parallel::slice_dims(slices, trainable());
   }
   std::unique_ptr<parallel::TensorSplit> tensor_split_;  // split_built_in's
 

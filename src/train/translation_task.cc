@@ -98,6 +98,7 @@ class TranslationTask : public Task {
     NEBULA_CHECK(!client_, "tensor slices of a distilled student are not built");
     return split_built_in(model_, group, c_.model);
   }
+  std::vector<int> tensor_dims() override { return tensor_dims_built_in(model_); }
 
   Step forward(int64_t) override {
     if (!client_) {

@@ -298,7 +298,8 @@ Trainer::Trainer(const TaskContext& ctx, bool rejoin, Clock::time_point start)
   strategy_ = strategy::make_strategy(c_.strategy, data_comm_ ? *data_comm_ : *comm_.comm, timeout,
                                       comm_.training_names.size(), comm_.training_index, c_.privacy);
   strategy_->set_buffers(task_->module().buffers());  // BatchNorm statistics ...: kept equal too
-  if (by_layouts()) strategy_->set_layouts({site_layouts(), task_->trainable_shapes(), data_group_.get()});
+  if (by_layouts())
+    strategy_->set_layouts({site_layouts(), task_->trainable_shapes(), data_group_.get(), tensor_group_.get()});
   // InnerOptimizer::sharded(): over the site's workers, or a pipeline stage's (a slice's) replicas.
   if (c_.parallel.shard != "none" && (data_group_ ? data_group_->size() : workers_) > 1) strategy_->expect_sharding();
   // ZeRO-3's units, on every site (one of one worker too: the others cut their exchanges by them).
@@ -389,17 +390,27 @@ void Trainer::connect_replicas(const std::string& name, const std::vector<int>& 
 
 bool Trainer::by_layouts() const {
   if (c_.strategy.kind == "sync" || comm_.training_names.size() < 2) return false;
-  for (const std::string& name : comm_.training_names)
-    if (site_grid(c_, c_.sites.at(c_.site_index(name))).pipeline > 1) return true;
+  for (const std::string& name : comm_.training_names) {
+    const parallel::SiteGrid grid = site_grid(c_, c_.sites.at(c_.site_index(name)));
+    if (grid.pipeline > 1 || grid.tensor > 1) return true;
+  }
   return false;
 }
 
 std::vector<strategy::SiteLayout> Trainer::site_layouts() {
   const int64_t total = trainable_values_;  // the whole model's, every stage's
   std::vector<strategy::SiteLayout> layouts;
+  std::vector<int> dims;  // the tensor split's, once a site has slices
   for (const std::string& name : comm_.training_names) {
     const SiteConfig& site = c_.sites.at(c_.site_index(name));
     const parallel::SiteGrid grid = site_grid(c_, site);
+    if (grid.tensor > 1) {
+      if (dims.empty()) dims = task_->tensor_dims();
+      NEBULA_CHECK(!dims.empty(), "site '", site.name, "': model.kind = \"", c_.model.kind,
+                   "\" cannot be cut into tensor slices here");
+      layouts.emplace_back(parallel::SliceLayout(task_->trainable_shapes(), dims, grid.tensor, grid.data));
+      continue;
+    }
     if (grid.pipeline == 1) {
       layouts.emplace_back(parallel::ShardLayout::contiguous(total, site.workers));
       continue;

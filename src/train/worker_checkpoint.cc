@@ -224,7 +224,8 @@ std::optional<WorkerProgress> WorkerCheckpoints::restore_newest() {
   };
   same_cut("pipeline", "pipeline stage(s)", site_grid(c_, site).pipeline,
            str_cat(site.pipeline > 0 ? str_cat("sites[", who_.site, "].") : std::string(), "parallel.pipeline"));
-  same_cut("tensor", "tensor slice(s) per replica", site_grid(c_, site).tensor, "parallel.tensor");
+  same_cut("tensor", "tensor slice(s) per replica", site_grid(c_, site).tensor,
+           str_cat(site.tensor > 0 ? str_cat("sites[", who_.site, "].") : std::string(), "parallel.tensor"));
   // Resharding leaves the sharded state in the old files, to read by range; so does ZeRO-3 the
   // trainable parameters of a checkpoint that holds them whole (load_parameter_pieces).
   std::set<std::string> pieces_of;

@@ -156,35 +156,57 @@ void check_pipeline(const Config& c, const toml::table& root, const std::string&
     fail("pipeline stages do not run with [distill] yet: use pipeline = 1");
 }
 
-// [parallel] tensor: what the layers are split by and what runs with it so far.
+// [parallel] tensor and [[sites]] parallel.tensor: what the layers are split by and what runs
+// with it so far. An error names the key that asked for slices: the site's own, else the job's.
 void check_tensor(const Config& c, const toml::table& root, const std::string& file) {
-  const int64_t t = c.parallel.tensor;
-  if (t == 1) return;
-  const std::string at = place(root, "parallel", "tensor", file);
-  auto fail = [&](const std::string& why) { throw ConfigError(str_cat(at, ": key 'parallel.tensor': ", why)); };
+  size_t sliced = c.sites.size();  // the first site with slices
+  for (size_t i = 0; i < c.sites.size() && sliced == c.sites.size(); ++i)
+    if (c.tensor_of(c.sites[i]) > 1) sliced = i;
+  if (sliced == c.sites.size()) return;
+  auto site_key = [&](size_t i) -> std::pair<std::string, std::string> {  // {place, key}
+    if (c.sites[i].tensor == 0) return {place(root, "parallel", "tensor", file), "parallel.tensor"};
+    const toml::node* n = root["sites"][i]["parallel"]["tensor"].node();
+    return {n ? where(*n, file) : file, str_cat("sites[", i, "].parallel.tensor")};
+  };
+  const auto [at, key] = site_key(sliced);
+  auto fail = [&, at = at, key = key](const std::string& why) { throw ConfigError(str_cat(at, ": key '", key, "': ", why)); };
   if (c.model.kind != "mlm_encoder" && c.model.kind != "seq2seq")
     fail(str_cat("tensor parallelism splits model.kind = \"mlm_encoder\" and \"seq2seq\" so far, not \"",
                  c.model.kind, "\": use tensor = 1"));
-  if (c.model.heads % t != 0 || c.model.ffn % t != 0)
-    fail(str_cat("tensor = ", t, " must divide model.heads = ", c.model.heads, " and model.ffn = ", c.model.ffn,
-                 " (each worker computes heads / tensor heads and ffn / tensor MLP units)"));
   for (size_t i = 0; i < c.sites.size(); ++i) {
+    const int64_t t = c.tensor_of(c.sites[i]);
+    const auto [where_i, key_i] = site_key(i);
+    if (c.model.heads % t != 0 || c.model.ffn % t != 0)
+      throw ConfigError(str_cat(where_i, ": key '", key_i, "': tensor = ", t, " must divide model.heads = ",
+                                c.model.heads, " and model.ffn = ", c.model.ffn,
+                                " (each worker computes heads / tensor heads and ffn / tensor MLP units)"));
     const int64_t per_replica = c.pipeline_of(c.sites[i]) * t;
     if (c.sites[i].workers % per_replica != 0)
-      fail(str_cat("site '", c.sites[i].name, "' has ", c.sites[i].workers, " workers, not a multiple of pipeline × tensor = ",
-                   per_replica, " (data × pipeline × tensor = the site's workers)"));
+      throw ConfigError(str_cat(where_i, ": key '", key_i, "': site '", c.sites[i].name, "' has ", c.sites[i].workers,
+                                " workers, not a multiple of pipeline × tensor = ", per_replica,
+                                " (data × pipeline × tensor = the site's workers)"));
   }
   for (size_t i = 0; i < c.sites.size(); ++i)
     if (c.pipeline_of(c.sites[i]) > 1)
-      fail("pipeline stages of tensor slices are not built yet: use pipeline = 1 or tensor = 1");
-  if (c.sites.size() > 1)
-    fail(str_cat("tensor slices in a job of several sites are not built yet (the WAN exchange by parameter range of "
-                 "slices): this job has ", c.sites.size(), " sites"));
+      fail(str_cat("pipeline stages and tensor slices in one job are not built yet (site '", c.sites[i].name,
+                   "' has pipeline = ", c.pipeline_of(c.sites[i]), "): use pipeline = 1 or tensor = 1"));
   if (c.parallel.shard == "full")
     fail("ZeRO-3 (shard = \"full\") of tensor slices is not built yet: use shard = \"none\", \"optimizer\" or "
          "\"gradients\" (each slice's replicas shard its state)");
   if (c.peft.kind != "none") fail(str_cat("tensor parallelism of PEFT modules is not built: use peft.kind = \"none\""));
   if (c.privacy.enabled()) fail("[privacy] with tensor slices is not built: remove [privacy] or set tensor = 1");
+  if (c.sites.size() > 1) {  // the sites exchange by position in the whole model's flat vector
+    if (c.strategy.kind == "sync")
+      fail(str_cat("tensor slices on sites that exchange over the WAN run strategy.kind = \"diloco\" or "
+                   "\"streaming\" (sync sends each slice's gradients every step; not built): this job has ",
+                   c.sites.size(), " sites"));
+    if (c.parallel.shard != "none")
+      fail(str_cat("tensor slices in a job of several sites run shard = \"none\" so far (the slices' replicas "
+                   "sharding their state beside the WAN exchange is not built): this job has shard = \"",
+                   c.parallel.shard, "\""));
+    if (c.job.elastic) fail("a site of tensor slices cannot rejoin a running job yet: set job.elastic = false");
+    if (c.distill.enabled()) fail("tensor slices do not run with [distill] in a job of several sites yet: use tensor = 1");
+  }
 }
 
 // [wan] mode = "every_worker": what it runs with, and each site's worker addresses.
@@ -260,6 +282,7 @@ SiteConfig read_site(Section& s, const toml::table& st, size_t i, const std::str
   if (const toml::table* pt = s.table("parallel")) {  // this site's own layout
     Section ps(*pt, s.key_name("parallel"), file);
     ps.integer("pipeline", site.pipeline, 1, 1024);
+    ps.integer("tensor", site.tensor, 1, 1024);
     ps.finish();
   }
   s.finish();  // unknown keys before the checks below
@@ -760,7 +783,12 @@ std::string to_toml(const Config& c) {
                                 {"slowdown", s.slowdown},
                                 {"max_pairs_per_language", s.max_pairs_per_language},
                                 {"shareable", s.shareable}});
-    if (s.pipeline > 0) sites.back().as_table()->insert("parallel", toml::table{{"pipeline", s.pipeline}});
+    if (s.pipeline > 0 || s.tensor > 0) {
+      toml::table own;
+      if (s.pipeline > 0) own.insert("pipeline", s.pipeline);
+      if (s.tensor > 0) own.insert("tensor", s.tensor);
+      sites.back().as_table()->insert("parallel", std::move(own));
+    }
   }
   root.insert("sites", std::move(sites));
   auto path = [&](toml::table t, const WanPathConfig& p) {

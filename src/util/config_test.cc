@@ -200,7 +200,20 @@ TEST(Config, SiteLayouts) {
   expect_error(mixed, {"sites[0].parallel.pipeline", "2 stages for a model of 1 layers"},
                {"strategy.kind=\"diloco\"", "model.layers=1"});
   expect_error(mixed, {"sites[0].parallel.pipeline", "job.elastic"}, {"strategy.kind=\"diloco\"", "job.elastic=true"});
-  expect_error(replace_once(mixed, "pipeline = 2 }", "tensor = 2 }"), {"sites[0].parallel", "tensor"});
+  // A site's own tensor slices: read, written back, and refused where not built, naming its key.
+  const std::string sliced = replace_once(mixed, "pipeline = 2 }", "tensor = 2 }");
+  const Config sl = parse_config(sliced, "job.toml", {"strategy.kind=\"diloco\""});
+  EXPECT_EQ(sl.sites[0].tensor, 2);
+  EXPECT_EQ(sl.tensor_of(sl.sites[1]), 1);
+  EXPECT_EQ(parse_config(to_toml(sl), "again").sites[0].tensor, 2);
+  expect_error(sliced, {"job.toml:18:", "sites[0].parallel.tensor", "diloco"});  // sync across sites
+  expect_error(sliced, {"job.toml:18:", "sites[0].parallel.tensor", "shard = \"none\""},
+               {"strategy.kind=\"diloco\"", "parallel.shard=\"optimizer\""});
+  expect_error(sliced, {"sites[0].parallel.tensor", "must divide model.heads"},
+               {"strategy.kind=\"diloco\"", "model.ffn=33"});
+  expect_error(replace_once(sliced, "tensor = 2 }", "tensor = 2, pipeline = 2 }"),
+               {"sites[0].parallel.tensor", "pipeline stages and tensor slices"},
+               {"strategy.kind=\"diloco\"", "sites.0.workers=4"});
   expect_error(replace_once(mixed, "pipeline = 2 }", "pipeline = 0 }"), {"sites[0].parallel.pipeline"});
   // A site of one stage beside a job of two: the job's key still asks the other site for stages.
   const Config one = parse_config(replace_once(mixed, "pipeline = 2 }", "pipeline = 1 }"), "job.toml",
