@@ -2,8 +2,8 @@
 # Sites of different layouts against the same job with equal layouts, side by side
 # (examples/mixed_layouts.toml: diloco every 10 steps between site alpha and site beta of BETA
 # workers, default 3; the same steps, seed and tokens in every row). alpha runs 2 data replicas,
-# plain (equal: both sites data parallel) or each as 2 pipeline stages (mixed: 4 workers, the
-# model cut in two), in gateway mode and with wan.mode = "every_worker". Per row: the bytes on the
+# plain (equal: both sites data parallel), each as 2 pipeline stages (mixed: 4 workers, the
+# model cut in two) or each as 2 tensor slices (sliced: 4 workers, every layer cut in two), in gateway mode and with wan.mode = "every_worker". Per row: the bytes on the
 # WAN (summary.json's wan_bytes) and their ratio to the equal row of the same mode, the outer
 # steps whose global weights agreed on every site (hash_checks), the validation loss and its
 # difference from the equal row's, and steady-state seconds per step (alpha's 4 workers share
@@ -22,10 +22,11 @@ beta="${BETA:-3}"
 small=()
 [ "${#tiny[@]}" -gt 0 ] && small=(--set model.layers=2 --set strategy.inner_steps=3)
 printf "%-12s %7s | %10s %8s | %6s | %9s %9s | %7s\n" layout workers "WAN bytes" "vs equal" hashes "val loss" "vs equal" "s/step"
-for row in equal mixed equal-every mixed-every; do
+for row in equal mixed sliced equal-every mixed-every sliced-every; do
   case "$row" in
     equal*) layout=(--set sites.0.workers=2 --set sites.0.parallel.pipeline=1) ;;
     mixed*) layout=(--set sites.0.workers=4) ;;
+    sliced*) layout=(--set sites.0.workers=4 --set sites.0.parallel.pipeline=1 --set sites.0.parallel.tensor=2) ;;
   esac
   mode=()
   [[ "$row" == *-every ]] && mode=(--set wan.mode='"every_worker"')
