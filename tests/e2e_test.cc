@@ -560,7 +560,7 @@ TEST(EndToEnd, PipelineStagesTrainAsTheWholeModel) {
 // job's total. Bad configs are refused naming the key.
 // Sites of different layouts ([[sites]] parallel, examples/mixed_layouts.toml): site alpha in 2
 // pipeline stages (× 2 data replicas, with ZeRO-1 over each stage's pair), or in 2 tensor slices
-// (× 2 data replicas), beside site beta of plain data parallelism train as the same job with
+// (× 2 data replicas, with ZeRO-2 over each slice's pair), beside site beta of plain data parallelism train as the same job with
 // alpha unstaged, to rounding (the stages sum each micro-batch's loss apart; the slices' sums
 // run in another order): diloco in both WAN modes and streaming, every outer step's
 // global weights agreeing on every site (hash_checks), the same bytes on the WAN in gateway mode.
@@ -583,7 +583,7 @@ TEST(EndToEnd, SitesOfDifferentLayoutsTrainOneModel) {
       {"tensor", tensor + "--set sites.0.workers=2"},
       {"tensor-every", tensor + every + "--set sites.0.workers=2"},
       {"tensor-stream", tensor + stream + every + "--set sites.0.workers=2"},
-      {"tensor-2x2", tensor + every + "--set sites.0.workers=4"}};
+      {"tensor-2x2-zero2", tensor + every + "--set sites.0.workers=4 --set parallel.shard=gradients"}};
   std::map<std::string, nlohmann::json> summaries;
   for (const auto& [name, sets] : runs) {
     Result r = run(base + sets + " --set job.run_dir=\\\"" + dir + "/" + name + "\\\"");
@@ -595,7 +595,7 @@ TEST(EndToEnd, SitesOfDifferentLayoutsTrainOneModel) {
   // The key biases amplify rounding (split_key_biases, as with the stages of one site): apart.
   for (const auto& [plain, mixed] : {std::pair{"equal", "mixed"}, std::pair{"equal-stream", "mixed-stream"},
                                      std::pair{"equal-data2", "mixed-2x2-zero1"}, std::pair{"equal", "tensor"},
-                                     std::pair{"equal-stream", "tensor-stream"}, std::pair{"equal-data2", "tensor-2x2"}}) {
+                                     std::pair{"equal-stream", "tensor-stream"}, std::pair{"equal-data2", "tensor-2x2-zero2"}}) {
     const auto [a, a_bias] = split_key_biases(weights(plain));
     const auto [b, b_bias] = split_key_biases(weights(mixed));
     ASSERT_FALSE(a.empty());

@@ -443,7 +443,7 @@ bool runnable(const Candidate& c, size_t sites) {
   if (c.wan_mode == "every_worker" && (c.strategy == "sync" || c.codec == "powersgd")) return false;
   if (c.pipeline > 1 && (c.shard == "full" || (sites > 1 && c.strategy == "sync"))) return false;
   if (c.tensor > 1 && (c.pipeline > 1 || c.shard == "full")) return false;
-  if (c.tensor > 1 && sites > 1 && (c.strategy == "sync" || c.shard != "none")) return false;
+  if (c.tensor > 1 && sites > 1 && c.strategy == "sync") return false;
   return c.shard == "none" || c.shard == "optimizer" || c.strategy != "sync";
 }
 
@@ -759,7 +759,7 @@ Plan make_plan(const Topology& t) {
     }
     if (smallest)
       plan.reason = str_cat("nothing nebula can run today (shard = \"none\", \"optimizer\", or \"gradients\" or \"full\" without sync; "
-                            "pipeline stages without \"full\"; tensor slices without \"full\", and across sites only unsharded) fits: the smallest, ",
+                            "pipeline stages without \"full\"; tensor slices without \"full\" or stages) fits: the smallest, ",
                             label(smallest->candidate),
                             ", ", smallest->misfit);
     else
@@ -956,7 +956,7 @@ std::string format_table(const Topology& t, const Plan& plan, size_t top) {
   if (laid)
     out << "  layout: pN = N pipeline stages, mM = M micro-batches (1F1B; its idle fraction in brackets), tN = N tensor "
            "slices, recompute = activations recomputed in backward; * = not runnable (stages with \"full\" or with sync "
-           "across sites; slices with stages, with \"full\", or across sites with sync or sharded)\n";
+           "across sites; slices with stages, with \"full\" or with sync across sites)\n";
 
   // Memory by strategy and shard mode: where the bytes go.
   out << "\nmemory per worker, the gateway (it holds the most) of the site that needs the most; the least hungry "

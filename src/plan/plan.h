@@ -133,8 +133,8 @@
 //            micro-batch. The data-parallel all-reduce, ZeRO's gathers and the outer broadcast's
 //            all-reduce part run among the D replicas on 4t·σ/T bytes. None of these overlap.
 //            U counts only t_c as busy: bubble, recompute and the slices' all-reduces are idle.
-//            Runnable: stages not with "full" nor with sync across sites; slices not with
-//            stages or "full", and across sites with diloco/streaming and "none" only (runnable()).
+//            Runnable: stages and slices not with "full", with each other, nor with sync
+//            across sites (runnable()).
 //  A candidate fits when, at every site, the device need is at most [[sites]] worker_memory
 //  and the gateway's host need at most host_memory (each checked where given). nebula runs
 //  [parallel] shard = "none", "optimizer" (ZeRO-1), "gradients" (ZeRO-2) and "full" (ZeRO-3),
@@ -281,8 +281,8 @@ std::vector<std::string> job_settings(const Topology& t, const Candidate& c);
 const std::vector<std::string>& shard_modes();
 // Whether nebula can run the candidate today on `sites` sites: sync only unsharded or with
 // "optimizer" (ZeRO-1), and not with wan_mode "every_worker" (nor is powersgd with it);
-// pipeline stages not with "full", nor with sync across sites; tensor slices not with stages
-// nor "full", and on several sites only with diloco or streaming and shard "none".
+// pipeline stages not with "full", nor with sync across sites; tensor slices likewise, and not
+// with stages.
 bool runnable(const Candidate& c, size_t sites = 1);
 
 // Bytes one worker of a site holds (the formulas above). Device and host are apart: nebula

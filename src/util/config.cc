@@ -200,10 +200,6 @@ void check_tensor(const Config& c, const toml::table& root, const std::string& f
       fail(str_cat("tensor slices on sites that exchange over the WAN run strategy.kind = \"diloco\" or "
                    "\"streaming\" (sync sends each slice's gradients every step; not built): this job has ",
                    c.sites.size(), " sites"));
-    if (c.parallel.shard != "none")
-      fail(str_cat("tensor slices in a job of several sites run shard = \"none\" so far (the slices' replicas "
-                   "sharding their state beside the WAN exchange is not built): this job has shard = \"",
-                   c.parallel.shard, "\""));
     if (c.job.elastic) fail("a site of tensor slices cannot rejoin a running job yet: set job.elastic = false");
     if (c.distill.enabled()) fail("tensor slices do not run with [distill] in a job of several sites yet: use tensor = 1");
   }

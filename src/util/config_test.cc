@@ -207,8 +207,10 @@ TEST(Config, SiteLayouts) {
   EXPECT_EQ(sl.tensor_of(sl.sites[1]), 1);
   EXPECT_EQ(parse_config(to_toml(sl), "again").sites[0].tensor, 2);
   expect_error(sliced, {"job.toml:18:", "sites[0].parallel.tensor", "diloco"});  // sync across sites
-  expect_error(sliced, {"job.toml:18:", "sites[0].parallel.tensor", "shard = \"none\""},
-               {"strategy.kind=\"diloco\"", "parallel.shard=\"optimizer\""});
+  EXPECT_EQ(parse_config(sliced, "job.toml", {"strategy.kind=\"diloco\"", "parallel.shard=\"gradients\""}).parallel.shard,
+            "gradients");
+  expect_error(sliced, {"job.toml:18:", "sites[0].parallel.tensor", "ZeRO-3"},
+               {"strategy.kind=\"diloco\"", "parallel.shard=\"full\""});
   expect_error(sliced, {"sites[0].parallel.tensor", "must divide model.heads"},
                {"strategy.kind=\"diloco\"", "model.ffn=33"});
   expect_error(replace_once(sliced, "tensor = 2 }", "tensor = 2, pipeline = 2 }"),
