@@ -560,7 +560,7 @@ TEST(EndToEnd, PipelineStagesTrainAsTheWholeModel) {
 // job's total. Bad configs are refused naming the key.
 // Sites of different layouts ([[sites]] parallel, examples/mixed_layouts.toml): site alpha in 2
 // pipeline stages (× 2 data replicas, with ZeRO-1 over each stage's pair), or in 2 tensor slices
-// (× 2 data replicas, with ZeRO-2 over each slice's pair), beside site beta of plain data parallelism train as the same job with
+// (× 2 data replicas, with ZeRO-2 over each slice's pair; and the translation model's), beside site beta of plain data parallelism train as the same job with
 // alpha unstaged, to rounding (the stages sum each micro-batch's loss apart; the slices' sums
 // run in another order): diloco in both WAN modes and streaming, every outer step's
 // global weights agreeing on every site (hash_checks), the same bytes on the WAN in gateway mode.
@@ -572,6 +572,8 @@ TEST(EndToEnd, SitesOfDifferentLayoutsTrainOneModel) {
   const std::string every = "--set wan.mode=every_worker ";
   const std::string stream = "--set strategy.kind=streaming --set strategy.fragments=2 --set strategy.delay=1 ";
   const std::string tensor = "--set sites.0.parallel.pipeline=1 --set sites.0.parallel.tensor=2 ";
+  const std::string s2s = "--set model.kind=seq2seq --set 'data.languages=[\"de\"]' --set model.label_smoothing=0.1 "
+                          "--set eval.pairs=20 --set eval.beam=2 ";
   const std::vector<std::pair<std::string, std::string>> runs = {
       {"equal", equal + "--set sites.0.workers=1"},
       {"mixed", "--set sites.0.workers=2"},
@@ -583,7 +585,9 @@ TEST(EndToEnd, SitesOfDifferentLayoutsTrainOneModel) {
       {"tensor", tensor + "--set sites.0.workers=2"},
       {"tensor-every", tensor + every + "--set sites.0.workers=2"},
       {"tensor-stream", tensor + stream + every + "--set sites.0.workers=2"},
-      {"tensor-2x2-zero2", tensor + every + "--set sites.0.workers=4 --set parallel.shard=gradients"}};
+      {"tensor-2x2-zero2", tensor + every + "--set sites.0.workers=4 --set parallel.shard=gradients"},
+      {"s2s-equal", s2s + equal + "--set sites.0.workers=1"},
+      {"s2s-tensor", s2s + tensor + every + "--set sites.0.workers=2"}};
   std::map<std::string, nlohmann::json> summaries;
   for (const auto& [name, sets] : runs) {
     Result r = run(base + sets + " --set job.run_dir=\\\"" + dir + "/" + name + "\\\"");
@@ -595,7 +599,7 @@ TEST(EndToEnd, SitesOfDifferentLayoutsTrainOneModel) {
   // The key biases amplify rounding (split_key_biases, as with the stages of one site): apart.
   for (const auto& [plain, mixed] : {std::pair{"equal", "mixed"}, std::pair{"equal-stream", "mixed-stream"},
                                      std::pair{"equal-data2", "mixed-2x2-zero1"}, std::pair{"equal", "tensor"},
-                                     std::pair{"equal-stream", "tensor-stream"}, std::pair{"equal-data2", "tensor-2x2-zero2"}}) {
+                                     std::pair{"equal-stream", "tensor-stream"}, std::pair{"equal-data2", "tensor-2x2-zero2"}, std::pair{"s2s-equal", "s2s-tensor"}}) {
     const auto [a, a_bias] = split_key_biases(weights(plain));
     const auto [b, b_bias] = split_key_biases(weights(mixed));
     ASSERT_FALSE(a.empty());
