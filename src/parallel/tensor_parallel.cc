@@ -102,12 +102,15 @@ model::SliceRange kept(int64_t whole, int64_t slices, int64_t t) {
 }
 }  // namespace
 
-int64_t SliceLayout::held(int64_t slice) const {
-  int64_t n = 0;
-  for (const Param& p : params_)
-    n += p.dim == -1 ? p.rows * p.cols
+int64_t SliceLayout::kept_numel(const Param& p, int64_t slice) const {
+  return p.dim == -1  ? p.rows * p.cols
          : p.dim == 0 ? kept(p.rows, slices_, slice).size() * p.cols
                       : p.rows * kept(p.cols, slices_, slice).size();
+}
+
+int64_t SliceLayout::held(int64_t slice) const {
+  int64_t n = 0;
+  for (const Param& p : params_) n += kept_numel(p, slice);
   return n;
 }
 
@@ -144,11 +147,9 @@ std::vector<ShardRun> SliceLayout::collect(int64_t slice, int64_t lo, int64_t hi
     const bool take = keep(p, owned) && flat < hi && offsets_[i + 1] > lo;
     if (p.dim == -1) {
       if (take) add(flat, local, own, p.rows * p.cols, owned);
-      local += p.rows * p.cols;
     } else if (p.dim == 0) {
       const model::SliceRange r = kept(p.rows, slices_, slice);
       if (take) add(flat + r.begin * p.cols, local, own, r.size() * p.cols, owned);
-      local += r.size() * p.cols;
     } else {
       const model::SliceRange c = kept(p.cols, slices_, slice);
       const int64_t w = c.size();
@@ -158,13 +159,10 @@ std::vector<ShardRun> SliceLayout::collect(int64_t slice, int64_t lo, int64_t hi
         for (int64_t row = first; row < last; ++row)
           add(flat + row * p.cols + c.begin, local + row * w, own + row * w, w, owned);
       }
-      local += p.rows * w;
     }
-    if (owned) {
-      own += p.dim == -1 ? p.rows * p.cols
-             : p.dim == 0 ? kept(p.rows, slices_, slice).size() * p.cols
-                          : p.rows * kept(p.cols, slices_, slice).size();
-    }
+    const int64_t n = kept_numel(p, slice);
+    local += n;
+    if (owned) own += n;
   }
   return out;
 }

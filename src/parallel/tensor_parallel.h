@@ -114,6 +114,8 @@ class SliceLayout {
     int64_t rows = 0, cols = 1;  // a 1-D parameter: rows = its length
     int dim = -1;
   };
+  // How many of p's values slice t keeps.
+  int64_t kept_numel(const Param& p, int64_t slice) const;
   std::vector<Param> params_;
   std::vector<int64_t> offsets_;  // flat offset of each parameter, then the total
   int64_t slices_ = 1, data_ = 1;

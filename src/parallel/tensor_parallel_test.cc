@@ -74,7 +74,7 @@ TEST(TensorParallel, SliceLayoutHoldsEveryValueOnceWhereTheSlicesKeepIt) {
         local[static_cast<size_t>(t)] = at::cat(parts);
         EXPECT_EQ(layout.held(t), local[static_cast<size_t>(t)].numel());
       }
-      for (const auto [offset, numel] : {std::pair<int64_t, int64_t>{0, total}, {500, 333}, {777, 1}}) {
+      for (const auto& [offset, numel] : {std::pair<int64_t, int64_t>{0, total}, {500, 333}, {777, 1}}) {
         std::vector<int> owners(static_cast<size_t>(numel), 0);
         for (int64_t rank = 0; rank < layout.workers(); ++rank) {
           const int64_t t = layout.slice_of_rank(rank);

@@ -96,6 +96,15 @@ std::string place(const toml::table& root, const char* table, const char* key, c
   return where(n ? *n : *t, file);
 }
 
+// Where a site's layout key `name` ("pipeline", "tensor") was set and its name: the site's own
+// ([[sites]] parallel, when `own`), else the job's [parallel]. {place, key}
+std::pair<std::string, std::string> layout_key(const toml::table& root, const std::string& file, size_t i, bool own,
+                                               const char* name) {
+  if (!own) return {place(root, "parallel", name, file), str_cat("parallel.", name)};
+  const toml::node* n = root["sites"][i]["parallel"][name].node();
+  return {n ? where(*n, file) : file, str_cat("sites[", i, "].parallel.", name)};
+}
+
 // [parallel] pipeline and [[sites]] parallel.pipeline: what the stages are cut from and what
 // runs with them so far. An error names the key that asked for stages: the site's own, else the job's.
 void check_pipeline(const Config& c, const toml::table& root, const std::string& file) {
@@ -103,11 +112,7 @@ void check_pipeline(const Config& c, const toml::table& root, const std::string&
   size_t staged = c.sites.size();  // the first site with stages
   for (size_t i = 0; i < c.sites.size() && staged == c.sites.size(); ++i)
     if (c.pipeline_of(c.sites[i]) > 1) staged = i;
-  auto site_key = [&](size_t i) -> std::pair<std::string, std::string> {  // {place, key}
-    if (c.sites[i].pipeline == 0) return {place(root, "parallel", "pipeline", file), "parallel.pipeline"};
-    const toml::node* n = root["sites"][i]["parallel"]["pipeline"].node();
-    return {n ? where(*n, file) : file, str_cat("sites[", i, "].parallel.pipeline")};
-  };
+  auto site_key = [&](size_t i) { return layout_key(root, file, i, c.sites[i].pipeline > 0, "pipeline"); };
   if (staged == c.sites.size()) return;
   const auto [at, key] = site_key(staged);
   auto fail = [&, at = at, key = key](const std::string& why) { throw ConfigError(str_cat(at, ": key '", key, "': ", why)); };
@@ -163,11 +168,7 @@ void check_tensor(const Config& c, const toml::table& root, const std::string& f
   for (size_t i = 0; i < c.sites.size() && sliced == c.sites.size(); ++i)
     if (c.tensor_of(c.sites[i]) > 1) sliced = i;
   if (sliced == c.sites.size()) return;
-  auto site_key = [&](size_t i) -> std::pair<std::string, std::string> {  // {place, key}
-    if (c.sites[i].tensor == 0) return {place(root, "parallel", "tensor", file), "parallel.tensor"};
-    const toml::node* n = root["sites"][i]["parallel"]["tensor"].node();
-    return {n ? where(*n, file) : file, str_cat("sites[", i, "].parallel.tensor")};
-  };
+  auto site_key = [&](size_t i) { return layout_key(root, file, i, c.sites[i].tensor > 0, "tensor"); };
   const auto [at, key] = site_key(sliced);
   auto fail = [&, at = at, key = key](const std::string& why) { throw ConfigError(str_cat(at, ": key '", key, "': ", why)); };
   if (c.model.kind != "mlm_encoder" && c.model.kind != "seq2seq")
