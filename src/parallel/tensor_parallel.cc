@@ -175,6 +175,16 @@ std::vector<ShardRun> SliceLayout::whole_runs(int64_t slice, int64_t offset, int
   return collect(slice, offset, offset + numel, 0, INT64_MAX / 2, [](const Param& p, bool) { return p.dim == -1; });
 }
 
+std::vector<ShardRun> SliceLayout::held_runs(int64_t slice, int64_t offset, int64_t numel) const {
+  return collect(slice, offset, offset + numel, 0, INT64_MAX / 2, [](const Param&, bool) { return true; });
+}
+
+std::vector<int> SliceLayout::dims() const {
+  std::vector<int> out;
+  for (const Param& p : params_) out.push_back(p.dim);
+  return out;
+}
+
 std::vector<ShardRun> SliceLayout::runs(int64_t rank, int64_t offset, int64_t numel) const {
   if (rank < 0 || rank >= workers()) return {};
   const int64_t t = slice_of_rank(rank), q = replica_of(rank);

@@ -104,6 +104,11 @@ class SliceLayout {
   // The whole parameters' runs in [offset, offset + numel) at slice t's local positions: what
   // slice 0 gives the others after an exchange.
   std::vector<ShardRun> whole_runs(int64_t slice, int64_t offset, int64_t numel) const;
+  // Every run slice t holds in [offset, offset + numel), owned or not (a resume onto another
+  // layout reads a slice's whole local vector by them).
+  std::vector<ShardRun> held_runs(int64_t slice, int64_t offset, int64_t numel) const;
+  // Each parameter's cut dimension, as given.
+  std::vector<int> dims() const;
 
  private:
   // Runs of slice t in [lo, hi) of the parameters passing `keep`, clipped to owned positions

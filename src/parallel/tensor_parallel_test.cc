@@ -73,7 +73,18 @@ TEST(TensorParallel, SliceLayoutHoldsEveryValueOnceWhereTheSlicesKeepIt) {
         }
         local[static_cast<size_t>(t)] = at::cat(parts);
         EXPECT_EQ(layout.held(t), local[static_cast<size_t>(t)].numel());
+        // held_runs: the slice's whole local vector, every position once, from the flat vector.
+        at::Tensor rebuilt = at::full({layout.held(t)}, -1.0f);
+        int64_t covered = 0;
+        for (const ShardRun& r : layout.held_runs(t, 0, total)) {
+          EXPECT_TRUE(at::equal(rebuilt.narrow(0, r.local, r.len), at::full({r.len}, -1.0f))) << "position held twice";
+          rebuilt.narrow(0, r.local, r.len).copy_(whole.narrow(0, r.flat, r.len));
+          covered += r.len;
+        }
+        EXPECT_EQ(covered, layout.held(t));
+        EXPECT_TRUE(at::equal(rebuilt, local[static_cast<size_t>(t)])) << slices << " slices, slice " << t;
       }
+      EXPECT_EQ(layout.dims(), dims);
       for (const auto& [offset, numel] : {std::pair<int64_t, int64_t>{0, total}, {500, 333}, {777, 1}}) {
         std::vector<int> owners(static_cast<size_t>(numel), 0);
         for (int64_t rank = 0; rank < layout.workers(); ++rank) {

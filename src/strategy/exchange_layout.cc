@@ -6,6 +6,35 @@ int64_t workers_of(const SiteLayout& layout) {
   return std::visit([](const auto& l) { return l.workers(); }, layout);
 }
 
+std::vector<parallel::ShardRun> held_of(const SiteLayout& layout, int64_t rank) {
+  if (const auto* stages = std::get_if<parallel::StageLayout>(&layout)) {
+    const int64_t s = stages->stage_of(rank);
+    return {{stages->stage_begin(s), 0, stages->stage_numel(s)}};
+  }
+  if (const auto* slices = std::get_if<parallel::SliceLayout>(&layout))
+    return slices->held_runs(slices->slice_of_rank(rank), 0, slices->total());
+  const int64_t total = std::get<parallel::ShardLayout>(layout).total();
+  return {{0, 0, total}};
+}
+
+int64_t holding_of(const SiteLayout& layout, int64_t rank) {
+  if (const auto* stages = std::get_if<parallel::StageLayout>(&layout)) return stages->stage_of(rank);
+  if (const auto* slices = std::get_if<parallel::SliceLayout>(&layout)) return slices->slice_of_rank(rank);
+  return 0;
+}
+
+int64_t replica_of(const SiteLayout& layout, int64_t rank) {
+  if (const auto* stages = std::get_if<parallel::StageLayout>(&layout)) return rank % stages->data();
+  if (const auto* slices = std::get_if<parallel::SliceLayout>(&layout)) return slices->replica_of(rank);
+  return rank;
+}
+
+int64_t replicas_of(const SiteLayout& layout) {
+  if (const auto* stages = std::get_if<parallel::StageLayout>(&layout)) return stages->data();
+  if (const auto* slices = std::get_if<parallel::SliceLayout>(&layout)) return slices->data();
+  return workers_of(layout);
+}
+
 std::vector<std::vector<parallel::ShardRun>> parts_of(const FragmentRange& fr, const SiteLayout& layout) {
   std::vector<std::vector<parallel::ShardRun>> parts;
   std::visit(

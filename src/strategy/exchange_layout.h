@@ -26,6 +26,18 @@ struct FragmentRange {
 using SiteLayout = std::variant<parallel::ShardLayout, parallel::StageLayout, parallel::SliceLayout>;
 int64_t workers_of(const SiteLayout& layout);
 
+// What worker `rank` holds of the whole flat vector [0, total): its trainable parameters' values
+// (ZeRO's workers: all; a stage's or a slice's: theirs), `local` their positions in its own
+// vector (the optimizer's, the checkpoint's). A resume onto another layout reads by them.
+std::vector<parallel::ShardRun> held_of(const SiteLayout& layout, int64_t rank);
+// Which part of the model worker `rank` holds (0 for ZeRO's workers; its stage; its slice), and
+// its data-parallel replica: its rank among the workers that hold the same part (its optimizer's
+// group) and the index of the data it reads.
+int64_t holding_of(const SiteLayout& layout, int64_t rank);
+int64_t replica_of(const SiteLayout& layout, int64_t rank);
+// The number of data-parallel replicas.
+int64_t replicas_of(const SiteLayout& layout);
+
 // Every rank's runs of the fragment under `layout` (flat and shard-local indices absolute), in
 // rank order; a rank's part is its runs' values one after another.
 std::vector<std::vector<parallel::ShardRun>> parts_of(const FragmentRange& fr, const SiteLayout& layout);

@@ -78,5 +78,40 @@ TEST(ExchangeLayout, StagedAndUnstagedSitesCoverTheFragmentOnceEach) {
   EXPECT_EQ(workers_of(staged), 4);
 }
 
+// What each worker holds of the flat vector, by layout: ZeRO's workers all of it, a stage its
+// range, a slice its rows and columns (SliceLayout::held_runs); and which part and replica each
+// rank is (SiteGrid's orders: stage-major; replica-major for slices).
+TEST(ExchangeLayout, HeldValuesPartsAndReplicasOfEveryLayout) {
+  const ShardLayout zero = ShardLayout::contiguous(20, 3);
+  const std::vector<ShardRun> all = held_of(zero, 2);
+  ASSERT_EQ(all.size(), 1u);
+  EXPECT_EQ(all[0].flat, 0);
+  EXPECT_EQ(all[0].len, 20);
+  EXPECT_EQ(holding_of(zero, 2), 0);
+  EXPECT_EQ(replica_of(zero, 2), 2);
+  EXPECT_EQ(replicas_of(zero), 3);
+  const parallel::StageLayout stages({0, 9, 20}, 2);  // ranks: stage 0 {0, 1}, stage 1 {2, 3}
+  const std::vector<ShardRun> second = held_of(stages, 3);
+  ASSERT_EQ(second.size(), 1u);
+  EXPECT_EQ(second[0].flat, 9);
+  EXPECT_EQ(second[0].local, 0);
+  EXPECT_EQ(second[0].len, 11);
+  EXPECT_EQ(holding_of(stages, 3), 1);
+  EXPECT_EQ(replica_of(stages, 3), 1);
+  EXPECT_EQ(replica_of(stages, 2), 0);
+  EXPECT_EQ(replicas_of(stages), 2);
+  // A [4, 2] weight cut by rows and a [2] bias whole, 2 slices × 2 replicas: rank 3 is slice 1 of
+  // replica 1, holding rows 2-3 (flat [4, 8)) and the bias (flat [8, 10)).
+  const parallel::SliceLayout slices({{4, 2}, {2}}, {0, -1}, 2, 2);
+  const std::vector<ShardRun> held = held_of(slices, 3);
+  ASSERT_EQ(held.size(), 1u);  // adjacent runs joined
+  EXPECT_EQ(held[0].flat, 4);
+  EXPECT_EQ(held[0].local, 0);
+  EXPECT_EQ(held[0].len, 6);
+  EXPECT_EQ(holding_of(slices, 3), 1);
+  EXPECT_EQ(replica_of(slices, 3), 1);
+  EXPECT_EQ(replicas_of(slices), 2);
+}
+
 }  // namespace
 }  // namespace nebula::strategy
