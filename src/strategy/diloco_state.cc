@@ -128,14 +128,12 @@ void DilocoStrategy::load_resharded(const std::vector<StrategyState>& ranks) {
   const auto parts = static_cast<size_t>(parts_it == ranks[0].numbers.end() ? 1.0 : parts_it->second);
   if (static_cast<size_t>(state_number(ranks[0], "fragments")) != fragments_.size())
     return load_state(ranks[0]);  // refused, naming the setting that changed
-  if (staged() || ranks[0].strings.count("stages") || ranks[0].strings.count("slices"))
-    throw DataError("a resume that changes the layout of a site of pipeline stages or tensor slices ([parallel] "
-                    "pipeline, tensor, shard or the site's workers) is not built yet: resume with the layout the "
-                    "checkpoint was saved with");
-  if (parts > 1 && parts != ranks.size())
-    throw DataError(str_cat("the checkpoint's strategy state is cut into ", parts, " parts, but ", ranks.size(),
-                            " workers' checkpoints were found"));
-  // The old layout: the units its parts were cut by (none recorded: one unit) at its workers.
+  // The old layout: the stages or slices that wrote it (each worker's part is its runs there),
+  // or the units its parts were cut by (none recorded: one unit) at its workers.
+  const bool cut = ranks[0].strings.count("stages") || ranks[0].strings.count("slices");
+  if (cut && !ranks[0].written)
+    throw DataError("the checkpoint's strategy state is cut by pipeline stages or tensor slices its worker "
+                    "checkpoints do not describe (written by an older nebula): resume with the layout it was saved with");
   std::vector<int64_t> bounds{0, total_numel_};
   if (auto it = ranks[0].strings.find("units"); it != ranks[0].strings.end()) {
     bounds.clear();
@@ -146,8 +144,18 @@ void DilocoStrategy::load_resharded(const std::vector<StrategyState>& ranks) {
     throw DataError(str_cat("the checkpoint's strategy state is cut into units of ", bounds.empty() ? 0 : bounds.back(),
                             " values for a model of ", total_numel_, ": the model changed"));
   // Unsharded, every old worker holds the whole state: rank 0's is read.
-  const size_t olds = parts > 1 ? ranks.size() : 1;
-  const parallel::ShardLayout old(bounds, static_cast<int64_t>(olds));
+  const size_t olds = cut ? ranks.size() : parts > 1 ? ranks.size() : 1;
+  const SiteLayout old = cut ? *ranks[0].written : SiteLayout(parallel::ShardLayout(bounds, static_cast<int64_t>(olds)));
+  if (cut && (static_cast<size_t>(workers_of(old)) != ranks.size() ||
+              std::visit([](const auto& l) { return l.total(); }, old) != total_numel_))
+    throw DataError(str_cat("the checkpoint's strategy state is cut for ", workers_of(old), " workers and ",
+                            std::visit([](const auto& l) { return l.total(); }, old), " values; ", ranks.size(),
+                            " workers' checkpoints were found and this job's outer state has ", total_numel_,
+                            " (a one-site job's stages or slices keep their outer state per stage: resume those "
+                            "with the layout they were saved with)"));
+  if (!cut && parts > 1 && parts != ranks.size())
+    throw DataError(str_cat("the checkpoint's strategy state is cut into ", parts, " parts, but ", ranks.size(),
+                            " workers' checkpoints were found"));
   // Values [begin, begin + len) of old rank q's piece `key`, and its size: loaded, or read from
   // its checkpoint file by range.
   auto numel_of = [&](size_t q, const std::string& key) -> int64_t {
@@ -162,6 +170,9 @@ void DilocoStrategy::load_resharded(const std::vector<StrategyState>& ranks) {
   // This worker's part of every fragment's global weights and momentum, taken from the old
   // ranks' pieces where they overlap it: no worker joins a whole fragment.
   StrategyState mine = ranks[0];
+  if (comm_.every_worker() && (cut || staged() || slices()))  // each worker's error feedback is of its own part
+    for (auto it = mine.tensors.begin(); it != mine.tensors.end();)
+      it = it->first.rfind("codec/", 0) == 0 ? mine.tensors.erase(it) : std::next(it);
   for (size_t j = 0; j < fragments_.size(); ++j)
     for (const char* name : {"global", "momentum"}) {
       const std::string key = str_cat("f", j, "/", name);

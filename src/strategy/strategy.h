@@ -20,6 +20,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -43,6 +44,9 @@ struct StrategyState {
   // one as float32 (train/worker_checkpoint.cc).
   std::map<std::string, int64_t> unread;
   std::function<at::Tensor(const std::string& name, int64_t begin, int64_t len)> read;
+  // load_resharded: how the site that wrote it held the flat vector, when in pipeline stages or
+  // tensor slices (its checkpoints record them); else its ZeRO cut, from the state itself.
+  std::optional<SiteLayout> written;
 };
 
 class Strategy {

@@ -203,6 +203,8 @@ class Trainer {
   // position), and every training site's layout, in mesh order.
   bool by_layouts() const;
   std::vector<strategy::SiteLayout> site_layouts();
+  strategy::SiteLayout site_layout(const SiteConfig& site);
+  std::vector<int> tensor_dims_;  // the tensor split's, once a site has slices
   // One metrics line per `log_every` steps (and one for the last, partial window).
   void write_metrics(int64_t steps_done);
   // Evaluation on the gateway: a metrics line {"site", "step", "eval"} with this site's values
@@ -346,7 +348,10 @@ Trainer::Trainer(const TaskContext& ctx, bool rejoin, Clock::time_point start)
                  : tensor_ ? str_cat("replicas of tensor slice ", tensor_comm_->rank())
                            : std::string("workers of the site"),
                  o.state_numel(), o.total_numel(), full_ ? "; the parameters sharded too, gathered layer by layer" : "");
-  checkpoints_ = std::make_unique<WorkerCheckpoints>(c_, who_, *comm_.comm, *task_, o, *strategy_, full_.get());
+  // A one-site job's stages or slices keep their outer state per stage (data_comm_): a resume
+  // onto another layout cannot cut it anew.
+  checkpoints_ = std::make_unique<WorkerCheckpoints>(c_, who_, *comm_.comm, *task_, o, *strategy_, full_.get(),
+                                                     site_layout(site_), data_comm_ && c_.strategy.kind != "sync");
   eval_start_.assign(task_->eval_size(), 0.0);
   // The set-up's freed memory (each layer built whole before ZeRO-3 cut it, the tokenizer's
   // and the data's buffers) back to the system: the allocator keeps it (util/allocator.h) and
@@ -398,29 +403,25 @@ bool Trainer::by_layouts() const {
 }
 
 std::vector<strategy::SiteLayout> Trainer::site_layouts() {
-  const int64_t total = trainable_values_;  // the whole model's, every stage's
   std::vector<strategy::SiteLayout> layouts;
-  std::vector<int> dims;  // the tensor split's, once a site has slices
-  for (const std::string& name : comm_.training_names) {
-    const SiteConfig& site = c_.sites.at(c_.site_index(name));
-    const parallel::SiteGrid grid = site_grid(c_, site);
-    if (grid.tensor > 1) {
-      if (dims.empty()) dims = task_->tensor_dims();
-      NEBULA_CHECK(!dims.empty(), "site '", site.name, "': model.kind = \"", c_.model.kind,
-                   "\" cannot be cut into tensor slices here");
-      layouts.emplace_back(parallel::SliceLayout(task_->trainable_shapes(), dims, grid.tensor, grid.data));
-      continue;
-    }
-    if (grid.pipeline == 1) {
-      layouts.emplace_back(parallel::ShardLayout::contiguous(total, site.workers));
-      continue;
-    }
-    std::vector<int64_t> bounds = task_->stage_bounds(grid.pipeline);
-    NEBULA_CHECK(!bounds.empty() && bounds.back() == total, "site '", site.name, "': model.kind = \"", c_.model.kind,
-                 "\" cannot be cut into ", grid.pipeline, " pipeline stages here");
-    layouts.emplace_back(parallel::StageLayout(std::move(bounds), grid.data));
-  }
+  for (const std::string& name : comm_.training_names) layouts.push_back(site_layout(c_.sites.at(c_.site_index(name))));
   return layouts;
+}
+
+strategy::SiteLayout Trainer::site_layout(const SiteConfig& site) {
+  const int64_t total = trainable_values_;  // the whole model's, every stage's
+  const parallel::SiteGrid grid = site_grid(c_, site);
+  if (grid.tensor > 1) {
+    if (tensor_dims_.empty()) tensor_dims_ = task_->tensor_dims();
+    NEBULA_CHECK(!tensor_dims_.empty(), "site '", site.name, "': model.kind = \"", c_.model.kind,
+                 "\" cannot be cut into tensor slices here");
+    return parallel::SliceLayout(task_->trainable_shapes(), tensor_dims_, grid.tensor, grid.data);
+  }
+  if (grid.pipeline == 1) return parallel::ShardLayout::contiguous(total, site.workers);
+  std::vector<int64_t> bounds = task_->stage_bounds(grid.pipeline);
+  NEBULA_CHECK(!bounds.empty() && bounds.back() == total, "site '", site.name, "': model.kind = \"", c_.model.kind,
+               "\" cannot be cut into ", grid.pipeline, " pipeline stages here");
+  return parallel::StageLayout(std::move(bounds), grid.data);
 }
 
 void Trainer::resume(bool rejoin) {

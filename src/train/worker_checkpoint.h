@@ -4,7 +4,8 @@
 // directory CHECKPOINT_DIR/SITE/rank-R, and the resume that finds the newest step every worker
 // that must agree holds (the site's with diloco/streaming, whose sites then reconcile; the
 // job's with sync) and restores it, resharding when the site's workers or [parallel] shard
-// changed since it was written.
+// changed since it was written, and cutting the model anew when the site's pipeline stages or
+// tensor slices did (each checkpoint records how its worker held the model).
 #pragma once
 
 #include <cstdint>
@@ -30,9 +31,12 @@ struct WorkerProgress {
 
 class WorkerCheckpoints {
  public:
-  // The parts it saves and restores; all outlive it. `full`: ZeRO-3's, or null.
+  // The parts it saves and restores; all outlive it. `full`: ZeRO-3's, or null. `layout`: how
+  // this worker's site holds the whole model's flat vector; `outer_per_part`: the strategy's
+  // state is its stage's or slice's (a one-site job's), not the whole model's.
   WorkerCheckpoints(const Config& config, const WorkerIdentity& who, collective::Hierarchy& comm, Task& task,
-                    parallel::InnerOptimizer& optimizer, strategy::Strategy& strategy, parallel::FullShard* full);
+                    parallel::InnerOptimizer& optimizer, strategy::Strategy& strategy, parallel::FullShard* full,
+                    strategy::SiteLayout layout, bool outer_per_part);
 
   // Writes the checkpoint of `progress.step` (keeping checkpoint.keep). Every worker of the
   // site calls it at the same step, when strategy.can_save().
@@ -44,6 +48,9 @@ class WorkerCheckpoints {
 
  private:
   std::string rank_dir(int rank) const;
+  // restore_newest onto another layout of stages or slices: the old workers' checkpoints of step
+  // `target` (rank 0's state then carries this worker's progress).
+  void restore_relaid(std::vector<parallel::Checkpoint>& ranks, int64_t target);
 
   const Config& c_;
   WorkerIdentity who_;
@@ -52,6 +59,8 @@ class WorkerCheckpoints {
   parallel::InnerOptimizer& optimizer_;
   strategy::Strategy& strategy_;
   parallel::FullShard* full_;
+  strategy::SiteLayout layout_;
+  bool outer_per_part_;
   std::string dir_;          // this worker's
   std::string fingerprint_;  // of the training config: a checkpoint of another job is not loaded
 };
