@@ -436,17 +436,25 @@ TEST(EndToEnd, TensorSlicesTrainAsTheWholeModel) {
     EXPECT_EQ(summary(sliced)["tensor"]["slices"], 2);
   }
   // Stopped and resumed (each worker's checkpoint holds its slices): the uninterrupted run's
-  // weights bit for bit. Onto another layout: refused, saying which to resume with.
+  // weights bit for bit. Onto another layout (one worker): cut anew, the one data replica
+  // continuing its data, ending where one worker ends.
   const std::string sliced = nebula::str_cat("run examples/tensor.toml --set job.steps=20 --set sites.0.workers=2 "
                                              "--set job.run_dir=\\\"", dir, "/tp2");
-  Result stopped = run(sliced + "-stopped\\\"", 600, "NEBULA_TEST_STOP_AT_STEP=9");
-  ASSERT_EQ(stopped.exit_code, 128 + 15) << stopped.output;
-  Result other = run(sliced + "-stopped\\\" --resume --set parallel.tensor=1", 120);
-  EXPECT_NE(other.exit_code, 0) << other.output;
-  EXPECT_NE(other.output.find("resume with parallel.tensor = 2"), std::string::npos) << other.output;
+  for (const char* name : {"-stopped", "-relaid"}) {
+    Result stopped = run(sliced + name + "\\\"", 600, "NEBULA_TEST_STOP_AT_STEP=9");
+    ASSERT_EQ(stopped.exit_code, 128 + 15) << stopped.output;
+  }
   Result resumed = run(sliced + "-stopped\\\" --resume");
   ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
   EXPECT_EQ(tensor_bytes(dir + "/tp2-stopped/model.safetensors"), tensor_bytes(dir + "/tp2/model.safetensors"));
+  Result relaid = run(sliced + "-relaid\\\" --resume --set parallel.tensor=1 --set sites.0.workers=1");
+  ASSERT_EQ(relaid.exit_code, 0) << relaid.output;
+  EXPECT_NE(read_file(dir + "/tp2-relaid/logs/alpha-0.log").find("written by 2 tensor slices × 1 anew for 1 worker "),
+            std::string::npos);
+  const double relaid_l2 = relative_l2_difference(weights("one").first, weights("tp2-relaid").first);
+  std::printf("tensor: stopped as tensor 2, resumed as one worker, ends %.3g (relative L2) from one\n", relaid_l2);
+  EXPECT_LE(relaid_l2, 1e-5);
+  EXPECT_EQ(summary("one")["tokens"], summary("tp2-relaid")["tokens"]);
   // Bad layouts: exit code 2 and the key.
   for (const std::string args : {"--set parallel.tensor=4", "--set sites.0.workers=3",
                                  "--set peft.kind=lora",

@@ -418,7 +418,8 @@ void WorkerCheckpoints::restore_relaid(std::vector<parallel::Checkpoint>& ranks,
   auto describe = [](const strategy::SiteLayout& l) {
     if (const auto* st = std::get_if<parallel::StageLayout>(&l)) return str_cat(st->stages(), " pipeline stages × ", st->data());
     if (const auto* sl = std::get_if<parallel::SliceLayout>(&l)) return str_cat(sl->slices(), " tensor slices × ", sl->data());
-    return str_cat(strategy::workers_of(l), " workers");
+    const int64_t n = strategy::workers_of(l);
+    return str_cat(n, n == 1 ? " worker" : " workers");
   };
   spdlog::info("cut the checkpoint of step {} written by {} anew for {}{}", target, describe(old), describe(layout_),
                same ? " (each data replica continues its position)"
