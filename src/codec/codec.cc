@@ -40,6 +40,10 @@ std::unique_ptr<Codec> make_codec(const CodecOptions& o) {
     throw ConfigError(str_cat("strategy.codec = \"", o.kind, "\" is not one of ", list));
   }
   auto id = static_cast<CodecId>(kind);
+  // Written so that NaN fails too.
+  if (!(o.error_decay >= 0.0 && o.error_decay <= 1.0))
+    throw ConfigError(str_cat("strategy.codec_error_decay = ", o.error_decay,
+                              " is not in [0, 1] (the share of the error-feedback residual kept per encode)"));
   switch (id) {
     case CodecId::kNone:
     case CodecId::kFp16:
@@ -184,7 +188,7 @@ void expect_remaining(const wire::ByteReader& r, uint64_t need, const char* code
 
 at::Tensor empty_float(at::IntArrayRef shape) { return at::empty(shape, at::TensorOptions().dtype(at::kFloat)); }
 
-at::Tensor& residual_for(CodecState& state, const at::Tensor& t, const char* codec) {
+at::Tensor& residual_for(CodecState& state, const at::Tensor& t, const char* codec, double decay) {
   if (!state.residual.defined()) {
     state.residual = at::zeros(t.sizes(), at::TensorOptions().dtype(at::kFloat));
     return state.residual;
@@ -194,6 +198,7 @@ at::Tensor& residual_for(CodecState& state, const at::Tensor& t, const char* cod
   if (state.residual.scalar_type() != at::kFloat || !state.residual.is_contiguous() || !state.residual.device().is_cpu())
     state.residual = state.residual.to(at::kCPU, at::kFloat).contiguous();
   if (state.residual.sizes() != t.sizes()) state.residual = state.residual.view(t.sizes());
+  if (decay < 1.0) state.residual.mul_(decay);
   return state.residual;
 }
 

@@ -131,6 +131,10 @@ struct CodecOptions {
   int64_t rank = 4;            // powersgd: rank of the approximation, 1..65536
   uint64_t seed = 1;           // stochastic rounding and PowerSGD's initial Q
   bool error_feedback = true;  // int8/int4/topk/powersgd/sparseloco; none/fp16/bf16 ignore it
+  // Error feedback's decay beta, in [0, 1]: each encode first scales the residual by it, so what
+  // was not sent fades (SparseLoCo's e <- beta e + delta, which stands in for outer momentum);
+  // 1 keeps all of it (classic error feedback), 0 none.
+  double error_decay = 1.0;
 };
 
 // Per-tensor state kept by the caller between steps for one logical tensor (bucket). A

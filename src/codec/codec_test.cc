@@ -621,6 +621,93 @@ TEST(CodecErrorFeedback, CumulativeSumConverges) {
   }
 }
 
+// SparseLoCo as published, written out plainly: e <- beta e + t; per chunk keep the k largest
+// |e| (ties to lower indices), send each as its sign and the mean of its magnitude group (the
+// kept magnitudes cut in two where the squared error is least), e <- e - sent. Returns what is
+// sent; `e` is the residual.
+std::vector<float> sparseloco_reference(const std::vector<float>& t, std::vector<float>& e, int64_t chunk,
+                                        double density, double beta) {
+  const auto n = static_cast<int64_t>(t.size());
+  std::vector<float> sent(t.size(), 0.0f);
+  for (int64_t i = 0; i < n; ++i) e[i] = static_cast<float>(beta) * e[i] + t[i];
+  for (int64_t start = 0; start < n; start += chunk) {
+    const int64_t len = std::min(chunk, n - start), k = sparseloco_count(len, density);
+    std::vector<int64_t> order(static_cast<size_t>(len));
+    for (int64_t i = 0; i < len; ++i) order[i] = start + i;
+    std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return std::fabs(e[a]) > std::fabs(e[b]); });
+    std::vector<int64_t> kept(order.begin(), order.begin() + k);  // largest first
+    std::vector<double> mags;
+    for (auto i : kept) mags.push_back(std::fabs(e[i]));
+    std::sort(mags.begin(), mags.end());
+    // The cut with the least squared error (j values low, k - j high); none: one level.
+    auto sse = [&](int64_t j) {
+      double err = 0;
+      for (auto [lo, hi] : {std::pair<int64_t, int64_t>{0, j}, {j, k}}) {
+        if (lo == hi) continue;
+        double mean = 0;
+        for (int64_t q = lo; q < hi; ++q) mean += mags[q] / static_cast<double>(hi - lo);
+        for (int64_t q = lo; q < hi; ++q) err += (mags[q] - mean) * (mags[q] - mean);
+      }
+      return err;
+    };
+    int64_t cut = 0;
+    for (int64_t j = 1; j < k; ++j)
+      if (mags[j - 1] != mags[j] && sse(j) < sse(cut) - 1e-12) cut = j;
+    auto mean_of = [&](int64_t lo, int64_t hi) {
+      double m = 0;
+      for (int64_t q = lo; q < hi; ++q) m += mags[q];
+      return static_cast<float>(m / static_cast<double>(hi - lo));
+    };
+    const float lo = mean_of(0, cut == 0 ? k : cut), hi = cut == 0 ? lo : mean_of(cut, k);
+    const double split = cut == 0 ? INFINITY : mags[cut];
+    for (auto i : kept) {
+      const float level = std::fabs(e[i]) >= split ? hi : lo;
+      sent[i] = std::signbit(e[i]) ? -level : level;
+      e[i] -= sent[i];
+    }
+  }
+  return sent;
+}
+
+TEST(CodecSparseLoco, MatchesAPlainReferenceWithDecayedErrorFeedback) {
+  // 3000 values in chunks of 512 (the last of 440), 1 % and 3 % kept, with and without decay,
+  // over three rounds so that the residual's decay shows; inputs fixed by their seeds.
+  for (double density : {0.01, 0.03})
+    for (double beta : {1.0, 0.95, 0.0}) {
+      SCOPED_TRACE(testing::Message() << "density " << density << " beta " << beta);
+      CodecOptions o = sparseloco(512, density);
+      o.error_decay = beta;
+      auto codec = make_codec(o);
+      CodecState state;
+      std::vector<float> e(3000, 0.0f);
+      for (int round = 0; round < 3; ++round) {
+        const at::Tensor t = randn({3000}, 40 + round);
+        const std::vector<float> tv(t.data_ptr<float>(), t.data_ptr<float>() + 3000);
+        const std::vector<float> want = sparseloco_reference(tv, e, 512, density, beta);
+        const at::Tensor got = codec->decode(codec->encode(t, state));
+        const float* g = got.data_ptr<float>();
+        const float* r = state.residual.data_ptr<float>();
+        int64_t kept = 0;
+        for (int64_t i = 0; i < 3000; ++i) {
+          ASSERT_EQ(g[i] != 0.0f, want[i] != 0.0f) << "round " << round << " index " << i;  // the kept set
+          ASSERT_NEAR(g[i], want[i], 1e-6f * (1 + std::fabs(want[i]))) << "round " << round << " index " << i;
+          ASSERT_NEAR(r[i], e[i], 1e-5f * (1 + std::fabs(e[i]))) << "round " << round << " index " << i;
+          kept += want[i] != 0.0f;
+        }
+        EXPECT_EQ(kept, 5 * sparseloco_count(512, density) + sparseloco_count(440, density));
+      }
+    }
+  // The decay is the residual's share kept: beta = 0 keeps nothing of the last round's.
+  CodecOptions o = sparseloco(512, 0.01);
+  o.error_decay = 0.0;
+  CodecState a, b;
+  make_codec(o)->encode(randn({3000}, 7), a);
+  const Bytes after = make_codec(o)->encode(randn({3000}, 8), a);
+  EXPECT_EQ(after, make_codec(o)->encode(randn({3000}, 8), b));
+  o.error_decay = 1.5;
+  EXPECT_THROW(make_codec(o), ConfigError);
+}
+
 TEST(CodecErrorFeedback, ResidualMisuseIsACallerError) {
   auto codec = make_codec(opts("topk"));
   CodecState state;

@@ -67,8 +67,9 @@ inline uint8_t* append(std::vector<uint8_t>& buf, size_t n) {
 at::Tensor empty_float(at::IntArrayRef shape);
 
 // Error feedback: state.residual as a contiguous float32 tensor of t's numel (zeros on a
-// fresh state). A residual of another numel is a caller bug (nebula::Error).
-at::Tensor& residual_for(CodecState& state, const at::Tensor& t, const char* codec);
+// fresh state), scaled by `decay` (CodecOptions::error_decay) when it is below 1. A residual
+// of another numel is a caller bug (nebula::Error).
+at::Tensor& residual_for(CodecState& state, const at::Tensor& t, const char* codec, double decay);
 
 // x[i] = a[i] + b[i].
 void add(const float* a, const float* b, float* x, int64_t n);

@@ -72,7 +72,7 @@ std::vector<uint8_t> PowerSgdCodec::encode(const at::Tensor& t_in, CodecState& s
   const int64_t numel = t.numel();
   at::Tensor x = t;
   if (options_.error_feedback) {
-    at::Tensor& residual = detail::residual_for(state, t, "powersgd");
+    at::Tensor& residual = detail::residual_for(state, t, "powersgd", options_.error_decay);
     detail::add(t.data_ptr<float>(), residual.data_ptr<float>(), residual.data_ptr<float>(), numel);
     x = residual;  // holds t + residual until the new residual is written below
   }

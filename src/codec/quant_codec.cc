@@ -246,7 +246,7 @@ std::vector<uint8_t> BlockQuantCodec::encode(const at::Tensor& t_in, CodecState&
   const std::string nm = name();
   at::Tensor t = detail::check_input(t_in, nm.c_str());
   const Layout L(bits_, t.numel(), options_.block);
-  float* residual = options_.error_feedback ? detail::residual_for(state, t, nm.c_str()).data_ptr<float>() : nullptr;
+  float* residual = options_.error_feedback ? detail::residual_for(state, t, nm.c_str(), options_.error_decay).data_ptr<float>() : nullptr;
   const uint64_t key = detail::rng_key(options_.seed, state.rng_counter);
 
   wire::ByteWriter w;

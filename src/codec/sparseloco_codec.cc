@@ -364,7 +364,7 @@ std::vector<uint8_t> SparseLocoCodec::encode(const at::Tensor& t_in, CodecState&
   at::Tensor t = detail::check_input(t_in, "sparseloco");
   const int64_t n = t.numel(), chunk = options_.block;
   const Layout L(n, chunk, sparseloco_count(chunk, options_.density), sparseloco_count(n % chunk, options_.density));
-  float* residual = options_.error_feedback ? detail::residual_for(state, t, "sparseloco").data_ptr<float>() : nullptr;
+  float* residual = options_.error_feedback ? detail::residual_for(state, t, "sparseloco", options_.error_decay).data_ptr<float>() : nullptr;
 
   wire::ByteWriter w;
   detail::write_header(w, CodecId::kSparseLoco, t.sizes());

@@ -103,7 +103,7 @@ std::vector<uint8_t> TopKCodec::encode(const at::Tensor& t_in, CodecState& state
   float* residual = nullptr;
   const float* x = t.data_ptr<float>();
   if (options_.error_feedback) {
-    residual = detail::residual_for(state, t, "topk").data_ptr<float>();
+    residual = detail::residual_for(state, t, "topk", options_.error_decay).data_ptr<float>();
     detail::add(x, residual, residual, n);  // the residual now holds x = t + residual
     x = residual;
   }

@@ -39,7 +39,13 @@ ControllerChoice decide(const ControllerInput& in, const ControllerPins& pins) {
     return {codec_pinned ? pins.codec : "int4", h_pinned ? pins.inner_steps : 50, false,
             "no measurements yet (step time or bandwidth unknown): a safe start"};
   }
-  const std::vector<std::string> codecs = codec_pinned ? std::vector<std::string>{pins.codec} : controller_codecs();
+  std::vector<std::string> codecs = codec_pinned ? std::vector<std::string>{pins.codec} : controller_codecs();
+  std::string left_out;  // why a codec the controller would try is not among the candidates
+  if (!codec_pinned && pins.outer_momentum > 0) {
+    std::erase(codecs, "sparseloco");
+    left_out = str_cat("; sparseloco left out: its error feedback replaces outer momentum, and strategy.outer_momentum = ",
+                       pins.outer_momentum, " (set 0 to let the controller choose it)");
+  }
   const std::vector<int64_t> hs = h_pinned ? std::vector<int64_t>{pins.inner_steps} : controller_inner_steps();
   const int64_t f = std::max<int64_t>(in.fragments, 1);
   const bool streaming = in.delay > 0;
@@ -78,13 +84,15 @@ ControllerChoice decide(const ControllerInput& in, const ControllerPins& pins) {
       why = str_cat("exchange ", per_fragment * 1e3, " ms every ", h, " steps adds ", overhead * 100, "% <= ",
                     pins.max_overhead * 100, "%");
     }
-    if (ok) return {c, h, true, str_cat(why, "; ", reduction, "x less traffic than every step in float32 (", measured, ")")};
+    if (ok)
+      return {c, h, true,
+              str_cat(why, "; ", reduction, "x less traffic than every step in float32 (", measured, ")", left_out)};
   }
   const std::string c = codecs.back();
   const int64_t h = hs.back();
   return {c, h, false,
           str_cat("the WAN cannot be hidden even with ", c, " and H = ", h, ": ",
-                  wan_seconds(c, 1.0 / static_cast<double>(f)) * 1e3, " ms per exchange (", measured, ")")};
+                  wan_seconds(c, 1.0 / static_cast<double>(f)) * 1e3, " ms per exchange (", measured, ")", left_out)};
 }
 
 }  // namespace nebula::strategy

@@ -13,7 +13,8 @@
 //   streaming       F fragments, each merged `delay` inner steps after it is sent: hidden when
 //                   each fragment's exchange fits in its delay, t_wan(F) <= delay * t_step,
 //                   and the F exchanges of a round fit in the round, F * t_wan(F) <= H * t_step
-// Candidates (codec x H: none, fp16, int8, int4, sparseloco x 10 ... 1000) are tried from the
+// Candidates (codec x H: none, fp16, int8, int4, sparseloco x 10 ... 1000; sparseloco only with
+// strategy.outer_momentum = 0, see ControllerPins) are tried from the
 // least total reduction of WAN traffic up, H x the codec's ratio to float32 (ties: smaller H
 // first), and the first feasible pair wins: the most information per second that the WAN can
 // carry while hidden. ("The least compression" counts both factors: on the demo, README,
@@ -43,6 +44,10 @@ struct ControllerPins {
   int64_t inner_steps = 0;          // > 0 pins H
   double max_overhead = 0.05;       // blocking exchanges may add at most this fraction to compute
   codec::CodecOptions codec_options;  // density / block for the payload sizes
+  // The outer optimizer's momentum. SparseLoCo's decayed error feedback stands in for outer
+  // momentum; with both, the update is carried twice (docs/strategies.md), so an unpinned codec
+  // is never sparseloco while this is > 0, and the reason says so.
+  double outer_momentum = 0;
 };
 
 struct ControllerChoice {

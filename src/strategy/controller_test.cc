@@ -68,6 +68,31 @@ TEST(Controller, PinnedChoicesWin) {
   EXPECT_EQ(c.reason, "both pinned in [strategy]");
 }
 
+TEST(Controller, SparselocoOnlyWithoutOuterMomentum) {
+  // 10M values over 2 Mbit/s, 50 ms per step: int4 (~21 s per exchange) cannot be hidden even at
+  // H = 1000; sparseloco (1 % of 256-value chunks, ~0.44 MB, ~1.8 s) can, at H = 1000.
+  const ControllerInput in = measured(0.05, 2e6, 0.1, 10'000'000);
+  ControllerPins pins;
+  pins.outer_momentum = 0;
+  ControllerChoice c = decide(in, pins);
+  EXPECT_EQ(c.codec, "sparseloco");
+  EXPECT_EQ(c.inner_steps, 1000);
+  EXPECT_TRUE(c.hidden);
+  EXPECT_EQ(c.reason.find("left out"), std::string::npos) << c.reason;
+  // With outer momentum the controller never pairs it with sparseloco, and says why.
+  pins.outer_momentum = 0.9;
+  c = decide(in, pins);
+  EXPECT_EQ(c.codec, "int4");
+  EXPECT_FALSE(c.hidden);
+  EXPECT_NE(c.reason.find("sparseloco left out"), std::string::npos) << c.reason;
+  EXPECT_NE(c.reason.find("outer_momentum = 0.9"), std::string::npos) << c.reason;
+  for (double bits_per_s : {1e5, 1e6, 1e7, 1e8, 1e9, 1e10})
+    EXPECT_NE(decide(measured(0.05, bits_per_s, 0.1, 10'000'000), pins).codec, "sparseloco") << bits_per_s;
+  // Pinned by the user, it stays: the choice is theirs.
+  pins.codec = "sparseloco";
+  EXPECT_EQ(decide(in, pins).codec, "sparseloco");
+}
+
 TEST(Controller, WithoutMeasurementsStartsSafe) {
   auto c = decide(measured(0, 0, 0, 1000), {});
   EXPECT_EQ(c.codec, "int4");

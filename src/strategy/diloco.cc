@@ -411,6 +411,7 @@ void DilocoStrategy::init_fragments(const std::vector<std::vector<int64_t>>& sha
   planner_.adaptive = options_.adaptive;
   planner_.heterogeneous = options_.heterogeneous;
   planner_.codec_options = options_.codec_options;
+  planner_.outer_momentum = options_.outer_momentum;
   planner_.site_index = options_.site_index;
   planner_.params = total_numel_;
   planner_.fragments = together_ ? 1 : static_cast<int64_t>(cuts.size());  // the controller's exchange: all of them

@@ -40,6 +40,7 @@ RoundPlan plan_round(const RoundPlannerOptions& options, const RoundPlanInput& i
       pins.codec = options.codec;
       pins.inner_steps = options.inner_steps;
       pins.codec_options = options.codec_options;
+      pins.outer_momentum = options.outer_momentum;
       ControllerChoice choice = decide(ci, pins);
       // Logged when it changes, and the first time it rests on measurements.
       if (!memory.decided || (measured && !memory.decided_measured) || choice.codec != in.codec ||

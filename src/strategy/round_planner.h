@@ -45,6 +45,7 @@ struct RoundPlannerOptions {
   bool adaptive = true;           // re-decide every round once measured (else once measured)
   bool heterogeneous = true;      // H_s scales with the sites' step times
   codec::CodecOptions codec_options;
+  double outer_momentum = 0;  // the outer optimizer's: > 0 keeps the controller from choosing sparseloco
   size_t site_index = 0;
   int64_t params = 0;             // values per full exchange
   int64_t fragments = 1;

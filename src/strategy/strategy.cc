@@ -95,6 +95,7 @@ codec::CodecOptions wan_codec_options(const StrategyConfig& config) {
   o.density = config.codec_density;
   o.rank = config.codec_rank;
   o.error_feedback = config.codec_error_feedback;
+  o.error_decay = config.codec_error_decay;
   return o;
 }
 

@@ -532,6 +532,7 @@ Config build(const toml::table& root, const std::string& file) {
     s.number("codec_density", c.strategy.codec_density, 1e-6, 1.0);
     s.integer("codec_rank", c.strategy.codec_rank, 1, 1024);
     s.boolean("codec_error_feedback", c.strategy.codec_error_feedback);
+    s.number("codec_error_decay", c.strategy.codec_error_decay, 0.0, 1.0);
     s.unit("bucket", c.strategy.bucket_bytes, parse_size);
     if (c.strategy.bucket_bytes < 1024) s.fail(*t, "bucket", "must be at least 1KiB");
     s.integer("inner_steps", c.strategy.inner_steps, 0, 1 << 20);
@@ -826,6 +827,7 @@ std::string to_toml(const Config& c) {
                                       {"codec_density", c.strategy.codec_density},
                                       {"codec_rank", c.strategy.codec_rank},
                                       {"codec_error_feedback", c.strategy.codec_error_feedback},
+                                      {"codec_error_decay", c.strategy.codec_error_decay},
                                       {"bucket", bytes(c.strategy.bucket_bytes)},
                                       {"inner_steps", c.strategy.inner_steps},
                                       {"outer_lr", c.strategy.outer_lr},
