@@ -529,13 +529,23 @@ void DilocoStrategy::send(size_t f) {
   if (options_.delay > 0) fr.sent_local = read_part(fr);
   fr.round = rounds_;
   fr.seq = next_seq_++;
-  const double weight = site_weight_ - fr.weight_at_send;
+  // Heterogeneous sites (FedNova, Wang et al. 2020): a site that ran H_s inner steps where the
+  // slowest ran H sends its pseudo-gradient and its weight (tokens) scaled by H / H_s, so that
+  // the merged update is H · Σ b_s (Δ_s / H_s) / Σ b_s, b_s the site's tokens per step: each
+  // site's update per step, weighted by its batch, times the round's H (FedNova with
+  // τ_eff = H). A faster site's extra steps sharpen its direction but no longer weigh twice (in
+  // its update's size and in its token count), and the update is no larger than a round of H
+  // steps of equal sites, for which the outer learning rate was set. Equal sites: scale 1.
+  const double scale = round_steps_ > nominal_h_ && nominal_h_ > 0
+                           ? static_cast<double>(nominal_h_) / static_cast<double>(round_steps_)
+                           : 1.0;
+  const double weight = (site_weight_ - fr.weight_at_send) * scale;
   fr.weight_at_send = site_weight_;
   const double hash = global_hash(f);  // of θ_global at the send, unchanged until the merge
   if (comm_.every_worker()) {
-    send_own_part(fr, weight, hash);
+    send_own_part(fr, weight, scale, hash);
   } else {
-    send_through_gateway(fr, weight, hash);
+    send_through_gateway(fr, weight, scale, hash);
   }
   if (f + 1 == fragments_.size() && buffers_cross_sites()) {
     // The buffers go with the round's last fragment (exactly, weighted like it) and are merged with it.
@@ -556,7 +566,7 @@ void DilocoStrategy::send(size_t f) {
 // The pseudo-gradient θ_global - θ_local of this worker's part, written where it goes (no
 // other copy of θ_local): the gateway's part of fr.delta. Sharded, the gateway gathers the
 // other workers' parts into the rest of it, and alone sends the whole.
-void DilocoStrategy::send_through_gateway(Fragment& fr, double weight, double hash) {
+void DilocoStrategy::send_through_gateway(Fragment& fr, double weight, double scale, double hash) {
   const size_t f = static_cast<size_t>(&fr - fragments_.data());
   const bool sharded = parted();
   at::Tensor part;
@@ -575,6 +585,7 @@ void DilocoStrategy::send_through_gateway(Fragment& fr, double weight, double ha
   }
   if (sharded) gather_to_gateway(fr, part, fr.delta);
   if (comm_.is_gateway()) {
+    if (scale != 1.0) fr.delta.mul_(scale);
     if (options_.dp_clip > 0) privatize(fr.delta);
     std::vector<at::Tensor> bucket;
     const bool per_tensor = codec_ && codec_->id() == codec::CodecId::kPowerSgd;
@@ -606,7 +617,7 @@ void DilocoStrategy::send_through_gateway(Fragment& fr, double weight, double ha
 // wan.mode = "every_worker": every worker exchanges the cut of the pseudo-gradient that ZeRO
 // gives it (its shard's part when sharded; unsharded, the same range of its whole copy) with
 // the workers of the other sites over its own links.
-void DilocoStrategy::send_own_part(Fragment& fr, double weight, double hash) {
+void DilocoStrategy::send_own_part(Fragment& fr, double weight, double scale, double hash) {
   const size_t f = static_cast<size_t>(&fr - fragments_.data());
   collective::Holdings holdings = wan_holdings(fr);
   const auto& mine = holdings[options_.site_index][static_cast<size_t>(comm_.site().rank())];
@@ -631,6 +642,7 @@ void DilocoStrategy::send_own_part(Fragment& fr, double weight, double hash) {
       pos += n;
     }
   }
+  if (scale != 1.0) part.mul_(scale);
   collective::AllreduceOptions o;
   o.op = collective::ReduceOp::kWeightedMean;
   o.weight = weight;

@@ -185,8 +185,9 @@ class DilocoStrategy : public Strategy {
     uint64_t seq = 0;                // send order
   };
   void send(size_t f);
-  void send_through_gateway(Fragment& fr, double weight, double hash);
-  void send_own_part(Fragment& fr, double weight, double hash);  // wan.mode = "every_worker"
+  // `scale`: H / H_s, the heterogeneous sites' normalisation of the pseudo-gradient (send()).
+  void send_through_gateway(Fragment& fr, double weight, double scale, double hash);
+  void send_own_part(Fragment& fr, double weight, double scale, double hash);  // wan.mode = "every_worker"
   // Every site's holdings of fragment fr (Hierarchy::exchange_parts_async): the layout at that
   // site's number of workers (site_layout), sharded or not.
   collective::Holdings wan_holdings(const Fragment& fr) const;

@@ -780,6 +780,49 @@ TEST(Diloco, FasterSiteRunsMoreInnerStepsPerRound) {
   EXPECT_EQ(local_steps[0], 2 + 6 * 3);  // round 0 before any measurement, then 3x
 }
 
+// FedNova's normalisation: site 0 runs 3x faster (3 H inner steps a round from the first
+// measurement on), each site moving its parameters by a fixed vector per step (v0 = (1, 0),
+// v1 = (0, 1)) with the same weight per step. Weighted by tokens alone, the fast site's update
+// would count 3 x 3 = 9 times the slow one's ((14.5, 2.5) after 4 rounds of H = 2); normalised
+// by inner steps, each round moves both coordinates by H / 2: (4, 4).
+TEST(Diloco, AFasterSiteDoesNotDominateTheMergedUpdate) {
+  const std::vector<int> sites{1, 1};
+  std::mutex mu;
+  std::vector<std::vector<float>> global(2);
+  std::vector<int64_t> local_steps(2);
+  for (const bool every_worker : {false, true}) {
+    SCOPED_TRACE(every_worker ? "every_worker" : "gateway");
+    collective::testing::run_cluster(sites, [&](collective::testing::Rank& r) {
+      DilocoOptions o = options(2, 2, r.site);
+      o.heterogeneous = true;
+      o.assumed_step_seconds = r.site == 0 ? 0.01 : 0.03;  // no wall-clock in tests
+      o.outer_lr = 1.0;
+      o.outer_momentum = 0.0;
+      DilocoStrategy s(*r.hierarchy, o);
+      std::vector<at::Tensor> params{at::zeros({2}, at::kFloat)};
+      s.init(params);
+      int64_t steps = 0;
+      for (int64_t step = 0; s.keep_training(step, 8); ++step) {
+        s.before_backward(1.0);
+        s.sync_gradients(params, 1.0);
+        params[0][r.site] += 1.0f;  // v_site
+        s.after_step(step);
+        ++steps;
+      }
+      s.finish();
+      std::lock_guard<std::mutex> lock(mu);
+      global[r.site] = {params[0][0].item<float>(), params[0][1].item<float>()};
+      local_steps[r.site] = steps;
+    }, std::chrono::seconds(60), every_worker);
+    EXPECT_EQ(local_steps[0], 2 + 6 * 3);  // the fast site did run 3x the steps
+    EXPECT_EQ(local_steps[1], 8);
+    for (int site = 0; site < 2; ++site) {
+      EXPECT_FLOAT_EQ(global[site][0], 4.0f) << "site " << site;
+      EXPECT_FLOAT_EQ(global[site][1], 4.0f) << "site " << site;
+    }
+  }
+}
+
 // PEFT-style: only the parameters handed to the strategy cross the WAN, and frozen ones never
 // change. Bytes per exchange = the codec's encoding of the trainable values.
 TEST(Diloco, OnlyTrainableParametersCrossTheWan) {
