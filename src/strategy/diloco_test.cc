@@ -823,6 +823,72 @@ TEST(Diloco, AFasterSiteDoesNotDominateTheMergedUpdate) {
   }
 }
 
+// The controller's decisions as applied: with codec = "auto" and H = auto, every site runs each
+// round with the same codec and H (step times pinned; the links' bandwidth is measured, so the
+// choices themselves may differ from run to run, never between sites), each decision line names
+// the codec and H its round ran, and the rounds' H add up to the steps (one outer step each).
+TEST(Diloco, EverySiteAppliesTheControllersChoiceInTheSameRound) {
+  const std::vector<int> sites{1, 1};
+  constexpr int64_t kSteps = 130;
+  std::mutex mu;
+  std::vector<std::vector<std::pair<std::string, int64_t>>> applied(2);  // per round: codec, H
+  std::vector<std::vector<std::string>> decisions(2);
+  std::vector<int64_t> outer_steps(2);
+  collective::testing::run_cluster(sites, [&](collective::testing::Rank& r) {
+    model::MlmEncoder m = make_model(5);
+    model::MlmBatcher data = batches_for(30 + r.global_rank);
+    DilocoOptions o = options(0, 2, r.site);
+    o.codec = "auto";
+    o.adaptive = true;
+    o.assumed_step_seconds = 0.02;
+    DilocoStrategy s(*r.hierarchy, o);
+    auto params = m->parameters();
+    s.init(params);
+    torch::optim::AdamW opt(params, torch::optim::AdamWOptions(1e-2));
+    std::vector<std::pair<std::string, int64_t>> mine;
+    for (int64_t step = 0; s.keep_training(step, kSteps); ++step) {
+      // Right after keep_training the round is open and rounds() is its index.
+      if (s.rounds() == static_cast<int64_t>(mine.size())) mine.emplace_back(s.codec_kind(), s.round_inner_steps());
+      model::MlmBatch b = data.next();
+      at::Tensor loss = m->loss(b.ids, b.labels);
+      opt.zero_grad();
+      s.before_backward(static_cast<double>(b.predicted));
+      loss.backward();
+      s.sync_gradients(params, static_cast<double>(b.predicted));
+      opt.step();
+      s.after_step(step);
+    }
+    s.finish();
+    std::lock_guard<std::mutex> lock(mu);
+    applied[r.site] = mine;
+    decisions[r.site] = s.decisions();
+    outer_steps[r.site] = s.outer_steps();
+  });
+  EXPECT_EQ(applied[0], applied[1]);
+  EXPECT_EQ(decisions[0], decisions[1]);
+  int64_t steps = 0;
+  for (const auto& [codec, h] : applied[0]) steps += h;
+  EXPECT_EQ(steps, kSteps);
+  EXPECT_EQ(outer_steps[0], static_cast<int64_t>(applied[0].size()));
+  int64_t controller_lines = 0, measured = 0;
+  for (const std::string& line : decisions[0]) {  // "round R: codec C, H N — why"
+    if (line.find(": codec ") == std::string::npos) continue;  // "this site runs ..." (heterogeneous)
+    ++controller_lines;
+    measured += line.find("no measurements yet") == std::string::npos;
+    const size_t round = std::stoul(line.substr(6));
+    ASSERT_LT(round, applied[0].size()) << line;
+    const auto& [codec, h] = applied[0][round];
+    EXPECT_NE(line.find(nebula::str_cat("codec ", codec, ", H ")), std::string::npos) << line;
+    // The last round may be cut short by the end of training: H is the one named, or less.
+    const int64_t named = std::stoll(line.substr(line.find(", H ") + 4));
+    EXPECT_TRUE(h == named || (round + 1 == applied[0].size() && h < named)) << line << " ran H " << h;
+  }
+  // The safe start, then a decision on measurements (round 2: round 0's exchange measured the
+  // links, round 1's carried the numbers).
+  EXPECT_GE(controller_lines, 2);
+  EXPECT_GE(measured, 1);
+}
+
 // PEFT-style: only the parameters handed to the strategy cross the WAN, and frozen ones never
 // change. Bytes per exchange = the codec's encoding of the trainable values.
 TEST(Diloco, OnlyTrainableParametersCrossTheWan) {
