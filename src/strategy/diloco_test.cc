@@ -54,15 +54,18 @@ DilocoOptions options(int64_t h, size_t sites, size_t site) {
 }
 
 // The training loop of src/train/worker.cc, reduced to its strategy calls.
-// `setup` runs after init(), before the first step (e.g. the worker's set_sharding).
+// `setup` runs after init(), before the first step (e.g. the worker's set_sharding); `before`
+// at the start of every step, after keep_training (the step's round open).
 template <typename AfterStep>
 void train(Strategy& strategy, model::MlmEncoder& m, model::MlmBatcher& data, int64_t steps, AfterStep after,
-           const std::function<void(std::vector<at::Tensor>&)>& setup = {}) {
+           const std::function<void(std::vector<at::Tensor>&)>& setup = {},
+           const std::function<void(int64_t)>& before = {}) {
   auto params = m->parameters();
   strategy.init(params);
   if (setup) setup(params);
   torch::optim::AdamW opt(params, torch::optim::AdamWOptions(1e-2));
   for (int64_t step = 0; strategy.keep_training(step, steps); ++step) {
+    if (before) before(step);
     model::MlmBatch b = data.next();
     at::Tensor loss = m->loss(b.ids, b.labels);
     opt.zero_grad();
@@ -842,23 +845,11 @@ TEST(Diloco, EverySiteAppliesTheControllersChoiceInTheSameRound) {
     o.adaptive = true;
     o.assumed_step_seconds = 0.02;
     DilocoStrategy s(*r.hierarchy, o);
-    auto params = m->parameters();
-    s.init(params);
-    torch::optim::AdamW opt(params, torch::optim::AdamWOptions(1e-2));
     std::vector<std::pair<std::string, int64_t>> mine;
-    for (int64_t step = 0; s.keep_training(step, kSteps); ++step) {
-      // Right after keep_training the round is open and rounds() is its index.
+    // Right after keep_training the round is open and rounds() is its index.
+    train(s, m, data, kSteps, [](int64_t) {}, {}, [&](int64_t) {
       if (s.rounds() == static_cast<int64_t>(mine.size())) mine.emplace_back(s.codec_kind(), s.round_inner_steps());
-      model::MlmBatch b = data.next();
-      at::Tensor loss = m->loss(b.ids, b.labels);
-      opt.zero_grad();
-      s.before_backward(static_cast<double>(b.predicted));
-      loss.backward();
-      s.sync_gradients(params, static_cast<double>(b.predicted));
-      opt.step();
-      s.after_step(step);
-    }
-    s.finish();
+    });
     std::lock_guard<std::mutex> lock(mu);
     applied[r.site] = mine;
     decisions[r.site] = s.decisions();
