@@ -868,6 +868,18 @@ TEST(EndToEnd, DilocoStreamingPeftAndControllerTrainWithFarFewerWanBytes) {
   EXPECT_NE(decisions[0].get<std::string>().find("no measurements yet"), std::string::npos);
   EXPECT_EQ(decisions.back().get<std::string>().find("no measurements yet"), std::string::npos);
   EXPECT_NE(decisions.back().get<std::string>().find("Mbit/s"), std::string::npos);
+  // The decisions as applied: each round runs the H of the newest decision at or before it
+  // ("round R: codec C, H N — why"; the last round ends with the steps), one outer step each.
+  std::map<int64_t, int64_t> h_from;  // round: H decided there
+  for (const auto& d : decisions) {
+    const std::string line = d.get<std::string>();
+    if (line.find(": codec ") == std::string::npos) continue;  // "this site runs ..."
+    h_from[std::stoll(line.substr(6))] = std::stoll(line.substr(line.find(", H ") + 4));
+  }
+  ASSERT_TRUE(h_from.count(0)) << summaries["auto"].dump();
+  int64_t rounds = 0;
+  for (int64_t done = 0; done < 150; ++rounds) done += std::min(std::prev(h_from.upper_bound(rounds))->second, 150 - done);
+  EXPECT_EQ(summaries["auto"]["strategy_metrics"]["outer_steps"].get<double>(), rounds) << summaries["auto"].dump();
   fs::remove_all(dir);
 }
 
