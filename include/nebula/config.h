@@ -236,6 +236,7 @@ struct StrategyConfig {
   bool codec_error_feedback = true;  // topk/powersgd (int8/int4 optional)
   double codec_error_decay = 1.0;    // error feedback's beta: the residual is scaled by it each encode
                                      // (SparseLoCo decays it, e.g. 0.95; 1 = keep all)
+  std::string codec_indices = "fixed";  // sparseloco: "fixed" bits per index or "rice"-coded gaps
   uint64_t bucket_bytes = 4ull << 20;  // gradients are exchanged in buckets of about this size
   // diloco / streaming: the outer loop.
   int64_t inner_steps = 50;          // H: inner steps between synchronizations; 0 = auto (controller)

@@ -72,6 +72,9 @@ std::unique_ptr<Codec> make_codec(const CodecOptions& o) {
       if (!(o.density > 0.0 && o.density <= 1.0))
         throw ConfigError(
             str_cat("strategy.codec_density = ", o.density, " is not in (0, 1] (fraction sparseloco keeps per chunk)"));
+      if (o.indices != "fixed" && o.indices != "rice")
+        throw ConfigError(str_cat("strategy.codec_indices = \"", o.indices,
+                                  "\" is not \"fixed\" or \"rice\" (how sparseloco sends its kept values' indices)"));
       return std::make_unique<SparseLocoCodec>(o);
   }
   throw ConfigError(str_cat("strategy.codec = \"", o.kind, "\": no codec"));  // unreachable

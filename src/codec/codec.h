@@ -33,7 +33,15 @@
 //                                          < its length), then their K 2-bit codes (bit 0:
 //                                          sign, 1 = negative; bit 1: 1 = level hi, 0 = lo);
 //                                          both bit streams in chunk order, LSB-first, each
-//                                          zero-padded to a whole byte
+//                                          zero-padded to a whole byte. With "rice" indices
+//                                          (chunk's bits 24-31 = 1; 0 = fixed, bits 0-23 the
+//                                          chunk): the levels, then the K codes, then the
+//                                          indices as a Rice stream to the payload's end:
+//                                          per kept value the gap g = index - previous - 1
+//                                          (previous = -1 at a chunk's start) as q = g >> r
+//                                          one-bits and a zero, then g's r low bits, with
+//                                          r = floor(log2(len / k_c)) for a chunk of len
+//                                          values keeping k_c; zero-padded, nothing after
 //  nblocks = ceil(numel / block); int8/int4 flags: bit 0 = stochastic rounding was used
 //  (informational), other bits must be 0. sparseloco: chunk in [2, 65536]; every full chunk
 //  keeps k in [1, chunk] values, a partial last chunk (numel % chunk values) keeps k_last in
@@ -135,6 +143,10 @@ struct CodecOptions {
   // was not sent fades (SparseLoCo's e <- beta e + delta, which stands in for outer momentum);
   // 1 keeps all of it (classic error feedback), 0 none.
   double error_decay = 1.0;
+  // sparseloco: how the kept values' in-chunk indices are sent: "fixed" (ceil(log2(chunk))
+  // bits each) or "rice" (the gaps between them Rice-coded: ~8 bits each at 1/64 of 4096,
+  // where fixed takes 12).
+  std::string indices = "fixed";
 };
 
 // Per-tensor state kept by the caller between steps for one logical tensor (bucket). A

@@ -23,6 +23,10 @@ using Kind = CodecError::Kind;
 constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
 constexpr float kInf = std::numeric_limits<float>::infinity();
 
+// The chunk field's bits 24-31: how the indices are sent (0: fixed width; codec.h).
+constexpr uint32_t kRiceIndices = uint32_t{1} << 24;
+constexpr uint32_t kChunkMask = (uint32_t{1} << 24) - 1;
+
 // Chunks per parallel work item. Every chunk but the last keeps k values, so 8 chunks take
 // 8 k bits per index bit and 16 k bits of codes: whole bytes, so each work item writes
 // bytes of its own in both bit streams and no two threads share one.
@@ -84,6 +88,12 @@ class BitWriter {
     for (; fill_ > 0; fill_ -= 8, acc_ >>= 8) *out_++ = static_cast<uint8_t>(acc_);
     fill_ = 0;
   }
+  // n one-bits (any n).
+  void ones(int64_t n) {
+    for (; n >= 16; n -= 16) put(0xFFFFu, 16);
+    if (n > 0) put((1u << n) - 1, static_cast<int>(n));
+  }
+  uint8_t* end() const { return out_; }  // after flush(): one past the last byte written
 
  private:
   uint8_t* out_;
@@ -111,6 +121,43 @@ class BitReader {
 
  private:
   const uint8_t* in_;
+  uint64_t acc_ = 0;
+  int fill_ = 0;
+};
+
+// The Rice parameter of a chunk of `len` values keeping k: floor(log2(len / k)), the gaps'
+// typical size (0 to 16).
+int rice_param(int64_t len, int64_t k) { return std::bit_width(static_cast<uint64_t>(len / k)) - 1; }
+
+// The most bytes a chunk's Rice-coded indices can take: the gaps sum to at most len - k, so
+// the unary parts to at most (len - k) >> r bits beside k stop bits and k r-bit remainders.
+int64_t rice_bits_bound(int64_t len, int64_t k) {
+  const int r = rice_param(len, k);
+  return k * (1 + r) + ((len - k) >> r);
+}
+
+// Reads a Rice stream of `n` bytes, a bit at a time or r at a time; reading past its end is
+// kTruncated.
+class BoundedBitReader {
+ public:
+  BoundedBitReader(const uint8_t* in, size_t n) : in_(in), end_(in + n) {}
+  uint32_t get(int n) {  // n <= 16
+    while (fill_ < n) {
+      if (in_ == end_) fail(Kind::kTruncated, "sparseloco payload: the Rice-coded indices end inside a value");
+      acc_ |= uint64_t{*in_++} << fill_;
+      fill_ += 8;
+    }
+    const auto v = static_cast<uint32_t>(acc_ & ((uint64_t{1} << n) - 1));
+    acc_ >>= n;
+    fill_ -= n;
+    return v;
+  }
+  bool padding_zero() const { return acc_ == 0; }
+  size_t left() const { return static_cast<size_t>(end_ - in_); }  // whole bytes not read
+
+ private:
+  const uint8_t* in_;
+  const uint8_t* end_;
   uint64_t acc_ = 0;
   int fill_ = 0;
 };
@@ -306,11 +353,12 @@ ChunkCode code_chunk(const float* x, int64_t n, int64_t k, Scratch& s) {
 }
 
 // Encodes chunks [c0, c1) (c0 a multiple of kGroup) from x (the error-feedback residual,
-// updated in place, when `residual`).
+// updated in place, when `residual`). The kept indices go to the fixed-width stream
+// `indices`, or, when that is null, to kept_out[K] (for the Rice stream, written after).
 void encode_chunks(const Layout& L, int64_t c0, int64_t c1, const float* t, float* residual, uint8_t* los,
-                   uint8_t* his, uint8_t* indices, uint8_t* codes) {
+                   uint8_t* his, uint8_t* indices, uint8_t* codes, uint16_t* kept_out) {
   Scratch s(std::min(L.chunk, L.numel));
-  BitWriter iw(indices + L.kept_before(c0) * L.bits / 8);
+  BitWriter iw(indices ? indices + L.kept_before(c0) * L.bits / 8 : nullptr);
   BitWriter cw(codes + L.kept_before(c0) / 4);
   for (int64_t c = c0; c < c1; ++c) {
     const int64_t start = c * L.chunk, n = L.chunk_len(c), k = L.chunk_k(c);
@@ -329,7 +377,10 @@ void encode_chunks(const Layout& L, int64_t c0, int64_t c1, const float* t, floa
       const float v = x[i];
       const uint32_t sign = std::bit_cast<uint32_t>(v) >> 31;
       const uint32_t high = magnitude_key(v) >= cc.split ? 1u : 0u;
-      iw.put(i, L.bits);
+      if (kept_out)
+        kept_out[L.kept_before(c) + j] = static_cast<uint16_t>(i);
+      else
+        iw.put(i, L.bits);
       cw.put(sign | (high << 1), 2);
       if (r) {
         // (A non-finite chunk decodes to NaN: then nothing of it is kept.)
@@ -342,7 +393,7 @@ void encode_chunks(const Layout& L, int64_t c0, int64_t c1, const float* t, floa
     if (r && !cc.finite)
       for (int64_t i = 0; i < n; ++i) r[i] = detail::finite_or_zero(r[i]);
   }
-  iw.flush();
+  if (!kept_out) iw.flush();
   cw.flush();
 }
 
@@ -358,6 +409,7 @@ int64_t sparseloco_count(int64_t len, double density) {
 SparseLocoCodec::SparseLocoCodec(const CodecOptions& options) : options_(options) {
   NEBULA_CHECK(options.block >= 2 && options.block <= kMaxSparseLocoChunk, "sparseloco chunk ", options.block);
   NEBULA_CHECK(options.density > 0.0 && options.density <= 1.0, "sparseloco density ", options.density);
+  NEBULA_CHECK(options.indices == "fixed" || options.indices == "rice", "sparseloco indices ", options.indices);
 }
 
 std::vector<uint8_t> SparseLocoCodec::encode(const at::Tensor& t_in, CodecState& state) const {
@@ -366,22 +418,50 @@ std::vector<uint8_t> SparseLocoCodec::encode(const at::Tensor& t_in, CodecState&
   const Layout L(n, chunk, sparseloco_count(chunk, options_.density), sparseloco_count(n % chunk, options_.density));
   float* residual = options_.error_feedback ? detail::residual_for(state, t, "sparseloco", options_.error_decay).data_ptr<float>() : nullptr;
 
+  const bool rice = options_.indices == "rice";
   wire::ByteWriter w;
   detail::write_header(w, CodecId::kSparseLoco, t.sizes());
-  w.put_u32(static_cast<uint32_t>(L.chunk));
+  w.put_u32(static_cast<uint32_t>(L.chunk) | (rice ? kRiceIndices : 0u));
   w.put_u32(static_cast<uint32_t>(L.k));
   w.put_u32(static_cast<uint32_t>(L.k_last));
   std::vector<uint8_t> out = w.take();
-  uint8_t* los = detail::append(out, static_cast<size_t>(L.data_bytes()));
+  // Fixed: levels, indices, codes. Rice: levels, codes, then the Rice stream (written below
+  // from the kept indices, once every chunk has chosen its own).
+  const int64_t fixed_bytes = rice ? 8 * L.nchunks + L.code_bytes() : L.data_bytes();
+  uint8_t* los = detail::append(out, static_cast<size_t>(fixed_bytes));
   uint8_t* his = los + 4 * L.nchunks;
-  uint8_t* indices = his + 4 * L.nchunks;
-  uint8_t* codes = indices + L.index_bytes();
+  uint8_t* indices = rice ? nullptr : his + 4 * L.nchunks;
+  uint8_t* codes = rice ? his + 4 * L.nchunks : indices + L.index_bytes();
+  std::vector<uint16_t> kept(rice ? static_cast<size_t>(L.kept()) : 0);
   const float* x = t.data_ptr<float>();
   const int64_t ngroups = (L.nchunks + kGroup - 1) / kGroup;
   const int64_t grain = std::max<int64_t>(1, kGrainValues / (kGroup * L.chunk));
   at::parallel_for(0, ngroups, grain, [&](int64_t g0, int64_t g1) {
-    encode_chunks(L, g0 * kGroup, std::min(L.nchunks, g1 * kGroup), x, residual, los, his, indices, codes);
+    encode_chunks(L, g0 * kGroup, std::min(L.nchunks, g1 * kGroup), x, residual, los, his, indices, codes,
+                  rice ? kept.data() : nullptr);
   });
+  if (rice) {
+    int64_t bound = 0;
+    for (int64_t c = 0; c < L.nchunks; ++c) bound += rice_bits_bound(L.chunk_len(c), L.chunk_k(c));
+    const size_t start = out.size();
+    uint8_t* stream = detail::append(out, static_cast<size_t>((bound + 7) / 8 + 8));  // + a word's slack
+    BitWriter bw(stream);
+    for (int64_t c = 0; c < L.nchunks; ++c) {
+      const int64_t k = L.chunk_k(c);
+      const int r = rice_param(L.chunk_len(c), k);
+      int64_t prev = -1;
+      for (int64_t j = 0; j < k; ++j) {
+        const int64_t idx = kept[static_cast<size_t>(L.kept_before(c) + j)];
+        const auto gap = static_cast<uint32_t>(idx - prev - 1);
+        bw.ones(gap >> r);
+        bw.put(0, 1);
+        if (r > 0) bw.put(gap & ((1u << r) - 1), r);
+        prev = idx;
+      }
+    }
+    bw.flush();
+    out.resize(start + static_cast<size_t>(bw.end() - stream));
+  }
   ++state.steps;
   return out;
 }
@@ -390,9 +470,14 @@ at::Tensor SparseLocoCodec::decode(std::span<const uint8_t> payload, int64_t exp
   return detail::guarded([&] {
     wire::ByteReader r(payload, "sparseloco payload");
     detail::PayloadHeader h = detail::read_header(r, CodecId::kSparseLoco, false, expected_numel);
-    const uint32_t chunk = r.u32();
+    const uint32_t chunk_field = r.u32();
     const uint32_t k = r.u32();
     const uint32_t k_last = r.u32();
+    const uint32_t coding = chunk_field >> 24, chunk = chunk_field & kChunkMask;
+    if (coding > 1)
+      fail(Kind::kBadHeader, str_cat("sparseloco payload: index coding ", coding, " (the chunk field's bits 24-31) is not 0 "
+                                     "(fixed) or 1 (rice)"));
+    const bool rice = coding == 1;
     if (chunk < 2 || chunk > kMaxSparseLocoChunk)
       fail(Kind::kBadHeader,
            str_cat("sparseloco payload: chunk = ", chunk, " is not in [2, ", kMaxSparseLocoChunk, "]"));
@@ -406,11 +491,22 @@ at::Tensor SparseLocoCodec::decode(std::span<const uint8_t> payload, int64_t exp
       fail(Kind::kBadHeader, str_cat("sparseloco payload: k_last = ", k_last, " is not in [1, ", tail,
                                      "] (the last chunk's length)"));
     const Layout L(h.numel, chunk, k, k_last);
-    detail::expect_remaining(r, static_cast<uint64_t>(L.data_bytes()), "sparseloco", "levels, indices and codes");
-    const uint8_t* los = r.bytes(static_cast<size_t>(L.data_bytes())).data();
+    // Rice: the levels and codes, and at least a bit per index after them.
+    const int64_t fixed_bytes = rice ? 8 * L.nchunks + L.code_bytes() : L.data_bytes();
+    const int64_t rice_min = rice ? (L.kept() + 7) / 8 : 0;
+    if (rice) {
+      if (r.remaining() < static_cast<uint64_t>(fixed_bytes + rice_min))
+        fail(Kind::kTruncated, str_cat("sparseloco payload: ", r.remaining(), " bytes left for levels, codes and Rice-coded "
+                                       "indices, at least ", fixed_bytes + rice_min, " needed"));
+    } else {
+      detail::expect_remaining(r, static_cast<uint64_t>(L.data_bytes()), "sparseloco", "levels, indices and codes");
+    }
+    const uint8_t* los = r.bytes(static_cast<size_t>(fixed_bytes)).data();
     const uint8_t* his = los + 4 * L.nchunks;
-    BitReader ir(his + 4 * L.nchunks);
-    BitReader cr(his + 4 * L.nchunks + L.index_bytes());
+    BitReader ir(his + 4 * L.nchunks);  // fixed only
+    BitReader cr(rice ? his + 4 * L.nchunks : his + 4 * L.nchunks + L.index_bytes());
+    const size_t stream_bytes = rice ? r.remaining() : 0;
+    BoundedBitReader rr(rice ? r.bytes(stream_bytes).data() : los, stream_bytes);
     at::Tensor y = at::zeros(h.shape, at::TensorOptions().dtype(at::kFloat));
     float* out = y.data_ptr<float>();
     for (int64_t c = 0; c < L.nchunks; ++c) {
@@ -424,10 +520,23 @@ at::Tensor SparseLocoCodec::decode(std::span<const uint8_t> payload, int64_t exp
                                       ") are not 0 <= lo <= hi < inf (nor both NaN)"));
       const uint32_t lo_bits = std::bit_cast<uint32_t>(lo), hi_bits = std::bit_cast<uint32_t>(hi);
       const int64_t n = L.chunk_len(c), kc = L.chunk_k(c);
+      const int rp = rice ? rice_param(n, kc) : 0;
+      const int64_t max_q = (n - 1) >> rp;
       float* y_c = out + c * L.chunk;
       int64_t prev = -1;
       for (int64_t j = 0; j < kc; ++j) {
-        const uint32_t idx = ir.get(L.bits);
+        uint32_t idx;
+        if (rice) {
+          int64_t q = 0;
+          while (rr.get(1) == 1)
+            if (++q > max_q)
+              fail(Kind::kMismatch, str_cat("sparseloco payload: chunk ", c, " index #", j, ": a Rice quotient over ", max_q,
+                                            " (its chunk holds ", n, " values)"));
+          // Below 2^18 (q <= max_q): the range check below applies to it as to a fixed index.
+          idx = static_cast<uint32_t>(prev + 1 + ((q << rp) | (rp > 0 ? rr.get(rp) : 0)));
+        } else {
+          idx = ir.get(L.bits);
+        }
         if (idx >= n)
           fail(Kind::kMismatch, str_cat("sparseloco payload: chunk ", c, " index #", j, " = ", idx,
                                         " is out of range for its ", n, " values"));
@@ -439,7 +548,13 @@ at::Tensor SparseLocoCodec::decode(std::span<const uint8_t> payload, int64_t exp
         y_c[idx] = std::bit_cast<float>(((code & 2u) ? hi_bits : lo_bits) | ((code & 1u) << 31));
       }
     }
-    if (!ir.padding_zero()) fail(Kind::kMismatch, "sparseloco payload: non-zero padding bits after the last index");
+    if (rice) {
+      if (!rr.padding_zero()) fail(Kind::kMismatch, "sparseloco payload: non-zero padding bits after the last index");
+      if (rr.left() > 0)
+        fail(Kind::kMismatch, str_cat("sparseloco payload: ", rr.left(), " bytes after the Rice-coded indices"));
+    } else if (!ir.padding_zero()) {
+      fail(Kind::kMismatch, "sparseloco payload: non-zero padding bits after the last index");
+    }
     if (!cr.padding_zero()) fail(Kind::kMismatch, "sparseloco payload: non-zero padding bits after the last code");
     return y;
   });

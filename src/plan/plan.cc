@@ -1,6 +1,7 @@
 #include "plan/plan.h"
 
 #include <algorithm>
+#include <bit>
 #include <cctype>
 #include <cmath>
 #include <cstdio>
@@ -195,6 +196,7 @@ Topology build(const toml::table& root, const std::string& file) {
     s.number("powersgd_ratio", t.codec.powersgd_ratio, 1.0, 1e9);
     s.number("sparseloco_density", t.codec.sparseloco_density, 1e-6, 1.0);
     s.integer("sparseloco_chunk", t.codec.sparseloco_chunk, 2, 1 << 24);
+    s.string("sparseloco_indices", t.codec.sparseloco_indices, {"fixed", "rice"});
     s.finish();
     // Stages cut the layers, slices the heads; both are costed from the model's shape.
     const bool layouts = std::any_of(t.pipelines.begin(), t.pipelines.end(), [](int64_t p) { return p > 1; }) ||
@@ -400,7 +402,13 @@ double payload_bytes(const std::string& codec, double m, const CodecParams& p) {
   if (codec == "sparseloco") {                                 // 2-bit values + in-chunk index bits,
     const double kept = std::ceil(p.sparseloco_density * m);   // 8 bytes of scale per chunk
     const double chunk = static_cast<double>(p.sparseloco_chunk);
-    const double index_bits = std::ceil(std::log2(chunk));     // whole bits per in-chunk index
+    double index_bits = std::ceil(std::log2(chunk));           // whole bits per in-chunk index
+    if (p.sparseloco_indices == "rice") {  // expected Rice bits of a gap between random positions
+      const double k = std::max(1.0, std::round(p.sparseloco_density * chunk));
+      const int r = std::bit_width(static_cast<uint64_t>(chunk / k)) - 1;
+      const double a = std::pow(1 - k / chunk, std::ldexp(1.0, r));
+      index_bits = a < 1 ? 1 + r + a / (1 - a) : 1 + r;
+    }
     return kept * (2 + index_bits) / 8 + 8 * std::ceil(m / chunk);
   }
   throw Error(str_cat("plan: unknown codec '", codec, "'"));

@@ -27,6 +27,7 @@ double codec_payload_bytes(const std::string& codec, int64_t params, const codec
   p.density = o.density;
   p.sparseloco_density = o.density;
   p.sparseloco_chunk = o.block;
+  p.sparseloco_indices = o.indices;
   return plan::payload_bytes(codec, static_cast<double>(params), p);
 }
 

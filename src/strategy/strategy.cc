@@ -96,6 +96,7 @@ codec::CodecOptions wan_codec_options(const StrategyConfig& config) {
   o.rank = config.codec_rank;
   o.error_feedback = config.codec_error_feedback;
   o.error_decay = config.codec_error_decay;
+  o.indices = config.codec_indices;
   return o;
 }
 
