@@ -102,12 +102,14 @@ class BitWriter {
 };
 
 // Reads what BitWriter wrote, a byte at a time and only when needed, so it never reads past
-// the bytes the bits it returned cover.
+// the bytes the bits it returned cover. Given an end (a Rice stream, whose length the header
+// does not fix), reading past it is kTruncated; without one the caller has checked the length.
 class BitReader {
  public:
-  explicit BitReader(const uint8_t* in) : in_(in) {}
-  uint32_t get(int n) {
+  explicit BitReader(const uint8_t* in, const uint8_t* end = nullptr) : in_(in), end_(end) {}
+  uint32_t get(int n) {  // n <= 16
     while (fill_ < n) {
+      if (in_ == end_) fail(Kind::kTruncated, "sparseloco payload: the Rice-coded indices end inside a value");
       acc_ |= uint64_t{*in_++} << fill_;
       fill_ += 8;
     }
@@ -118,9 +120,11 @@ class BitReader {
   }
   // After the last get: whether the rest of the last byte read (the padding) is zero.
   bool padding_zero() const { return acc_ == 0; }
+  size_t left() const { return static_cast<size_t>(end_ - in_); }  // with an end: whole bytes not read
 
  private:
   const uint8_t* in_;
+  const uint8_t* end_;
   uint64_t acc_ = 0;
   int fill_ = 0;
 };
@@ -135,32 +139,6 @@ int64_t rice_bits_bound(int64_t len, int64_t k) {
   const int r = rice_param(len, k);
   return k * (1 + r) + ((len - k) >> r);
 }
-
-// Reads a Rice stream of `n` bytes, a bit at a time or r at a time; reading past its end is
-// kTruncated.
-class BoundedBitReader {
- public:
-  BoundedBitReader(const uint8_t* in, size_t n) : in_(in), end_(in + n) {}
-  uint32_t get(int n) {  // n <= 16
-    while (fill_ < n) {
-      if (in_ == end_) fail(Kind::kTruncated, "sparseloco payload: the Rice-coded indices end inside a value");
-      acc_ |= uint64_t{*in_++} << fill_;
-      fill_ += 8;
-    }
-    const auto v = static_cast<uint32_t>(acc_ & ((uint64_t{1} << n) - 1));
-    acc_ >>= n;
-    fill_ -= n;
-    return v;
-  }
-  bool padding_zero() const { return acc_ == 0; }
-  size_t left() const { return static_cast<size_t>(end_ - in_); }  // whole bytes not read
-
- private:
-  const uint8_t* in_;
-  const uint8_t* end_;
-  uint64_t acc_ = 0;
-  int fill_ = 0;
-};
 
 // Selection works on runs of 16 values: a run's max is a lower bound on its values' ranks.
 constexpr int64_t kRun = 16;
@@ -506,7 +484,8 @@ at::Tensor SparseLocoCodec::decode(std::span<const uint8_t> payload, int64_t exp
     BitReader ir(his + 4 * L.nchunks);  // fixed only
     BitReader cr(rice ? his + 4 * L.nchunks : his + 4 * L.nchunks + L.index_bytes());
     const size_t stream_bytes = rice ? r.remaining() : 0;
-    BoundedBitReader rr(rice ? r.bytes(stream_bytes).data() : los, stream_bytes);
+    const uint8_t* stream = rice ? r.bytes(stream_bytes).data() : los;
+    BitReader rr(stream, stream + stream_bytes);
     at::Tensor y = at::zeros(h.shape, at::TensorOptions().dtype(at::kFloat));
     float* out = y.data_ptr<float>();
     for (int64_t c = 0; c < L.nchunks; ++c) {
