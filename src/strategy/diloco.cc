@@ -281,7 +281,7 @@ void DilocoStrategy::init(const std::vector<at::Tensor>& params) {
   if (!layouts_.empty()) {  // sites of different layouts: no worker holds all to send
     params_ = params;
     const SiteLayout& mine = layouts_.at(options_.site_index);
-    const int64_t whole = std::visit([](const auto& l) { return l.total(); }, mine);
+    const int64_t whole = total_of(mine);
     const int64_t rank = comm_.site().rank();
     int64_t want = whole;
     if (const auto* stages = std::get_if<parallel::StageLayout>(&mine)) want = stages->stage_numel(stages->stage_of(rank));

@@ -144,13 +144,11 @@ void DilocoStrategy::load_resharded(const std::vector<StrategyState>& ranks) {
     throw DataError(str_cat("the checkpoint's strategy state is cut into units of ", bounds.empty() ? 0 : bounds.back(),
                             " values for a model of ", total_numel_, ": the model changed"));
   // Unsharded, every old worker holds the whole state: rank 0's is read.
-  const size_t olds = cut ? ranks.size() : parts > 1 ? ranks.size() : 1;
+  const size_t olds = cut || parts > 1 ? ranks.size() : 1;
   const SiteLayout old = cut ? *ranks[0].written : SiteLayout(parallel::ShardLayout(bounds, static_cast<int64_t>(olds)));
-  if (cut && (static_cast<size_t>(workers_of(old)) != ranks.size() ||
-              std::visit([](const auto& l) { return l.total(); }, old) != total_numel_))
+  if (cut && (static_cast<size_t>(workers_of(old)) != ranks.size() || total_of(old) != total_numel_))
     throw DataError(str_cat("the checkpoint's strategy state is cut for ", workers_of(old), " workers and ",
-                            std::visit([](const auto& l) { return l.total(); }, old), " values; ", ranks.size(),
-                            " workers' checkpoints were found and this job's outer state has ", total_numel_,
+                            total_of(old), " values; ", ranks.size(), " workers' checkpoints were found and this job's outer state has ", total_numel_,
                             " (a one-site job's stages or slices keep their outer state per stage: resume those "
                             "with the layout they were saved with)"));
   if (!cut && parts > 1 && parts != ranks.size())

@@ -6,6 +6,10 @@ int64_t workers_of(const SiteLayout& layout) {
   return std::visit([](const auto& l) { return l.workers(); }, layout);
 }
 
+int64_t total_of(const SiteLayout& layout) {
+  return std::visit([](const auto& l) { return l.total(); }, layout);
+}
+
 std::vector<parallel::ShardRun> held_of(const SiteLayout& layout, int64_t rank) {
   if (const auto* stages = std::get_if<parallel::StageLayout>(&layout)) {
     const int64_t s = stages->stage_of(rank);

@@ -25,6 +25,7 @@ struct FragmentRange {
 // tensor slices'.
 using SiteLayout = std::variant<parallel::ShardLayout, parallel::StageLayout, parallel::SliceLayout>;
 int64_t workers_of(const SiteLayout& layout);
+int64_t total_of(const SiteLayout& layout);  // the flat vector's values
 
 // What worker `rank` holds of the whole flat vector [0, total): its trainable parameters' values
 // (ZeRO's workers: all; a stage's or a slice's: theirs), `local` their positions in its own

@@ -172,18 +172,27 @@ strategy::SiteLayout written_site_layout(const parallel::Checkpoint& k, const st
   return parallel::ShardLayout::contiguous(total, workers);
 }
 
+int64_t runs_numel(const std::vector<parallel::ShardRun>& runs) {
+  int64_t n = 0;
+  for (const auto& r : runs) n += r.len;
+  return n;
+}
+
+int64_t shape_numel(const std::vector<int64_t>& shape) {
+  return std::accumulate(shape.begin(), shape.end(), int64_t{1}, std::multiplies<>());
+}
+
 // The whole flat vector of `kind` ("param", "exp_avg", "exp_avg_sq") as the old workers held it
 // (`ranks`, all of one step, cut by `old`): each worker's part of its local vector, from its
 // optimizer shard (ZeRO over its part's replicas) or, unsharded, every value from its part's
 // first replica, put in place by the runs it held (strategy::held_of).
 at::Tensor assemble(const std::vector<parallel::Checkpoint>& ranks, const strategy::SiteLayout& old,
                     const std::string& kind) {
-  at::Tensor whole = at::zeros({std::visit([](const auto& l) { return l.total(); }, old)}, at::kFloat);
+  at::Tensor whole = at::zeros({strategy::total_of(old)}, at::kFloat);
   for (size_t q = 0; q < ranks.size(); ++q) {
     const parallel::Checkpoint& k = ranks[q];
     const std::vector<parallel::ShardRun> held = strategy::held_of(old, static_cast<int64_t>(q));
-    int64_t n = 0;
-    for (const auto& r : held) n += r.len;
+    const int64_t n = runs_numel(held);
     auto place = [&](int64_t begin, const at::Tensor& values) {  // values at local [begin, ...)
       const int64_t end = begin + values.numel();
       for (const parallel::ShardRun& r : held) {
@@ -240,7 +249,7 @@ void restore_relayout(const std::vector<parallel::Checkpoint>& ranks, const stra
   std::map<std::string, std::pair<int64_t, int64_t>> where;  // name: flat offset, values
   int64_t offset = 0;
   for (size_t i = 0; i < names.size(); ++i) {
-    const int64_t n = std::accumulate(shapes[i].begin(), shapes[i].end(), int64_t{1}, std::multiplies<>());
+    const int64_t n = shape_numel(shapes[i]);
     where[names[i]] = {offset, n};
     offset += n;
   }
@@ -251,13 +260,12 @@ void restore_relayout(const std::vector<parallel::Checkpoint>& ranks, const stra
   // This worker's values of a whole vector, one tensor per trainable parameter.
   auto mine = [&](const at::Tensor& whole) {
     std::vector<at::Tensor> out;
-    int64_t n = 0;
-    for (const auto& r : held) n += r.len;
+    const int64_t n = runs_numel(held);
     at::Tensor local = at::empty({n}, at::kFloat);
     for (const auto& r : held) local.narrow(0, r.local, r.len).copy_(whole.narrow(0, r.flat, r.len));
     int64_t at = 0;
     for (const auto& shape : sizes) {
-      const int64_t m = std::accumulate(shape.begin(), shape.end(), int64_t{1}, std::multiplies<>());
+      const int64_t m = shape_numel(shape);
       NEBULA_CHECK(at + m <= n, "the layout holds ", n, " values, the parameters more");
       out.push_back(local.narrow(0, at, m).view(shape));
       at += m;
@@ -392,8 +400,7 @@ void WorkerCheckpoints::save(const WorkerProgress& progress) {
 }
 
 void WorkerCheckpoints::restore_relaid(std::vector<parallel::Checkpoint>& ranks, int64_t target) {
-  const strategy::SiteLayout old = written_site_layout(ranks.at(0), task_.trainable_shapes(),
-                                                       std::visit([](const auto& l) { return l.total(); }, layout_));
+  const strategy::SiteLayout old = written_site_layout(ranks.at(0), task_.trainable_shapes(), strategy::total_of(layout_));
   const int rank = who_.local_rank;
   restore_relayout(ranks, old, layout_, rank, task_, optimizer_, strategy_, full_);
   // With as many data replicas as before, each continues its replica's data position and
