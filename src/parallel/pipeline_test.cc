@@ -123,9 +123,13 @@ void expect_pipeline_equals_one_worker(int P, int D, int M, bool recompute = fal
   }
   std::mutex mu;
   std::map<std::string, int> trained;  // name → how many workers train it
+  // Built before the workers start: a recomputing stage sets the process's generator, and one
+  // replica's stages run while another replica's could still be building from the seed.
+  std::vector<model::MlmEncoder> models;
+  for (int r = 0; r < P * D; ++r) models.push_back(make_encoder());
   collective::testing::run_site("pipe", P * D, [&](collective::SiteGroup& group) {
     const SiteGrid grid{D, P};
-    model::MlmEncoder m = make_encoder();
+    model::MlmEncoder m = models[static_cast<size_t>(group.rank())];
     Pipeline pipeline(group, grid, M, recompute);
     EXPECT_EQ(pipeline.recomputes(), recompute && !pipeline.last());
     EncoderStage stage(*m, pipeline);
