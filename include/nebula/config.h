@@ -254,6 +254,10 @@ struct StrategyConfig {
   // diloco/streaming: the update guard. A site's pseudo-gradient with a NaN or infinity is
   // always rejected (left out of the round's mean); one whose L2 norm is above this too (0 = no bound).
   double max_update_norm = 0;
+  // diloco with codec = "auto" or inner_steps = 0: the adaptive controller watches quality and
+  // chooses the fewest WAN bytes whose measured merge gap stays within this fraction (e.g.
+  // 0.02; src/strategy/controller.h). 0 = off: it hides the WAN with the least compression.
+  double max_loss_penalty = 0;
 };
 
 // [privacy]: differential privacy of what leaves a site (diloco/streaming). Each site clips

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 
 #include "nebula/error.h"
 #include "plan/plan.h"
@@ -31,11 +32,79 @@ double codec_payload_bytes(const std::string& codec, int64_t params, const codec
   return plan::payload_bytes(codec, static_cast<double>(params), p);
 }
 
+double setting_reduction(const std::string& codec, int64_t h, int64_t params, const codec::CodecOptions& o) {
+  const int64_t n = std::max<int64_t>(params, 1);
+  return static_cast<double>(h) * 4 * static_cast<double>(n) / codec_payload_bytes(codec, n, o);
+}
+
+namespace {
+
+struct Candidate {
+  std::string codec;
+  int64_t h;
+  double reduction;
+};
+
+// Watching quality: from the setting in use, a move along `candidates` (ordered by reduction)
+// by the measured merge gap, or staying (the header's rules).
+ControllerChoice decide_by_quality(const ControllerInput& in, const ControllerPins& pins,
+                                   const std::vector<Candidate>& candidates, const std::string& left_out) {
+  const double budget = pins.max_loss_penalty;
+  const double current = setting_reduction(in.codec, in.inner_steps, in.params, pins.codec_options);
+  ControllerChoice stay{in.codec, in.inner_steps, false, "", in.ceiling};
+  const std::string at = str_cat(in.codec, " H ", in.inner_steps, " (", current, "x)");
+  // The gap is evidence for the setting whose reduction came with it (float-rounded alike on
+  // every site).
+  if (in.gap_reduction <= 0 || static_cast<float>(in.gap_reduction) != static_cast<float>(current)) {
+    stay.reason = str_cat("watching quality (max_loss_penalty ", budget * 100, "%): waiting for the merge gap at ", at,
+                          left_out);
+    return stay;
+  }
+  stay.on_gap = true;
+  // The gap taken as proportional to the reduction: the most reduction within the budget.
+  const double within = in.merge_gap > 0 ? current * budget / in.merge_gap : std::numeric_limits<double>::infinity();
+  const std::string gap = str_cat("merge gap ", in.merge_gap * 100, "% at ", at, ", budget ", budget * 100, "%");
+  auto choose = [&](const Candidate& c, double ceiling, const std::string& what) {
+    ControllerChoice out{c.codec, c.h, false,
+                         str_cat(gap, ": ", what, " to ", c.codec, " H ", c.h, " (", c.reduction, "x)",
+                                 ceiling > 0 ? str_cat("; ceiling ", ceiling, "x") : std::string(), left_out),
+                         ceiling};
+    out.on_gap = true;
+    return out;
+  };
+  if (in.merge_gap > budget) {
+    const double ceiling = in.ceiling > 0 ? std::min(in.ceiling, current) : current;
+    const Candidate* down = nullptr;  // the largest the model puts within budget, else the least
+    for (const auto& c : candidates)
+      if (c.reduction <= within) down = &c;
+    if (!down && !candidates.empty() && candidates.front().reduction < current) down = &candidates.front();
+    if (!down) {
+      stay.ceiling = ceiling;
+      stay.reason = str_cat(gap, ": over budget at the least reduction there is; stays", left_out);
+      return stay;
+    }
+    return choose(*down, ceiling, "backs off");
+  }
+  const Candidate* up = nullptr;  // the largest within budget by the model, at most 4x, below the ceiling
+  for (const auto& c : candidates)
+    if (c.reduction > current && c.reduction <= std::min(within, 4 * current) && (in.ceiling <= 0 || c.reduction < in.ceiling))
+      up = &c;
+  if (up) return choose(*up, in.ceiling, "climbs");
+  stay.reason = str_cat(gap, ": the next reduction up would be over budget",
+                        in.ceiling > 0 ? str_cat(" or at the ceiling (", in.ceiling, "x)") : std::string(), "; stays", left_out);
+  return stay;
+}
+
+}  // namespace
+
 ControllerChoice decide(const ControllerInput& in, const ControllerPins& pins) {
   const bool codec_pinned = pins.codec != "auto";
   const bool h_pinned = pins.inner_steps > 0;
   if (codec_pinned && h_pinned) return {pins.codec, pins.inner_steps, false, "both pinned in [strategy]"};
-  if (in.step_seconds <= 0 || in.bandwidth_bits_per_s <= 0) {
+  const bool quality = pins.max_loss_penalty > 0;
+  if (quality && !in.codec.empty() && in.inner_steps > 0) {
+    // Watching quality, from the setting in use (the first one from the rules below).
+  } else if (in.step_seconds <= 0 || in.bandwidth_bits_per_s <= 0) {
     // Nothing measured yet: start compressed and rare, and re-decide once there are numbers.
     return {codec_pinned ? pins.codec : "int4", h_pinned ? pins.inner_steps : 50, false,
             "no measurements yet (step time or bandwidth unknown): a safe start"};
@@ -48,6 +117,15 @@ ControllerChoice decide(const ControllerInput& in, const ControllerPins& pins) {
                        pins.outer_momentum, " (set 0 to let the controller choose it)");
   }
   const std::vector<int64_t> hs = h_pinned ? std::vector<int64_t>{pins.inner_steps} : controller_inner_steps();
+  // Candidates from the least total reduction of WAN traffic (H x the codec's ratio) up: the
+  // most information per second that the WAN can carry hidden. Ties go to the smaller H.
+  std::vector<Candidate> candidates;
+  for (const auto& c : codecs)
+    for (int64_t h : hs) candidates.push_back({c, h, setting_reduction(c, h, in.params, pins.codec_options)});
+  std::stable_sort(candidates.begin(), candidates.end(), [](const Candidate& a, const Candidate& b) {
+    return a.reduction < b.reduction || (a.reduction == b.reduction && a.h < b.h);
+  });
+  if (quality && !in.codec.empty() && in.inner_steps > 0) return decide_by_quality(in, pins, candidates, left_out);
   const int64_t f = std::max<int64_t>(in.fragments, 1);
   const bool streaming = in.delay > 0;
   auto wan_seconds = [&](const std::string& c, double share) {
@@ -55,21 +133,6 @@ ControllerChoice decide(const ControllerInput& in, const ControllerPins& pins) {
   };
   const std::string measured = str_cat("step ", in.step_seconds * 1e3, " ms, WAN ", in.bandwidth_bits_per_s / 1e6,
                                        " Mbit/s, RTT ", in.rtt_s * 1e3, " ms, ", in.params, " values");
-  // Candidates from the least total reduction of WAN traffic (H x the codec's ratio) up: the
-  // most information per second that the WAN can carry hidden. Ties go to the smaller H.
-  struct Candidate {
-    std::string codec;
-    int64_t h;
-    double reduction;
-  };
-  std::vector<Candidate> candidates;
-  for (const auto& c : codecs)
-    for (int64_t h : hs)
-      candidates.push_back({c, h, static_cast<double>(h) * 4 * static_cast<double>(std::max<int64_t>(in.params, 1)) /
-                                      codec_payload_bytes(c, std::max<int64_t>(in.params, 1), pins.codec_options)});
-  std::stable_sort(candidates.begin(), candidates.end(), [](const Candidate& a, const Candidate& b) {
-    return a.reduction < b.reduction || (a.reduction == b.reduction && a.h < b.h);
-  });
   for (const auto& [c, h, reduction] : candidates) {
     const double per_fragment = wan_seconds(c, 1.0 / static_cast<double>(f));
     bool ok;

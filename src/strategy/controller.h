@@ -20,6 +20,25 @@
 // carry while hidden. ("The least compression" counts both factors: on the demo, README,
 // diloco with int4 at H = 50 ended 0.3 % above sync's validation loss, at H = 100 2.8 %.) If none is feasible the most compressed codec with the
 // largest H is chosen, and the reason says the WAN cannot be hidden.
+//
+// Watching quality (strategy.max_loss_penalty = B > 0, diloco): the objective becomes the fewest
+// WAN bytes whose measured quality cost stays within B. The measure is the merge gap: each site
+// compares its training loss on the first m steps after an outer step (the merged model) with
+// what its local model's loss was heading to before it (the last m steps of the round,
+// extrapolated m steps along the round's own trend; m = min(10, H / 4)), relative to it
+// (diloco.h, "merge gap"). The sites' mean gap for a setting (codec, H) moves the choice along
+// the candidates ordered by reduction, from the first measured choice. Taking the gap as
+// proportional to the reduction, the most reduction within the budget is R · B / gap (R the
+// current reduction):
+//   gap > B        back off: to the largest reduction at most that (else the least there is),
+//                  and never again to R or above (the ceiling, the lowest reduction measured
+//                  over the budget);
+//   gap <= B       climb: to the largest reduction at most that, at most 4 R and below the
+//                  ceiling; stay when there is none.
+// A gap is evidence only for the setting it was measured at (each site sends that setting's
+// reduction with it); after a move the controller waits for the new setting's gap. The gap is a
+// proxy, not the penalty against data parallelism at equal tokens: bench/frontier.sh measures
+// that for the controller's choice beside the grid.
 #pragma once
 
 #include <cstdint>
@@ -37,6 +56,12 @@ struct ControllerInput {
   int64_t params = 0;               // values synchronized per full exchange (trainable parameters)
   int64_t fragments = 1;            // streaming: F (1 for diloco)
   int64_t delay = 0;                // streaming: inner steps a fragment may take to arrive (0: blocking)
+  // Watching quality (pins.max_loss_penalty > 0): the setting in use (codec "" = none yet), the
+  // sites' mean merge gap and the reduction of the setting it was measured at (0 = none), and
+  // the ceiling so far (0 = none).
+  std::string codec;
+  int64_t inner_steps = 0;
+  double merge_gap = 0, gap_reduction = 0, ceiling = 0;
 };
 
 struct ControllerPins {
@@ -48,6 +73,8 @@ struct ControllerPins {
   // momentum; with both, the update is carried twice (docs/strategies.md), so an unpinned codec
   // is never sparseloco while this is > 0, and the reason says so.
   double outer_momentum = 0;
+  // > 0: choose the fewest WAN bytes whose measured merge gap stays within this (above).
+  double max_loss_penalty = 0;
 };
 
 struct ControllerChoice {
@@ -55,6 +82,8 @@ struct ControllerChoice {
   int64_t inner_steps = 0;
   bool hidden = false;              // the model says the WAN is hidden (within max_overhead)
   std::string reason;               // one line: the numbers behind the choice
+  double ceiling = 0;               // watching quality: the reduction not to reach again (0 = none)
+  bool on_gap = false;              // watching quality: decided on a merge gap measured at the setting in use
 };
 
 // The codecs the controller chooses among, least compression first.
@@ -66,6 +95,10 @@ const std::vector<int64_t>& controller_inner_steps();
 // the [strategy] codec options. Throws ConfigError for a codec it has no model for (powersgd:
 // its size depends on the tensors' shapes).
 double codec_payload_bytes(const std::string& codec, int64_t params, const codec::CodecOptions& options);
+
+// How many times fewer bytes `codec` at H = h sends than float32 every step: h · 4 · params /
+// codec_payload_bytes (what the candidates are ordered by).
+double setting_reduction(const std::string& codec, int64_t h, int64_t params, const codec::CodecOptions& options);
 
 // Deterministic: the same input gives the same choice on every site.
 ControllerChoice decide(const ControllerInput& in, const ControllerPins& pins);

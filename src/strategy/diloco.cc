@@ -11,6 +11,7 @@
 #include <variant>
 
 #include "nebula/error.h"
+#include "strategy/controller.h"
 #include "strategy/replica_check.h"
 #include "util/allocator.h"
 
@@ -43,6 +44,7 @@ DilocoOptions DilocoOptions::from(const StrategyConfig& c, std::chrono::millisec
   o.codec_options = wan_codec_options(c);
   o.timeout = timeout;
   o.max_update_norm = c.max_update_norm;
+  o.max_loss_penalty = c.max_loss_penalty;
   return o;
 }
 
@@ -412,6 +414,7 @@ void DilocoStrategy::init_fragments(const std::vector<std::vector<int64_t>>& sha
   planner_.heterogeneous = options_.heterogeneous;
   planner_.codec_options = options_.codec_options;
   planner_.outer_momentum = options_.outer_momentum;
+  planner_.max_loss_penalty = options_.max_loss_penalty;
   planner_.site_index = options_.site_index;
   planner_.params = total_numel_;
   planner_.fragments = together_ ? 1 : static_cast<int64_t>(cuts.size());  // the controller's exchange: all of them
@@ -488,6 +491,8 @@ std::vector<double> DilocoStrategy::site_info() const {
   // to fill the path: report unknown until then.
   if (exchange_bits_per_s_ <= 0) info[1] = 0.0;
   info[3] = 1.0 + static_cast<double>(comm_.ready_joiners());
+  info[4] = merge_gap_.gap();
+  info[5] = merge_gap_.reduction();
   return info;
 }
 
@@ -510,6 +515,9 @@ void DilocoStrategy::after_step(int64_t /*step*/) {
     for (size_t due; (due = next_merge(fragments_, local_step_)) < fragments_.size() && due != sent;) merge(due);
   }
   if (next_fragment_ == fragments_.size()) {
+    // Watching quality (diloco, delay 0): this round's exchange merges below, within this step.
+    if (options_.max_loss_penalty > 0)
+      merge_gap_.merged(setting_reduction(codec_kind_, nominal_h_, total_numel_, options_.codec_options));
     nominal_done_ += nominal_h_;
     ++rounds_;
     round_open_ = false;

@@ -49,6 +49,7 @@
 #include "privacy/rdp.h"
 #include "strategy/exchange_layout.h"
 #include "strategy/fragment_schedule.h"
+#include "strategy/merge_gap.h"
 #include "strategy/outer_optimizer.h"
 #include "strategy/round_planner.h"
 #include "strategy/round_position.h"
@@ -78,6 +79,7 @@ struct DilocoOptions {
   size_t site_index = 0;          // this worker's site
   double assumed_step_seconds = 0;  // tests: report this compute time per step instead of measuring
   double max_update_norm = 0;     // the update guard's bound (non-finite updates are always rejected)
+  double max_loss_penalty = 0;    // > 0: the controller watches the merge gap (controller.h)
   // Differential privacy ([privacy]): the gateway clips each pseudo-gradient it sends to L2
   // norm dp_clip and adds N(0, (dp_noise_multiplier · dp_clip)²) to every value (noise drawn
   // from a generator seeded by std::random_device: it must not be reproducible elsewhere).
@@ -122,6 +124,7 @@ class DilocoStrategy : public Strategy {
   // run the data parallel step over their stage's replicas, and after a merge all-gather the
   // stage's values over them; the exchanges (both WAN modes) cut by each site's layout.
   void set_layouts(Layouts layouts) override;
+  void observe_loss(double loss) override { merge_gap_.observe(loss); }
   void after_step(int64_t step) override;
   bool keep_training(int64_t step, int64_t steps) override;
   void finish() override;
@@ -315,6 +318,7 @@ class DilocoStrategy : public Strategy {
   double compute_seconds_ = 0;
   int64_t timed_steps_ = 0;
   double outer_sync_seconds_ = 0;  // the training thread's time in sends and merges (blocked on the outer sync)
+  MergeGap merge_gap_;             // this worker's (the gateway's goes in the site's info)
   std::vector<std::string> decisions_;
   // Model buffers (Strategy::set_buffers): averaged inside the site every step (with the
   // gradients) and over the sites with each round's last fragment (not with [privacy]).

@@ -46,6 +46,9 @@ void DilocoStrategy::set_position(const RoundPosition& p) {
   if (!p.codec.empty() && p.codec != codec_kind_) set_codec(p.codec);
   for (size_t j = 0; j < fragments_.size(); ++j) fragments_[j].round = p.fragment_rounds.at(j);
   info_of_round_ = p.info_of_round;
+  // A row of another width (an older build's, of fewer values per site) is not read as this one.
+  for (auto& row : info_of_round_)
+    if (row.size() != options_.num_sites * kSiteInfo) row.clear();
 }
 
 void DilocoStrategy::save_state(StrategyState& out) const {

@@ -21,10 +21,20 @@ RoundPlan plan_round(const RoundPlannerOptions& options, const RoundPlanInput& i
   const std::vector<float>& info = in.info;
   // Per site: [seconds per step, bandwidth, rtt]; the slowest site paces the job.
   double slowest = 0, mine = 0, bandwidth = 0, rtt = 0;
+  // The merge gap: the mean of the sites that measured one, when all measured the same setting.
+  double gap_sum = 0, gap_reduction = 0;
+  int gaps = 0;
+  bool same_setting = true;
   for (size_t s = 0; s + kSiteInfo <= info.size(); s += kSiteInfo) {
     slowest = std::max(slowest, static_cast<double>(info[s]));
     if (info[s + 1] > 0) bandwidth = bandwidth > 0 ? std::min(bandwidth, double(info[s + 1])) : double(info[s + 1]);
     rtt = std::max(rtt, static_cast<double>(info[s + 2]));
+    if (info[s + 5] > 0) {
+      same_setting = same_setting && (gaps == 0 || info[s + 5] == static_cast<float>(gap_reduction));
+      gap_reduction = info[s + 5];
+      gap_sum += info[s + 4];
+      ++gaps;
+    }
   }
   if (!info.empty() && options.site_index * kSiteInfo < info.size()) mine = info[options.site_index * kSiteInfo];
 
@@ -34,21 +44,34 @@ RoundPlan plan_round(const RoundPlannerOptions& options, const RoundPlanInput& i
   int64_t h = options.inner_steps;
   if (options.codec == "auto" || options.inner_steps == 0) {
     const bool measured = slowest > 0 && bandwidth > 0;
-    if (!memory.decided || (options.adaptive && measured) || (measured && !memory.decided_measured)) {
+    const bool quality = options.max_loss_penalty > 0;
+    if (!memory.decided || ((options.adaptive || quality) && measured) || (measured && !memory.decided_measured)) {
       ControllerInput ci{slowest, bandwidth, rtt, options.params, options.fragments, options.delay};
+      if (quality && memory.decided_measured) {  // from the setting in use, chosen on measurements
+        ci.codec = in.codec;
+        ci.inner_steps = memory.h;
+        if (gaps > 0 && same_setting) {
+          ci.merge_gap = gap_sum / gaps;
+          ci.gap_reduction = gap_reduction;
+        }
+        ci.ceiling = memory.ceiling;
+      }
       ControllerPins pins;
       pins.codec = options.codec;
       pins.inner_steps = options.inner_steps;
       pins.codec_options = options.codec_options;
       pins.outer_momentum = options.outer_momentum;
+      pins.max_loss_penalty = options.max_loss_penalty;
       ControllerChoice choice = decide(ci, pins);
-      // Logged when it changes, and the first time it rests on measurements.
+      // Logged when it changes, the first time it rests on measurements, and each time it acts
+      // on a measured merge gap.
       if (!memory.decided || (measured && !memory.decided_measured) || choice.codec != in.codec ||
-          choice.inner_steps != memory.h)
+          choice.inner_steps != memory.h || choice.on_gap)
         plan.controller_line =
             str_cat("round ", in.rounds, ": codec ", choice.codec, ", H ", choice.inner_steps, " — ", choice.reason);
       plan.codec = choice.codec;
       memory.h = choice.inner_steps;
+      memory.ceiling = choice.ceiling;
       memory.decided = true;
       memory.decided_measured = memory.decided_measured || measured;
     }

@@ -4,7 +4,8 @@
 //
 // Each exchange carries, per site, kSiteInfo values: [seconds of compute per inner step,
 // the slowest of its measured WAN paths (bits/s), its longest RTT (s), 1 + the bitmask of lost
-// sites its gateway has a fresh link from] (0 = not measured / sent nothing).
+// sites its gateway has a fresh link from, its last merge gap, the reduction of the setting
+// that gap was measured at] (0 = not measured / sent nothing; controller.h, "Watching quality").
 //
 //   codec and H   pinned by the options, or the adaptive controller's (controller.h) when
 //                 codec = "auto" or inner_steps = 0: once before any measurement, again the
@@ -25,7 +26,7 @@
 
 namespace nebula::strategy {
 
-constexpr size_t kSiteInfo = 4;  // values per site in an exchange's info (above)
+constexpr size_t kSiteInfo = 6;  // values per site in an exchange's info (above)
 
 // The per-site info every site is sure to have merged when round `rounds` starts: the previous
 // round's last exchange with delay 0, else the one before it (every site's, kSiteInfo each;
@@ -37,6 +38,7 @@ struct ControllerMemory {
   bool decided = false;           // it ran
   bool decided_measured = false;  // it ran on measurements
   int64_t h = 0;                  // its H
+  double ceiling = 0;             // watching quality: the reduction whose gap went over budget (0 = none)
 };
 
 struct RoundPlannerOptions {
@@ -46,6 +48,7 @@ struct RoundPlannerOptions {
   bool heterogeneous = true;      // H_s scales with the sites' step times
   codec::CodecOptions codec_options;
   double outer_momentum = 0;  // the outer optimizer's: > 0 keeps the controller from choosing sparseloco
+  double max_loss_penalty = 0;  // > 0: the controller watches quality (controller.h), every round
   size_t site_index = 0;
   int64_t params = 0;             // values per full exchange
   int64_t fragments = 1;

@@ -2,12 +2,14 @@
 
 #include <gtest/gtest.h>
 
+#include "strategy/controller.h"
+
 namespace nebula::strategy {
 namespace {
 
-// Two sites' info: [seconds per step, bandwidth, rtt, joiners] each.
+// Two sites. info: [seconds per step, bandwidth, rtt, joiners, merge gap, its reduction] each.
 std::vector<float> info(float t0, float t1, float bandwidth = 0) {
-  return {t0, bandwidth, 0.01f, 1, t1, bandwidth, 0.02f, 1};
+  return {t0, bandwidth, 0.01f, 1, 0, 0, t1, bandwidth, 0.02f, 1, 0, 0};
 }
 
 RoundPlannerOptions pinned(size_t site, int64_t h = 10) {
@@ -86,6 +88,57 @@ TEST(RoundPlanner, AutoAsksTheControllerOnceUnmeasuredThenOnMeasurements) {
   const RoundPlan p = plan_round(pin_h, {{}, 0, 100000, 0, 0, ""}, m2);
   EXPECT_EQ(p.nominal_h, 7);
   EXPECT_FALSE(p.controller_line.empty());
+}
+
+// Watching quality on a scripted trace. A setting's merge gap grows with the square of its
+// reduction, 2 % at 1,900x (so the controller's proportional model overshoots), the budget 2 %. As in a job, the exchange that ends round r - 1 carries the gap measured
+// after round r - 2's merge, with that setting's reduction. The controller starts from its
+// time-only choice, climbs, backs off each time a measured gap is over the budget, and settles on
+// the cheapest setting within it.
+TEST(RoundPlanner, WatchingQualitySettlesOnTheFewestBytesWithinTheBudget) {
+  RoundPlannerOptions o;
+  o.codec = "auto";
+  o.inner_steps = 0;
+  o.heterogeneous = false;
+  o.max_loss_penalty = 0.02;
+  o.params = 1000000;
+  auto gap_of = [&](double reduction) { return 0.02 * (reduction / 1900) * (reduction / 1900); };
+  double best = 0;  // the most reduction within the budget among the candidates
+  for (const auto& c : controller_codecs()) {
+    for (int64_t h : controller_inner_steps()) {
+      const double r = setting_reduction(c, h, o.params, o.codec_options);
+      if (gap_of(r) <= 0.02) best = std::max(best, r);
+    }
+  }
+  ControllerMemory memory;
+  std::vector<double> used;  // each round's reduction
+  std::string codec;
+  int backoffs = 0;
+  for (int64_t r = 0; r < 120; ++r) {
+    // Fast sites and link: the time-only choice is the least compression (none, H 10).
+    std::vector<float> info;
+    for (int s = 0; s < 2; ++s) {
+      const double measured = r >= 2 ? used[static_cast<size_t>(r - 2)] : 0;
+      info.insert(info.end(), {0.1f, 1e10f, 0.001f, 1, static_cast<float>(measured > 0 ? gap_of(measured) : 0),
+                               static_cast<float>(measured)});
+    }
+    const RoundPlan plan = plan_round(o, {r == 0 ? std::vector<float>{} : info, r, 1 << 30, 0, 0, codec}, memory);
+    codec = plan.codec;
+    used.push_back(setting_reduction(codec, memory.h, o.params, o.codec_options));
+    if (r >= 2 && gap_of(used[static_cast<size_t>(r - 2)]) > 0.02 && used[static_cast<size_t>(r - 2)] == used[r - 1]) {
+      // Evidence over the budget for the setting in use: it backs off, and says so.
+      EXPECT_LT(used.back(), used[static_cast<size_t>(r - 1)]) << "round " << r;
+      EXPECT_NE(plan.controller_line.find("backs off"), std::string::npos) << plan.controller_line;
+      ++backoffs;
+    }
+    if (r == 1) {
+      EXPECT_EQ(codec + " " + std::to_string(memory.h), "none 10") << "the time-only choice first";
+    }
+  }
+  EXPECT_GE(backoffs, 1);
+  EXPECT_EQ(used.back(), best) << "settled on the cheapest setting within the budget";
+  EXPECT_GT(memory.ceiling, best);
+  for (size_t r = used.size() - 10; r < used.size(); ++r) EXPECT_EQ(used[r], best) << "and stays there, round " << r;
 }
 
 }  // namespace

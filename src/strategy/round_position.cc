@@ -39,6 +39,7 @@ void RoundPosition::save(StrategyState& out) const {
   n["controller_h"] = static_cast<double>(controller.h);
   n["decided"] = controller.decided ? 1 : 0;
   n["decided_measured"] = controller.decided_measured ? 1 : 0;
+  if (controller.ceiling > 0) n["controller_ceiling"] = controller.ceiling;
   // What the next rounds' decisions rest on (known_info looks at most two rounds back).
   for (int64_t r = std::max<int64_t>(0, rounds - 2); r < static_cast<int64_t>(info_of_round.size()); ++r)
     for (size_t k = 0; k < info_of_round[static_cast<size_t>(r)].size(); ++k)
@@ -62,6 +63,7 @@ RoundPosition RoundPosition::load(const StrategyState& in, size_t fragments) {
   p.controller.h = integer("controller_h");
   p.controller.decided = integer("decided") != 0;
   p.controller.decided_measured = integer("decided_measured") != 0;
+  if (auto it = in.numbers.find("controller_ceiling"); it != in.numbers.end()) p.controller.ceiling = it->second;
   p.info_of_round.assign(static_cast<size_t>(p.rounds), {});
   for (const auto& [name, value] : in.numbers) {
     long long r = 0, k = 0;
@@ -89,6 +91,7 @@ std::vector<double> RoundPosition::to_vector() const {
     v.push_back(static_cast<double>(row.size()));
     v.insert(v.end(), row.begin(), row.end());
   }
+  v.push_back(controller.ceiling);  // last: a reader of an older build stops before it
   return v;
 }
 
@@ -115,6 +118,7 @@ RoundPosition RoundPosition::from_vector(const double* p, size_t fragments) {
     pos.info_of_round[static_cast<size_t>(r)].assign(p + k, p + k + len);
     k += len;
   }
+  pos.controller.ceiling = p[k];  // 0 from an older build's shorter vector (the reader pads with zeros)
   return pos;
 }
 

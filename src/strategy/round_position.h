@@ -9,7 +9,8 @@
 //                exchange (Hierarchy site_info): [next_seq, rounds, outer_steps, nominal_done,
 //                round_open, nominal_h, in_round, next_fragment, controller h, decided,
 //                decided_measured, codec index], F fragment rounds, then for each of the last two
-//                rounds its info's length and values. It leaves round_steps out: a site that
+//                rounds its info's length and values, then the controller's ceiling (newer
+//                builds; "controller_ceiling" in checkpoints, absent when 0). It leaves round_steps out: a site that
 //                adopts a position runs the round without the heterogeneous scaling.
 //
 // Also the verdict of reconcile (which site leads, who adopts its state).
@@ -44,7 +45,8 @@ struct RoundPosition {
   void save(StrategyState& out) const;
   // Reads them back for `fragments` fragments; DataError naming a missing key.
   static RoundPosition load(const StrategyState& in, size_t fragments);
-  // Reconcile's vector, and back (p: at least as many values as to_vector() gave the sender);
+  // Reconcile's vector, and back (p: at least as many values as to_vector() gave the sender,
+  // zeros after them);
   // round_steps comes back as nominal_h. Throws Error for a codec without an index.
   std::vector<double> to_vector() const;
   static RoundPosition from_vector(const double* p, size_t fragments);

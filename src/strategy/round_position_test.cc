@@ -18,7 +18,7 @@ RoundPosition example() {
   p.round_steps = 30;
   p.in_round = 4;
   p.next_fragment = 1;
-  p.controller = {true, true, 20};
+  p.controller = {true, true, 20, 800};
   p.codec = "int8";
   p.fragment_rounds = {5, 4, 4};
   for (int r = 0; r < 5; ++r) p.info_of_round.push_back({0.01f * static_cast<float>(r + 1), 1e6f, 0.02f, 1, 0.03f, 2e6f, 0.04f, 1});
@@ -39,6 +39,7 @@ void expect_equal(const RoundPosition& a, const RoundPosition& b, int64_t round_
   EXPECT_EQ(a.controller.decided, b.controller.decided);
   EXPECT_EQ(a.controller.decided_measured, b.controller.decided_measured);
   EXPECT_EQ(a.controller.h, b.controller.h);
+  EXPECT_EQ(a.controller.ceiling, b.controller.ceiling);
   EXPECT_EQ(a.codec, b.codec);
   EXPECT_EQ(a.fragment_rounds, b.fragment_rounds);
   ASSERT_EQ(b.info_of_round.size(), 5u);
@@ -56,10 +57,12 @@ TEST(RoundPosition, RoundTripsThroughTheCheckpointKeys) {
                           "decided", "decided_measured", "info/3/0", "info/4/7"})
     EXPECT_EQ(st.numbers.count(key), 1u) << key;
   EXPECT_EQ(st.numbers.count("info/2/0"), 0u);
-  EXPECT_EQ(st.numbers.size(), 15u + 16u);
+  EXPECT_EQ(st.numbers.size(), 15u + 16u + 1u);  // + controller_ceiling (only when set)
   EXPECT_EQ(st.strings.at("codec"), "int8");
   EXPECT_EQ(st.numbers.at("controller_h"), 20);
   expect_equal(p, RoundPosition::load(st, 3), 30);
+  st.numbers.erase("controller_ceiling");  // an older checkpoint: no ceiling
+  EXPECT_EQ(RoundPosition::load(st, 3).controller.ceiling, 0);
   st.numbers.erase("in_round");
   try {
     RoundPosition::load(st, 3);
@@ -72,13 +75,18 @@ TEST(RoundPosition, RoundTripsThroughTheCheckpointKeys) {
 TEST(RoundPosition, RoundTripsThroughReconcilesVector) {
   const RoundPosition p = example();
   const std::vector<double> v = p.to_vector();
-  // The layout sites exchange: 12 counters, the fragments' rounds, two rounds' info.
-  ASSERT_EQ(v.size(), 12u + 3u + 2u * (1u + 8u));
+  // The layout sites exchange: 12 counters, the fragments' rounds, two rounds' info, the ceiling.
+  ASSERT_EQ(v.size(), 12u + 3u + 2u * (1u + 8u) + 1u);
+  EXPECT_EQ(v.back(), 800);
   EXPECT_EQ(std::vector<double>(v.begin(), v.begin() + 15),
             (std::vector<double>{14, 5, 13, 50, 1, 10, 4, 1, 20, 1, 1, 4 /* int8 */, 5, 4, 4}));
   EXPECT_EQ(v[15], 8);
   EXPECT_EQ(v[16], static_cast<double>(p.info_of_round[3][0]));
   expect_equal(p, RoundPosition::from_vector(v.data(), 3), 10);  // round_steps: back to H
+  // An older build's vector ends before the ceiling; the reader pads with zeros: none.
+  std::vector<double> old = v;
+  old.back() = 0;
+  EXPECT_EQ(RoundPosition::from_vector(old.data(), 3).controller.ceiling, 0);
   RoundPosition unknown = p;
   unknown.codec = "zstd";
   EXPECT_THROW(unknown.to_vector(), Error);

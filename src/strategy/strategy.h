@@ -120,6 +120,9 @@ class Strategy {
                                 "\" does not run with strategy.kind = \"", name(),
                                 "\" (its gradients cross the WAN every step, whole): use shard = \"optimizer\""));
   }
+  // Called before after_step with the step's training loss on this worker (per predicted
+  // token), for a strategy that watches quality (diloco's merge gap, merge_gap.h). Optional.
+  virtual void observe_loss(double /*loss*/) {}
   // Called after the optimizer step `step` (0-based).
   virtual void after_step(int64_t step) {}
   // Whether to run step `step` (0-based) of a job of `steps` steps. Strategies whose sites

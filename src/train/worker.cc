@@ -477,6 +477,7 @@ int Trainer::train() {
     if (c_.model.clip_norm > 0) optimizer.clip_grad_norm(c_.model.clip_norm);
     optimizer.set_lr(parallel::scheduled_lr(c_.model, step_, c_.job.steps));
     optimizer.step();
+    strategy.observe_loss(batch.loss.item<double>());  // the metrics window reads it too: no extra sync
     phases_.begin(PhasePeaks::kOuterSync);  // the strategy's outer step, when one is due
     strategy.after_step(step_);
     phases_.end();

@@ -547,6 +547,18 @@ Config build(const toml::table& root, const std::string& file) {
     s.boolean("adaptive", c.strategy.adaptive);
     s.boolean("heterogeneous", c.strategy.heterogeneous);
     s.number("max_update_norm", c.strategy.max_update_norm, 0.0, 1e30);
+    s.number("max_loss_penalty", c.strategy.max_loss_penalty, 0.0, 1.0);
+    if (c.strategy.max_loss_penalty > 0) {
+      if (c.strategy.kind != "diloco")
+        s.fail(*t, "max_loss_penalty",
+               str_cat("max_loss_penalty = ", c.strategy.max_loss_penalty, " needs kind = \"diloco\" (kind = \"",
+                       c.strategy.kind, "\": its merge gap is measured around a round's one outer step); set it to 0"));
+      if (c.strategy.codec != "auto" && c.strategy.inner_steps > 0)
+        s.fail(*t, "max_loss_penalty",
+               str_cat("max_loss_penalty = ", c.strategy.max_loss_penalty, " leaves the controller nothing to choose: codec = \"",
+                       c.strategy.codec, "\" and inner_steps = ", c.strategy.inner_steps,
+                       " are pinned (set codec = \"auto\" or inner_steps = 0)"));
+    }
     if (c.strategy.kind == "sync" && (c.strategy.codec == "auto" || c.strategy.codec == "sparseloco"))
       s.fail(*t, "codec", str_cat("codec = \"", c.strategy.codec,
                                   "\" needs kind = \"diloco\" or \"streaming\" (sync sends every gradient)"));
@@ -840,7 +852,8 @@ std::string to_toml(const Config& c) {
                                       {"delay", c.strategy.delay},
                                       {"adaptive", c.strategy.adaptive},
                                       {"heterogeneous", c.strategy.heterogeneous},
-                                      {"max_update_norm", c.strategy.max_update_norm}});
+                                      {"max_update_norm", c.strategy.max_update_norm},
+                                      {"max_loss_penalty", c.strategy.max_loss_penalty}});
   root.insert("peft", toml::table{{"kind", c.peft.kind},
                                   {"rank", c.peft.rank},
                                   {"alpha", c.peft.alpha},

@@ -407,6 +407,21 @@ TEST(Config, StrategyAndPeftKeysAreValidated) {
   EXPECT_EQ(parse_config(to_toml(parse_config(kValid, "job.toml", {"strategy.max_update_norm=50"})), "r.toml")
                 .strategy.max_update_norm,
             50);
+  // Watching quality: diloco only, with something left to choose, and kept by the dump.
+  const std::string streaming = error_of({"strategy.kind=streaming", "strategy.codec=auto", "strategy.max_loss_penalty=0.02"});
+  EXPECT_NE(streaming.find("'strategy.max_loss_penalty'"), std::string::npos) << streaming;
+  EXPECT_NE(streaming.find("needs kind = \"diloco\""), std::string::npos) << streaming;
+  const std::string pinned = error_of({"strategy.kind=diloco", "strategy.codec=int4", "strategy.max_loss_penalty=0.02"});
+  EXPECT_NE(pinned.find("nothing to choose"), std::string::npos) << pinned;
+  EXPECT_NE(error_of({"strategy.kind=diloco", "strategy.codec=auto", "strategy.max_loss_penalty=1.5"}).find(
+                "'strategy.max_loss_penalty'"),
+            std::string::npos);
+  EXPECT_EQ(error_of({"strategy.kind=diloco", "strategy.inner_steps=0", "strategy.max_loss_penalty=0.02"}), "no error");
+  EXPECT_EQ(parse_config(to_toml(parse_config(kValid, "job.toml",
+                                              {"strategy.kind=diloco", "strategy.codec=auto", "strategy.max_loss_penalty=0.02"})),
+                         "r.toml")
+                .strategy.max_loss_penalty,
+            0.02);
 }
 
 // Issue [5/7]: the translation model, distillation and evaluation keys.
