@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # WAN bytes against quality (issue [4/7]'s benchmark): the demo's pre-training job
 # (examples/demo.toml: two sites, 2 + 1 workers, MLM + TLM + contrastive, 2,000 steps) run by
-# synchronous data parallel with a learning-rate sweep (its best run is the baseline) and by a
+# synchronous data parallel in float32 with a learning-rate sweep (its best run is the baseline) and by a
 # grid of strategies, side by side in one run: the same seed, corpus, tokenizer and steps, so
 # equal tokens (printed). For each: WAN bytes, the ratio to the baseline's, the final validation
 # loss and its penalty against the baseline's, retrieval accuracy (mean over the languages);
@@ -11,7 +11,8 @@
 #
 # Every run trains over an unlimited link (bytes do not depend on it), but the controller's
 # runs over the demo's emulated WAN (50 Mbit/s, 80 ms), whose timing its first choice rests on.
-#   bench/frontier.sh [steps, default 2000] [runs...]   (default: all, about 80 minutes here)
+#   bench/frontier.sh [steps, default 2000] [runs...]   (default: all 25, about two hours here)
+#   BENCH_OUT=DIR REUSE=1 bench/frontier.sh ...   keeps the runs DIR already holds (a summary.json)
 #   BENCH_TINY=1 bench/frontier.sh 12 sync-lr2e-3 diloco-h50-int4 controller   (tiny mode, bench/common.sh)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -20,14 +21,15 @@ steps="${1:-2000}"
 shift || true
 sparse="strategy.codec=sparseloco strategy.codec_block=4096 strategy.codec_indices=\"rice\" strategy.outer_momentum=0 strategy.outer_lr=1"
 declare -A runs=(
-  [sync-lr1e-3]="strategy.kind=sync model.lr=1e-3"
-  [sync-lr2e-3]="strategy.kind=sync model.lr=2e-3"
-  [sync-lr4e-3]="strategy.kind=sync model.lr=4e-3"
+  [sync-lr1e-3]="strategy.kind=sync strategy.codec=none model.lr=1e-3"
+  [sync-lr2e-3]="strategy.kind=sync strategy.codec=none model.lr=2e-3"
+  [sync-lr4e-3]="strategy.kind=sync strategy.codec=none model.lr=4e-3"
+  [sync-lr8e-3]="strategy.kind=sync strategy.codec=none model.lr=8e-3"
   [streaming-h100-int4]="strategy.kind=streaming strategy.codec=int4 strategy.inner_steps=100 strategy.fragments=4 strategy.delay=5"
   [controller]="strategy.kind=diloco strategy.codec=auto strategy.inner_steps=0 strategy.max_loss_penalty=0.02"
   [controller-sparse]="strategy.kind=diloco strategy.codec=auto strategy.inner_steps=0 strategy.max_loss_penalty=0.02 strategy.outer_momentum=0 strategy.outer_lr=1"
 )
-order=(sync-lr1e-3 sync-lr2e-3 sync-lr4e-3)
+order=(sync-lr1e-3 sync-lr2e-3 sync-lr4e-3 sync-lr8e-3)
 for h in 50 100 250 500; do
   runs[diloco-h$h-fp16]="strategy.kind=diloco strategy.codec=fp16 strategy.inner_steps=$h"
   runs[diloco-h$h-int4]="strategy.kind=diloco strategy.codec=int4 strategy.inner_steps=$h"
@@ -51,6 +53,10 @@ fi
 tokenizer=""
 run() {  # name, seed, directory
   local name="$1" seed="$2" dir="$3" sets=()
+  if [ "${REUSE:-0}" = 1 ] && [ -f "$dir/summary.json" ]; then
+    [ -z "$tokenizer" ] && tokenizer="$dir/tokenizer.model"
+    return 0
+  fi
   for kv in ${runs[$name]}; do sets+=(--set "$kv"); done
   case "$name" in controller*) ;; *) sets+=(--set 'wan.bandwidth="0bit"' --set 'wan.rtt="0s"') ;; esac
   [ -n "$tokenizer" ] && sets+=(--set "data.tokenizer=\"$tokenizer\"")
@@ -81,6 +87,9 @@ others = [n for n in names if n not in syncs]
 frontier = {n for n in others
             if not any(ratio(m) >= ratio(n) and loss(m) <= loss(n) and (ratio(m), loss(m)) != (ratio(n), loss(n)) for m in others)}
 print(f"sync baseline: {base} (learning-rate sweep {', '.join(syncs)}; schedule: the demo's, warmup then cosine)")
+lr = lambda n: float(n.split("-lr")[1])
+if len(syncs) > 1 and lr(base) in (min(map(lr, syncs)), max(map(lr, syncs))):
+    print(f"warning: the best sync learning rate ({lr(base):g}) is at the edge of the sweep: widen it")
 print(f"{'run':<22} {'tokens':>9} {'WAN bytes':>12} {'vs sync':>9} {'val loss':>9} {'penalty':>8} {'retrieval':>9}")
 for n in names:
     star = " *" if n in frontier else ""

@@ -237,6 +237,7 @@ struct StrategyConfig {
   double codec_error_decay = 1.0;    // error feedback's beta: the residual is scaled by it each encode
                                      // (SparseLoCo decays it, e.g. 0.95; 1 = keep all)
   std::string codec_indices = "fixed";  // sparseloco: "fixed" bits per index or "rice"-coded gaps
+  int64_t codec_value_bits = 2;      // sparseloco: 2 (sign, one of two levels) or 1 (sign; one level a chunk)
   uint64_t bucket_bytes = 4ull << 20;  // gradients are exchanged in buckets of about this size
   // diloco / streaming: the outer loop.
   int64_t inner_steps = 50;          // H: inner steps between synchronizations; 0 = auto (controller)

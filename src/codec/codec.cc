@@ -75,6 +75,9 @@ std::unique_ptr<Codec> make_codec(const CodecOptions& o) {
       if (o.indices != "fixed" && o.indices != "rice")
         throw ConfigError(str_cat("strategy.codec_indices = \"", o.indices,
                                   "\" is not \"fixed\" or \"rice\" (how sparseloco sends its kept values' indices)"));
+      if (o.value_bits != 1 && o.value_bits != 2)
+        throw ConfigError(str_cat("strategy.codec_value_bits = ", o.value_bits,
+                                  " is not 1 or 2 (bits per value sparseloco keeps: sign, and one of two levels with 2)"));
       return std::make_unique<SparseLocoCodec>(o);
   }
   throw ConfigError(str_cat("strategy.codec = \"", o.kind, "\": no codec"));  // unreachable

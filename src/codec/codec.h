@@ -41,7 +41,10 @@
 //                                          (previous = -1 at a chunk's start) as q = g >> r
 //                                          one-bits and a zero, then g's r low bits, with
 //                                          r = floor(log2(len / k_c)) for a chunk of len
-//                                          values keeping k_c; zero-padded, nothing after
+//                                          values keeping k_c; zero-padded, nothing after.
+//                                          With 1-bit values (the chunk's bit 25): one level
+//                                          per chunk (nchunks x f32) in place of lo and hi,
+//                                          and 1-bit codes (the sign), else the same
 //  nblocks = ceil(numel / block); int8/int4 flags: bit 0 = stochastic rounding was used
 //  (informational), other bits must be 0. sparseloco: chunk in [2, 65536]; every full chunk
 //  keeps k in [1, chunk] values, a partial last chunk (numel % chunk values) keeps k_last in
@@ -56,7 +59,7 @@
 // field, the value and the limit. No decoder reads out of bounds or allocates more than the
 // header's numel floats, and only after the byte length has been checked against the
 // header (topk, powersgd and sparseloco expand: there numel is bounded by kMaxNumel, by
-// numel <= k * kMaxTopKExpansion for topk, by 65536 values per 8 bytes of sparseloco
+// numel <= k * kMaxTopKExpansion for topk, by 65536 values per 4 bytes of sparseloco
 // levels, and by expected_numel when the caller passes one).
 //
 // Error bounds (for one encode of t from a fresh state, without error feedback; see
@@ -87,7 +90,8 @@
 //             |x| (so <= the range of the chunk's kept |x|). NaN and Inf rank above every
 //             finite value, so they are kept; a chunk holding one sends lo = hi = NaN: all
 //             its kept positions decode to NaN, the rest (and non-finite values beyond k) to
-//             0. Finite input always decodes finite.
+//             0. Finite input always decodes finite. With 1-bit values one level per chunk,
+//             the mean of all its kept magnitudes: |err_i| <= max - min of the chunk's kept |x|.
 //  With error feedback, any non-finite entry of the new residual is set to 0 (the step that
 //  produced it decodes to non-finite values, which the update guard rejects; the residual
 //  must not poison every later step).
@@ -147,6 +151,9 @@ struct CodecOptions {
   // bits each) or "rice" (the gaps between them Rice-coded: ~8 bits each at 1/64 of 4096,
   // where fixed takes 12).
   std::string indices = "fixed";
+  // sparseloco: bits per kept value, 2 (its sign and which of the chunk's two magnitude levels)
+  // or 1 (its sign; one level per chunk, the mean of the kept magnitudes).
+  int value_bits = 2;
 };
 
 // Per-tensor state kept by the caller between steps for one logical tensor (bucket). A

@@ -68,6 +68,10 @@ std::vector<Case> all_cases() {
   for (CodecOptions o : {sparseloco(7, 0.01), sparseloco(4096, 1.0 / 64), sparseloco(256, 0.3)}) {
     o.indices = "rice";  // the same cases with Rice-coded indices
     cases.push_back({"sparseloco_rice_" + std::to_string(o.block), o});
+    o.value_bits = 1;  // and with 1-bit values, Rice-coded and fixed
+    cases.push_back({"sparseloco_rice_1bit_" + std::to_string(o.block), o});
+    o.indices = "fixed";
+    cases.push_back({"sparseloco_1bit_" + std::to_string(o.block), o});
   }
   return cases;
 }
@@ -313,6 +317,14 @@ TEST(CodecSparseLoco, CompressionRatio) {
   const Bytes q = encode_fresh(*make_codec(sparseloco(4096, 0.01)), t);
   EXPECT_EQ(q.size(), 12u + 12 + 256 * 8 + 256 * 41 * 14 / 8);
   EXPECT_GT(4.0 * n / static_cast<double>(q.size()), 205.0);
+  // 1-bit values: one level per chunk and 1-bit codes.
+  CodecOptions one = sparseloco(4096, 0.01);
+  one.value_bits = 1;
+  const Bytes r = encode_fresh(*make_codec(one), t);
+  EXPECT_EQ(r.size(), 12u + 12 + 256 * 4 + 256 * 41 * 13 / 8);
+  EXPECT_GT(4.0 * n / static_cast<double>(r.size()), 230.0);
+  one.value_bits = 3;
+  EXPECT_THROW(make_codec(one), ConfigError);
 }
 
 // Rice-coded indices (codec_indices = "rice"): the same values as fixed-width indices in
@@ -361,9 +373,9 @@ TEST(CodecSparseLoco, CorruptRicePayloadsAreRefused) {
   Bytes longer = p;
   longer.push_back(0);
   EXPECT_CODEC_ERROR(Kind::kMismatch, codec->decode(longer));
-  // The chunk field (after 4 + 8 * 2 header bytes): coding 2 is unknown.
+  // The chunk field (after 4 + 8 * 2 header bytes): coding bit 2 is unknown (0: Rice, 1: 1-bit values).
   Bytes bad = p;
-  bad[20 + 3] = 2;
+  bad[20 + 3] = 4 | 1;
   EXPECT_CODEC_ERROR(Kind::kBadHeader, codec->decode(bad));
   // Every index stream byte all ones: quotients beyond the chunk, or a read past the end.
   Bytes ones = p;
@@ -697,10 +709,10 @@ TEST(CodecErrorFeedback, CumulativeSumConverges) {
 
 // SparseLoCo as published, written out plainly: e <- beta e + t; per chunk keep the k largest
 // |e| (ties to lower indices), send each as its sign and the mean of its magnitude group (the
-// kept magnitudes cut in two where the squared error is least), e <- e - sent. Returns what is
-// sent; `e` is the residual.
+// kept magnitudes cut in two where the squared error is least; with 1-bit values one group),
+// e <- e - sent. Returns what is sent; `e` is the residual.
 std::vector<float> sparseloco_reference(const std::vector<float>& t, std::vector<float>& e, int64_t chunk,
-                                        double density, double beta) {
+                                        double density, double beta, int value_bits) {
   const auto n = static_cast<int64_t>(t.size());
   std::vector<float> sent(t.size(), 0.0f);
   for (int64_t i = 0; i < n; ++i) e[i] = static_cast<float>(beta) * e[i] + t[i];
@@ -724,8 +736,8 @@ std::vector<float> sparseloco_reference(const std::vector<float>& t, std::vector
       }
       return err;
     };
-    int64_t cut = 0;
-    for (int64_t j = 1; j < k; ++j)
+    int64_t cut = 0;  // 1-bit values: one level, no cut
+    for (int64_t j = 1; value_bits == 2 && j < k; ++j)
       if (mags[j - 1] != mags[j] && sse(j) < sse(cut) - 1e-12) cut = j;
     auto mean_of = [&](int64_t lo, int64_t hi) {
       double m = 0;
@@ -748,18 +760,21 @@ TEST(CodecSparseLoco, MatchesAPlainReferenceWithDecayedErrorFeedback) {
   // over three rounds so that the residual's decay shows; inputs fixed by their seeds.
   for (double density : {0.01, 0.03})
     for (double beta : {1.0, 0.95, 0.0})
-    for (const char* indices : {"fixed", "rice"}) {
-      SCOPED_TRACE(testing::Message() << "density " << density << " beta " << beta << " indices " << indices);
+    for (const char* indices : {"fixed", "rice"})
+    for (int value_bits : {2, 1}) {
+      SCOPED_TRACE(testing::Message() << "density " << density << " beta " << beta << " indices " << indices << " bits "
+                                      << value_bits);
       CodecOptions o = sparseloco(512, density);
       o.error_decay = beta;
       o.indices = indices;
+      o.value_bits = value_bits;
       auto codec = make_codec(o);
       CodecState state;
       std::vector<float> e(3000, 0.0f);
       for (int round = 0; round < 3; ++round) {
         const at::Tensor t = randn({3000}, 40 + round);
         const std::vector<float> tv(t.data_ptr<float>(), t.data_ptr<float>() + 3000);
-        const std::vector<float> want = sparseloco_reference(tv, e, 512, density, beta);
+        const std::vector<float> want = sparseloco_reference(tv, e, 512, density, beta, value_bits);
         const at::Tensor got = codec->decode(codec->encode(t, state));
         const float* g = got.data_ptr<float>();
         const float* r = state.residual.data_ptr<float>();

@@ -23,8 +23,10 @@ using Kind = CodecError::Kind;
 constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
 constexpr float kInf = std::numeric_limits<float>::infinity();
 
-// The chunk field's bits 24-31: how the indices are sent (0: fixed width; codec.h).
+// The chunk field's bits 24-31: bit 24 how the indices are sent (0: fixed width, 1: Rice),
+// bit 25 the values' bits (0: 2, 1: 1; codec.h).
 constexpr uint32_t kRiceIndices = uint32_t{1} << 24;
+constexpr uint32_t kOneBitValues = uint32_t{1} << 25;
 constexpr uint32_t kChunkMask = (uint32_t{1} << 24) - 1;
 
 // Chunks per parallel work item. Every chunk but the last keeps k values, so 8 chunks take
@@ -48,23 +50,26 @@ int index_bits(int64_t chunk) { return std::bit_width(static_cast<uint64_t>(chun
 // Where everything lives in a payload of `numel` values in chunks of `chunk`.
 struct Layout {
   int64_t numel = 0, chunk = 2, k = 1, k_last = 0, nchunks = 0, nfull = 0;
-  int bits = 1;
-  Layout(int64_t numel_, int64_t chunk_, int64_t k_, int64_t k_last_)
+  int bits = 1;        // per index (fixed width)
+  int value_bits = 2;  // per code: 2 (sign, level) or 1 (sign; one level per chunk)
+  Layout(int64_t numel_, int64_t chunk_, int64_t k_, int64_t k_last_, int value_bits_)
       : numel(numel_),
         chunk(chunk_),
         k(k_),
         k_last(k_last_),
         nchunks((numel_ + chunk_ - 1) / chunk_),
         nfull(numel_ / chunk_),
-        bits(index_bits(chunk_)) {}
+        bits(index_bits(chunk_)),
+        value_bits(value_bits_) {}
   int64_t chunk_len(int64_t c) const { return std::min(chunk, numel - c * chunk); }
   int64_t chunk_k(int64_t c) const { return c < nfull ? k : k_last; }
   // Values kept in chunks before c (c < nchunks; only the last chunk may keep fewer).
   int64_t kept_before(int64_t c) const { return c * k; }
   int64_t kept() const { return nfull * k + k_last; }
   int64_t index_bytes() const { return (kept() * bits + 7) / 8; }
-  int64_t code_bytes() const { return (kept() * 2 + 7) / 8; }
-  int64_t data_bytes() const { return 8 * nchunks + index_bytes() + code_bytes(); }
+  int64_t code_bytes() const { return (kept() * value_bits + 7) / 8; }
+  int64_t level_bytes() const { return 4 * value_bits * nchunks; }  // two levels a chunk, or one
+  int64_t data_bytes() const { return level_bytes() + index_bytes() + code_bytes(); }
 };
 
 // LSB-first bit packing into a zero-padded byte stream. Writes whole 32-bit words while it
@@ -228,7 +233,8 @@ float group_mean(const uint32_t* keys, int64_t n) {
 }
 
 // Selects the k largest magnitudes of x[0, n) (ties to lower indices) into s.kept and
-// chooses the levels. Precondition: 1 <= k <= n.
+// chooses the levels (one, the mean of the kept magnitudes, unless `two_levels`).
+// Precondition: 1 <= k <= n.
 //
 // Selection without sorting or histograms: if g is a key with at least k run maxima at or
 // above it, at least k values are (one per such run), so the threshold (the k-th largest
@@ -239,7 +245,7 @@ float group_mean(const uint32_t* keys, int64_t n) {
 // threshold, and the candidates, walked in order, the kept indices. The guess only affects
 // speed: the result is the exact top k whatever it is. When k is more than half the runs
 // (density above 1/32), each value is its own run.
-ChunkCode code_chunk(const float* x, int64_t n, int64_t k, Scratch& s) {
+ChunkCode code_chunk(const float* x, int64_t n, int64_t k, Scratch& s, bool two_levels) {
   uint32_t* run_max = s.run_max.get();
   const int64_t run = 2 * k <= (n + kRun - 1) / kRun ? kRun : 1;
   const int64_t nruns = (n + run - 1) / run;
@@ -305,7 +311,7 @@ ChunkCode code_chunk(const float* x, int64_t n, int64_t k, Scratch& s) {
   for (int64_t j = 0; j < k; ++j) total += key_float(mags[j]);
   double best = -1, prefix = 0;
   int64_t cut = 0;
-  for (int64_t j = 1; j < k; ++j) {
+  for (int64_t j = 1; two_levels && j < k; ++j) {
     prefix += key_float(mags[j - 1]);
     if (mags[j - 1] == mags[j]) continue;
     const double rest = total - prefix;
@@ -337,7 +343,7 @@ void encode_chunks(const Layout& L, int64_t c0, int64_t c1, const float* t, floa
                    uint8_t* his, uint8_t* indices, uint8_t* codes, uint16_t* kept_out) {
   Scratch s(std::min(L.chunk, L.numel));
   BitWriter iw(indices ? indices + L.kept_before(c0) * L.bits / 8 : nullptr);
-  BitWriter cw(codes + L.kept_before(c0) / 4);
+  BitWriter cw(codes + L.kept_before(c0) * L.value_bits / 8);
   for (int64_t c = c0; c < c1; ++c) {
     const int64_t start = c * L.chunk, n = L.chunk_len(c), k = L.chunk_k(c);
     const float* x = t + start;
@@ -346,7 +352,7 @@ void encode_chunks(const Layout& L, int64_t c0, int64_t c1, const float* t, floa
       detail::add(x, r, r, n);  // the residual now holds x = t + residual
       x = r;
     }
-    const ChunkCode cc = code_chunk(x, n, k, s);
+    const ChunkCode cc = code_chunk(x, n, k, s, L.value_bits == 2);
     std::memcpy(los + 4 * c, &cc.lo, 4);
     std::memcpy(his + 4 * c, &cc.hi, 4);
     const uint32_t* kept = s.kept.get();
@@ -359,7 +365,7 @@ void encode_chunks(const Layout& L, int64_t c0, int64_t c1, const float* t, floa
         kept_out[L.kept_before(c) + j] = static_cast<uint16_t>(i);
       else
         iw.put(i, L.bits);
-      cw.put(sign | (high << 1), 2);
+      cw.put(sign | (high << 1), L.value_bits);  // one bit: the sign (high is 0)
       if (r) {
         // (A non-finite chunk decodes to NaN: then nothing of it is kept.)
         const float dec = std::bit_cast<float>(std::bit_cast<uint32_t>(high ? cc.hi : cc.lo) | (sign << 31));
@@ -388,28 +394,30 @@ SparseLocoCodec::SparseLocoCodec(const CodecOptions& options) : options_(options
   NEBULA_CHECK(options.block >= 2 && options.block <= kMaxSparseLocoChunk, "sparseloco chunk ", options.block);
   NEBULA_CHECK(options.density > 0.0 && options.density <= 1.0, "sparseloco density ", options.density);
   NEBULA_CHECK(options.indices == "fixed" || options.indices == "rice", "sparseloco indices ", options.indices);
+  NEBULA_CHECK(options.value_bits == 1 || options.value_bits == 2, "sparseloco value bits ", options.value_bits);
 }
 
 std::vector<uint8_t> SparseLocoCodec::encode(const at::Tensor& t_in, CodecState& state) const {
   at::Tensor t = detail::check_input(t_in, "sparseloco");
   const int64_t n = t.numel(), chunk = options_.block;
-  const Layout L(n, chunk, sparseloco_count(chunk, options_.density), sparseloco_count(n % chunk, options_.density));
+  const Layout L(n, chunk, sparseloco_count(chunk, options_.density), sparseloco_count(n % chunk, options_.density),
+                 options_.value_bits);
   float* residual = options_.error_feedback ? detail::residual_for(state, t, "sparseloco", options_.error_decay).data_ptr<float>() : nullptr;
 
   const bool rice = options_.indices == "rice";
   wire::ByteWriter w;
   detail::write_header(w, CodecId::kSparseLoco, t.sizes());
-  w.put_u32(static_cast<uint32_t>(L.chunk) | (rice ? kRiceIndices : 0u));
+  w.put_u32(static_cast<uint32_t>(L.chunk) | (rice ? kRiceIndices : 0u) | (L.value_bits == 1 ? kOneBitValues : 0u));
   w.put_u32(static_cast<uint32_t>(L.k));
   w.put_u32(static_cast<uint32_t>(L.k_last));
   std::vector<uint8_t> out = w.take();
   // Fixed: levels, indices, codes. Rice: levels, codes, then the Rice stream (written below
   // from the kept indices, once every chunk has chosen its own).
-  const int64_t fixed_bytes = rice ? 8 * L.nchunks + L.code_bytes() : L.data_bytes();
+  const int64_t fixed_bytes = rice ? L.level_bytes() + L.code_bytes() : L.data_bytes();
   uint8_t* los = detail::append(out, static_cast<size_t>(fixed_bytes));
-  uint8_t* his = los + 4 * L.nchunks;
-  uint8_t* indices = rice ? nullptr : his + 4 * L.nchunks;
-  uint8_t* codes = rice ? his + 4 * L.nchunks : indices + L.index_bytes();
+  uint8_t* his = L.value_bits == 2 ? los + 4 * L.nchunks : los;  // one level: lo = hi, written once
+  uint8_t* indices = rice ? nullptr : los + L.level_bytes();
+  uint8_t* codes = rice ? los + L.level_bytes() : indices + L.index_bytes();
   std::vector<uint16_t> kept(rice ? static_cast<size_t>(L.kept()) : 0);
   const float* x = t.data_ptr<float>();
   const int64_t ngroups = (L.nchunks + kGroup - 1) / kGroup;
@@ -452,10 +460,11 @@ at::Tensor SparseLocoCodec::decode(std::span<const uint8_t> payload, int64_t exp
     const uint32_t k = r.u32();
     const uint32_t k_last = r.u32();
     const uint32_t coding = chunk_field >> 24, chunk = chunk_field & kChunkMask;
-    if (coding > 1)
-      fail(Kind::kBadHeader, str_cat("sparseloco payload: index coding ", coding, " (the chunk field's bits 24-31) is not 0 "
-                                     "(fixed) or 1 (rice)"));
-    const bool rice = coding == 1;
+    if (coding > 3)
+      fail(Kind::kBadHeader, str_cat("sparseloco payload: coding ", coding, " (the chunk field's bits 24-31) has bits "
+                                     "other than 0 (rice indices) and 1 (1-bit values)"));
+    const bool rice = (chunk_field & kRiceIndices) != 0;
+    const int value_bits = (chunk_field & kOneBitValues) != 0 ? 1 : 2;
     if (chunk < 2 || chunk > kMaxSparseLocoChunk)
       fail(Kind::kBadHeader,
            str_cat("sparseloco payload: chunk = ", chunk, " is not in [2, ", kMaxSparseLocoChunk, "]"));
@@ -468,9 +477,9 @@ at::Tensor SparseLocoCodec::decode(std::span<const uint8_t> payload, int64_t exp
     if (tail > 0 && (k_last < 1 || k_last > tail))
       fail(Kind::kBadHeader, str_cat("sparseloco payload: k_last = ", k_last, " is not in [1, ", tail,
                                      "] (the last chunk's length)"));
-    const Layout L(h.numel, chunk, k, k_last);
+    const Layout L(h.numel, chunk, k, k_last, value_bits);
     // Rice: the levels and codes, and at least a bit per index after them.
-    const int64_t fixed_bytes = rice ? 8 * L.nchunks + L.code_bytes() : L.data_bytes();
+    const int64_t fixed_bytes = rice ? L.level_bytes() + L.code_bytes() : L.data_bytes();
     const int64_t rice_min = rice ? (L.kept() + 7) / 8 : 0;
     if (rice) {
       if (r.remaining() < static_cast<uint64_t>(fixed_bytes + rice_min))
@@ -480,9 +489,9 @@ at::Tensor SparseLocoCodec::decode(std::span<const uint8_t> payload, int64_t exp
       detail::expect_remaining(r, static_cast<uint64_t>(L.data_bytes()), "sparseloco", "levels, indices and codes");
     }
     const uint8_t* los = r.bytes(static_cast<size_t>(fixed_bytes)).data();
-    const uint8_t* his = los + 4 * L.nchunks;
-    BitReader ir(his + 4 * L.nchunks);  // fixed only
-    BitReader cr(rice ? his + 4 * L.nchunks : his + 4 * L.nchunks + L.index_bytes());
+    const uint8_t* his = value_bits == 2 ? los + 4 * L.nchunks : los;  // one level: hi = lo
+    BitReader ir(los + L.level_bytes());  // fixed only
+    BitReader cr(rice ? los + L.level_bytes() : los + L.level_bytes() + L.index_bytes());
     const size_t stream_bytes = rice ? r.remaining() : 0;
     const uint8_t* stream = rice ? r.bytes(stream_bytes).data() : los;
     BitReader rr(stream, stream + stream_bytes);
@@ -523,7 +532,7 @@ at::Tensor SparseLocoCodec::decode(std::span<const uint8_t> payload, int64_t exp
           fail(Kind::kMismatch, str_cat("sparseloco payload: chunk ", c, " index #", j, " = ", idx,
                                         " does not follow ", prev, " (indices must increase within a chunk)"));
         prev = idx;
-        const uint32_t code = cr.get(2);
+        const uint32_t code = cr.get(value_bits);
         y_c[idx] = std::bit_cast<float>(((code & 2u) ? hi_bits : lo_bits) | ((code & 1u) << 31));
       }
     }
@@ -549,7 +558,7 @@ at::Tensor SparseLocoCodec::error_bound(const at::Tensor& t_in) const {
   Scratch s(std::min(chunk, n));
   for (int64_t start = 0; start < n; start += chunk) {
     const int64_t len = std::min(chunk, n - start), k = sparseloco_count(len, options_.density);
-    const ChunkCode cc = code_chunk(x + start, len, k, s);
+    const ChunkCode cc = code_chunk(x + start, len, k, s, options_.value_bits == 2);
     // Not kept: decodes to 0.
     for (int64_t i = start; i < start + len; ++i) {
       const float a = std::fabs(x[i]);

@@ -1,4 +1,4 @@
-// SparseLoCo-style chunked top-k with 2-bit values (Sarfi et al., arXiv 2508.15706; see
+// SparseLoCo-style chunked top-k with 2-bit or 1-bit values (Sarfi et al., arXiv 2508.15706; see
 // codec.h for the format and bounds).
 #pragma once
 
@@ -19,7 +19,8 @@ int64_t sparseloco_count(int64_t len, double density);
 // sign bit and a bit choosing one of the chunk's two magnitude levels. The levels are the
 // optimal two-level quantiser of the kept magnitudes (sorted, cut where the squared error
 // is least, each side sent as its mean), so the error that error feedback must carry is as
-// small as two levels allow. With error feedback (the default, which SparseLoCo relies on:
+// small as two levels allow. With options.value_bits = 1 a code is the sign alone and the
+// chunk has one level, the mean of its kept magnitudes (4 bytes a chunk, not 8). With error feedback (the default, which SparseLoCo relies on:
 // it replaces the outer momentum) everything not sent stays in state.residual. Selection
 // needs no sort of the chunk: the maxima of runs of 16 values bound which values can be in
 // the top k, so a bisection over them and an nth_element over the few values left find it

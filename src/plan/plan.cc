@@ -197,6 +197,7 @@ Topology build(const toml::table& root, const std::string& file) {
     s.number("sparseloco_density", t.codec.sparseloco_density, 1e-6, 1.0);
     s.integer("sparseloco_chunk", t.codec.sparseloco_chunk, 2, 1 << 24);
     s.string("sparseloco_indices", t.codec.sparseloco_indices, {"fixed", "rice"});
+    s.integer("sparseloco_value_bits", t.codec.sparseloco_value_bits, 1, 2);
     s.finish();
     // Stages cut the layers, slices the heads; both are costed from the model's shape.
     const bool layouts = std::any_of(t.pipelines.begin(), t.pipelines.end(), [](int64_t p) { return p > 1; }) ||
@@ -399,8 +400,9 @@ double payload_bytes(const std::string& codec, double m, const CodecParams& p) {
   if (codec == "int4") return std::ceil(m / 2) + 8 * blocks;   // 4-bit code; f32 min + scale per block
   if (codec == "topk") return 8 * std::ceil(p.density * m);    // u32 index + f32 value per kept value
   if (codec == "powersgd") return 4 * m / p.powersgd_ratio;    // P and Q factors: ratio from shapes
-  if (codec == "sparseloco") {                                 // 2-bit values + in-chunk index bits,
-    const double kept = std::ceil(p.sparseloco_density * m);   // 8 bytes of scale per chunk
+  if (codec == "sparseloco") {  // 2- or 1-bit values + in-chunk index bits, 8 or 4 bytes of levels per chunk
+    const double kept = std::ceil(p.sparseloco_density * m);
+    const auto vb = static_cast<double>(p.sparseloco_value_bits);
     const double chunk = static_cast<double>(p.sparseloco_chunk);
     double index_bits = std::ceil(std::log2(chunk));           // whole bits per in-chunk index
     if (p.sparseloco_indices == "rice") {  // expected Rice bits of a gap between random positions
@@ -409,7 +411,7 @@ double payload_bytes(const std::string& codec, double m, const CodecParams& p) {
       const double a = std::pow(1 - k / chunk, std::ldexp(1.0, r));
       index_bits = a < 1 ? 1 + r + a / (1 - a) : 1 + r;
     }
-    return kept * (2 + index_bits) / 8 + 8 * std::ceil(m / chunk);
+    return kept * (vb + index_bits) / 8 + 4 * vb * std::ceil(m / chunk);
   }
   throw Error(str_cat("plan: unknown codec '", codec, "'"));
 }

@@ -192,6 +192,7 @@ struct CodecParams {
   double sparseloco_density = 64.0 / 4096;   // sparseloco: fraction kept per chunk
   int64_t sparseloco_chunk = 4096;           // sparseloco: values per chunk
   std::string sparseloco_indices = "fixed";  // sparseloco: "fixed" or "rice" (strategy.codec_indices)
+  int64_t sparseloco_value_bits = 2;         // sparseloco: 2 or 1 (strategy.codec_value_bits)
 };
 
 struct Topology {

@@ -114,6 +114,9 @@ TEST(Plan, PayloadTable) {
   EXPECT_DOUBLE_EQ(payload_bytes("sparseloco", 4096 * 1000, p), 4096000 * 3 / 8.0 + 8 * 1000);
   p.sparseloco_density = 64.0 / 4096;
   p.sparseloco_indices = "fixed";
+  p.sparseloco_value_bits = 1;  // 1-bit values: one level (4 bytes) a chunk, 1 + 12 bits a value
+  EXPECT_EQ(payload_bytes("sparseloco", 4096 * 1000, p), 64000 * 13 / 8 + 4 * 1000);
+  p.sparseloco_value_bits = 2;
   EXPECT_THROW(payload_bytes("int9", 1, p), Error);
 }
 

@@ -29,6 +29,7 @@ double codec_payload_bytes(const std::string& codec, int64_t params, const codec
   p.sparseloco_density = o.density;
   p.sparseloco_chunk = o.block;
   p.sparseloco_indices = o.indices;
+  p.sparseloco_value_bits = o.value_bits;
   return plan::payload_bytes(codec, static_cast<double>(params), p);
 }
 

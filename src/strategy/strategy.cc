@@ -97,6 +97,7 @@ codec::CodecOptions wan_codec_options(const StrategyConfig& config) {
   o.error_feedback = config.codec_error_feedback;
   o.error_decay = config.codec_error_decay;
   o.indices = config.codec_indices;
+  o.value_bits = static_cast<int>(config.codec_value_bits);
   return o;
 }
 

@@ -534,6 +534,7 @@ Config build(const toml::table& root, const std::string& file) {
     s.boolean("codec_error_feedback", c.strategy.codec_error_feedback);
     s.number("codec_error_decay", c.strategy.codec_error_decay, 0.0, 1.0);
     s.string("codec_indices", c.strategy.codec_indices, {"fixed", "rice"});
+    s.integer("codec_value_bits", c.strategy.codec_value_bits, 1, 2);
     s.unit("bucket", c.strategy.bucket_bytes, parse_size);
     if (c.strategy.bucket_bytes < 1024) s.fail(*t, "bucket", "must be at least 1KiB");
     s.integer("inner_steps", c.strategy.inner_steps, 0, 1 << 20);
@@ -842,6 +843,7 @@ std::string to_toml(const Config& c) {
                                       {"codec_error_feedback", c.strategy.codec_error_feedback},
                                       {"codec_error_decay", c.strategy.codec_error_decay},
                                       {"codec_indices", c.strategy.codec_indices},
+                                      {"codec_value_bits", c.strategy.codec_value_bits},
                                       {"bucket", bytes(c.strategy.bucket_bytes)},
                                       {"inner_steps", c.strategy.inner_steps},
                                       {"outer_lr", c.strategy.outer_lr},

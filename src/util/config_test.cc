@@ -407,6 +407,10 @@ TEST(Config, StrategyAndPeftKeysAreValidated) {
   EXPECT_EQ(parse_config(to_toml(parse_config(kValid, "job.toml", {"strategy.max_update_norm=50"})), "r.toml")
                 .strategy.max_update_norm,
             50);
+  EXPECT_NE(error_of({"strategy.codec_value_bits=3"}).find("'strategy.codec_value_bits'"), std::string::npos);
+  EXPECT_EQ(parse_config(to_toml(parse_config(kValid, "job.toml", {"strategy.codec_value_bits=1"})), "r.toml")
+                .strategy.codec_value_bits,
+            1);
   // Watching quality: diloco only, with something left to choose, and kept by the dump.
   const std::string streaming = error_of({"strategy.kind=streaming", "strategy.codec=auto", "strategy.max_loss_penalty=0.02"});
   EXPECT_NE(streaming.find("'strategy.max_loss_penalty'"), std::string::npos) << streaming;
