@@ -166,9 +166,9 @@ struct MetricsWindow {
   double loss = 0, predicted = 0;  // Σ loss · weight, Σ weight
   int64_t tokens = 0;
   Clock::time_point start = Clock::now();
-  void add(const Task::Step& step) {
+  void add(const Task::Step& step, double step_loss) {
     tokens += step.tokens;
-    loss += step.loss.item<double>() * step.weight;
+    loss += step_loss * step.weight;
     predicted += step.weight;
   }
 };
@@ -477,7 +477,8 @@ int Trainer::train() {
     if (c_.model.clip_norm > 0) optimizer.clip_grad_norm(c_.model.clip_norm);
     optimizer.set_lr(parallel::scheduled_lr(c_.model, step_, c_.job.steps));
     optimizer.step();
-    strategy.observe_loss(batch.loss.item<double>());  // the metrics window reads it too: no extra sync
+    const double loss = batch.loss.item<double>();  // read once: the strategy and the metrics window
+    strategy.observe_loss(loss);
     phases_.begin(PhasePeaks::kOuterSync);  // the strategy's outer step, when one is due
     strategy.after_step(step_);
     phases_.end();
@@ -486,7 +487,7 @@ int Trainer::train() {
 
     const int64_t done = step_ + 1;
     tokens_ += batch.tokens;
-    window_.add(batch);
+    window_.add(batch, loss);
     if (done % c_.job.log_every == 0) write_metrics(done);
     if (c_.eval.every > 0 && done % c_.eval.every == 0) {  // on the merged model, not the replica mid-round
       strategy.with_global_weights([&] { evaluate(done); });
