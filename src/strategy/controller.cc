@@ -102,10 +102,9 @@ ControllerChoice decide(const ControllerInput& in, const ControllerPins& pins) {
   const bool codec_pinned = pins.codec != "auto";
   const bool h_pinned = pins.inner_steps > 0;
   if (codec_pinned && h_pinned) return {pins.codec, pins.inner_steps, false, "both pinned in [strategy]"};
-  const bool quality = pins.max_loss_penalty > 0;
-  if (quality && !in.codec.empty() && in.inner_steps > 0) {
-    // Watching quality, from the setting in use (the first one from the rules below).
-  } else if (in.step_seconds <= 0 || in.bandwidth_bits_per_s <= 0) {
+  // Watching quality, from the setting in use (the first one from the time rules below).
+  const bool by_quality = pins.max_loss_penalty > 0 && !in.codec.empty() && in.inner_steps > 0;
+  if (!by_quality && (in.step_seconds <= 0 || in.bandwidth_bits_per_s <= 0)) {
     // Nothing measured yet: start compressed and rare, and re-decide once there are numbers.
     return {codec_pinned ? pins.codec : "int4", h_pinned ? pins.inner_steps : 50, false,
             "no measurements yet (step time or bandwidth unknown): a safe start"};
@@ -126,7 +125,7 @@ ControllerChoice decide(const ControllerInput& in, const ControllerPins& pins) {
   std::stable_sort(candidates.begin(), candidates.end(), [](const Candidate& a, const Candidate& b) {
     return a.reduction < b.reduction || (a.reduction == b.reduction && a.h < b.h);
   });
-  if (quality && !in.codec.empty() && in.inner_steps > 0) return decide_by_quality(in, pins, candidates, left_out);
+  if (by_quality) return decide_by_quality(in, pins, candidates, left_out);
   const int64_t f = std::max<int64_t>(in.fragments, 1);
   const bool streaming = in.delay > 0;
   auto wan_seconds = [&](const std::string& c, double share) {
