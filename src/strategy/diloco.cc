@@ -489,6 +489,7 @@ std::vector<double> DilocoStrategy::site_info() const {
   // exchange's own bytes / time would count the wait for a slower site as transfer time.
   // Before the first exchange they rest on handshakes and heartbeats alone, frames too small
   // to fill the path: report unknown until then.
+  if (options_.assumed_bits_per_s > 0) info[1] = options_.assumed_bits_per_s;
   if (exchange_bits_per_s_ <= 0) info[1] = 0.0;
   info[3] = 1.0 + static_cast<double>(comm_.ready_joiners());
   info[4] = merge_gap_.gap();

@@ -78,6 +78,7 @@ struct DilocoOptions {
   size_t num_sites = 1;           // of the job
   size_t site_index = 0;          // this worker's site
   double assumed_step_seconds = 0;  // tests: report this compute time per step instead of measuring
+  double assumed_bits_per_s = 0;    // tests: report this bandwidth (after the first exchange) instead of the links' estimate
   double max_update_norm = 0;     // the update guard's bound (non-finite updates are always rejected)
   double max_loss_penalty = 0;    // > 0: the controller watches the merge gap (controller.h)
   // Differential privacy ([privacy]): the gateway clips each pseudo-gradient it sends to L2

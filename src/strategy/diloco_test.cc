@@ -844,6 +844,7 @@ TEST(Diloco, EverySiteAppliesTheControllersChoiceInTheSameRound) {
     o.codec = "auto";
     o.adaptive = true;
     o.assumed_step_seconds = 0.02;
+    o.assumed_bits_per_s = 1e9;  // the links' own estimate may have no sample yet for so small exchanges
     DilocoStrategy s(*r.hierarchy, o);
     std::vector<std::pair<std::string, int64_t>> mine;
     // Right after keep_training the round is open and rounds() is its index.
