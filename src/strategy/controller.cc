@@ -131,8 +131,13 @@ ControllerChoice decide(const ControllerInput& in, const ControllerPins& pins) {
   auto wan_seconds = [&](const std::string& c, double share) {
     return in.rtt_s + codec_payload_bytes(c, in.params, pins.codec_options) * share * 8 / in.bandwidth_bits_per_s;
   };
-  const std::string measured = str_cat("step ", in.step_seconds * 1e3, " ms, WAN ", in.bandwidth_bits_per_s / 1e6,
-                                       " Mbit/s, RTT ", in.rtt_s * 1e3, " ms, ", in.params, " values");
+  const std::string measured =
+      str_cat("step ", in.step_seconds * 1e3, " ms, WAN ", in.bandwidth_at_least ? ">= " : "",
+              in.bandwidth_bits_per_s / 1e6, " Mbit/s",
+              in.bandwidth_at_least ? " (a lower bound: the exchanges so far were too small to fill the path, so this "
+                                      "choice may compress more than it needs)"
+                                    : "",
+              ", RTT ", in.rtt_s * 1e3, " ms, ", in.params, " values");
   for (const auto& [c, h, reduction] : candidates) {
     const double per_fragment = wan_seconds(c, 1.0 / static_cast<double>(f));
     bool ok;
@@ -155,7 +160,7 @@ ControllerChoice decide(const ControllerInput& in, const ControllerPins& pins) {
   const std::string c = codecs.back();
   const int64_t h = hs.back();
   return {c, h, false,
-          str_cat("the WAN cannot be hidden even with ", c, " and H = ", h, ": ",
+          str_cat("the WAN cannot be ", in.bandwidth_at_least ? "shown to be " : "", "hidden even with ", c, " and H = ", h, ": ",
                   wan_seconds(c, 1.0 / static_cast<double>(f)) * 1e3, " ms per exchange (", measured, ")", left_out)};
 }
 

@@ -7,7 +7,9 @@
 //
 // The cost model (also what `docs/architecture.md` states):
 //   payload(codec)  = bytes one site sends per full-model exchange (codec_payload_bytes)
-//   t_wan           = rtt + payload / bandwidth            (each site pair is its own path)
+//   t_wan           = rtt + payload / bandwidth            (each site pair is its own path;
+//                   a bandwidth that is only a lower bound, from exchanges too small to fill the
+//                   path, makes t_wan an upper bound: the choice is safe, maybe over-compressed)
 //   diloco          blocking: the WAN adds t_wan / H per inner step; hidden enough when
 //                   t_wan <= max_overhead * H * t_step
 //   streaming       F fragments, each merged `delay` inner steps after it is sent: hidden when
@@ -52,6 +54,11 @@ namespace nebula::strategy {
 struct ControllerInput {
   double step_seconds = 0;          // compute time per inner step of the slowest site; 0 = unknown
   double bandwidth_bits_per_s = 0;  // the slowest measured site-to-site path; 0 = unknown
+  // That figure is a lower bound (transport LinkEstimates::bandwidth_at_least): the exchanges so
+  // far were too small to fill the path. The time rules then hold for a path at least that
+  // fast: a choice they call hidden is hidden, but it may compress more than the path needs,
+  // and the reason writes the figure as ">= x".
+  bool bandwidth_at_least = false;
   double rtt_s = 0;                 // the longest measured round trip
   int64_t params = 0;               // values synchronized per full exchange (trainable parameters)
   int64_t fragments = 1;            // streaming: F (1 for diloco)

@@ -31,6 +31,26 @@ TEST(Controller, PayloadSizesFollowTheCodecFormats) {
   EXPECT_THROW(codec_payload_bytes("powersgd", 10, o), ConfigError);
 }
 
+// A bandwidth that is only a lower bound: the same choice as at that bandwidth (safe: the
+// exchange takes at most the modelled time), written ">= x", and where nothing is hidden by the
+// bound the reason does not claim the WAN cannot be hidden.
+TEST(Controller, ALowerBoundOnTheBandwidthDecidesAsIfThePathWereThatSlowAndSaysSo) {
+  ControllerInput in = measured(0.05, 6e6, 0.08, 133120);
+  const ControllerChoice exact = decide(in, {});
+  in.bandwidth_at_least = true;
+  const ControllerChoice bound = decide(in, {});
+  EXPECT_EQ(bound.codec, exact.codec);
+  EXPECT_EQ(bound.inner_steps, exact.inner_steps);
+  EXPECT_TRUE(bound.hidden);
+  EXPECT_NE(bound.reason.find("WAN >= 6 Mbit/s (a lower bound"), std::string::npos) << bound.reason;
+  EXPECT_EQ(exact.reason.find(">="), std::string::npos) << exact.reason;
+  in = measured(10, 1e3, 0.08, 1 << 24);  // nothing is hidden at 1 kbit/s
+  in.bandwidth_at_least = true;
+  const ControllerChoice none = decide(in, {});
+  EXPECT_FALSE(none.hidden);
+  EXPECT_EQ(none.reason.rfind("the WAN cannot be shown to be hidden even with", 0), 0u) << none.reason;
+}
+
 TEST(Controller, FastLinkGetsNoCompressionAndTheSmallestH) {
   // 1M values = 4 MB raw; 10 Gbit/s: 3.2 ms + 1 ms RTT against 10 x 100 ms of compute.
   auto c = decide(measured(0.1, 10e9, 0.001, 1 << 20), {});

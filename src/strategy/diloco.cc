@@ -481,16 +481,21 @@ std::vector<double> DilocoStrategy::site_info() const {
   info[0] = timed_steps_ > 0 ? compute_seconds_ / static_cast<double>(timed_steps_) : 0.0;
   if (options_.assumed_step_seconds > 0) info[0] = options_.assumed_step_seconds;
   for (const auto& e : comm_.stats().links) {
-    if (e.bandwidth_bits_per_s > 0)
-      info[1] = info[1] > 0 ? std::min(info[1], e.bandwidth_bits_per_s) : e.bandwidth_bits_per_s;
+    if (e.bandwidth_bits_per_s > 0 && (info[1] <= 0 || e.bandwidth_bits_per_s < info[1])) {
+      info[1] = e.bandwidth_bits_per_s;
+      info[6] = e.bandwidth_at_least ? 1.0 : 0.0;
+    }
     info[2] = std::max(info[2], e.rtt_s);
   }
   // The link estimates time the transfer alone (transport/resilient_link.h, "Estimates"); an
   // exchange's own bytes / time would count the wait for a slower site as transfer time.
   // Before the first exchange they rest on handshakes and heartbeats alone, frames too small
   // to fill the path: report unknown until then.
-  if (options_.assumed_bits_per_s > 0) info[1] = options_.assumed_bits_per_s;
-  if (exchange_bits_per_s_ <= 0) info[1] = 0.0;
+  if (options_.assumed_bits_per_s > 0) {
+    info[1] = options_.assumed_bits_per_s;
+    info[6] = 0.0;
+  }
+  if (exchange_bits_per_s_ <= 0) info[1] = info[6] = 0.0;
   info[3] = 1.0 + static_cast<double>(comm_.ready_joiners());
   info[4] = merge_gap_.gap();
   info[5] = merge_gap_.reduction();

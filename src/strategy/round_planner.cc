@@ -21,13 +21,22 @@ RoundPlan plan_round(const RoundPlannerOptions& options, const RoundPlanInput& i
   const std::vector<float>& info = in.info;
   // Per site: [seconds per step, bandwidth, rtt]; the slowest site paces the job.
   double slowest = 0, mine = 0, bandwidth = 0, rtt = 0;
+  bool at_least = false;  // the slowest path's figure is a lower bound
   // The merge gap: the mean of the sites that measured one, when all measured the same setting.
   double gap_sum = 0, gap_reduction = 0;
   int gaps = 0;
   bool same_setting = true;
   for (size_t s = 0; s + kSiteInfo <= info.size(); s += kSiteInfo) {
     slowest = std::max(slowest, static_cast<double>(info[s]));
-    if (info[s + 1] > 0) bandwidth = bandwidth > 0 ? std::min(bandwidth, double(info[s + 1])) : double(info[s + 1]);
+    if (info[s + 1] > 0) {
+      const double b = info[s + 1];
+      const bool bound = info[s + 6] > 0;
+      if (bandwidth <= 0 || b < bandwidth)
+        at_least = bound;
+      else if (b == bandwidth)
+        at_least = at_least || bound;
+      bandwidth = bandwidth > 0 ? std::min(bandwidth, b) : b;
+    }
     rtt = std::max(rtt, static_cast<double>(info[s + 2]));
     if (info[s + 5] > 0) {
       same_setting = same_setting && (gaps == 0 || info[s + 5] == static_cast<float>(gap_reduction));
@@ -46,7 +55,7 @@ RoundPlan plan_round(const RoundPlannerOptions& options, const RoundPlanInput& i
     const bool measured = slowest > 0 && bandwidth > 0;
     const bool quality = options.max_loss_penalty > 0;
     if (!memory.decided || ((options.adaptive || quality) && measured) || (measured && !memory.decided_measured)) {
-      ControllerInput ci{slowest, bandwidth, rtt, options.params, options.fragments, options.delay};
+      ControllerInput ci{slowest, bandwidth, at_least, rtt, options.params, options.fragments, options.delay};
       if (quality && memory.decided_measured) {  // from the setting in use, chosen on measurements
         ci.codec = in.codec;
         ci.inner_steps = memory.h;

@@ -7,9 +7,10 @@
 namespace nebula::strategy {
 namespace {
 
-// Two sites. info: [seconds per step, bandwidth, rtt, joiners, merge gap, its reduction] each.
-std::vector<float> info(float t0, float t1, float bandwidth = 0) {
-  return {t0, bandwidth, 0.01f, 1, 0, 0, t1, bandwidth, 0.02f, 1, 0, 0};
+// Two sites. info: [seconds per step, bandwidth, rtt, joiners, merge gap, its reduction, bandwidth
+// is a lower bound] each.
+std::vector<float> info(float t0, float t1, float bandwidth = 0, float at_least0 = 0, float bandwidth1 = -1) {
+  return {t0, bandwidth, 0.01f, 1, 0, 0, at_least0, t1, bandwidth1 < 0 ? bandwidth : bandwidth1, 0.02f, 1, 0, 0, 0};
 }
 
 RoundPlannerOptions pinned(size_t site, int64_t h = 10) {
@@ -90,6 +91,20 @@ TEST(RoundPlanner, AutoAsksTheControllerOnceUnmeasuredThenOnMeasurements) {
   EXPECT_FALSE(p.controller_line.empty());
 }
 
+// The slowest path's figure reaches the controller with its kind: a lower bound from site 0 is
+// said so when site 0's path is the slowest, and not when another site measured a slower one.
+TEST(RoundPlanner, TheSlowestPathsLowerBoundReachesTheControllersReason) {
+  RoundPlannerOptions o = pinned(0, 0);
+  o.codec = "auto";
+  o.heterogeneous = false;
+  ControllerMemory bound;
+  const RoundPlan a = plan_round(o, {info(0.1f, 0.1f, 6e6f, /*at_least0=*/1, 8e6f), 2, 100000, 0, 0, ""}, bound);
+  EXPECT_NE(a.controller_line.find("WAN >= 6 Mbit/s (a lower bound"), std::string::npos) << a.controller_line;
+  ControllerMemory measured;
+  const RoundPlan b = plan_round(o, {info(0.1f, 0.1f, 6e6f, 1, 5e6f), 2, 100000, 0, 0, ""}, measured);
+  EXPECT_NE(b.controller_line.find("WAN 5 Mbit/s, RTT"), std::string::npos) << b.controller_line;
+}
+
 // Watching quality on a scripted trace. A setting's merge gap grows with the square of its
 // reduction, 2 % at 1,900x (so the controller's proportional model overshoots), the budget 2 %. As in a job, the exchange that ends round r - 1 carries the gap measured
 // after round r - 2's merge, with that setting's reduction. The controller starts from its
@@ -120,7 +135,7 @@ TEST(RoundPlanner, WatchingQualitySettlesOnTheFewestBytesWithinTheBudget) {
     for (int s = 0; s < 2; ++s) {
       const double measured = r >= 2 ? used[static_cast<size_t>(r - 2)] : 0;
       info.insert(info.end(), {0.1f, 1e10f, 0.001f, 1, static_cast<float>(measured > 0 ? gap_of(measured) : 0),
-                               static_cast<float>(measured)});
+                               static_cast<float>(measured), 0});
     }
     const RoundPlan plan = plan_round(o, {r == 0 ? std::vector<float>{} : info, r, 1 << 30, 0, 0, codec}, memory);
     codec = plan.codec;

@@ -521,7 +521,8 @@ void Trainer::write_metrics(int64_t steps_done) {
     if (j == comm_.training_index || (e.rtt_samples == 0 && e.bandwidth_samples == 0)) continue;
     links[comm_.training_names[j]] = {{"rtt_ms", e.rtt_s * 1e3},
                                       {"rtt_smoothed_ms", e.rtt_smoothed_s * 1e3},
-                                      {"bandwidth_bits_per_s", e.bandwidth_bits_per_s}};
+                                      {"bandwidth_bits_per_s", e.bandwidth_bits_per_s},
+                                      {"bandwidth_at_least", e.bandwidth_at_least}};
   }
   metrics_.write({{"time", unix_time()},
                   {"elapsed", std::chrono::duration<double>(Clock::now() - start_).count()},
@@ -671,7 +672,9 @@ nlohmann::json Trainer::summary(int64_t steps, const std::vector<double>& totals
   nlohmann::json links = nlohmann::json::object();
   for (size_t j = 0; j < wan.links.size(); ++j)
     if (j != comm_.training_index)
-      links[names[j]] = {{"rtt_ms", wan.links[j].rtt_s * 1e3}, {"bandwidth_bits_per_s", wan.links[j].bandwidth_bits_per_s}};
+      links[names[j]] = {{"rtt_ms", wan.links[j].rtt_s * 1e3},
+                         {"bandwidth_bits_per_s", wan.links[j].bandwidth_bits_per_s},
+                         {"bandwidth_at_least", wan.links[j].bandwidth_at_least}};
   nlohmann::json summary = {
       {"job", c_.job.name},
       {"strategy", strategy_->name()},

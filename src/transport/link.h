@@ -92,6 +92,11 @@ struct LinkEstimates {
   // the traffic probed it (BBR's btl_bw). A link that never carried much data reports the
   // rate it reached, which can be below the path's capacity. 0 = unknown.
   double bandwidth_bits_per_s = 0;
+  // The maximum sample is a lower bound, not a measurement of the path: its transfer was shorter
+  // than a round trip, so its interval still held the round trip (bytes / (transfer + RTT)).
+  // Exchanges smaller than the path's bandwidth-delay product only ever measure so; a larger
+  // transfer may show more. Report the figure as ">= bandwidth_bits_per_s".
+  bool bandwidth_at_least = false;
   uint64_t rtt_samples = 0;        // samples accepted since the link was created
   uint64_t bandwidth_samples = 0;  // likewise
 };

@@ -35,7 +35,8 @@ void LinkEstimator::on_rtt_sample(double seconds, Clock::time_point now) {
   ++rtt_samples_;
 }
 
-bool LinkEstimator::on_delivery(uint64_t bytes, double interval_seconds, Clock::time_point now, bool app_limited) {
+bool LinkEstimator::on_delivery(uint64_t bytes, double interval_seconds, Clock::time_point now, bool app_limited,
+                                bool lower_bound) {
   NEBULA_CHECK(std::isfinite(interval_seconds) && interval_seconds >= 0,
                "delivery interval must be finite and >= 0, got ", interval_seconds);
   if (interval_seconds < std::chrono::duration<double>(options_.min_delivery_interval).count()) return false;
@@ -43,7 +44,7 @@ bool LinkEstimator::on_delivery(uint64_t bytes, double interval_seconds, Clock::
   const double rate = static_cast<double>(bytes) * 8 / interval_seconds;
   MutexLock lock(mu_);
   if (app_limited && (max_bw_.empty() ? 0.0 : max_bw_.front().value) >= rate) return false;
-  add(max_bw_, {now, rate}, options_.bandwidth_window, [](double a, double b) { return a > b; });
+  add(max_bw_, {now, rate, lower_bound}, options_.bandwidth_window, [](double a, double b) { return a > b; });
   ++bw_samples_;
   return true;
 }
@@ -54,6 +55,7 @@ LinkEstimates LinkEstimator::snapshot() const {
   e.rtt_s = min_rtt_.empty() ? 0 : min_rtt_.front().value;
   e.rtt_smoothed_s = smoothed_rtt_;
   e.bandwidth_bits_per_s = max_bw_.empty() ? 0 : max_bw_.front().value;
+  e.bandwidth_at_least = !max_bw_.empty() && max_bw_.front().lower_bound;
   e.rtt_samples = rtt_samples_;
   e.bandwidth_samples = bw_samples_;
   return e;

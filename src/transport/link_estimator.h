@@ -22,7 +22,9 @@
 // Delivery samples over an interval shorter than min_delivery_interval (1 ms) are ignored:
 // timer and scheduling noise would make the rate absurd. A sample marked app_limited (the
 // sender ran out of data during it, so it measures the application, not the path) is used
-// only if it raises the current estimate (BBR's rule).
+// only if it raises the current estimate (BBR's rule). A sample marked lower_bound (its
+// interval holds a round trip besides the transfer) enters the filter like any other; when it
+// is the maximum, the estimate says so (LinkEstimates::bandwidth_at_least).
 //
 // Pure logic: time is passed in (Clock::time_point), so tests need no sockets and no sleep.
 // Thread-safe: every method may be called from any thread (one internal mutex).
@@ -63,9 +65,9 @@ class LinkEstimator {
   // `now`: a rate sample of bytes * 8 / interval bits per second. Returns whether it was
   // used: false when the interval is below min_delivery_interval, or when `app_limited` and
   // the rate does not exceed the current estimate. Negative or non-finite intervals are a
-  // caller bug (nebula::Error).
-  bool on_delivery(uint64_t bytes, double interval_seconds, Clock::time_point now, bool app_limited = false)
-      EXCLUDES(mu_);
+  // caller bug (nebula::Error). `lower_bound`: the path is at least this fast (above).
+  bool on_delivery(uint64_t bytes, double interval_seconds, Clock::time_point now, bool app_limited = false,
+                   bool lower_bound = false) EXCLUDES(mu_);
 
   LinkEstimates snapshot() const EXCLUDES(mu_);
 
@@ -73,6 +75,7 @@ class LinkEstimator {
   struct Sample {
     Clock::time_point at;
     double value;
+    bool lower_bound = false;  // delivery samples: the path is at least this fast
   };
   // A windowed extremum: a deque of samples whose values are strictly monotone from the
   // front (the extremum) to the back (the newest); `better(a, b)` says a beats b.

@@ -111,6 +111,25 @@ TEST(LinkEstimatorTest, AppLimitedSamplesOnlyRaiseTheEstimate) {
   EXPECT_EQ(s.bandwidth_samples, 3u);
 }
 
+TEST(LinkEstimatorTest, ALowerBoundIsReportedAsOneWhileItIsTheMaximum) {
+  LinkEstimator e;
+  ASSERT_TRUE(e.on_delivery(125'000, 0.1, t0, false, /*lower_bound=*/true));  // 10 Mbit/s, or more
+  EXPECT_DOUBLE_EQ(e.snapshot().bandwidth_bits_per_s, 10e6);
+  EXPECT_TRUE(e.snapshot().bandwidth_at_least);
+  ASSERT_TRUE(e.on_delivery(62'500, 0.1, t0 + 1s));  // a measurement, but slower: the bound stays the maximum
+  EXPECT_DOUBLE_EQ(e.snapshot().bandwidth_bits_per_s, 10e6);
+  EXPECT_TRUE(e.snapshot().bandwidth_at_least);
+  ASSERT_TRUE(e.on_delivery(500'000, 0.1, t0 + 2s));  // 40 Mbit/s, measured
+  EXPECT_DOUBLE_EQ(e.snapshot().bandwidth_bits_per_s, 40e6);
+  EXPECT_FALSE(e.snapshot().bandwidth_at_least);
+  ASSERT_TRUE(e.on_delivery(1'250'000, 0.1, t0 + 3s, false, true));  // a bound above it: ">= 100 Mbit/s"
+  EXPECT_TRUE(e.snapshot().bandwidth_at_least);
+  // After the window only the newest sample is left.
+  ASSERT_TRUE(e.on_delivery(250'000, 0.1, t0 + 14s));
+  EXPECT_DOUBLE_EQ(e.snapshot().bandwidth_bits_per_s, 20e6);
+  EXPECT_FALSE(e.snapshot().bandwidth_at_least);
+}
+
 TEST(LinkEstimatorTest, FilterMemoryIsBounded) {
   LinkEstimator e;
   // Ever-larger RTTs within one window: each stays a candidate for the minimum.

@@ -309,11 +309,17 @@ void ResilientLink::ack_received_locked(uint64_t delivered, Clock::duration held
     // all the traffic there is between long pauses, so leaving it in would cap the estimate
     // at bytes / (bytes / bandwidth + rtt). Subtracted only when the transfer took at least
     // as long as the round trip, so an error in the RTT can at most double the rate.
+    // Shorter (or with no RTT measured yet), the round trip stays in: the sample is a lower
+    // bound on the path (LinkEstimates::bandwidth_at_least).
+    bool lower_bound = false;
     if (p.idle_start) {
       const double rtt = estimator_.snapshot().rtt_s;
-      if (rtt > 0 && interval >= 2 * rtt) interval -= rtt;
+      if (rtt > 0 && interval >= 2 * rtt)
+        interval -= rtt;
+      else
+        lower_bound = true;
     }
-    estimator_.on_delivery(delivered_bytes_ - p.delivered_bytes, interval, now, p.app_limited);
+    estimator_.on_delivery(delivered_bytes_ - p.delivered_bytes, interval, now, p.app_limited, lower_bound);
   }
 }
 

@@ -102,7 +102,9 @@
 //    starts at its own write; such an interval holds one round trip besides the transfer
 //    (first byte written to the ack of the last), and once it is at least twice the min RTT
 //    that RTT is subtracted: what is left is the transfer time alone, so one exchange-sized
-//    frame between long pauses measures the bandwidth, not bytes / (transfer + RTT). A frame
+//    frame between long pauses measures the bandwidth, not bytes / (transfer + RTT); a
+//    shorter one (a frame smaller than the bandwidth-delay product) keeps the RTT in and is a
+//    lower bound (LinkEstimates::bandwidth_at_least). A frame
 //    written with nothing queued behind it is app-limited: its sample only counts if it
 //    raises the estimate.
 // RTT samples come from the probes, not from data frames: a ping's pong arriving `since`
