@@ -121,6 +121,8 @@ PYBIND11_MODULE(_nebula, m) {
            py::call_guard<py::gil_scoped_release>())
       .def("sync_gradients", &Synchronizer::sync_gradients, py::arg("weight") = 1.0,
            py::call_guard<py::gil_scoped_release>())
+      .def("observe_loss", &Synchronizer::observe_loss, py::arg("loss"))
+      .def_property_readonly("watches_quality", &Synchronizer::watches_quality)
       .def("after_step", &Synchronizer::after_step, py::arg("step"), py::call_guard<py::gil_scoped_release>())
       .def("finish", &Synchronizer::finish, py::call_guard<py::gil_scoped_release>())
       .def("drain", &Synchronizer::drain, py::call_guard<py::gil_scoped_release>())

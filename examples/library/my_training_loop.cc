@@ -113,6 +113,7 @@ int main(int argc, char** argv) try {
     loss.backward();
     sync.sync_gradients(kBatch);  // sync: the gradients are now the job's mean
     optimizer.step();
+    sync.observe_loss(loss.item<double>());  // what a controller watching quality reads (max_loss_penalty)
     sync.after_step(step);        // diloco/streaming: the outer step every H inner steps
   }
   sync.finish();

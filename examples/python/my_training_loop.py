@@ -72,7 +72,7 @@ def main():
         loss = nn.functional.mse_loss(model(x), target(x))
         optimizer.zero_grad()
         loss.backward()
-        optimizer.step(weight=batch)  # the outer step every H inner steps
+        optimizer.step(weight=batch, loss=loss)  # the outer step every H inner steps; the loss for max_loss_penalty
         step += 1
     optimizer.finish()
     seconds = time.perf_counter() - start

@@ -133,6 +133,11 @@ class Synchronizer {
   bool keep_training(int64_t step, int64_t steps) const;
   void before_backward(double weight = 1.0);
   void sync_gradients(double weight = 1.0);
+  // With [strategy] max_loss_penalty > 0 the controller watches quality from the training loss
+  // (controller.h, "Watching quality"): hand it each step's loss (this worker's, before
+  // after_step), as `nebula worker` does. watches_quality() says whether it is wanted.
+  void observe_loss(double loss);
+  bool watches_quality() const;
   void after_step(int64_t step);
   // After the last step: completes what is still on the WAN (every worker calls it).
   void finish();

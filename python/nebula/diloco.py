@@ -48,9 +48,17 @@ class DiLoCo:
     def zero_grad(self, set_to_none=False):
         self.optimizer.zero_grad(set_to_none=set_to_none)
 
-    def step(self, weight=1.0):
+    def step(self, weight=1.0, loss=None):
         """After backward: the site's gradient average (each worker counting `weight`, e.g. its
-        batch's examples), the inner optimizer's step, and the strategy's outer step when due."""
+        batch's examples), the inner optimizer's step, and the strategy's outer step when due.
+        `loss` (this step's training loss, a number or a one-element tensor) is needed with
+        [strategy] max_loss_penalty > 0: the controller watches quality from it."""
+        if loss is not None:
+            self._sync.observe_loss(float(loss))
+        elif self._sync.watches_quality:
+            raise _nebula.Error(
+                f"nebula.DiLoCo: [strategy] max_loss_penalty in {self.session.config_path} makes the controller "
+                f"watch quality from the training loss: pass it, opt.step(loss=loss)")
         if not self.keep_training():  # opens the strategy's round if the loop did not ask (idempotent)
             raise _nebula.Error(
                 f"nebula.DiLoCo: step {self.steps_done} is past the job's last ({self.session.steps} steps, "

@@ -55,3 +55,44 @@ def test_diloco_state_dict_resumes_where_it_stopped(tmp_path):
         out[mode] = {w: re.search(r"crc32 ([0-9a-f]{8})", t).group(1) for w, (_, t) in res.items()}
     assert out["second"] == out["straight"], out  # worker by worker
     assert out["first"] != out["straight"], out
+
+
+WATCHING = """
+import sys, torch, nebula
+torch.manual_seed(0)
+model = torch.nn.Linear(8, 1)
+opt = nebula.DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.05))
+s = nebula.session()
+g = torch.Generator().manual_seed(1 + s.site_index)
+def loss_now():
+    x = torch.randn(16, 8, generator=g)
+    return torch.nn.functional.mse_loss(model(x), x.sum(1, keepdim=True))
+loss = loss_now()
+loss.backward()
+try:
+    opt.step()
+    print("no error without the loss")
+except nebula.Error as e:
+    print("refused:", e)
+for step in range(s.steps):
+    opt.zero_grad()
+    loss = loss_now()
+    loss.backward()
+    opt.step(loss=loss)
+opt.finish()
+print("decisions:", " | ".join(opt.decisions()))
+"""
+
+
+def test_a_controller_watching_quality_gets_the_loss_from_step_and_refuses_to_go_without_it(tmp_path):
+    """With max_loss_penalty the controller reads the training loss: DiLoCo.step() refuses to run
+    without it (naming the key and the file), and with it the controller decides on merge gaps."""
+    layout = [("a", 1), ("b", 1)]
+    strategy = ('kind = "diloco"\ninner_steps = 10\ncodec = "auto"\nmax_loss_penalty = 0.02\n'
+                'heterogeneous = false')
+    config = jobs.write_config(str(tmp_path / "job.toml"), layout, strategy=strategy, steps=100)
+    results = jobs.run_workers(config, layout, [jobs.PYTHON, "-c", WATCHING])
+    for (site, rank), (code, text) in results.items():
+        assert code == 0, text[-2000:]
+        assert "refused:" in text and "max_loss_penalty" in text and "job.toml" in text, text[-2000:]
+        assert re.search(r"decisions: .*merge gap -?[0-9.e-]+% at ", text), text[-3000:]

@@ -227,6 +227,8 @@ bool Synchronizer::keep_training(int64_t step, int64_t steps) const {
 }
 void Synchronizer::before_backward(double weight) { impl_->strategy->before_backward(weight); }
 void Synchronizer::sync_gradients(double weight) { impl_->strategy->sync_gradients(impl_->params, weight); }
+void Synchronizer::observe_loss(double loss) { impl_->strategy->observe_loss(loss); }
+bool Synchronizer::watches_quality() const { return impl_->config.strategy.max_loss_penalty > 0; }
 void Synchronizer::after_step(int64_t step) { impl_->strategy->after_step(step); }
 void Synchronizer::finish() { impl_->strategy->finish(); }
 std::string Synchronizer::name() const { return impl_->strategy->name(); }
