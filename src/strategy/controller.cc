@@ -61,10 +61,16 @@ ControllerChoice decide_by_quality(const ControllerInput& in, const ControllerPi
                           left_out);
     return stay;
   }
+  if (in.gap_count < static_cast<double>(kMergeGapsToAct)) {
+    stay.reason = str_cat("merge gap ", in.merge_gap * 100, "% at ", at, " from ", in.gap_count, " round(s), budget ",
+                          budget * 100, "%: waiting for ", kMergeGapsToAct, " in a row", left_out);
+    return stay;
+  }
   stay.on_gap = true;
   // The gap taken as proportional to the reduction: the most reduction within the budget.
   const double within = in.merge_gap > 0 ? current * budget / in.merge_gap : std::numeric_limits<double>::infinity();
-  const std::string gap = str_cat("merge gap ", in.merge_gap * 100, "% at ", at, ", budget ", budget * 100, "%");
+  const std::string gap = str_cat("merge gap ", in.merge_gap * 100, "% at ", at, " (mean of ", in.gap_count,
+                                  " rounds), budget ", budget * 100, "%");
   auto choose = [&](const Candidate& c, double ceiling, const std::string& what) {
     ControllerChoice out{c.codec, c.h, false,
                          str_cat(gap, ": ", what, " to ", c.codec, " H ", c.h, " (", c.reduction, "x)",

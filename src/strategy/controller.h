@@ -38,7 +38,9 @@
 //   gap <= B       climb: to the largest reduction at most that, at most 4 R and below the
 //                  ceiling; stay when there is none.
 // A gap is evidence only for the setting it was measured at (each site sends that setting's
-// reduction with it); after a move the controller waits for the new setting's gap. The gap is a
+// reduction with it); after a move the controller waits for the new setting's gaps, and acts on
+// their mean once every site has measured kMergeGapsToAct of them in a row (one gap is noisy:
+// merge_gap.h). The gap is a
 // proxy, not the penalty against data parallelism at equal tokens: bench/frontier.sh measures
 // that for the controller's choice beside the grid.
 #pragma once
@@ -64,11 +66,11 @@ struct ControllerInput {
   int64_t fragments = 1;            // streaming: F (1 for diloco)
   int64_t delay = 0;                // streaming: inner steps a fragment may take to arrive (0: blocking)
   // Watching quality (pins.max_loss_penalty > 0): the setting in use (codec "" = none yet), the
-  // sites' mean merge gap and the reduction of the setting it was measured at (0 = none), and
-  // the ceiling so far (0 = none).
+  // sites' mean merge gap, the reduction of the setting it was measured at (0 = none) and the
+  // fewest gaps in a row any site's mean holds, and the ceiling so far (0 = none).
   std::string codec;
   int64_t inner_steps = 0;
-  double merge_gap = 0, gap_reduction = 0, ceiling = 0;
+  double merge_gap = 0, gap_reduction = 0, gap_count = 0, ceiling = 0;
 };
 
 struct ControllerPins {
@@ -92,6 +94,9 @@ struct ControllerChoice {
   double ceiling = 0;               // watching quality: the reduction not to reach again (0 = none)
   bool on_gap = false;              // watching quality: decided on a merge gap measured at the setting in use
 };
+
+// Gaps in a row at one setting, on every site, before the controller acts on their mean.
+constexpr int64_t kMergeGapsToAct = 2;
 
 // The codecs the controller chooses among, least compression first.
 const std::vector<std::string>& controller_codecs();

@@ -499,6 +499,7 @@ std::vector<double> DilocoStrategy::site_info() const {
   info[3] = 1.0 + static_cast<double>(comm_.ready_joiners());
   info[4] = merge_gap_.gap();
   info[5] = merge_gap_.reduction();
+  info[7] = static_cast<double>(merge_gap_.count());
   return info;
 }
 

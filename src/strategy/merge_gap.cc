@@ -18,7 +18,13 @@ void MergeGap::observe(double loss) {
   if (!std::isfinite(loss)) return;
   round_.push_back(loss);
   if (window_ > 0 && round_.size() == static_cast<size_t>(window_)) {
-    gap_ = (mean(round_, 0, round_.size()) - expected_) / expected_;
+    const double gap = (mean(round_, 0, round_.size()) - expected_) / expected_;
+    if (count_ > 0 && pending_reduction_ == reduction_) {  // the same setting again: the running mean
+      gap_ += (gap - gap_) / static_cast<double>(++count_);
+    } else {
+      gap_ = gap;
+      count_ = 1;
+    }
     reduction_ = pending_reduction_;
     window_ = 0;
   }

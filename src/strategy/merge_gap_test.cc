@@ -34,6 +34,34 @@ TEST(MergeGap, MeasuresTheMergedModelAgainstTheLocalTrend) {
   EXPECT_NEAR(g.gap(), -0.03, 1e-12);
 }
 
+// Gaps measured in a row at one setting are averaged (one is noisy); another setting starts anew.
+TEST(MergeGap, AveragesTheGapsOfOneSettingInARow) {
+  auto line = [](int t) { return 5.0 - 0.01 * t; };
+  MergeGap g;
+  int t = 0;
+  auto round = [&](double reduction, double after) {  // 40 steps on the line, a merge, 10 steps `after` x the line
+    for (int end = t + 40; t < end; ++t) g.observe(line(t));
+    g.merged(reduction);
+    for (int end = t + 10; t < end; ++t) g.observe(line(t) * after);
+  };
+  round(100, 1.03);
+  EXPECT_NEAR(g.gap(), 0.03, 1e-12);
+  EXPECT_EQ(g.count(), 1);
+  round(100, 0.99);
+  EXPECT_NEAR(g.gap(), 0.01, 1e-12);
+  EXPECT_EQ(g.count(), 2);
+  round(100, 1.04);
+  EXPECT_NEAR(g.gap(), 0.02, 1e-12);
+  EXPECT_EQ(g.count(), 3);
+  round(400, 1.05);
+  EXPECT_EQ(g.reduction(), 400);
+  EXPECT_NEAR(g.gap(), 0.05, 1e-12);
+  EXPECT_EQ(g.count(), 1);
+  round(100, 1.01);  // back at 100: not in a row with the first three
+  EXPECT_NEAR(g.gap(), 0.01, 1e-12);
+  EXPECT_EQ(g.count(), 1);
+}
+
 // Short rounds: m = max(1, len / 4). A round of one step measures nothing.
 TEST(MergeGap, ShortRoundsUseShortWindows) {
   MergeGap g;

@@ -23,7 +23,7 @@ RoundPlan plan_round(const RoundPlannerOptions& options, const RoundPlanInput& i
   double slowest = 0, mine = 0, bandwidth = 0, rtt = 0;
   bool at_least = false;  // the slowest path's figure is a lower bound
   // The merge gap: the mean of the sites that measured one, when all measured the same setting.
-  double gap_sum = 0, gap_reduction = 0;
+  double gap_sum = 0, gap_reduction = 0, gap_count = 0;  // gap_count: the fewest any site's mean holds
   int gaps = 0;
   bool same_setting = true;
   for (size_t s = 0; s + kSiteInfo <= info.size(); s += kSiteInfo) {
@@ -42,6 +42,7 @@ RoundPlan plan_round(const RoundPlannerOptions& options, const RoundPlanInput& i
       same_setting = same_setting && (gaps == 0 || info[s + 5] == static_cast<float>(gap_reduction));
       gap_reduction = info[s + 5];
       gap_sum += info[s + 4];
+      gap_count = gaps == 0 ? info[s + 7] : std::min(gap_count, double(info[s + 7]));
       ++gaps;
     }
   }
@@ -62,6 +63,7 @@ RoundPlan plan_round(const RoundPlannerOptions& options, const RoundPlanInput& i
         if (gaps > 0 && same_setting) {
           ci.merge_gap = gap_sum / gaps;
           ci.gap_reduction = gap_reduction;
+          ci.gap_count = gap_count;
         }
         ci.ceiling = memory.ceiling;
       }

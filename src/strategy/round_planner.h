@@ -4,9 +4,9 @@
 //
 // Each exchange carries, per site, kSiteInfo values: [seconds of compute per inner step,
 // the slowest of its measured WAN paths (bits/s), its longest RTT (s), 1 + the bitmask of lost
-// sites its gateway has a fresh link from, its last merge gap, the reduction of the setting
-// that gap was measured at, 1 if that bandwidth is only a lower bound] (0 = not measured / sent
-// nothing; controller.h, "Watching quality").
+// sites its gateway has a fresh link from, its merge gap (the mean of those measured in a row
+// at one setting), the reduction of that setting, 1 if that bandwidth is only a lower bound, how
+// many gaps the mean holds] (0 = not measured / sent nothing; controller.h, "Watching quality").
 //
 //   codec and H   pinned by the options, or the adaptive controller's (controller.h) when
 //                 codec = "auto" or inner_steps = 0: once before any measurement, again the
@@ -27,7 +27,7 @@
 
 namespace nebula::strategy {
 
-constexpr size_t kSiteInfo = 7;  // values per site in an exchange's info (above)
+constexpr size_t kSiteInfo = 8;  // values per site in an exchange's info (above)
 
 // The per-site info every site is sure to have merged when round `rounds` starts: the previous
 // round's last exchange with delay 0, else the one before it (every site's, kSiteInfo each;

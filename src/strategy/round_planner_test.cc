@@ -8,9 +8,9 @@ namespace nebula::strategy {
 namespace {
 
 // Two sites. info: [seconds per step, bandwidth, rtt, joiners, merge gap, its reduction, bandwidth
-// is a lower bound] each.
+// is a lower bound, gaps in the mean] each.
 std::vector<float> info(float t0, float t1, float bandwidth = 0, float at_least0 = 0, float bandwidth1 = -1) {
-  return {t0, bandwidth, 0.01f, 1, 0, 0, at_least0, t1, bandwidth1 < 0 ? bandwidth : bandwidth1, 0.02f, 1, 0, 0, 0};
+  return {t0, bandwidth, 0.01f, 1, 0, 0, at_least0, 0, t1, bandwidth1 < 0 ? bandwidth : bandwidth1, 0.02f, 1, 0, 0, 0, 0};
 }
 
 RoundPlannerOptions pinned(size_t site, int64_t h = 10) {
@@ -107,9 +107,9 @@ TEST(RoundPlanner, TheSlowestPathsLowerBoundReachesTheControllersReason) {
 
 // Watching quality on a scripted trace. A setting's merge gap grows with the square of its
 // reduction, 2 % at 1,900x (so the controller's proportional model overshoots), the budget 2 %. As in a job, the exchange that ends round r - 1 carries the gap measured
-// after round r - 2's merge, with that setting's reduction. The controller starts from its
-// time-only choice, climbs, backs off each time a measured gap is over the budget, and settles on
-// the cheapest setting within it.
+// after round r - 2's merge, with that setting's reduction and the mean's count (the rounds in a
+// row at that setting). The controller starts from its time-only choice, climbs, backs off each
+// time two gaps in a row are over the budget, and settles on the cheapest setting within it.
 TEST(RoundPlanner, WatchingQualitySettlesOnTheFewestBytesWithinTheBudget) {
   RoundPlannerOptions o;
   o.codec = "auto";
@@ -129,28 +129,41 @@ TEST(RoundPlanner, WatchingQualitySettlesOnTheFewestBytesWithinTheBudget) {
   std::vector<double> used;  // each round's reduction
   std::string codec;
   int backoffs = 0;
+  auto in_a_row = [&](int64_t k) {  // rounds up to k at round k's setting
+    int64_t n = 1;
+    while (k - n >= 0 && used[static_cast<size_t>(k - n)] == used[static_cast<size_t>(k)]) ++n;
+    return n;
+  };
+  bool waited = false;  // a gap over the budget once, not acted on
   for (int64_t r = 0; r < 120; ++r) {
     // Fast sites and link: the time-only choice is the least compression (none, H 10).
     std::vector<float> info;
+    const int64_t count = r >= 2 ? in_a_row(r - 2) : 0;
     for (int s = 0; s < 2; ++s) {
       const double measured = r >= 2 ? used[static_cast<size_t>(r - 2)] : 0;
       info.insert(info.end(), {0.1f, 1e10f, 0.001f, 1, static_cast<float>(measured > 0 ? gap_of(measured) : 0),
-                               static_cast<float>(measured), 0});
+                               static_cast<float>(measured), 0, static_cast<float>(count)});
     }
     const RoundPlan plan = plan_round(o, {r == 0 ? std::vector<float>{} : info, r, 1 << 30, 0, 0, codec}, memory);
     codec = plan.codec;
     used.push_back(setting_reduction(codec, memory.h, o.params, o.codec_options));
     if (r >= 2 && gap_of(used[static_cast<size_t>(r - 2)]) > 0.02 && used[static_cast<size_t>(r - 2)] == used[r - 1]) {
-      // Evidence over the budget for the setting in use: it backs off, and says so.
-      EXPECT_LT(used.back(), used[static_cast<size_t>(r - 1)]) << "round " << r;
-      EXPECT_NE(plan.controller_line.find("backs off"), std::string::npos) << plan.controller_line;
-      ++backoffs;
+      if (count >= kMergeGapsToAct) {
+        // Evidence over the budget for the setting in use: it backs off, and says so.
+        EXPECT_LT(used.back(), used[static_cast<size_t>(r - 1)]) << "round " << r;
+        EXPECT_NE(plan.controller_line.find("backs off"), std::string::npos) << plan.controller_line;
+        ++backoffs;
+      } else {  // one gap: it waits for the next
+        EXPECT_EQ(used.back(), used[static_cast<size_t>(r - 1)]) << "round " << r;
+        waited = true;
+      }
     }
     if (r == 1) {
       EXPECT_EQ(codec + " " + std::to_string(memory.h), "none 10") << "the time-only choice first";
     }
   }
   EXPECT_GE(backoffs, 1);
+  EXPECT_TRUE(waited);
   EXPECT_EQ(used.back(), best) << "settled on the cheapest setting within the budget";
   EXPECT_GT(memory.ceiling, best);
   for (size_t r = used.size() - 10; r < used.size(); ++r) EXPECT_EQ(used[r], best) << "and stays there, round " << r;
