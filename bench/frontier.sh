@@ -20,7 +20,7 @@ source bench/common.sh
 steps="${1:-2000}"
 shift || true
 # The strategies' own tuning: their inner steps take the sync sweep's best learning rate (the
-# same schedule), diloco's outer Nesterov momentum 0.8 (OUTER_MOMENTUM; at 0.9, the default, fp16
+# same schedule; INNER_LR=x sets another), diloco's outer Nesterov momentum 0.8 (OUTER_MOMENTUM; at 0.9, the default, fp16
 # H = 50 ended 7.6 % above the best sync here, at 0.8 2.0 %), and sparseloco's error feedback
 # stands in for outer momentum (momentum 0, outer lr 1, decay 0.95 as SparseLoCo's).
 momentum="${OUTER_MOMENTUM:-0.8}"
@@ -83,7 +83,12 @@ out, names = sys.argv[1], [n for n in sys.argv[2:] if n.startswith("sync-")]
 print(min(names, key=lambda n: summary(f"{out}/{n}")["final_val_loss"]).split("-lr")[1])
 PY
 )"
-echo "the strategies' inner learning rate: $inner_lr (the best sync run's)" >&2
+if [ -n "${INNER_LR:-}" ]; then
+  echo "the strategies' inner learning rate: $INNER_LR (INNER_LR; the best sync run's: $inner_lr)" >&2
+  inner_lr="$INNER_LR"
+else
+  echo "the strategies' inner learning rate: $inner_lr (the best sync run's)" >&2
+fi
 for name in "${order[@]}"; do case "$name" in sync-*) ;; *) run "$name" 1 "$out/$name" ;; esac; done
 table() {  # the table, the frontier and the winner (to $out/winner: "name sync-name")
   python3 - "$out" "${order[@]}" <<'PY'
