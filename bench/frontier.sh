@@ -2,7 +2,7 @@
 # WAN bytes against quality (issue [4/7]'s benchmark): the demo's pre-training job
 # (examples/demo.toml: two sites, 2 + 1 workers, MLM + TLM + contrastive, 2,000 steps) run by
 # synchronous data parallel in float32 with a learning-rate sweep (its best run is the baseline) and by a
-# grid of strategies whose inner steps take that best learning rate, side by side in one run: the same seed, corpus, tokenizer and steps, so
+# grid of strategies (tuned too, below), side by side in one run: the same seed, corpus, tokenizer and steps, so
 # equal tokens (printed). For each: WAN bytes, the ratio to the baseline's, the final validation
 # loss and its penalty against the baseline's, retrieval accuracy (mean over the languages);
 # then the Pareto frontier (no other run has both more reduction and less loss), the best
@@ -19,10 +19,12 @@ cd "$(dirname "$0")/.."
 source bench/common.sh
 steps="${1:-2000}"
 shift || true
-# The strategies' own tuning: their inner steps take the sync sweep's best learning rate (the
-# same schedule; INNER_LR=x sets another), diloco's outer Nesterov momentum 0.8 (OUTER_MOMENTUM; at 0.9, the default, fp16
-# H = 50 ended 7.6 % above the best sync here, at 0.8 2.0 %), and sparseloco's error feedback
-# stands in for outer momentum (momentum 0, outer lr 1, decay 0.95 as SparseLoCo's).
+# The strategies' own tuning (docs/strategies.md, "Tuning the strategies"): their inner steps at
+# the demo's learning rate, 2e-3 (INNER_LR=x sets another; 2e-3 beat the sync sweep's best, 4e-3,
+# for diloco at fp16 H = 50 and int4 H = 100), diloco's outer Nesterov momentum 0.8
+# (OUTER_MOMENTUM; at 0.9, the default, fp16 H = 50 ended 7.6 % above the best sync here, at 0.8
+# 2.0 %), and sparseloco's error feedback in place of outer momentum (momentum 0, outer lr 1,
+# decay 0.95 as SparseLoCo's).
 momentum="${OUTER_MOMENTUM:-0.8}"
 sparse="strategy.codec=sparseloco strategy.codec_block=4096 strategy.codec_indices=\"rice\" strategy.outer_momentum=0 strategy.outer_lr=1 strategy.codec_error_decay=0.95"
 declare -A runs=(
@@ -56,7 +58,7 @@ if [ "${#tiny[@]}" -eq 0 ]; then  # the demo's corpus, built once (tiny mode bri
   corpus=(--set data.source='"corpus"' --set "data.path=\"$out/corpus\"")
 fi
 tokenizer=""
-inner_lr=""  # the sync sweep's best learning rate, once the sync runs are done
+inner_lr="${INNER_LR:-2e-3}"  # the strategies' (the sync runs sweep their own)
 run() {  # name, seed, directory
   local name="$1" seed="$2" dir="$3" sets=()
   if [ "${REUSE:-0}" = 1 ] && [ -f "$dir/summary.json" ]; then
@@ -74,22 +76,7 @@ run() {  # name, seed, directory
   [ -z "$tokenizer" ] && tokenizer="$dir/tokenizer.model"
   return 0
 }
-for name in "${order[@]}"; do case "$name" in sync-*) run "$name" 1 "$out/$name" ;; esac; done
-inner_lr="$(python3 - "$out" "${order[@]}" <<'PY'
-import sys
-sys.path.insert(0, "bench")
-from rundir import summary
-out, names = sys.argv[1], [n for n in sys.argv[2:] if n.startswith("sync-")]
-print(min(names, key=lambda n: summary(f"{out}/{n}")["final_val_loss"]).split("-lr")[1])
-PY
-)"
-if [ -n "${INNER_LR:-}" ]; then
-  echo "the strategies' inner learning rate: $INNER_LR (INNER_LR; the best sync run's: $inner_lr)" >&2
-  inner_lr="$INNER_LR"
-else
-  echo "the strategies' inner learning rate: $inner_lr (the best sync run's)" >&2
-fi
-for name in "${order[@]}"; do case "$name" in sync-*) ;; *) run "$name" 1 "$out/$name" ;; esac; done
+for name in "${order[@]}"; do run "$name" 1 "$out/$name"; done
 table() {  # the table, the frontier and the winner (to $out/winner: "name sync-name")
   python3 - "$out" "${order[@]}" <<'PY'
 import sys
