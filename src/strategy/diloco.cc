@@ -480,13 +480,13 @@ std::vector<double> DilocoStrategy::site_info() const {
   std::vector<double> info(kInfo, 0.0);
   info[0] = timed_steps_ > 0 ? compute_seconds_ / static_cast<double>(timed_steps_) : 0.0;
   if (options_.assumed_step_seconds > 0) info[0] = options_.assumed_step_seconds;
+  SlowestPath path;
   for (const auto& e : comm_.stats().links) {
-    if (e.bandwidth_bits_per_s > 0 && (info[1] <= 0 || e.bandwidth_bits_per_s < info[1])) {
-      info[1] = e.bandwidth_bits_per_s;
-      info[6] = e.bandwidth_at_least ? 1.0 : 0.0;
-    }
+    path.add(e.bandwidth_bits_per_s, e.bandwidth_at_least);
     info[2] = std::max(info[2], e.rtt_s);
   }
+  info[1] = path.bits_per_s;
+  info[6] = path.at_least ? 1.0 : 0.0;
   // The link estimates time the transfer alone (transport/resilient_link.h, "Estimates"); an
   // exchange's own bytes / time would count the wait for a slower site as transfer time.
   // Before the first exchange they rest on handshakes and heartbeats alone, frames too small

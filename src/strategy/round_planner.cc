@@ -20,23 +20,15 @@ std::vector<float> known_info(const std::vector<std::vector<float>>& info_of_rou
 RoundPlan plan_round(const RoundPlannerOptions& options, const RoundPlanInput& in, ControllerMemory& memory) {
   const std::vector<float>& info = in.info;
   // Per site: [seconds per step, bandwidth, rtt]; the slowest site paces the job.
-  double slowest = 0, mine = 0, bandwidth = 0, rtt = 0;
-  bool at_least = false;  // the slowest path's figure is a lower bound
+  double slowest = 0, mine = 0, rtt = 0;
+  SlowestPath path;
   // The merge gap: the mean of the sites that measured one, when all measured the same setting.
   double gap_sum = 0, gap_reduction = 0, gap_count = 0;  // gap_count: the fewest any site's mean holds
   int gaps = 0;
   bool same_setting = true;
   for (size_t s = 0; s + kSiteInfo <= info.size(); s += kSiteInfo) {
     slowest = std::max(slowest, static_cast<double>(info[s]));
-    if (info[s + 1] > 0) {
-      const double b = info[s + 1];
-      const bool bound = info[s + 6] > 0;
-      if (bandwidth <= 0 || b < bandwidth)
-        at_least = bound;
-      else if (b == bandwidth)
-        at_least = at_least || bound;
-      bandwidth = bandwidth > 0 ? std::min(bandwidth, b) : b;
-    }
+    path.add(info[s + 1], info[s + 6] > 0);
     rtt = std::max(rtt, static_cast<double>(info[s + 2]));
     if (info[s + 5] > 0) {
       same_setting = same_setting && (gaps == 0 || info[s + 5] == static_cast<float>(gap_reduction));
@@ -53,10 +45,10 @@ RoundPlan plan_round(const RoundPlannerOptions& options, const RoundPlanInput& i
   // Codec and H: pinned, or the controller's (once measured; every round if adaptive).
   int64_t h = options.inner_steps;
   if (options.codec == "auto" || options.inner_steps == 0) {
-    const bool measured = slowest > 0 && bandwidth > 0;
+    const bool measured = slowest > 0 && path.bits_per_s > 0;
     const bool quality = options.max_loss_penalty > 0;
     if (!memory.decided || ((options.adaptive || quality) && measured) || (measured && !memory.decided_measured)) {
-      ControllerInput ci{slowest, bandwidth, at_least, rtt, options.params, options.fragments, options.delay};
+      ControllerInput ci{slowest, path.bits_per_s, path.at_least, rtt, options.params, options.fragments, options.delay};
       if (quality && memory.decided_measured) {  // from the setting in use, chosen on measurements
         ci.codec = in.codec;
         ci.inner_steps = memory.h;

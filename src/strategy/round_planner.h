@@ -29,6 +29,23 @@ namespace nebula::strategy {
 
 constexpr size_t kSiteInfo = 8;  // values per site in an exchange's info (above)
 
+// The slowest of several WAN paths' bandwidth figures, and whether it is only a lower bound
+// (LinkEstimates::bandwidth_at_least; of paths equally slow, a bound if any is). A site takes it
+// over its links, the planner over the sites.
+struct SlowestPath {
+  double bits_per_s = 0;  // 0 = none measured
+  bool at_least = false;
+  void add(double bits, bool bound) {
+    if (bits <= 0) return;
+    if (bits_per_s <= 0 || bits < bits_per_s) {
+      bits_per_s = bits;
+      at_least = bound;
+    } else if (bits == bits_per_s) {
+      at_least = at_least || bound;
+    }
+  }
+};
+
 // The per-site info every site is sure to have merged when round `rounds` starts: the previous
 // round's last exchange with delay 0, else the one before it (every site's, kSiteInfo each;
 // float-rounded alike on every worker). Empty before there is one.

@@ -512,6 +512,15 @@ int Trainer::stop(int signal) {
   return 128 + signal;
 }
 
+namespace {
+// A WAN link's estimates as the metrics lines and the summary report them.
+nlohmann::json link_json(const transport::LinkEstimates& e) {
+  return {{"rtt_ms", e.rtt_s * 1e3},
+          {"bandwidth_bits_per_s", e.bandwidth_bits_per_s},
+          {"bandwidth_at_least", e.bandwidth_at_least}};
+}
+}  // namespace
+
 void Trainer::write_metrics(int64_t steps_done) {
   const double seconds = std::chrono::duration<double>(Clock::now() - window_.start).count();
   const auto stats = comm_.comm->stats();
@@ -519,10 +528,8 @@ void Trainer::write_metrics(int64_t steps_done) {
   for (size_t j = 0; j < stats.links.size(); ++j) {
     const auto& e = stats.links[j];
     if (j == comm_.training_index || (e.rtt_samples == 0 && e.bandwidth_samples == 0)) continue;
-    links[comm_.training_names[j]] = {{"rtt_ms", e.rtt_s * 1e3},
-                                      {"rtt_smoothed_ms", e.rtt_smoothed_s * 1e3},
-                                      {"bandwidth_bits_per_s", e.bandwidth_bits_per_s},
-                                      {"bandwidth_at_least", e.bandwidth_at_least}};
+    nlohmann::json& l = links[comm_.training_names[j]] = link_json(e);
+    l["rtt_smoothed_ms"] = e.rtt_smoothed_s * 1e3;
   }
   metrics_.write({{"time", unix_time()},
                   {"elapsed", std::chrono::duration<double>(Clock::now() - start_).count()},
@@ -672,9 +679,7 @@ nlohmann::json Trainer::summary(int64_t steps, const std::vector<double>& totals
   nlohmann::json links = nlohmann::json::object();
   for (size_t j = 0; j < wan.links.size(); ++j)
     if (j != comm_.training_index)
-      links[names[j]] = {{"rtt_ms", wan.links[j].rtt_s * 1e3},
-                         {"bandwidth_bits_per_s", wan.links[j].bandwidth_bits_per_s},
-                         {"bandwidth_at_least", wan.links[j].bandwidth_at_least}};
+      links[names[j]] = link_json(wan.links[j]);
   nlohmann::json summary = {
       {"job", c_.job.name},
       {"strategy", strategy_->name()},
