@@ -175,6 +175,16 @@ ReportResult write_report(const std::vector<std::string>& run_dirs, const std::s
       rows += str_cat("<td>", eval::xml_escape(cell(s, key, precision)), "</td>");
     rows += "</tr>\n";
   }
+  // The strategy's decisions (the adaptive controller's choices and the measured reasons they
+  // rest on: step time, bandwidth, merge gap), one list per run that made any.
+  std::string decisions;
+  for (const auto& [dir, s] : summaries) {
+    if (!s.contains("decisions") || !s["decisions"].is_array() || s["decisions"].empty()) continue;
+    decisions += str_cat("<h2>Decisions of ", eval::xml_escape(run_name(dir)), "</h2>\n<ol>\n");
+    for (const auto& d : s["decisions"])
+      decisions += str_cat("<li>", eval::xml_escape(d.is_string() ? d.get<std::string>() : d.dump()), "</li>\n");
+    decisions += "</ol>\n";
+  }
   const std::string html = str_cat(
       "<!doctype html>\n<html><head><meta charset=\"utf-8\"><title>nebula report</title>\n"
       "<style>body{font-family:sans-serif;margin:2em}table{border-collapse:collapse}"
@@ -182,7 +192,7 @@ ReportResult write_report(const std::vector<std::string>& run_dirs, const std::s
       "figure{display:inline-block;margin:1em 1em 0 0}</style></head><body>\n<h1>nebula report</h1>\n"
       "<table><tr><th>run</th><th>strategy</th><th>codec</th><th>sites</th><th>workers</th><th>steps</th>"
       "<th>tokens</th><th>wall s</th><th>train loss</th><th>val loss</th><th>WAN bytes</th></tr>\n",
-      rows, "</table>\n", images, "<p>The same curves in TensorBoard: <code>tensorboard --logdir ",
+      rows, "</table>\n", decisions, images, "<p>The same curves in TensorBoard: <code>tensorboard --logdir ",
       eval::xml_escape(out_dir), "/tensorboard</code></p>\n",
       result.skipped_lines ? str_cat("<p>", result.skipped_lines, " malformed metrics lines were skipped.</p>\n") : "",
       "</body></html>\n");

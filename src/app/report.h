@@ -4,7 +4,9 @@
 //   loss_vs_time.svg    training loss (each site's gateway) against seconds since start
 //   loss_vs_tokens.svg  against the tokens that gateway processed
 //   loss_vs_wan.svg     against the WAN bytes that site's gateway sent so far
-//   index.html          the table (summary.json of each run) and the three charts
+//   index.html          the table (summary.json of each run), each run's strategy decisions
+//                       (summary.json's "decisions": the controller's choices and their
+//                       measured reasons) and the three charts
 //
 //   tensorboard/RUN/SITE/events.out.tfevents.*
 //                       the same metrics for `tensorboard --logdir OUT/tensorboard`, per step:

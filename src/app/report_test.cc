@@ -49,6 +49,8 @@ TEST(Report, ChartsEveryRunAndSiteAndSkipsMalformedLines) {
         "{\"site\":\"alpha\",\"rank\":0,\"step\":20,\"lo\n"  // torn by a crash
         "{\"site\":\"alpha\",\"rank\":0,\"step\":0,\"eval\":{}}\n");
   write(dir.file("sync/summary.json"), "{\"strategy\":\"sync\",\"final_val_loss\":4.8765,\"steps\":20}");
+  write(dir.file("diloco/summary.json"),
+        "{\"strategy\":\"diloco\",\"decisions\":[\"round 2: codec int4, H 100 <because> gap 1.2 %\"]}");
   write(dir.file("diloco/metrics.jsonl"),
         "{\"site\":\"alpha\",\"rank\":0,\"step\":10,\"loss\":5.0,\"elapsed\":0.5,\"tokens\":100,\"wan_bytes_sent\":0}\n");
   const auto r = write_report({dir.file("sync"), dir.file("diloco")}, dir.file("out"));
@@ -65,8 +67,10 @@ TEST(Report, ChartsEveryRunAndSiteAndSkipsMalformedLines) {
   std::ifstream page(dir.file("out/index.html"));
   const std::string html((std::istreambuf_iterator<char>(page)), std::istreambuf_iterator<char>());
   for (const char* part : {"loss_vs_time.svg", "loss_vs_tokens.svg", "loss_vs_wan.svg", "<td>sync</td>", "4.8765",
-                           "1 malformed metrics lines"})
+                           "1 malformed metrics lines", "<h2>Decisions of diloco</h2>",
+                           "<li>round 2: codec int4, H 100 &lt;because&gt; gap 1.2 %</li>"})
     EXPECT_NE(html.find(part), std::string::npos) << part;
+  EXPECT_EQ(html.find("Decisions of sync"), std::string::npos);  // it made none
 }
 
 // Per (run, site) one event file: the loss averaged over the site's ranks, their summed
