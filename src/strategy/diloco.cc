@@ -523,7 +523,9 @@ void DilocoStrategy::after_step(int64_t /*step*/) {
   }
   if (next_fragment_ == fragments_.size()) {
     // Watching quality (diloco, delay 0): this round's exchange merges below, within this step.
-    if (options_.max_loss_penalty > 0)
+    // Measured whenever the round merges at once (plain numbers), so a fixed setting's gap is in
+    // the metrics too; the controller acts on it only with max_loss_penalty.
+    if (options_.max_loss_penalty > 0 || (options_.delay == 0 && (together_ || fragments_.size() == 1)))
       merge_gap_.merged(setting_reduction(codec_kind_, nominal_h_, total_numel_, options_.codec_options));
     nominal_done_ += nominal_h_;
     ++rounds_;
@@ -806,6 +808,10 @@ std::map<std::string, double> DilocoStrategy::metrics() const {
                                   {"outer_steps", static_cast<double>(outer_steps_)},
                                   {"outer_sync_seconds", outer_sync_seconds_}};
   if (comm_.is_gateway()) m["hash_checks"] = static_cast<double>(hash_checks_);
+  if (merge_gap_.count() > 0) {  // this worker's, at the last setting (merge_gap.h)
+    m["merge_gap"] = merge_gap_.gap();
+    m["merge_gap_rounds"] = static_cast<double>(merge_gap_.count());
+  }
   if (options_.dp_clip > 0 && comm_.is_gateway()) {
     m["dp_releases"] = static_cast<double>(dp_releases_);
     m["dp_clipped"] = static_cast<double>(dp_clipped_);

@@ -881,6 +881,30 @@ TEST(Diloco, EverySiteAppliesTheControllersChoiceInTheSameRound) {
   EXPECT_GE(measured, 1);
 }
 
+// A fixed setting's merge gap is measured too (the controller acts on it only with
+// max_loss_penalty) and reported in metrics(): losses flat at 5.0 within each round and 5.1 over
+// the first m = H/4 = 2 steps after every outer step give a gap of exactly +2 % at every round.
+TEST(Diloco, AFixedSettingsMergeGapIsInItsMetrics) {
+  constexpr int64_t kH = 8, kSteps = 5 * kH;
+  std::mutex mu;
+  std::vector<std::map<std::string, double>> metrics(2);
+  collective::testing::run_cluster({1, 1}, [&](collective::testing::Rank& r) {
+    model::MlmEncoder m = make_model(5);
+    model::MlmBatcher data = batches_for(40 + r.global_rank);
+    DilocoStrategy s(*r.hierarchy, options(kH, 2, r.site));
+    // The worker hands a step's loss over before after_step, whose outer step ends a round.
+    train(s, m, data, kSteps, [](int64_t) {}, {},
+          [&](int64_t step) { s.observe_loss(step >= kH && step % kH < 2 ? 5.1 : 5.0); });
+    std::lock_guard<std::mutex> lock(mu);
+    metrics[r.site] = s.metrics();
+  });
+  for (const auto& m : metrics) {
+    ASSERT_TRUE(m.count("merge_gap"));
+    EXPECT_NEAR(m.at("merge_gap"), 0.02, 1e-9);
+    EXPECT_EQ(m.at("merge_gap_rounds"), 4);  // rounds 1 to 4: the last outer step has no steps after it
+  }
+}
+
 // PEFT-style: only the parameters handed to the strategy cross the WAN, and frozen ones never
 // change. Bytes per exchange = the codec's encoding of the trainable values.
 TEST(Diloco, OnlyTrainableParametersCrossTheWan) {
