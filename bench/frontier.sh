@@ -10,9 +10,11 @@
 # last: `best within 2%: <ratio>x (+<penalty>%) <run>`.
 #
 # Every run trains over an unlimited link (bytes do not depend on it), but the controller's
-# runs over the demo's emulated WAN (50 Mbit/s, 80 ms), whose timing its first choice rests on.
+# runs over the demo's emulated WAN (50 Mbit/s, 80 ms), as the demo does (watching quality, its
+# choices rest on the losses alone).
 #   bench/frontier.sh [steps, default 2000] [runs...]   (default: all 25, about two hours here)
 #   BENCH_OUT=DIR REUSE=1 bench/frontier.sh ...   keeps the runs DIR already holds (a summary.json)
+#   EXTRA="job.log_every=1 ..." bench/frontier.sh ...   more --set options for every run (they win over the run's own)
 #   BENCH_TINY=1 bench/frontier.sh 12 sync-lr2e-3 diloco-h50-int4 controller   (tiny mode, bench/common.sh)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -67,8 +69,10 @@ run() {  # name, seed, directory
   fi
   for kv in ${runs[$name]}; do sets+=(--set "$kv"); done
   case "$name" in sync-*) ;; *) sets+=(--set "model.lr=$inner_lr") ;; esac
-  case "$name" in controller*) ;; *) sets+=(--set 'wan.bandwidth="0bit"' --set 'wan.rtt="0s"') ;; esac
+  # examples/demo.toml's controller watches quality: off where the run pins its setting.
+  case "$name" in controller*) ;; *) sets+=(--set 'wan.bandwidth="0bit"' --set 'wan.rtt="0s"' --set strategy.max_loss_penalty=0) ;; esac
   [ -n "$tokenizer" ] && sets+=(--set "data.tokenizer=\"$tokenizer\"")
+  for kv in ${EXTRA:-}; do sets+=(--set "$kv"); done
   "$nebula" run examples/demo.toml --set job.steps="$steps" --set job.seed="$seed" --set eval.every=0 \
     --set strategy.adaptive=true "${corpus[@]}" "${sets[@]}" \
     --set metrics.progress='"off"' --set job.run_dir="\"$dir\"" "${tiny[@]}" > "$dir.log" 2>&1 \

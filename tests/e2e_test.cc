@@ -820,11 +820,10 @@ TEST(EndToEnd, DilocoStreamingPeftAndControllerTrainWithFarFewerWanBytes) {
                "--set peft.kind=lora --set peft.rank=4"},
       {"auto", "--set strategy.kind=diloco --set strategy.inner_steps=0 --set strategy.codec=auto "
                "--set strategy.adaptive=true --set job.steps=150"},  // rounds of 50: decides at step 100
-      // [4/7]: the controller watching quality chooses the codec at H = 10 (9 rounds). Its first
-      // measured choice is round 2's at the earliest (the bandwidth is measured on round 0's
-      // exchange, known with round 1's; later if the link has no sample yet); that setting's
-      // merge gap, measured in the next round's first steps, reaches every site with that
-      // round's exchange, and the controller acts on two in a row: round 5 at the earliest.
+      // [4/7]: the controller watching quality chooses the codec at H = 10 (9 rounds). It starts
+      // at int4 whatever the time says; round 0's merge gap, measured in round 1's first steps,
+      // reaches every site with round 1's exchange, round 1's with round 2's, and it acts on two
+      // in a row: at round 3, in every run (no timing in it).
       {"quality", "--set strategy.kind=diloco --set strategy.inner_steps=10 --set strategy.codec=auto "
                   "--set strategy.max_loss_penalty=0.02 --set strategy.outer_momentum=0 --set job.steps=90"},
       // [6/7]: differential privacy of the site updates, and the update guard (a bound no
@@ -897,15 +896,20 @@ TEST(EndToEnd, DilocoStreamingPeftAndControllerTrainWithFarFewerWanBytes) {
   int64_t rounds = 0;
   for (int64_t done = 0; done < 150; ++rounds) done += std::min(std::prev(h_from.upper_bound(rounds))->second, 150 - done);
   EXPECT_EQ(summaries["auto"]["strategy_metrics"]["outer_steps"].get<double>(), rounds) << summaries["auto"].dump();
-  // Watching quality: a choice from round 5 on rests on the merge gaps measured at an earlier setting, and says so.
+  // Watching quality: round 3's choice rests on the two merge gaps measured at the start's setting, and says so.
+  const auto& quality = summaries["quality"]["decisions"];
+  ASSERT_FALSE(quality.empty());
+  EXPECT_NE(quality[0].get<std::string>().find("round 0: codec int4, H 10 — watching quality"), std::string::npos)
+      << quality.dump();
   int64_t first_on_gap = -1;
-  for (const auto& d : summaries["quality"]["decisions"]) {
+  for (const auto& d : quality) {
     const std::string line = d.get<std::string>();
     if (line.find("merge gap ") == std::string::npos) continue;
     EXPECT_NE(line.find("budget 2%"), std::string::npos) << line;
+    EXPECT_EQ(line.find("Mbit/s"), std::string::npos) << line;
     if (first_on_gap < 0) first_on_gap = std::stoll(line.substr(6));
   }
-  EXPECT_GE(first_on_gap, 5) << summaries["quality"].dump();
+  EXPECT_EQ(first_on_gap, 3) << quality.dump();
   fs::remove_all(dir);
 }
 

@@ -83,7 +83,7 @@ ControllerChoice decide_by_quality(const ControllerInput& in, const ControllerPi
     const double ceiling = in.ceiling > 0 ? std::min(in.ceiling, current) : current;
     const Candidate* down = nullptr;  // the largest the model puts within budget, else the least
     for (const auto& c : candidates)
-      if (c.reduction <= within) down = &c;
+      if (c.reduction <= within && c.h <= 2 * in.inner_steps) down = &c;
     if (!down && !candidates.empty() && candidates.front().reduction < current) down = &candidates.front();
     if (!down) {
       stay.ceiling = ceiling;
@@ -94,7 +94,8 @@ ControllerChoice decide_by_quality(const ControllerInput& in, const ControllerPi
   }
   const Candidate* up = nullptr;  // the largest within budget by the model, at most 4x, below the ceiling
   for (const auto& c : candidates)
-    if (c.reduction > current && c.reduction <= std::min(within, 4 * current) && (in.ceiling <= 0 || c.reduction < in.ceiling))
+    if (c.reduction > current && c.reduction <= std::min(within, 4 * current) && c.h <= 2 * in.inner_steps &&
+        (in.ceiling <= 0 || c.reduction < in.ceiling))
       up = &c;
   if (up) return choose(*up, in.ceiling, "climbs");
   stay.reason = str_cat(gap, ": the next reduction up would be over budget",
@@ -108,8 +109,16 @@ ControllerChoice decide(const ControllerInput& in, const ControllerPins& pins) {
   const bool codec_pinned = pins.codec != "auto";
   const bool h_pinned = pins.inner_steps > 0;
   if (codec_pinned && h_pinned) return {pins.codec, pins.inner_steps, false, "both pinned in [strategy]"};
-  // Watching quality, from the setting in use (the first one from the time rules below).
-  const bool by_quality = pins.max_loss_penalty > 0 && !in.codec.empty() && in.inner_steps > 0;
+  // Watching quality: from a fixed start, then from the setting in use; time plays no part.
+  const bool by_quality = pins.max_loss_penalty > 0;
+  if (by_quality && (in.codec.empty() || in.inner_steps <= 0)) {
+    const std::string c = codec_pinned ? pins.codec : "int4";
+    const int64_t h = h_pinned ? pins.inner_steps : 50;
+    return {c, h, false,
+            str_cat("watching quality (max_loss_penalty ", pins.max_loss_penalty * 100, "%): starts at ", c, " H ", h, " (",
+                    setting_reduction(c, h, in.params, pins.codec_options),
+                    "x) and moves by the merge gaps measured there (step time and bandwidth play no part)")};
+  }
   if (!by_quality && (in.step_seconds <= 0 || in.bandwidth_bits_per_s <= 0)) {
     // Nothing measured yet: start compressed and rare, and re-decide once there are numbers.
     return {codec_pinned ? pins.codec : "int4", h_pinned ? pins.inner_steps : 50, false,

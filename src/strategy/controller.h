@@ -29,14 +29,20 @@
 // what its local model's loss was heading to before it (the last m steps of the round,
 // extrapolated m steps along the round's own trend; m = min(10, H / 4)), relative to it
 // (diloco.h, "merge gap"). The sites' mean gap for a setting (codec, H) moves the choice along
-// the candidates ordered by reduction, from the first measured choice. Taking the gap as
+// the candidates ordered by reduction, from a fixed start (int4, H = 50, or the pinned codec / H).
+// Step time and bandwidth play no part: the choices rest on the training losses alone, so a
+// job's decisions are the same from run to run when its losses are (the demo's are). Taking the gap as
 // proportional to the reduction, the most reduction within the budget is R · B / gap (R the
 // current reduction):
-//   gap > B        back off: to the largest reduction at most that (else the least there is),
+//   gap > B        back off: to the largest reduction at most that and at most twice the H in
+//                  use (else the least there is),
 //                  and never again to R or above (the ceiling, the lowest reduction measured
 //                  over the budget);
-//   gap <= B       climb: to the largest reduction at most that, at most 4 R and below the
-//                  ceiling; stay when there is none.
+//   gap <= B       climb: to the largest reduction at most that, at most 4 R, at most twice
+//                  the H in use and below the ceiling; stay when there is none. (The model is
+//                  fitted at one H, and the sites' drift grows with H faster than the gap at a
+//                  short H foretells: bench/frontier.sh's controller climbed from int8 H = 100,
+//                  gap 0.59 %, to none H = 1000 and ended 4.4 % above sync.)
 // A gap is evidence only for the setting it was measured at (each site sends that setting's
 // reduction with it); after a move the controller waits for the new setting's gaps, and acts on
 // their mean once every site has measured kMergeGapsToAct of them in a row (one gap is noisy:

@@ -120,6 +120,35 @@ TEST(Controller, WithoutMeasurementsStartsSafe) {
   EXPECT_FALSE(c.hidden);
 }
 
+// Watching quality, time plays no part: the same start and the same moves whatever the measured
+// step time and bandwidth, and a climb at most doubles H (the gap is measured at one H).
+TEST(Controller, WatchingQualityStartsFixedIgnoresTimeAndAtMostDoublesH) {
+  ControllerPins pins;
+  pins.max_loss_penalty = 0.02;
+  for (const auto& in : {measured(0, 0, 0, 1'000'000), measured(0.1, 1e10, 0.001, 1'000'000),
+                         measured(0.01, 1e6, 0.2, 1'000'000)}) {
+    const auto start = decide(in, pins);
+    EXPECT_EQ(start.codec + " " + std::to_string(start.inner_steps), "int4 50") << start.reason;
+    EXPECT_NE(start.reason.find("starts at int4 H 50"), std::string::npos) << start.reason;
+    ControllerInput at = in;  // two gaps of 0.1 % at int8 H 100: the model allows 20x more
+    at.codec = "int8";
+    at.inner_steps = 100;
+    at.gap_reduction = setting_reduction("int8", 100, at.params, pins.codec_options);
+    at.merge_gap = 0.001;
+    at.gap_count = 2;
+    const auto up = decide(at, pins);
+    EXPECT_TRUE(up.on_gap);
+    EXPECT_GT(setting_reduction(up.codec, up.inner_steps, at.params, pins.codec_options), at.gap_reduction);
+    EXPECT_LE(setting_reduction(up.codec, up.inner_steps, at.params, pins.codec_options), 4 * at.gap_reduction);
+    EXPECT_LE(up.inner_steps, 200) << up.reason;
+    EXPECT_NE(up.reason.find("climbs"), std::string::npos) << up.reason;
+    EXPECT_EQ(up.reason.find("Mbit/s"), std::string::npos) << up.reason;  // no time in it
+  }
+  // Pinned H: the start and every move keep it.
+  pins.inner_steps = 10;
+  EXPECT_EQ(decide(measured(0.1, 1e10, 0.001, 1000), pins).inner_steps, 10);
+}
+
 TEST(Controller, StreamingHidesEachFragmentWithinItsDelay) {
   // 1M values in 4 fragments; 100 Mbit/s, 50 ms RTT; 20 ms per step, delay 5 steps = 100 ms.
   // none: 1 MB per fragment = 80 ms + 50 ms > 100 ms; fp16: 40 + 50 = 90 ms <= 100 ms.

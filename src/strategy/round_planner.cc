@@ -47,9 +47,10 @@ RoundPlan plan_round(const RoundPlannerOptions& options, const RoundPlanInput& i
   if (options.codec == "auto" || options.inner_steps == 0) {
     const bool measured = slowest > 0 && path.bits_per_s > 0;
     const bool quality = options.max_loss_penalty > 0;
-    if (!memory.decided || ((options.adaptive || quality) && measured) || (measured && !memory.decided_measured)) {
+    // Watching quality, every round from the setting in use: the gaps need no time measurements.
+    if (!memory.decided || quality || (options.adaptive && measured) || (measured && !memory.decided_measured)) {
       ControllerInput ci{slowest, path.bits_per_s, path.at_least, rtt, options.params, options.fragments, options.delay};
-      if (quality && memory.decided_measured) {  // from the setting in use, chosen on measurements
+      if (quality && memory.decided) {  // from the setting in use
         ci.codec = in.codec;
         ci.inner_steps = memory.h;
         if (gaps > 0 && same_setting) {
@@ -68,7 +69,7 @@ RoundPlan plan_round(const RoundPlannerOptions& options, const RoundPlanInput& i
       ControllerChoice choice = decide(ci, pins);
       // Logged when it changes, the first time it rests on measurements, and each time it acts
       // on a measured merge gap.
-      if (!memory.decided || (measured && !memory.decided_measured) || choice.codec != in.codec ||
+      if (!memory.decided || (!quality && measured && !memory.decided_measured) || choice.codec != in.codec ||
           choice.inner_steps != memory.h || choice.on_gap)
         plan.controller_line =
             str_cat("round ", in.rounds, ": codec ", choice.codec, ", H ", choice.inner_steps, " — ", choice.reason);
@@ -85,7 +86,9 @@ RoundPlan plan_round(const RoundPlannerOptions& options, const RoundPlanInput& i
   int64_t mine_h = plan.nominal_h;
   if (options.heterogeneous && slowest > 0 && mine > 0)
     mine_h = std::max<int64_t>(plan.nominal_h, std::llround(static_cast<double>(plan.nominal_h) * slowest / mine));
-  if (mine_h != in.round_steps && (mine_h != plan.nominal_h || in.round_steps > plan.nominal_h))
+  // Said when heterogeneous sites change it (with the times it rests on); without them a round
+  // runs H (the last one cut to the job's steps), nothing to say and no timing in the log.
+  if (options.heterogeneous && mine_h != in.round_steps && (mine_h != plan.nominal_h || in.round_steps > plan.nominal_h))
     plan.steps_line = str_cat("round ", in.rounds, ": this site runs ", mine_h, " inner steps (H ", plan.nominal_h, "; ",
                               mine * 1e3, " ms per step here, ", slowest * 1e3, " ms at the slowest site)");
   plan.round_steps = mine_h;
