@@ -14,7 +14,10 @@
 # choices rest on the losses alone).
 #   bench/frontier.sh [steps, default 2000] [runs...]   (default: all 25, about two hours here)
 #   BENCH_OUT=DIR REUSE=1 bench/frontier.sh ...   keeps the runs DIR already holds (a summary.json)
-#   EXTRA="job.log_every=1 ..." bench/frontier.sh ...   more --set options for every run (they win over the run's own)
+#   EXTRA="job.log_every=1 ..." bench/frontier.sh ...   more --set options for every run (last: they win)
+# With job.log_every = 1 the table also has, for diloco at a fixed H, the mean merge gap and the
+# share of each round's local progress the merge kept ("kept"), over the second half of the
+# rounds (bench/rundir.py round_progress): the quality signals a controller could watch.
 #   BENCH_TINY=1 bench/frontier.sh 12 sync-lr2e-3 diloco-h50-int4 controller   (tiny mode, bench/common.sh)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -72,10 +75,11 @@ run() {  # name, seed, directory
   # examples/demo.toml's controller watches quality: off where the run pins its setting.
   case "$name" in controller*) ;; *) sets+=(--set 'wan.bandwidth="0bit"' --set 'wan.rtt="0s"' --set strategy.max_loss_penalty=0) ;; esac
   [ -n "$tokenizer" ] && sets+=(--set "data.tokenizer=\"$tokenizer\"")
-  for kv in ${EXTRA:-}; do sets+=(--set "$kv"); done
+  local extra=()
+  for kv in ${EXTRA:-}; do extra+=(--set "$kv"); done
   "$nebula" run examples/demo.toml --set job.steps="$steps" --set job.seed="$seed" --set eval.every=0 \
     --set strategy.adaptive=true "${corpus[@]}" "${sets[@]}" \
-    --set metrics.progress='"off"' --set job.run_dir="\"$dir\"" "${tiny[@]}" > "$dir.log" 2>&1 \
+    --set metrics.progress='"off"' --set job.run_dir="\"$dir\"" "${tiny[@]}" "${extra[@]}" > "$dir.log" 2>&1 \
     || { echo "$name (seed $seed) failed: see $dir.log"; exit 1; }
   [ -z "$tokenizer" ] && tokenizer="$dir/tokenizer.model"
   return 0
@@ -85,7 +89,7 @@ table() {  # the table, the frontier and the winner (to $out/winner: "name sync-
   python3 - "$out" "${order[@]}" <<'PY'
 import sys
 sys.path.insert(0, "bench")
-from rundir import summary
+from rundir import job, round_progress, summary
 out, names = sys.argv[1], sys.argv[2:]
 s = {n: summary(f"{out}/{n}") for n in names}
 loss = lambda n: s[n]["final_val_loss"]
@@ -103,11 +107,18 @@ print(f"sync baseline: {base} (learning-rate sweep {', '.join(syncs)}; schedule:
 lr = lambda n: float(n.split("-lr")[1])
 if len(syncs) > 1 and lr(base) in (min(map(lr, syncs)), max(map(lr, syncs))):
     print(f"warning: the best sync learning rate ({lr(base):g}) is at the edge of the sweep: widen it")
-print(f"{'run':<22} {'tokens':>9} {'WAN bytes':>12} {'vs sync':>9} {'val loss':>9} {'penalty':>8} {'retrieval':>9}")
+def progress(n):  # (merge gap, retention) of a fixed-H diloco run with per-step losses, or None
+    st = job(f"{out}/{n}").get("strategy", {})
+    h = st.get("inner_steps", 0)
+    return round_progress(f"{out}/{n}", h) if st.get("kind") == "diloco" and h > 0 else None
+print(f"{'run':<22} {'tokens':>9} {'WAN bytes':>12} {'vs sync':>9} {'val loss':>9} {'penalty':>8} {'retrieval':>9}"
+      f" {'gap':>7} {'kept':>5}")
 for n in names:
     star = " *" if n in frontier else ""
+    p = progress(n)
+    extra = f" {p[0] * 100:+6.2f}% {p[1]:5.2f}" if p else f" {'-':>7} {'-':>5}"
     print(f"{n:<22} {s[n]['tokens']:9.0f} {s[n]['wan_bytes']:12.0f} {ratio(n):8.0f}x {loss(n):9.4f} "
-          f"{penalty(n):+7.2f}% {retrieval(n):9.3f}{star}")
+          f"{penalty(n):+7.2f}% {retrieval(n):9.3f}{extra}{star}")
 tokens = [s[n]["tokens"] for n in names]
 if max(tokens) > 1.005 * min(tokens):
     print(f"warning: tokens differ by more than 0.5 % ({min(tokens):.0f} to {max(tokens):.0f})")

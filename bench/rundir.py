@@ -69,3 +69,35 @@ def audit(run):
             except json.JSONDecodeError:  # a torn last line of a killed gateway
                 continue
     return lines
+
+
+def round_progress(run, h):
+    """Diloco at a fixed H = h, from per-step losses (job.log_every = 1) of every site's gateway:
+    over the second half of the rounds, (mean merge gap, retention), or None without per-step
+    lines or two rounds. The gap as src/strategy/merge_gap.h measures it (the first m losses after
+    an outer step against the round's local trend, m = max(1, min(10, h // 4)), relative); the
+    retention: how far the first-m mean fell from one round to the next, over how far it fell to
+    the round's local trend (1: the merge kept all of the round's local progress)."""
+    per = {}
+    for line in training_lines(run):
+        if line["rank"] == 0:
+            per.setdefault(line["site"], {})[line["step"]] = line["loss"]
+    m = max(1, min(10, h // 4))
+    gaps, drop, kept = [], 0.0, 0.0
+    for steps in per.values():
+        if not steps or sorted(steps) != list(range(1, len(steps) + 1)):
+            return None  # not one line per step from the first
+        loss = [steps[k] for k in sorted(steps)]
+        rounds = len(loss) // h
+        mean = lambda a, b: sum(loss[a:b]) / (b - a)
+        for r in range((rounds - 1) // 2, rounds - 1):  # the second half; r + 1 must be whole
+            start, end = r * h, (r + 1) * h
+            first, last, middle = mean(start, start + m), mean(end - m, end), start + h // 2
+            trend = last + (last - mean(middle, middle + m)) / max(1, end - m - middle) * m
+            after = mean(end, end + m)
+            gaps.append((after - trend) / trend)
+            drop += first - trend
+            kept += first - after
+    if not gaps or drop == 0:
+        return None
+    return sum(gaps) / len(gaps), kept / drop
