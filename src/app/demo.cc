@@ -123,6 +123,26 @@ std::string fixed(double v, int digits) {
   return b;
 }
 
+// The pre-training's controller decisions as a list: the moves, and the rounds that stayed counted
+// (each is in the run's summary.json). Empty without decisions.
+std::string decisions_markdown(const nlohmann::json& summary, const std::string& run_dir) {
+  if (!summary.contains("decisions") || summary["decisions"].empty()) return "";
+  std::string md = "\nThe controller's decisions (each round's codec and H from then on, and why):\n\n";
+  int stayed = 0;
+  for (const auto& d : summary["decisions"]) {
+    const std::string line = d.get<std::string>();
+    if (line.find("; stays") != std::string::npos) {
+      ++stayed;
+    } else {
+      md += str_cat("- ", line, "\n");
+    }
+  }
+  if (stayed > 0)
+    md += str_cat("- and ", stayed, " rounds that stayed at the setting in use on their measured merge gaps (", run_dir,
+                  "/summary.json has each)\n");
+  return md;
+}
+
 }  // namespace
 
 int run_demo(const DemoOptions& o) {
@@ -317,21 +337,7 @@ int run_demo(const DemoOptions& o) {
                     pct(1 / std::max(1.0, e.value("pairs", 1.0))), ") | ", probe(s_pre, lang, "retrieval_accuracy"),
                     " | ", probe(s_sync, lang, "retrieval_accuracy"), " |\n");
   }
-  if (!s_pre["decisions"].empty()) {  // the moves; the rounds that stayed counted (each is in summary.json)
-    md += "\nThe controller's decisions (each round's codec and H from then on, and why):\n\n";
-    int stayed = 0;
-    for (const auto& d : s_pre["decisions"]) {
-      const std::string line = d.get<std::string>();
-      if (line.find("; stays") != std::string::npos) {
-        ++stayed;
-      } else {
-        md += str_cat("- ", line, "\n");
-      }
-    }
-    if (stayed > 0)
-      md += str_cat("- and ", stayed, " rounds that stayed at the setting in use on their measured merge gaps (",
-                    pre.job.run_dir, "/summary.json has each)\n");
-  }
+  md += decisions_markdown(s_pre, pre.job.run_dir);
   md += "\n";
 
   // Zero-shot transfer: accuracy per language, pre-trained encoder against random.

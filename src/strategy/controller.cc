@@ -71,6 +71,8 @@ ControllerChoice decide_by_quality(const ControllerInput& in, const ControllerPi
   const double within = in.merge_gap > 0 ? current * budget / in.merge_gap : std::numeric_limits<double>::infinity();
   const std::string gap = str_cat("merge gap ", in.merge_gap * 100, "% at ", at, " (mean of ", in.gap_count,
                                   " rounds), budget ", budget * 100, "%");
+  // Any move at most doubles H: the gap was measured at this H (controller.h).
+  auto within_reach = [&](const Candidate& c) { return c.h <= 2 * in.inner_steps; };
   auto choose = [&](const Candidate& c, double ceiling, const std::string& what) {
     ControllerChoice out{c.codec, c.h, false,
                          str_cat(gap, ": ", what, " to ", c.codec, " H ", c.h, " (", c.reduction, "x)",
@@ -83,7 +85,7 @@ ControllerChoice decide_by_quality(const ControllerInput& in, const ControllerPi
     const double ceiling = in.ceiling > 0 ? std::min(in.ceiling, current) : current;
     const Candidate* down = nullptr;  // the largest the model puts within budget, else the least
     for (const auto& c : candidates)
-      if (c.reduction <= within && c.h <= 2 * in.inner_steps) down = &c;
+      if (c.reduction <= within && within_reach(c)) down = &c;
     if (!down && !candidates.empty() && candidates.front().reduction < current) down = &candidates.front();
     if (!down) {
       stay.ceiling = ceiling;
@@ -94,7 +96,7 @@ ControllerChoice decide_by_quality(const ControllerInput& in, const ControllerPi
   }
   const Candidate* up = nullptr;  // the largest within budget by the model, at most 4x, below the ceiling
   for (const auto& c : candidates)
-    if (c.reduction > current && c.reduction <= std::min(within, 4 * current) && c.h <= 2 * in.inner_steps &&
+    if (c.reduction > current && c.reduction <= std::min(within, 4 * current) && within_reach(c) &&
         (in.ceiling <= 0 || c.reduction < in.ceiling))
       up = &c;
   if (up) return choose(*up, in.ceiling, "climbs");
