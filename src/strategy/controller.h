@@ -16,7 +16,7 @@
 //                   each fragment's exchange fits in its delay, t_wan(F) <= delay * t_step,
 //                   and the F exchanges of a round fit in the round, F * t_wan(F) <= H * t_step
 // Candidates (codec x H: none, fp16, int8, int4, sparseloco x 10 ... 1000; sparseloco only with
-// strategy.outer_momentum = 0, see ControllerPins) are tried from the
+// strategy.outer_momentum = 0, see ControllerPins, and not while watching quality) are tried from the
 // least total reduction of WAN traffic up, H x the codec's ratio to float32 (ties: smaller H
 // first), and the first feasible pair wins: the most information per second that the WAN can
 // carry while hidden. ("The least compression" counts both factors: on the demo, README,
@@ -30,6 +30,9 @@
 // extrapolated m steps along the round's own trend; m = min(10, H / 4)), relative to it
 // (diloco.h, "merge gap"). The sites' mean gap for a setting (codec, H) moves the choice along
 // the candidates ordered by reduction, from a fixed start (int4, H = 50, or the pinned codec / H).
+// Sparseloco is not among them unless pinned: what it costs is the progress its error feedback
+// holds back round after round, and a gap is bounded by one round's progress (bench/frontier.sh:
+// a 0.96 % gap at 5,600x where the penalty against sync was 8.67 %), so the gap would let it in.
 // Step time and bandwidth play no part: the choices rest on the training losses alone, so a
 // job's decisions are the same from run to run when its losses are (the demo's are). Taking the gap as
 // proportional to the reduction, the most reduction within the budget is R · B / gap (R the

@@ -149,6 +149,48 @@ TEST(Controller, WatchingQualityStartsFixedIgnoresTimeAndAtMostDoublesH) {
   EXPECT_EQ(decide(measured(0.1, 1e10, 0.001, 1000), pins).inner_steps, 10);
 }
 
+// Watching quality, sparseloco is never a candidate (the merge gap does not see its cost), even
+// at outer momentum 0 and with gaps that would let the controller climb to it; the reason says
+// so. Pinned, it is used.
+TEST(Controller, WatchingQualityNeverChoosesSparselocoUnlessPinned) {
+  ControllerPins pins;
+  pins.max_loss_penalty = 0.02;
+  pins.outer_momentum = 0;
+  pins.codec_options.density = 1.0 / 64;
+  pins.codec_options.block = 4096;
+  const int64_t params = 1'000'000;
+  // From every dense setting, on gaps small enough that the model would allow up to 4x more
+  // reduction (sparseloco, ~130x per exchange here, lies within that of several), every move
+  // stays dense.
+  for (double gap : {0.0001, 0.001, 0.005}) {
+    for (const auto& start : controller_codecs()) {
+      if (start == "sparseloco") continue;
+      for (int64_t h : controller_inner_steps()) {
+        ControllerInput at;
+        at.params = params;
+        at.codec = start;
+        at.inner_steps = h;
+        at.gap_reduction = setting_reduction(start, h, params, pins.codec_options);
+        at.merge_gap = gap;
+        at.gap_count = 2;
+        const auto c = decide(at, pins);
+        EXPECT_NE(c.codec, "sparseloco") << start << " H " << h << " gap " << gap << ": " << c.reason;
+        EXPECT_NE(c.reason.find("sparseloco left out: the merge gap does not see what it costs"), std::string::npos)
+            << c.reason;
+      }
+    }
+  }
+  // Without the budget (time rules, momentum 0) it is a candidate: a slow link picks it.
+  ControllerPins timed = pins;
+  timed.max_loss_penalty = 0;
+  EXPECT_EQ(decide(measured(0.05, 1e5, 0.1, params), timed).codec, "sparseloco");
+  // Pinned while watching quality: used.
+  pins.codec = "sparseloco";
+  ControllerInput fresh;
+  fresh.params = params;
+  EXPECT_EQ(decide(fresh, pins).codec, "sparseloco");
+}
+
 TEST(Controller, StreamingHidesEachFragmentWithinItsDelay) {
   // 1M values in 4 fragments; 100 Mbit/s, 50 ms RTT; 20 ms per step, delay 5 steps = 100 ms.
   // none: 1 MB per fragment = 80 ms + 50 ms > 100 ms; fp16: 40 + 50 = 90 ms <= 100 ms.
