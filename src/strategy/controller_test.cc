@@ -160,7 +160,7 @@ TEST(Controller, WatchingQualityNeverChoosesSparselocoUnlessPinned) {
   pins.codec_options.block = 4096;
   const int64_t params = 1'000'000;
   // From every dense setting, on gaps small enough that the model would allow up to 4x more
-  // reduction (sparseloco, ~130x per exchange here, lies within that of several), every move
+  // reduction (sparseloco, ~137x per exchange here, lies within that of several), every move
   // stays dense.
   for (double gap : {0.0001, 0.001, 0.005}) {
     for (const auto& start : controller_codecs()) {
