@@ -127,18 +127,16 @@ ControllerChoice decide(const ControllerInput& in, const ControllerPins& pins) {
             "no measurements yet (step time or bandwidth unknown): a safe start"};
   }
   std::vector<std::string> codecs = codec_pinned ? std::vector<std::string>{pins.codec} : controller_codecs();
-  std::string left_out;  // why a codec the controller would try is not among the candidates
-  if (!codec_pinned && by_quality) {
+  std::string left_out;  // why sparseloco, which the controller would try, is not among the candidates
+  if (!codec_pinned && by_quality)
     // The merge gap cannot see what sparseloco costs (controller.h): bench/frontier.sh measured
     // a 0.96 % gap at 5,600x where the penalty against sync was 8.67 %.
-    std::erase(codecs, "sparseloco");
     left_out = "; sparseloco left out: the merge gap does not see what it costs (docs/strategies.md, \"The frontier\"; "
                "pin strategy.codec = \"sparseloco\" to use it)";
-  } else if (!codec_pinned && pins.outer_momentum > 0) {
-    std::erase(codecs, "sparseloco");
+  else if (!codec_pinned && pins.outer_momentum > 0)
     left_out = str_cat("; sparseloco left out: its error feedback replaces outer momentum, and strategy.outer_momentum = ",
                        pins.outer_momentum, " (set 0 to let the controller choose it)");
-  }
+  if (!left_out.empty()) std::erase(codecs, "sparseloco");
   const std::vector<int64_t> hs = h_pinned ? std::vector<int64_t>{pins.inner_steps} : controller_inner_steps();
   // Candidates from the least total reduction of WAN traffic (H x the codec's ratio) up: the
   // most information per second that the WAN can carry hidden. Ties go to the smaller H.

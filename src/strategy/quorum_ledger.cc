@@ -37,10 +37,12 @@ size_t QuorumLedger::waiting() const {
 
 bool QuorumLedger::done() const { return active() == 0; }
 
-bool QuorumLedger::waiting_for_grace() const {
-  const size_t a = active(), w = waiting();
-  return a > 0 && w >= std::min(o_.min_sites, a) && w < a;
+bool QuorumLedger::quorum() const {
+  const size_t a = active();
+  return a > 0 && waiting() >= std::min(o_.min_sites, a);
 }
+
+bool QuorumLedger::waiting_for_grace() const { return quorum() && waiting() < active(); }
 
 std::optional<QuorumRecord> QuorumLedger::contributed(const QuorumContribution& c) {
   NEBULA_CHECK(c.site < o_.num_sites, "quorum: a contribution from site ", c.site, " of ", o_.num_sites);
@@ -78,8 +80,8 @@ void QuorumLedger::rejoin(size_t site) {
 }
 
 std::optional<QuorumRecord> QuorumLedger::maybe_record(bool grace) {
+  if (!quorum()) return std::nullopt;
   const size_t a = active(), w = waiting();
-  if (a == 0 || w < std::min(o_.min_sites, a)) return std::nullopt;
   if (w < a && !grace) return std::nullopt;  // the quorum, but not everyone: the grace window decides
   QuorumRecord r;
   r.step = ++step_;

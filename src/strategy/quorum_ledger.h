@@ -89,6 +89,7 @@ class QuorumLedger {
 
  private:
   std::optional<QuorumRecord> maybe_record(bool grace);
+  bool quorum() const;  // q contributions wait (q = min(min_sites, active sites))
   size_t active() const;
   size_t waiting() const;
 
